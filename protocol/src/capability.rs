@@ -1,0 +1,78 @@
+//! What a node can run and how fast: reported at start, replicated in membership.
+
+use serde::{Deserialize, Serialize};
+
+/// The graphics API an adapter is driven through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum BackendKind {
+    Vulkan,
+    Gl,
+    Metal,
+    Dx12,
+    BrowserWebGpu,
+    Other,
+}
+
+impl BackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Vulkan => "vulkan",
+            BackendKind::Gl => "gl",
+            BackendKind::Metal => "metal",
+            BackendKind::Dx12 => "dx12",
+            BackendKind::BrowserWebGpu => "webgpu",
+            BackendKind::Other => "other",
+        }
+    }
+}
+
+/// The kind of device behind an adapter, in order of preference for compute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum DeviceKind {
+    DiscreteGpu,
+    IntegratedGpu,
+    VirtualGpu,
+    Cpu,
+    Other,
+}
+
+impl DeviceKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::DiscreteGpu => "discrete",
+            DeviceKind::IntegratedGpu => "integrated",
+            DeviceKind::VirtualGpu => "virtual",
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Other => "other",
+        }
+    }
+}
+
+/// The adapter limits that decide what a node can be given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdapterLimits {
+    pub max_buffer_size: u64,
+    pub max_storage_buffer_binding_size: u32,
+    pub max_uniform_buffer_binding_size: u32,
+    pub max_storage_buffers_per_shader_stage: u32,
+    pub max_compute_workgroups_per_dimension: u32,
+    pub max_compute_invocations_per_workgroup: u32,
+    pub max_compute_workgroup_size: [u32; 3],
+    pub max_compute_workgroup_storage_size: u32,
+}
+
+/// One node's adapter and its measured speed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeCapability {
+    pub adapter_name: String,
+    /// PCI vendor id (0 for software adapters that report none).
+    pub vendor: u32,
+    pub backend: BackendKind,
+    pub device_kind: DeviceKind,
+    pub driver: String,
+    pub limits: AdapterLimits,
+    /// Measured single-precision throughput, GFLOP/s (0 until calibrated).
+    pub gflops: f64,
+    /// Measured device memory bandwidth, GB/s (0 until calibrated).
+    pub gbps: f64,
+}

@@ -1,0 +1,25 @@
+//! Wire and state types shared by every gpumesh crate.
+//!
+//! - [`codec`]: the one place bytes become values (bincode 2 in serde mode, bounded).
+//! - [`envelope`]: a versioned frame around every message, so a wire change is
+//!   detected instead of misread.
+//! - [`ids`]: content addresses ([`BlobId`], blake3) and other identifiers.
+//! - [`task`]: what a user asks the mesh to run ([`TaskSpec`]) and how shard
+//!   outputs are merged ([`MergeRule`]).
+//! - [`capability`]: what a node's adapter is and how fast it measured
+//!   ([`NodeCapability`]).
+//!
+//! This crate depends on no other workspace crate.
+
+pub mod capability;
+pub mod codec;
+pub mod envelope;
+mod error;
+pub mod ids;
+pub mod task;
+
+pub use capability::{AdapterLimits, BackendKind, DeviceKind, NodeCapability};
+pub use envelope::{open, seal, WIRE_VERSION};
+pub use error::{ProtocolError, Result};
+pub use ids::BlobId;
+pub use task::{BindingRole, BindingSpec, ElemType, Grid, MergeRule, ShaderSource, TaskSpec};

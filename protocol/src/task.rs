@@ -1,0 +1,235 @@
+//! What a user asks the mesh to run.
+//!
+//! A [`TaskSpec`] names a WGSL shader (inline source or a built-in kernel), its entry
+//! point, the buffers bound at `@group(0)`, the workgroup grid, how many shards to
+//! split it into, and how shard outputs merge. Inputs are referenced by [`BlobId`]:
+//! bulk data never travels inside a spec.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ProtocolError, Result};
+use crate::ids::BlobId;
+
+/// Where the shader comes from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ShaderSource {
+    /// WGSL source text, exactly as a WebGPU program would load it.
+    Wgsl(String),
+    /// A kernel from the built-in library, by name (e.g. `matmul`).
+    Builtin(String),
+}
+
+/// One `@group(0) @binding(n)` resource of the task.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BindingSpec {
+    /// The `@binding(n)` number in `@group(0)`.
+    pub binding: u32,
+    pub role: BindingRole,
+}
+
+/// How a binding is filled and whether it comes back.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BindingRole {
+    /// Read-only data (`var<storage, read>` or `var<uniform>`) held in a blob.
+    Input { blob: BlobId, size: u64 },
+    /// Small read-only parameters carried inline (at most [`MAX_INLINE_PARAM_BYTES`]).
+    Param { data: Vec<u8> },
+    /// A `var<storage, read_write>` buffer of `size` bytes, read back after the run.
+    Output { size: u64 },
+}
+
+/// Inline parameters larger than this belong in a blob.
+pub const MAX_INLINE_PARAM_BYTES: usize = 64 * 1024;
+
+/// Element type of an elementwise merge.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ElemType {
+    U32,
+    I32,
+    F32,
+}
+
+impl ElemType {
+    pub fn name(self) -> &'static str {
+        match self {
+            ElemType::U32 => "u32",
+            ElemType::I32 => "i32",
+            ElemType::F32 => "f32",
+        }
+    }
+}
+
+/// How the outputs of a task's shards combine into the task's outputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum MergeRule {
+    /// Shard k owns the slice of each output proportional to its workgroup range
+    /// along the split axis; slices are concatenated in order.
+    Concat,
+    /// Every shard writes a full-size partial; partials are summed elementwise.
+    Sum(ElemType),
+    /// Elementwise minimum of full-size partials.
+    Min(ElemType),
+    /// Elementwise maximum of full-size partials.
+    Max(ElemType),
+}
+
+impl MergeRule {
+    /// The element type of an elementwise rule; `None` for `concat`.
+    pub fn elem(self) -> Option<ElemType> {
+        match self {
+            MergeRule::Concat => None,
+            MergeRule::Sum(e) | MergeRule::Min(e) | MergeRule::Max(e) => Some(e),
+        }
+    }
+}
+
+impl fmt::Display for MergeRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MergeRule::Concat => f.write_str("concat"),
+            MergeRule::Sum(e) => write!(f, "sum-{}", e.name()),
+            MergeRule::Min(e) => write!(f, "min-{}", e.name()),
+            MergeRule::Max(e) => write!(f, "max-{}", e.name()),
+        }
+    }
+}
+
+impl FromStr for MergeRule {
+    type Err = ProtocolError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        if s == "concat" {
+            return Ok(MergeRule::Concat);
+        }
+        let invalid = || ProtocolError::Invalid {
+            what: "merge rule",
+            reason: format!(
+                "{s:?}; use concat or sum|min|max followed by -u32, -i32 or -f32 (e.g. sum-f32)"
+            ),
+        };
+        let (op, elem) = s.split_once('-').ok_or_else(invalid)?;
+        let elem = match elem {
+            "u32" => ElemType::U32,
+            "i32" => ElemType::I32,
+            "f32" => ElemType::F32,
+            _ => return Err(invalid()),
+        };
+        match op {
+            "sum" => Ok(MergeRule::Sum(elem)),
+            "min" => Ok(MergeRule::Min(elem)),
+            "max" => Ok(MergeRule::Max(elem)),
+            _ => Err(invalid()),
+        }
+    }
+}
+
+/// A workgroup grid: how many workgroups along x, y and z.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Grid(pub [u32; 3]);
+
+impl Grid {
+    pub fn total(&self) -> u64 {
+        self.0.iter().map(|&d| u64::from(d)).product()
+    }
+}
+
+impl fmt::Display for Grid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{},{},{}", self.0[0], self.0[1], self.0[2])
+    }
+}
+
+impl FromStr for Grid {
+    type Err = ProtocolError;
+
+    /// Parses `X`, `X,Y` or `X,Y,Z`; missing dimensions are 1.
+    fn from_str(s: &str) -> Result<Self> {
+        let invalid = |reason: String| ProtocolError::Invalid {
+            what: "grid",
+            reason,
+        };
+        let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+        if parts.is_empty() || parts.len() > 3 {
+            return Err(invalid(format!("{s:?}; expected X[,Y[,Z]]")));
+        }
+        let mut dims = [1u32; 3];
+        for (dim, part) in dims.iter_mut().zip(&parts) {
+            *dim = part
+                .parse()
+                .map_err(|_| invalid(format!("{part:?} in {s:?} is not a whole number")))?;
+            if *dim == 0 {
+                return Err(invalid(format!("{s:?} has a zero dimension")));
+            }
+        }
+        Ok(Grid(dims))
+    }
+}
+
+/// Everything needed to run one task, apart from the input blobs themselves.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskSpec {
+    pub shader: ShaderSource,
+    pub entry_point: String,
+    pub bindings: Vec<BindingSpec>,
+    pub grid: Grid,
+    /// How many shards the grid is split into (1 = unsharded).
+    pub shards: u32,
+    pub merge: MergeRule,
+}
+
+impl TaskSpec {
+    /// A stable hash of the spec, for deduplication and the replicated record.
+    pub fn hash(&self) -> Result<[u8; 32]> {
+        Ok(*blake3::hash(&crate::codec::to_bytes(self)?).as_bytes())
+    }
+
+    /// Structural checks that need no shader or adapter: non-empty grid, at least one
+    /// shard and one output, unique binding numbers, bounded inline parameters.
+    pub fn check_shape(&self) -> Result<()> {
+        let invalid = |reason: String| ProtocolError::Invalid {
+            what: "task",
+            reason,
+        };
+        if self.grid.0.contains(&0) {
+            return Err(invalid(format!("grid {} has a zero dimension", self.grid)));
+        }
+        if self.shards == 0 {
+            return Err(invalid("shard count must be at least 1".into()));
+        }
+        if self.entry_point.is_empty() {
+            return Err(invalid("entry point name is empty".into()));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        let mut outputs = 0;
+        for b in &self.bindings {
+            if !seen.insert(b.binding) {
+                return Err(invalid(format!("binding {} is given twice", b.binding)));
+            }
+            match &b.role {
+                BindingRole::Output { size } => {
+                    outputs += 1;
+                    if *size == 0 {
+                        return Err(invalid(format!("output binding {} has size 0", b.binding)));
+                    }
+                }
+                BindingRole::Param { data } if data.len() > MAX_INLINE_PARAM_BYTES => {
+                    return Err(invalid(format!(
+                        "inline parameters of binding {} are {} bytes; the limit is {} \
+                         (pass larger data as an input blob)",
+                        b.binding,
+                        data.len(),
+                        MAX_INLINE_PARAM_BYTES
+                    )));
+                }
+                _ => {}
+            }
+        }
+        if outputs == 0 {
+            return Err(invalid("the task has no output binding".into()));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,57 @@
+use std::time::Duration;
+
+use thiserror::Error;
+
+/// Everything the executor can refuse or fail at. Each message names the problem
+/// and, where there is one, what to do about it.
+#[derive(Debug, Error)]
+pub enum ExecError {
+    #[error("no {wanted} adapter found (available: {})", if available.is_empty() { "none".to_string() } else { available.join(", ") })]
+    NoAdapter {
+        wanted: String,
+        available: Vec<String>,
+    },
+    #[error("could not open a device on {adapter}: {reason}")]
+    RequestDevice { adapter: String, reason: String },
+    #[error("WGSL error at line {line}, column {column}: {message}\n{rendered}")]
+    Shader {
+        line: u32,
+        column: u32,
+        message: String,
+        rendered: String,
+    },
+    #[error("entry point {name:?} not found; the shader's compute entry points are: {}", if available.is_empty() { "none".to_string() } else { available.join(", ") })]
+    MissingEntryPoint {
+        name: String,
+        available: Vec<String>,
+    },
+    #[error("unknown built-in kernel {name:?}; built-ins are: {}", available.join(", "))]
+    UnknownBuiltin {
+        name: String,
+        available: Vec<String>,
+    },
+    #[error("unsupported shader: {0}")]
+    Unsupported(String),
+    #[error("binding {binding}: {problem}")]
+    Binding { binding: u32, problem: String },
+    #[error("invalid task: {0}")]
+    Task(String),
+    #[error("{what} is {value}, over the adapter limit of {limit}")]
+    Limit {
+        what: String,
+        value: u64,
+        limit: u64,
+    },
+    #[error("task exceeded its deadline of {deadline:?}; the device was rebuilt")]
+    Deadline { deadline: Duration },
+    #[error("GPU device lost ({0}); it was rebuilt, retry the task")]
+    DeviceLost(String),
+    #[error("GPU error: {0}")]
+    Gpu(String),
+    #[error("cannot merge shard outputs: {0}")]
+    Merge(String),
+    #[error(transparent)]
+    Protocol(#[from] gpumesh_protocol::ProtocolError),
+}
+
+pub type Result<T, E = ExecError> = std::result::Result<T, E>;

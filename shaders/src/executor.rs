@@ -1,0 +1,592 @@
+//! The executor: one adapter, one device, and the pipelines built on it.
+//!
+//! It runs a [`Job`]'s shards: uploads the inputs once, then per shard fills the
+//! outputs with the merge rule's identity, dispatches the instrumented kernel once
+//! per tile of at most `max_compute_workgroups_per_dimension` workgroups, and reads
+//! back the bytes the shard owns. Every wait is bounded by the task's deadline.
+//! A deadline overrun or a lost device abandons the device (dropped on a side
+//! thread, since a runaway dispatch may never let it go) and builds a fresh one, so
+//! the next task runs.
+
+use std::collections::{BTreeMap, HashMap};
+use std::num::NonZeroU64;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use gpumesh_protocol::{BindingRole, MergeRule, NodeCapability};
+use wgpu::util::DeviceExt;
+
+use crate::adapter::{self, BackendChoice};
+use crate::error::{ExecError, Result};
+use crate::job::{Job, ShardOutput};
+use crate::kernel::{Access, Kernel, SHARD_INFO_GROUP};
+use crate::merge;
+use crate::shard::{self, ShardRange, SHARD_INFO_BYTES};
+
+/// Limits the executor applies on top of the adapter's own.
+#[derive(Clone, Copy, Debug)]
+pub struct ExecutorLimits {
+    /// Most workgroups one task's grid may have in total.
+    pub max_grid_workgroups: u64,
+    /// Deadline applied when a run names none.
+    pub default_deadline: Duration,
+    /// Compiled pipelines kept before the cache is cleared.
+    pub pipeline_cache_entries: usize,
+}
+
+impl Default for ExecutorLimits {
+    fn default() -> Self {
+        ExecutorLimits {
+            max_grid_workgroups: 1 << 28,
+            default_deadline: Duration::from_secs(300),
+            pipeline_cache_entries: 64,
+        }
+    }
+}
+
+/// A whole task's result.
+#[derive(Clone, Debug)]
+pub struct TaskOutput {
+    pub outputs: BTreeMap<u32, Vec<u8>>,
+    pub shards: Vec<ShardTiming>,
+    pub elapsed: Duration,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct ShardTiming {
+    pub range: ShardRange,
+    pub elapsed: Duration,
+}
+
+struct Pipeline {
+    pipeline: wgpu::ComputePipeline,
+    user_layout: wgpu::BindGroupLayout,
+    info_layout: wgpu::BindGroupLayout,
+}
+
+struct Gpu {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    lost: Arc<Mutex<Option<String>>>,
+}
+
+/// Runs jobs on one adapter.
+pub struct Executor {
+    adapter: wgpu::Adapter,
+    gpu: Gpu,
+    pipelines: HashMap<[u8; 32], Arc<Pipeline>>,
+    capability: NodeCapability,
+    limits: ExecutorLimits,
+    rebuilds: u64,
+}
+
+impl Executor {
+    /// Opens the best adapter `choice` allows.
+    pub fn new(choice: BackendChoice) -> Result<Self> {
+        Self::with_adapter(adapter::choose(choice)?, ExecutorLimits::default())
+    }
+
+    pub fn with_adapter(adapter: wgpu::Adapter, limits: ExecutorLimits) -> Result<Self> {
+        let gpu = open_device(&adapter)?;
+        let capability = adapter::describe(&adapter);
+        Ok(Executor {
+            adapter,
+            gpu,
+            pipelines: HashMap::new(),
+            capability,
+            limits,
+            rebuilds: 0,
+        })
+    }
+
+    /// The adapter's identity, limits and (once calibrated) speed.
+    pub fn capability(&self) -> &NodeCapability {
+        &self.capability
+    }
+
+    pub(crate) fn set_speed(&mut self, gflops: f64, gbps: f64) {
+        self.capability.gflops = gflops;
+        self.capability.gbps = gbps;
+    }
+
+    /// How many times the device has been rebuilt after a loss or a deadline.
+    pub fn rebuilds(&self) -> u64 {
+        self.rebuilds
+    }
+
+    pub fn limits(&self) -> ExecutorLimits {
+        self.limits
+    }
+
+    /// The raw device and queue, for benchmarks that compare against direct wgpu use.
+    pub fn device(&self) -> (&wgpu::Device, &wgpu::Queue) {
+        (&self.gpu.device, &self.gpu.queue)
+    }
+
+    /// Loses the device on purpose, as a driver reset would; the next run rebuilds it.
+    pub fn simulate_device_loss(&mut self) {
+        self.gpu.device.destroy();
+    }
+
+    /// Runs every shard of `job` here and merges the outputs.
+    pub fn run(&mut self, job: &Job, deadline: Option<Duration>) -> Result<TaskOutput> {
+        let start = Instant::now();
+        let shards = self.run_shards(job, &job.plan, deadline)?;
+        let outputs = merge::merge(job.spec.merge, &job.outputs, &shards)?;
+        Ok(TaskOutput {
+            outputs,
+            shards: shards
+                .iter()
+                .map(|s| ShardTiming {
+                    range: s.range,
+                    elapsed: s.elapsed,
+                })
+                .collect(),
+            elapsed: start.elapsed(),
+        })
+    }
+
+    /// Checks `job` against this adapter's limits.
+    pub fn check_limits(&self, job: &Job) -> Result<()> {
+        let l = &self.capability.limits;
+        let wg = job.kernel.interface.workgroup_size;
+        let dims = ["x", "y", "z"];
+        for (i, (&size, &max)) in wg.iter().zip(&l.max_compute_workgroup_size).enumerate() {
+            if size > max {
+                return Err(ExecError::Limit {
+                    what: format!("workgroup size along {}", dims[i]),
+                    value: size.into(),
+                    limit: max.into(),
+                });
+            }
+        }
+        let invocations: u64 = wg.iter().map(|&d| u64::from(d)).product();
+        if invocations > u64::from(l.max_compute_invocations_per_workgroup) {
+            return Err(ExecError::Limit {
+                what: "invocations per workgroup".into(),
+                value: invocations,
+                limit: l.max_compute_invocations_per_workgroup.into(),
+            });
+        }
+        if job.spec.grid.total() > self.limits.max_grid_workgroups {
+            return Err(ExecError::Limit {
+                what: format!("grid {} in workgroups", job.spec.grid),
+                value: job.spec.grid.total(),
+                limit: self.limits.max_grid_workgroups,
+            });
+        }
+        let mut storage = 0u64;
+        for b in &job.spec.bindings {
+            let size = match &b.role {
+                BindingRole::Input { size, .. } | BindingRole::Output { size } => *size,
+                BindingRole::Param { data } => data.len() as u64,
+            };
+            let access = job
+                .kernel
+                .interface
+                .bindings
+                .get(&b.binding)
+                .map(|d| d.access);
+            let (kind, limit) = match access {
+                Some(Access::Uniform) => ("uniform", u64::from(l.max_uniform_buffer_binding_size)),
+                _ => {
+                    storage += 1;
+                    ("storage", u64::from(l.max_storage_buffer_binding_size))
+                }
+            };
+            let limit = limit.min(l.max_buffer_size);
+            if size > limit {
+                return Err(ExecError::Limit {
+                    what: format!("binding {} ({kind} buffer) size in bytes", b.binding),
+                    value: size,
+                    limit,
+                });
+            }
+        }
+        if storage > u64::from(l.max_storage_buffers_per_shader_stage) {
+            return Err(ExecError::Limit {
+                what: "storage buffers".into(),
+                value: storage,
+                limit: l.max_storage_buffers_per_shader_stage.into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs the given shards of `job` one after another, inputs uploaded once.
+    pub fn run_shards(
+        &mut self,
+        job: &Job,
+        ranges: &[ShardRange],
+        deadline: Option<Duration>,
+    ) -> Result<Vec<ShardOutput>> {
+        self.check_limits(job)?;
+        self.rebuild_if_lost();
+        let deadline = deadline.unwrap_or(self.limits.default_deadline);
+        let started = Instant::now();
+        let pipeline = self.pipeline(&job.kernel)?;
+        let device = self.gpu.device.clone();
+        device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let result = self.dispatch_shards(job, &pipeline, ranges, started, deadline);
+        let validation = pollster::block_on(device.pop_error_scope());
+        let oom = pollster::block_on(device.pop_error_scope());
+        if let Some(e) = validation.or(oom) {
+            return Err(ExecError::Gpu(e.to_string()));
+        }
+        if let Err(ExecError::Deadline { .. } | ExecError::DeviceLost(_)) = &result {
+            self.rebuild();
+        }
+        result
+    }
+
+    fn dispatch_shards(
+        &self,
+        job: &Job,
+        pipeline: &Pipeline,
+        ranges: &[ShardRange],
+        started: Instant,
+        deadline: Duration,
+    ) -> Result<Vec<ShardOutput>> {
+        let device = &self.gpu.device;
+        let inputs: BTreeMap<u32, wgpu::Buffer> = job
+            .inputs
+            .iter()
+            .map(|(&binding, input)| {
+                let usage = if input.uniform {
+                    wgpu::BufferUsages::UNIFORM
+                } else {
+                    wgpu::BufferUsages::STORAGE
+                };
+                let align = if input.uniform { 16 } else { 4 };
+                let mut contents = input.bytes.to_vec();
+                contents.resize(contents.len().div_ceil(align).max(1) * align, 0);
+                let buffer = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some("gpumesh input"),
+                    contents: &contents,
+                    usage,
+                });
+                (binding, buffer)
+            })
+            .collect();
+        let mut out = Vec::with_capacity(ranges.len());
+        for range in ranges {
+            let shard_start = Instant::now();
+            let outputs = self.dispatch_one(job, pipeline, &inputs, range, started, deadline)?;
+            out.push(ShardOutput {
+                range: *range,
+                outputs,
+                elapsed: shard_start.elapsed(),
+            });
+        }
+        Ok(out)
+    }
+
+    fn dispatch_one(
+        &self,
+        job: &Job,
+        pipeline: &Pipeline,
+        inputs: &BTreeMap<u32, wgpu::Buffer>,
+        range: &ShardRange,
+        started: Instant,
+        deadline: Duration,
+    ) -> Result<BTreeMap<u32, Vec<u8>>> {
+        let device = &self.gpu.device;
+        let rule = job.spec.merge;
+        let identity = merge::identity(rule);
+        let mut outputs = BTreeMap::new();
+        for (&binding, &size) in &job.outputs {
+            let buffer = device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("gpumesh output"),
+                size,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: true,
+            });
+            if identity != [0; 4] {
+                let mut view = buffer.slice(..).get_mapped_range_mut();
+                for chunk in view.chunks_exact_mut(4) {
+                    chunk.copy_from_slice(&identity);
+                }
+            }
+            buffer.unmap();
+            let slice = match rule {
+                MergeRule::Concat => shard::concat_slice(size, job.spec.grid, range)
+                    .map_err(|problem| ExecError::Binding { binding, problem })?,
+                _ => 0..size,
+            };
+            let staging = device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("gpumesh readback"),
+                size: slice.end - slice.start,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            outputs.insert(binding, (buffer, staging, slice));
+        }
+
+        let wg = job.kernel.interface.workgroup_size;
+        let tiles = shard::dispatches(
+            range,
+            job.spec.grid,
+            self.capability.limits.max_compute_workgroups_per_dimension,
+        );
+        let stride =
+            u64::from(device.limits().min_uniform_buffer_offset_alignment).max(SHARD_INFO_BYTES);
+        let mut info = vec![0u8; (stride * tiles.len() as u64) as usize];
+        for (i, tile) in tiles.iter().enumerate() {
+            let words = shard::shard_info(tile, job.spec.grid, wg);
+            let at = i * stride as usize;
+            info[at..at + SHARD_INFO_BYTES as usize].copy_from_slice(bytemuck::cast_slice(&words));
+        }
+        let info = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("gpumesh shard info"),
+            contents: &info,
+            usage: wgpu::BufferUsages::UNIFORM,
+        });
+
+        let entries: Vec<wgpu::BindGroupEntry> = job
+            .kernel
+            .interface
+            .bindings
+            .keys()
+            .map(|binding| {
+                let buffer = inputs
+                    .get(binding)
+                    .or_else(|| outputs.get(binding).map(|(b, _, _)| b))
+                    .ok_or_else(|| ExecError::Binding {
+                        binding: *binding,
+                        problem: "has no buffer".into(),
+                    })?;
+                Ok(wgpu::BindGroupEntry {
+                    binding: *binding,
+                    resource: buffer.as_entire_binding(),
+                })
+            })
+            .collect::<Result<_>>()?;
+        let user_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("gpumesh bindings"),
+            layout: &pipeline.user_layout,
+            entries: &entries,
+        });
+        let info_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("gpumesh shard info"),
+            layout: &pipeline.info_layout,
+            entries: &[wgpu::BindGroupEntry {
+                binding: 0,
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: &info,
+                    offset: 0,
+                    size: NonZeroU64::new(SHARD_INFO_BYTES),
+                }),
+            }],
+        });
+
+        let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+            label: Some("gpumesh shard"),
+        });
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("gpumesh shard"),
+                timestamp_writes: None,
+            });
+            pass.set_pipeline(&pipeline.pipeline);
+            pass.set_bind_group(0, &user_group, &[]);
+            for (i, tile) in tiles.iter().enumerate() {
+                pass.set_bind_group(SHARD_INFO_GROUP, &info_group, &[(i as u64 * stride) as u32]);
+                pass.dispatch_workgroups(tile.groups[0], tile.groups[1], tile.groups[2]);
+            }
+        }
+        for (buffer, staging, slice) in outputs.values() {
+            encoder.copy_buffer_to_buffer(buffer, slice.start, staging, 0, slice.end - slice.start);
+        }
+        let submission = self.gpu.queue.submit([encoder.finish()]);
+
+        let (tx, rx) = mpsc::channel();
+        for (&binding, (_, staging, _)) in &outputs {
+            let tx = tx.clone();
+            staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+                let _ = tx.send((binding, r));
+            });
+        }
+        drop(tx);
+        self.wait(submission, started, deadline)?;
+        for _ in 0..outputs.len() {
+            match rx.try_recv() {
+                Ok((_, Ok(()))) => {}
+                Ok((binding, Err(e))) => {
+                    return Err(ExecError::Gpu(format!(
+                        "reading back binding {binding}: {e}"
+                    )))
+                }
+                Err(_) => return Err(self.lost_or("readback did not complete")),
+            }
+        }
+        let mut result = BTreeMap::new();
+        for (binding, (_, staging, _)) in outputs {
+            let bytes = staging.slice(..).get_mapped_range().to_vec();
+            staging.unmap();
+            result.insert(binding, bytes);
+        }
+        Ok(result)
+    }
+
+    /// Waits for `submission` within what is left of the deadline.
+    fn wait(
+        &self,
+        submission: wgpu::SubmissionIndex,
+        started: Instant,
+        deadline: Duration,
+    ) -> Result<()> {
+        let left = deadline.saturating_sub(started.elapsed());
+        let polled = self.gpu.device.poll(wgpu::PollType::Wait {
+            submission_index: Some(submission),
+            timeout: Some(left.max(Duration::from_millis(1))),
+        });
+        match polled {
+            Ok(_) if started.elapsed() <= deadline => Ok(()),
+            // Backends that execute at submit (GL) cannot be interrupted; the overrun
+            // is still reported.
+            Ok(_) | Err(wgpu::PollError::Timeout) => Err(ExecError::Deadline { deadline }),
+            Err(e) => Err(self.lost_or(&e.to_string())),
+        }
+    }
+
+    fn lost_or(&self, fallback: &str) -> ExecError {
+        let reason = self
+            .gpu
+            .lost
+            .lock()
+            .ok()
+            .and_then(|l| l.clone())
+            .unwrap_or_else(|| fallback.to_string());
+        ExecError::DeviceLost(reason)
+    }
+
+    fn rebuild_if_lost(&mut self) {
+        let lost = self.gpu.lost.lock().map(|l| l.is_some()).unwrap_or(true);
+        if lost {
+            self.rebuild();
+        }
+    }
+
+    /// Replaces the device. The old one is dropped on its own thread: a dispatch
+    /// that never ends may hold it forever, and the executor must not wait for it.
+    fn rebuild(&mut self) {
+        match open_device(&self.adapter) {
+            Ok(gpu) => {
+                let old = std::mem::replace(&mut self.gpu, gpu);
+                let _ = std::thread::Builder::new()
+                    .name("gpumesh-device-drop".into())
+                    .spawn(move || drop(old));
+                self.pipelines.clear();
+                self.rebuilds += 1;
+                tracing::warn!(rebuilds = self.rebuilds, "GPU device rebuilt");
+            }
+            Err(e) => tracing::error!(error = %e, "could not rebuild the GPU device"),
+        }
+    }
+
+    fn pipeline(&mut self, kernel: &Kernel) -> Result<Arc<Pipeline>> {
+        if let Some(p) = self.pipelines.get(&kernel.hash) {
+            return Ok(p.clone());
+        }
+        if self.pipelines.len() >= self.limits.pipeline_cache_entries {
+            self.pipelines.clear();
+        }
+        let device = &self.gpu.device;
+        device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(&kernel.interface.entry_point),
+            source: wgpu::ShaderSource::Naga(std::borrow::Cow::Owned(kernel.instrumented.clone())),
+        });
+        let user_entries: Vec<wgpu::BindGroupLayoutEntry> = kernel
+            .interface
+            .bindings
+            .values()
+            .map(|b| wgpu::BindGroupLayoutEntry {
+                binding: b.binding,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: match b.access {
+                        Access::Uniform => wgpu::BufferBindingType::Uniform,
+                        Access::ReadOnly => wgpu::BufferBindingType::Storage { read_only: true },
+                        Access::ReadWrite => wgpu::BufferBindingType::Storage { read_only: false },
+                    },
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            })
+            .collect();
+        let user_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some("gpumesh bindings"),
+            entries: &user_entries,
+        });
+        let info_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some("gpumesh shard info"),
+            entries: &[wgpu::BindGroupLayoutEntry {
+                binding: 0,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Uniform,
+                    has_dynamic_offset: true,
+                    min_binding_size: NonZeroU64::new(SHARD_INFO_BYTES),
+                },
+                count: None,
+            }],
+        });
+        let layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some("gpumesh"),
+            bind_group_layouts: &[&user_layout, &info_layout],
+            push_constant_ranges: &[],
+        });
+        let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(&kernel.interface.entry_point),
+            layout: Some(&layout),
+            module: &module,
+            entry_point: Some(&kernel.interface.entry_point),
+            compilation_options: Default::default(),
+            cache: None,
+        });
+        if let Some(e) = pollster::block_on(device.pop_error_scope()) {
+            return Err(ExecError::Gpu(format!("building the pipeline failed: {e}")));
+        }
+        let p = Arc::new(Pipeline {
+            pipeline,
+            user_layout,
+            info_layout,
+        });
+        self.pipelines.insert(kernel.hash, p.clone());
+        Ok(p)
+    }
+}
+
+fn open_device(adapter: &wgpu::Adapter) -> Result<Gpu> {
+    let info = adapter.get_info();
+    let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+        label: Some("gpumesh"),
+        required_features: wgpu::Features::empty(),
+        required_limits: adapter.limits(),
+        ..Default::default()
+    }))
+    .map_err(|e| ExecError::RequestDevice {
+        adapter: info.name.clone(),
+        reason: e.to_string(),
+    })?;
+    let lost = Arc::new(Mutex::new(None));
+    let flag = lost.clone();
+    device.set_device_lost_callback(move |reason, message| {
+        tracing::warn!(?reason, %message, "GPU device lost");
+        if let Ok(mut l) = flag.lock() {
+            *l = Some(format!("{reason:?}: {message}"));
+        }
+    });
+    device.on_uncaptured_error(Arc::new(|e| {
+        tracing::error!(error = %e, "uncaptured GPU error");
+    }));
+    Ok(Gpu {
+        device,
+        queue,
+        lost,
+    })
+}

@@ -1,0 +1,444 @@
+//! A WGSL compute kernel, parsed and validated by naga, with its declared interface.
+//!
+//! Validation happens here, before any GPU call, so a bad shader is rejected with a
+//! line and column on whichever peer sees it first. [`Kernel::check`] then holds a
+//! [`TaskSpec`] against what the shader declares: every binding present, of the right
+//! access mode and a size the declared type accepts, and a merge rule the outputs'
+//! element type supports.
+
+use std::collections::BTreeMap;
+
+use gpumesh_protocol::{BindingRole, ElemType, MergeRule, ShaderSource, TaskSpec};
+use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
+
+use crate::builtins;
+use crate::error::{ExecError, Result};
+use crate::shard::{self, ShardRange};
+
+/// How the shader declares a `@group(0)` binding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    Uniform,
+    ReadOnly,
+    ReadWrite,
+}
+
+impl Access {
+    fn wgsl(self) -> &'static str {
+        match self {
+            Access::Uniform => "var<uniform>",
+            Access::ReadOnly => "var<storage, read>",
+            Access::ReadWrite => "var<storage, read_write>",
+        }
+    }
+}
+
+/// A `@group(0)` buffer as the shader declares it.
+#[derive(Clone, Debug)]
+pub struct DeclaredBinding {
+    pub binding: u32,
+    pub name: Option<String>,
+    pub access: Access,
+    /// Bytes of the fixed-size part of the type.
+    pub fixed_size: u64,
+    /// Element stride of a trailing runtime-sized array, if the type ends in one.
+    pub stride: Option<u64>,
+    /// The scalar the buffer holds (array element or struct tail), if it is one of
+    /// the merge element types.
+    pub elem: Option<ElemType>,
+    /// Whether that scalar is `atomic<u32>`/`atomic<i32>`.
+    pub atomic: bool,
+}
+
+impl DeclaredBinding {
+    /// Whether a buffer of `size` bytes fits the declared type.
+    fn accepts(&self, size: u64) -> std::result::Result<(), String> {
+        let ty = format!(
+            "{} {}",
+            self.access.wgsl(),
+            self.name.as_deref().unwrap_or("_")
+        );
+        match self.stride {
+            Some(stride) => {
+                if size < self.fixed_size + stride {
+                    return Err(format!(
+                        "{size} bytes is too small for {ty}, which needs at least {} bytes",
+                        self.fixed_size + stride
+                    ));
+                }
+                if (size - self.fixed_size) % stride != 0 {
+                    return Err(format!(
+                        "{size} bytes is not a whole number of {stride}-byte elements of {ty}"
+                    ));
+                }
+            }
+            None if size < self.fixed_size => {
+                return Err(format!(
+                    "{size} bytes is too small for {ty}, which is {} bytes",
+                    self.fixed_size
+                ));
+            }
+            None => {}
+        }
+        Ok(())
+    }
+}
+
+/// The entry point's side of the contract.
+#[derive(Clone, Debug)]
+pub struct Interface {
+    pub entry_point: String,
+    pub workgroup_size: [u32; 3],
+    /// `@group(0)` buffers the entry point uses, by binding number.
+    pub bindings: BTreeMap<u32, DeclaredBinding>,
+}
+
+/// A validated kernel, ready to be instrumented for sharded dispatch.
+#[derive(Debug)]
+pub struct Kernel {
+    /// blake3 of the source and entry point: the pipeline cache key.
+    pub hash: [u8; 32],
+    pub interface: Interface,
+    /// The module rewritten so every dispatch sees full-grid builtins (see [`shard`]).
+    pub(crate) instrumented: naga::Module,
+}
+
+/// The `@group` the executor binds shard offsets at; user resources live in group 0.
+pub(crate) const SHARD_INFO_GROUP: u32 = 1;
+
+impl Kernel {
+    /// Parses, validates and instruments `source`.
+    pub fn compile(source: &str, entry_point: &str) -> Result<Self> {
+        let module = naga::front::wgsl::parse_str(source).map_err(|e| {
+            let loc = e.location(source);
+            ExecError::Shader {
+                line: loc.map_or(0, |l| l.line_number),
+                column: loc.map_or(0, |l| l.line_position),
+                message: e.message().to_string(),
+                rendered: e.emit_to_string(source),
+            }
+        })?;
+        let info = validate(&module).map_err(|e| {
+            let loc = e.location(source);
+            ExecError::Shader {
+                line: loc.map_or(0, |l| l.line_number),
+                column: loc.map_or(0, |l| l.line_position),
+                message: error_chain(e.as_inner()),
+                rendered: e.emit_to_string(source),
+            }
+        })?;
+        let interface = reflect(&module, &info, entry_point)?;
+        let instrumented = shard::instrument(&module, entry_point, SHARD_INFO_GROUP)?;
+        validate(&instrumented).map_err(|e| {
+            ExecError::Unsupported(format!(
+                "the shader could not be prepared for sharded dispatch: {}",
+                error_chain(e.as_inner())
+            ))
+        })?;
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(source.as_bytes());
+        hasher.update(&[0]);
+        hasher.update(entry_point.as_bytes());
+        Ok(Kernel {
+            hash: *hasher.finalize().as_bytes(),
+            interface,
+            instrumented,
+        })
+    }
+
+    /// Compiles a task's shader, inline or built-in.
+    pub fn for_source(shader: &ShaderSource, entry_point: &str) -> Result<Self> {
+        match shader {
+            ShaderSource::Wgsl(source) => Self::compile(source, entry_point),
+            ShaderSource::Builtin(name) => Self::compile(builtins::source(name)?, entry_point),
+        }
+    }
+
+    /// Holds `spec` against the shader and returns its shard plan. Adapter limits are
+    /// checked separately, by the executor that will run it.
+    pub fn check(&self, spec: &TaskSpec) -> Result<Vec<ShardRange>> {
+        spec.check_shape()?;
+        let iface = &self.interface;
+        for b in &spec.bindings {
+            let declared = iface
+                .bindings
+                .get(&b.binding)
+                .ok_or_else(|| ExecError::Binding {
+                    binding: b.binding,
+                    problem: format!(
+                        "entry point {:?} uses no @group(0) @binding({}); it uses {}",
+                        iface.entry_point,
+                        b.binding,
+                        list(iface.bindings.keys())
+                    ),
+                })?;
+            let (size, is_output) = match &b.role {
+                BindingRole::Input { size, .. } => (*size, false),
+                BindingRole::Param { data } => (data.len() as u64, false),
+                BindingRole::Output { size } => (*size, true),
+            };
+            match (is_output, declared.access) {
+                (true, Access::ReadWrite) | (false, Access::ReadOnly | Access::Uniform) => {}
+                (true, access) => {
+                    return Err(ExecError::Binding {
+                        binding: b.binding,
+                        problem: format!(
+                            "given as an output but declared {}; outputs must be \
+                             var<storage, read_write>",
+                            access.wgsl()
+                        ),
+                    })
+                }
+                (false, access) => {
+                    return Err(ExecError::Binding {
+                        binding: b.binding,
+                        problem: format!(
+                            "given as an input but declared {}; declare it var<storage, read> \
+                             or pass it as an output",
+                            access.wgsl()
+                        ),
+                    })
+                }
+            }
+            declared
+                .accepts(size)
+                .map_err(|problem| ExecError::Binding {
+                    binding: b.binding,
+                    problem,
+                })?;
+            if size % 4 != 0 {
+                return Err(ExecError::Binding {
+                    binding: b.binding,
+                    problem: format!("{size} bytes is not a multiple of 4"),
+                });
+            }
+            if is_output {
+                if let Some(want) = spec.merge.elem() {
+                    // atomic<u32> holding f32 bit patterns is the WGSL idiom for
+                    // float atomics (a compare-exchange loop), so it may merge as f32.
+                    let float_atomic = want == ElemType::F32
+                        && declared.atomic
+                        && declared.elem == Some(ElemType::U32);
+                    if declared.elem != Some(want) && !float_atomic {
+                        return Err(ExecError::Binding {
+                            binding: b.binding,
+                            problem: format!(
+                                "merge {} needs {} elements but the shader declares {}",
+                                spec.merge,
+                                want.name(),
+                                declared.elem.map_or("another type", ElemType::name)
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+        for &binding in iface.bindings.keys() {
+            if !spec.bindings.iter().any(|b| b.binding == binding) {
+                return Err(ExecError::Binding {
+                    binding,
+                    problem: format!(
+                        "the shader uses it but the task does not provide it; pass \
+                         --input {binding}=FILE or --output {binding}:BYTES"
+                    ),
+                });
+            }
+        }
+        for (axis, (&groups, &size)) in spec.grid.0.iter().zip(&iface.workgroup_size).enumerate() {
+            if u64::from(groups) * u64::from(size) > u64::from(u32::MAX) {
+                return Err(ExecError::Task(format!(
+                    "grid dimension {} ({groups} workgroups of {size}) overflows the 32-bit \
+                     global_invocation_id",
+                    ["x", "y", "z"][axis]
+                )));
+            }
+        }
+        let plan = shard::plan(spec.grid, spec.shards)?;
+        if spec.merge == MergeRule::Concat {
+            for b in &spec.bindings {
+                if let BindingRole::Output { size } = b.role {
+                    shard::concat_slice(size, spec.grid, &plan[0]).map_err(|problem| {
+                        ExecError::Binding {
+                            binding: b.binding,
+                            problem,
+                        }
+                    })?;
+                }
+            }
+        }
+        Ok(plan)
+    }
+}
+
+fn list<'a>(items: impl Iterator<Item = &'a u32>) -> String {
+    let v: Vec<String> = items.map(u32::to_string).collect();
+    if v.is_empty() {
+        "none".into()
+    } else {
+        v.join(", ")
+    }
+}
+
+fn validate(
+    module: &naga::Module,
+) -> std::result::Result<ModuleInfo, naga::WithSpan<naga::valid::ValidationError>> {
+    Validator::new(ValidationFlags::all(), Capabilities::default()).validate(module)
+}
+
+/// An error and its sources, one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+fn reflect(module: &naga::Module, info: &ModuleInfo, entry_point: &str) -> Result<Interface> {
+    let computes: Vec<String> = module
+        .entry_points
+        .iter()
+        .filter(|ep| ep.stage == naga::ShaderStage::Compute)
+        .map(|ep| ep.name.clone())
+        .collect();
+    let (index, ep) = module
+        .entry_points
+        .iter()
+        .enumerate()
+        .find(|(_, ep)| ep.name == entry_point && ep.stage == naga::ShaderStage::Compute)
+        .ok_or_else(|| ExecError::MissingEntryPoint {
+            name: entry_point.to_string(),
+            available: computes,
+        })?;
+    if ep.workgroup_size_overrides.is_some() {
+        return Err(ExecError::Unsupported(format!(
+            "entry point {entry_point:?} sizes its workgroup with an override; \
+             use constant @workgroup_size values"
+        )));
+    }
+    let uses = info.get_entry_point(index);
+    let gctx = module.to_ctx();
+    let mut bindings = BTreeMap::new();
+    for (handle, var) in module.global_variables.iter() {
+        let Some(rb) = &var.binding else { continue };
+        if uses[handle].is_empty() {
+            continue;
+        }
+        let name = var.name.clone();
+        if rb.group != 0 {
+            return Err(ExecError::Unsupported(format!(
+                "{} is bound at @group({}); task resources must be in @group(0)",
+                name.as_deref().unwrap_or("a resource"),
+                rb.group
+            )));
+        }
+        let access = match var.space {
+            naga::AddressSpace::Uniform => Access::Uniform,
+            naga::AddressSpace::Storage { access } => {
+                if access.contains(naga::StorageAccess::STORE) {
+                    Access::ReadWrite
+                } else {
+                    Access::ReadOnly
+                }
+            }
+            _ => {
+                return Err(ExecError::Binding {
+                    binding: rb.binding,
+                    problem: "is a texture or sampler; gpumesh tasks bind buffers only".into(),
+                })
+            }
+        };
+        let atomic = is_atomic(module, var.ty);
+        let (fixed_size, stride, elem) =
+            layout_of(module, gctx, var.ty).ok_or_else(|| ExecError::Binding {
+                binding: rb.binding,
+                problem: "has a type too large to lay out".into(),
+            })?;
+        bindings.insert(
+            rb.binding,
+            DeclaredBinding {
+                binding: rb.binding,
+                name,
+                access,
+                fixed_size,
+                stride,
+                elem,
+                atomic,
+            },
+        );
+    }
+    Ok(Interface {
+        entry_point: entry_point.to_string(),
+        workgroup_size: ep.workgroup_size,
+        bindings,
+    })
+}
+
+/// (fixed bytes, runtime-array stride, element scalar) of a buffer type.
+fn layout_of(
+    module: &naga::Module,
+    gctx: naga::proc::GlobalCtx,
+    ty: naga::Handle<naga::Type>,
+) -> Option<(u64, Option<u64>, Option<ElemType>)> {
+    use naga::TypeInner;
+    let inner = &module.types[ty].inner;
+    Some(match inner {
+        TypeInner::Array {
+            base,
+            size: naga::ArraySize::Dynamic,
+            stride,
+        } => (0, Some(u64::from(*stride)), elem_of(module, *base)),
+        TypeInner::Array { base, .. } => (
+            u64::from(inner.try_size(gctx)?),
+            None,
+            elem_of(module, *base),
+        ),
+        TypeInner::Struct { members, span } => match members.last() {
+            Some(last) => match module.types[last.ty].inner {
+                TypeInner::Array {
+                    base,
+                    size: naga::ArraySize::Dynamic,
+                    stride,
+                } => (
+                    u64::from(last.offset),
+                    Some(u64::from(stride)),
+                    elem_of(module, base),
+                ),
+                _ => (u64::from(*span), None, None),
+            },
+            None => (u64::from(*span), None, None),
+        },
+        _ => (u64::from(inner.try_size(gctx)?), None, elem_of(module, ty)),
+    })
+}
+
+fn elem_of(module: &naga::Module, ty: naga::Handle<naga::Type>) -> Option<ElemType> {
+    use naga::{ScalarKind, TypeInner};
+    let scalar = match module.types[ty].inner {
+        TypeInner::Scalar(s) | TypeInner::Atomic(s) | TypeInner::Vector { scalar: s, .. } => s,
+        TypeInner::Matrix { scalar, .. } => scalar,
+        _ => return None,
+    };
+    match (scalar.kind, scalar.width) {
+        (ScalarKind::Uint, 4) => Some(ElemType::U32),
+        (ScalarKind::Sint, 4) => Some(ElemType::I32),
+        (ScalarKind::Float, 4) => Some(ElemType::F32),
+        _ => None,
+    }
+}
+
+/// Whether a buffer type's elements are atomics.
+fn is_atomic(module: &naga::Module, ty: naga::Handle<naga::Type>) -> bool {
+    use naga::TypeInner;
+    match &module.types[ty].inner {
+        TypeInner::Atomic(_) => true,
+        TypeInner::Array { base, .. } => is_atomic(module, *base),
+        TypeInner::Struct { members, .. } => {
+            members.last().is_some_and(|m| is_atomic(module, m.ty))
+        }
+        _ => false,
+    }
+}

@@ -1,0 +1,29 @@
+//! The gpumesh executor: WGSL compute on whatever wgpu adapter a node has.
+//!
+//! - [`adapter`]: enumerate adapters, choose one (`--backend`), describe it.
+//! - [`kernel`]: parse and validate WGSL with naga (line:column errors), reflect the
+//!   entry point's `@group(0)` bindings, check a task against them.
+//! - [`shard`]: split a grid into shards and rewrite the module (naga IR) so each
+//!   shard sees full-grid builtins; tile grids past the per-dimension limit.
+//! - [`job`]: a task resolved against its kernel and input bytes.
+//! - [`executor`]: device, pipeline cache, dispatch, readback, deadlines, rebuild
+//!   after device loss.
+//! - [`merge`]: concat and elementwise sum/min/max of shard outputs.
+//! - [`builtins`]: the built-in kernels (`kernels/*.wgsl`), each with a CPU reference.
+//! - [`calibrate`]: measure an adapter's GFLOP/s and GB/s.
+
+pub mod adapter;
+pub mod builtins;
+pub mod calibrate;
+mod error;
+pub mod executor;
+pub mod job;
+pub mod kernel;
+pub mod merge;
+pub mod shard;
+
+pub use adapter::BackendChoice;
+pub use error::{ExecError, Result};
+pub use executor::{Executor, ExecutorLimits, TaskOutput};
+pub use job::{Job, ShardOutput};
+pub use kernel::Kernel;

@@ -1,0 +1,49 @@
+//! Executors for every local adapter under test, shared by the tests of one binary.
+//!
+//! CI sets `GPUMESH_REQUIRE_BACKENDS=vulkan,gl`: a missing adapter there fails the
+//! test. Elsewhere a missing adapter is reported loudly and its cases are skipped.
+
+use std::sync::{Mutex, OnceLock};
+
+use gpumesh_protocol::BackendKind;
+use gpumesh_shaders::{BackendChoice, Executor};
+
+pub struct Adapter {
+    pub backend: BackendKind,
+    pub executor: Mutex<Executor>,
+}
+
+pub fn adapters() -> &'static [Adapter] {
+    static ALL: OnceLock<Vec<Adapter>> = OnceLock::new();
+    ALL.get_or_init(|| {
+        let required = std::env::var("GPUMESH_REQUIRE_BACKENDS").unwrap_or_default();
+        let mut found = Vec::new();
+        for backend in [BackendKind::Vulkan, BackendKind::Gl] {
+            match Executor::new(BackendChoice::Only(backend)) {
+                Ok(executor) => {
+                    eprintln!(
+                        "testing on {} ({})",
+                        executor.capability().adapter_name,
+                        backend.name()
+                    );
+                    found.push(Adapter {
+                        backend,
+                        executor: Mutex::new(executor),
+                    });
+                }
+                Err(e) => {
+                    assert!(
+                        !required.split(',').any(|r| r.trim() == backend.name()),
+                        "GPUMESH_REQUIRE_BACKENDS names {} but it is unavailable: {e}",
+                        backend.name()
+                    );
+                    eprintln!(
+                        "\n!!!!! NO {} ADAPTER: GPU cases on it are SKIPPED ({e}) !!!!!\n",
+                        backend.name().to_uppercase()
+                    );
+                }
+            }
+        }
+        found
+    })
+}
