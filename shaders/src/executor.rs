@@ -330,8 +330,8 @@ impl Executor {
             job.spec.grid,
             self.capability.limits.max_compute_workgroups_per_dimension,
         );
-        let stride =
-            u64::from(device.limits().min_uniform_buffer_offset_alignment).max(SHARD_INFO_BYTES);
+        let stride = SHARD_INFO_BYTES
+            .next_multiple_of(u64::from(device.limits().min_uniform_buffer_offset_alignment));
         let mut info = vec![0u8; (stride * tiles.len() as u64) as usize];
         for (i, tile) in tiles.iter().enumerate() {
             let words = shard::shard_info(tile, job.spec.grid, wg);

@@ -7,7 +7,7 @@ use gpumesh_shaders::builtins;
 #[test]
 fn every_builtin_matches_its_cpu_reference_on_every_adapter() {
     for adapter in common::adapters() {
-        let mut executor = adapter.executor.lock().unwrap();
+        let mut executor = common::lock(adapter);
         for builtin in builtins::ALL {
             let problem = builtin.problem(builtin.test_size).unwrap();
             for shards in [1, 3] {

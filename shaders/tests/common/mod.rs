@@ -3,7 +3,7 @@
 //! CI sets `GPUMESH_REQUIRE_BACKENDS=vulkan,gl`: a missing adapter there fails the
 //! test. Elsewhere a missing adapter is reported loudly and its cases are skipped.
 
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use gpumesh_protocol::BackendKind;
 use gpumesh_shaders::{BackendChoice, Executor};
@@ -46,4 +46,9 @@ pub fn adapters() -> &'static [Adapter] {
         }
         found
     })
+}
+
+/// The adapter's executor; a panic in another test does not poison it for this one.
+pub fn lock(adapter: &Adapter) -> MutexGuard<'_, Executor> {
+    adapter.executor.lock().unwrap_or_else(|e| e.into_inner())
 }
