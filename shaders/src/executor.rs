@@ -232,13 +232,23 @@ impl Executor {
         let result = self.dispatch_shards(job, &pipeline, ranges, started, deadline);
         let validation = pollster::block_on(device.pop_error_scope());
         let oom = pollster::block_on(device.pop_error_scope());
-        if let Some(e) = validation.or(oom) {
-            return Err(ExecError::Gpu(e.to_string()));
+        let result = match (result, validation.or(oom)) {
+            (Ok(_), Some(e)) => Err(ExecError::Gpu(e.to_string())),
+            (result, _) => result,
+        };
+        match result {
+            Err(ExecError::Deadline { .. } | ExecError::DeviceLost(_)) => {
+                self.rebuild();
+                result
+            }
+            // Whatever failed, a device that was lost meanwhile is the reason.
+            Err(_) if self.is_lost() => {
+                let lost = self.lost_or("device lost during the task");
+                self.rebuild();
+                Err(lost)
+            }
+            _ => result,
         }
-        if let Err(ExecError::Deadline { .. } | ExecError::DeviceLost(_)) = &result {
-            self.rebuild();
-        }
-        result
     }
 
     fn dispatch_shards(
@@ -297,19 +307,20 @@ impl Executor {
         let identity = merge::identity(rule);
         let mut outputs = BTreeMap::new();
         for (&binding, &size) in &job.outputs {
+            // New buffers are zeroed; other identities are written through the queue
+            // (mapping at creation would panic inside wgpu on a lost device).
             let buffer = device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("gpumesh output"),
                 size,
-                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-                mapped_at_creation: true,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_SRC
+                    | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
             });
             if identity != [0; 4] {
-                let mut view = buffer.slice(..).get_mapped_range_mut();
-                for chunk in view.chunks_exact_mut(4) {
-                    chunk.copy_from_slice(&identity);
-                }
+                let pattern: Vec<u8> = identity.iter().copied().cycle().take(size as usize).collect();
+                self.gpu.queue.write_buffer(&buffer, 0, &pattern);
             }
-            buffer.unmap();
             let slice = match rule {
                 MergeRule::Concat => shard::concat_slice(size, job.spec.grid, range)
                     .map_err(|problem| ExecError::Binding { binding, problem })?,
@@ -462,9 +473,13 @@ impl Executor {
         ExecError::DeviceLost(reason)
     }
 
+    fn is_lost(&self) -> bool {
+        let _ = self.gpu.device.poll(wgpu::PollType::Poll);
+        self.gpu.lost.lock().map(|l| l.is_some()).unwrap_or(true)
+    }
+
     fn rebuild_if_lost(&mut self) {
-        let lost = self.gpu.lost.lock().map(|l| l.is_some()).unwrap_or(true);
-        if lost {
+        if self.is_lost() {
             self.rebuild();
         }
     }

@@ -94,13 +94,21 @@ pub struct Interface {
 }
 
 /// A validated kernel, ready to be instrumented for sharded dispatch.
-#[derive(Debug)]
 pub struct Kernel {
     /// blake3 of the source and entry point: the pipeline cache key.
     pub hash: [u8; 32],
     pub interface: Interface,
     /// The module rewritten so every dispatch sees full-grid builtins (see [`shard`]).
     pub(crate) instrumented: naga::Module,
+}
+
+impl std::fmt::Debug for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kernel")
+            .field("hash", &blake3::Hash::from_bytes(self.hash).to_hex())
+            .field("interface", &self.interface)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The `@group` the executor binds shard offsets at; user resources live in group 0.
@@ -157,7 +165,6 @@ impl Kernel {
     /// Holds `spec` against the shader and returns its shard plan. Adapter limits are
     /// checked separately, by the executor that will run it.
     pub fn check(&self, spec: &TaskSpec) -> Result<Vec<ShardRange>> {
-        spec.check_shape()?;
         let iface = &self.interface;
         for b in &spec.bindings {
             let declared = iface
@@ -233,6 +240,7 @@ impl Kernel {
                 }
             }
         }
+        spec.check_shape()?;
         for &binding in iface.bindings.keys() {
             if !spec.bindings.iter().any(|b| b.binding == binding) {
                 return Err(ExecError::Binding {

@@ -1,0 +1,312 @@
+//! Bad input gets a clear error naming the problem, and the executor keeps working.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpumesh_protocol::{
+    BindingRole, BindingSpec, BlobId, ElemType, Grid, MergeRule, ShaderSource, TaskSpec,
+};
+use gpumesh_shaders::{builtins, ExecError, Job, Kernel};
+
+const COPY: &str = r#"
+@group(0) @binding(0) var<storage, read> src: array<u32>;
+@group(0) @binding(1) var<storage, read_write> dst: array<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    dst[gid.x] = src[gid.x] * 2u;
+}
+"#;
+
+fn spec(source: &str, bindings: Vec<BindingSpec>, grid: [u32; 3], merge: MergeRule) -> TaskSpec {
+    TaskSpec {
+        shader: ShaderSource::Wgsl(source.into()),
+        entry_point: "main".into(),
+        bindings,
+        grid: Grid(grid),
+        shards: 1,
+        merge,
+    }
+}
+
+fn input(binding: u32, bytes: &[u8]) -> BindingSpec {
+    BindingSpec {
+        binding,
+        role: BindingRole::Input {
+            blob: BlobId::of(bytes),
+            size: bytes.len() as u64,
+        },
+    }
+}
+
+fn output(binding: u32, size: u64) -> BindingSpec {
+    BindingSpec {
+        binding,
+        role: BindingRole::Output { size },
+    }
+}
+
+fn job(source: &str, spec: TaskSpec, data: &[u8]) -> Result<Job, ExecError> {
+    let kernel = Arc::new(Kernel::compile(source, &spec.entry_point)?);
+    let blob: Arc<[u8]> = Arc::from(data);
+    Job::new(spec, kernel, |id| id.matches(&blob).then(|| blob.clone()))
+}
+
+fn copy_job(bindings: Vec<BindingSpec>, grid: [u32; 3], merge: MergeRule, data: &[u8]) -> Result<Job, ExecError> {
+    job(COPY, spec(COPY, bindings, grid, merge), data)
+}
+
+#[test]
+fn malformed_wgsl_reports_line_and_column() {
+    let source = "@compute @workgroup_size(1)\nfn main() {\n    let x = 1u +;\n}\n";
+    match Kernel::compile(source, "main") {
+        Err(ExecError::Shader { line, column, message, .. }) => {
+            assert_eq!(line, 3, "{message}");
+            assert!(column > 0);
+            let shown = Kernel::compile(source, "main").unwrap_err().to_string();
+            assert!(shown.contains("line 3"), "{shown}");
+        }
+        other => panic!("expected a shader error, got {other:?}"),
+    }
+}
+
+#[test]
+fn invalid_wgsl_that_parses_reports_where() {
+    // Parses, but fails validation: a u32 stored into an f32 array.
+    let source = "@group(0) @binding(0) var<storage, read_write> o: array<f32>;\n\
+                  @compute @workgroup_size(1)\nfn main() {\n    o[0] = 1u;\n}\n";
+    let err = Kernel::compile(source, "main").unwrap_err();
+    assert!(matches!(err, ExecError::Shader { line: 4, .. }), "{err}");
+}
+
+#[test]
+fn missing_entry_point_lists_the_ones_there_are() {
+    let err = Kernel::compile(COPY, "mian").unwrap_err();
+    let shown = err.to_string();
+    assert!(matches!(err, ExecError::MissingEntryPoint { .. }), "{shown}");
+    assert!(shown.contains("\"mian\"") && shown.contains("main"), "{shown}");
+}
+
+#[test]
+fn binding_the_shader_does_not_declare_is_named() {
+    let data = [0u8; 256];
+    let err = copy_job(
+        vec![input(0, &data), output(1, 256), output(7, 256)],
+        [1, 1, 1],
+        MergeRule::Concat,
+        &data,
+    )
+    .unwrap_err();
+    assert!(matches!(err, ExecError::Binding { binding: 7, .. }), "{err}");
+}
+
+#[test]
+fn binding_the_shader_needs_but_the_task_omits_is_named() {
+    let err = copy_job(vec![output(1, 256)], [1, 1, 1], MergeRule::Concat, &[]).unwrap_err();
+    assert!(matches!(err, ExecError::Binding { binding: 0, .. }), "{err}");
+    assert!(err.to_string().contains("--input 0=FILE"), "{err}");
+}
+
+#[test]
+fn wrong_access_mode_is_refused_both_ways() {
+    let data = [0u8; 256];
+    // The read-only source given as an output.
+    let err = copy_job(vec![output(0, 256), output(1, 256)], [1, 1, 1], MergeRule::Concat, &data).unwrap_err();
+    assert!(matches!(err, ExecError::Binding { binding: 0, .. }), "{err}");
+    assert!(err.to_string().contains("read_write"), "{err}");
+    // The read_write destination given as an input.
+    let err = copy_job(vec![input(0, &data), input(1, &data)], [1, 1, 1], MergeRule::Concat, &data).unwrap_err();
+    assert!(matches!(err, ExecError::Binding { binding: 1, .. }), "{err}");
+}
+
+#[test]
+fn merge_rule_of_another_element_type_is_refused() {
+    let data = [0u8; 256];
+    let err = copy_job(
+        vec![input(0, &data), output(1, 256)],
+        [1, 1, 1],
+        MergeRule::Sum(ElemType::F32),
+        &data,
+    )
+    .unwrap_err();
+    assert!(matches!(err, ExecError::Binding { binding: 1, .. }), "{err}");
+    assert!(err.to_string().contains("f32") && err.to_string().contains("u32"), "{err}");
+}
+
+#[test]
+fn output_too_small_for_its_declared_type_is_refused() {
+    let problem = builtins::get("histogram").unwrap().problem(2048).unwrap();
+    let mut spec = problem.spec(1);
+    for b in &mut spec.bindings {
+        if let BindingRole::Output { size } = &mut b.role {
+            *size = 16; // the shader declares array<atomic<u32>, 256>
+        }
+    }
+    let kernel = Arc::new(Kernel::for_source(&spec.shader, "main").unwrap());
+    let err = Job::new(spec, kernel, |id| problem.blobs.get(id).cloned()).unwrap_err();
+    assert!(matches!(err, ExecError::Binding { binding: 1, .. }), "{err}");
+    assert!(err.to_string().contains("too small"), "{err}");
+}
+
+#[test]
+fn concat_output_not_divisible_by_the_split_axis_is_refused() {
+    let data = [0u8; 256];
+    let err = copy_job(vec![input(0, &data), output(1, 256)], [3, 1, 1], MergeRule::Concat, &data).unwrap_err();
+    assert!(matches!(err, ExecError::Binding { binding: 1, .. }), "{err}");
+    assert!(err.to_string().contains("does not divide"), "{err}");
+}
+
+#[test]
+fn more_shards_than_workgroups_is_refused() {
+    let data = [0u8; 256];
+    let mut s = spec(COPY, vec![input(0, &data), output(1, 256)], [4, 1, 1], MergeRule::Concat);
+    s.shards = 5;
+    let err = job(COPY, s, &data).unwrap_err();
+    assert!(err.to_string().contains("5 shards"), "{err}");
+}
+
+#[test]
+fn missing_or_corrupt_input_blob_is_refused() {
+    let data = [1u8; 256];
+    let kernel = Arc::new(Kernel::compile(COPY, "main").unwrap());
+    let s = spec(COPY, vec![input(0, &data), output(1, 256)], [1, 1, 1], MergeRule::Concat);
+    let err = Job::new(s.clone(), kernel.clone(), |_| None).unwrap_err();
+    assert!(err.to_string().contains("not available"), "{err}");
+    let wrong: Arc<[u8]> = Arc::from(vec![2u8; 256]);
+    let err = Job::new(s, kernel, |_| Some(wrong.clone())).unwrap_err();
+    assert!(err.to_string().contains("do not match"), "{err}");
+}
+
+#[test]
+fn resources_outside_group_zero_are_refused() {
+    let source = "@group(1) @binding(0) var<storage, read_write> o: array<u32>;\n\
+                  @compute @workgroup_size(1)\nfn main() { o[0] = 1u; }\n";
+    let err = Kernel::compile(source, "main").unwrap_err();
+    assert!(err.to_string().contains("@group(1)"), "{err}");
+}
+
+#[test]
+fn workgroup_and_grid_over_the_limits_are_refused() {
+    let big_wg = "@group(0) @binding(0) var<storage, read_write> o: array<u32>;\n\
+                  @compute @workgroup_size(4096)\nfn main() { o[0] = 1u; }\n";
+    for adapter in common::adapters() {
+        let executor = common::lock(adapter);
+        let j = job(big_wg, spec(big_wg, vec![output(0, 256)], [1, 1, 1], MergeRule::Concat), &[]).unwrap();
+        let err = executor.check_limits(&j).unwrap_err();
+        assert!(matches!(err, ExecError::Limit { .. }), "{err}");
+        assert!(err.to_string().contains("workgroup size along x"), "{err}");
+
+        let data = [0u8; 256];
+        let j = copy_job(
+            vec![input(0, &data), output(1, 65536 * 4)],
+            [65536, 65536, 1],
+            MergeRule::Concat,
+            &data,
+        )
+        .unwrap();
+        let err = executor.check_limits(&j).unwrap_err();
+        assert!(err.to_string().contains("grid 65536,65536,1"), "{err}");
+    }
+}
+
+#[test]
+fn grid_overflowing_invocation_ids_is_refused() {
+    let data = [0u8; 256];
+    let err = copy_job(
+        vec![input(0, &data), output(1, 256)],
+        [u32::MAX / 2, 1, 1],
+        MergeRule::Concat,
+        &data,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("overflows"), "{err}");
+}
+
+#[test]
+fn buffer_over_the_adapter_maximum_is_refused_before_allocation() {
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let limit = u64::from(executor.capability().limits.max_storage_buffer_binding_size)
+            .min(executor.capability().limits.max_buffer_size);
+        let data = [0u8; 256];
+        let size = (limit + 256).next_multiple_of(256);
+        let j = copy_job(vec![input(0, &data), output(1, size)], [4, 1, 1], MergeRule::Concat, &data).unwrap();
+        let err = executor.run(&j, None).unwrap_err();
+        assert!(matches!(err, ExecError::Limit { .. }), "{err}");
+        assert!(err.to_string().contains("binding 1"), "{err}");
+        // And the executor still runs good work.
+        let data: Vec<u8> = (0..64u32).flat_map(|v| v.to_le_bytes()).collect();
+        let j = copy_job(vec![input(0, &data), output(1, 256)], [1, 1, 1], MergeRule::Concat, &data).unwrap();
+        let out = executor.run(&j, None).unwrap();
+        let want: Vec<u8> = (0..64u32).flat_map(|v| (v * 2).to_le_bytes()).collect();
+        assert_eq!(out.outputs[&1], want);
+    }
+}
+
+const SPIN: &str = r#"
+struct Params { rounds: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var x = gid.x;
+    for (var i = 0u; i < params.rounds; i++) {
+        x = (x ^ (x >> 13u)) * 1664525u + i;
+    }
+    out[gid.x] = x;
+}
+"#;
+
+#[test]
+fn a_task_past_its_deadline_fails_and_the_next_task_runs() {
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let rounds: u32 = 4_000_000; // about a second of work on lavapipe
+        let s = spec(
+            SPIN,
+            vec![
+                BindingSpec {
+                    binding: 0,
+                    role: BindingRole::Param {
+                        data: [rounds, 0, 0, 0].iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    },
+                },
+                output(1, 64 * 4 * 4),
+            ],
+            [4, 1, 1],
+            MergeRule::Concat,
+        );
+        let slow = job(SPIN, s, &[]).unwrap();
+        let before = executor.rebuilds();
+        let t = std::time::Instant::now();
+        let err = executor.run(&slow, Some(Duration::from_millis(20))).unwrap_err();
+        eprintln!("{}: deadline reported after {:?}", adapter.backend.name(), t.elapsed());
+        assert!(matches!(err, ExecError::Deadline { .. }), "{err}");
+        assert_eq!(executor.rebuilds(), before + 1, "the device is rebuilt");
+        let data: Vec<u8> = (0..64u32).flat_map(|v| v.to_le_bytes()).collect();
+        let j = copy_job(vec![input(0, &data), output(1, 256)], [1, 1, 1], MergeRule::Concat, &data).unwrap();
+        let out = executor.run(&j, None).unwrap();
+        let want: Vec<u8> = (0..64u32).flat_map(|v| (v * 2).to_le_bytes()).collect();
+        assert_eq!(out.outputs[&1], want, "on {}", adapter.backend.name());
+    }
+}
+
+#[test]
+fn a_lost_device_is_rebuilt_and_the_next_task_runs() {
+    let problem = builtins::get("vector_add").unwrap().problem(1024).unwrap();
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let before = executor.rebuilds();
+        executor.simulate_device_loss();
+        let first = executor.run(&problem.job(2).unwrap(), None);
+        if let Err(e) = &first {
+            assert!(matches!(e, ExecError::DeviceLost(_)), "a loss is reported as such: {e}");
+        }
+        let out = executor.run(&problem.job(2).unwrap(), None).unwrap();
+        problem.verify(&out.outputs).unwrap();
+        assert!(executor.rebuilds() > before, "on {}", adapter.backend.name());
+    }
+}
