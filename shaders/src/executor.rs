@@ -318,7 +318,12 @@ impl Executor {
                 mapped_at_creation: false,
             });
             if identity != [0; 4] {
-                let pattern: Vec<u8> = identity.iter().copied().cycle().take(size as usize).collect();
+                let pattern: Vec<u8> = identity
+                    .iter()
+                    .copied()
+                    .cycle()
+                    .take(size as usize)
+                    .collect();
                 self.gpu.queue.write_buffer(&buffer, 0, &pattern);
             }
             let slice = match rule {
@@ -341,8 +346,9 @@ impl Executor {
             job.spec.grid,
             self.capability.limits.max_compute_workgroups_per_dimension,
         );
-        let stride = SHARD_INFO_BYTES
-            .next_multiple_of(u64::from(device.limits().min_uniform_buffer_offset_alignment));
+        let stride = SHARD_INFO_BYTES.next_multiple_of(u64::from(
+            device.limits().min_uniform_buffer_offset_alignment,
+        ));
         let mut info = vec![0u8; (stride * tiles.len() as u64) as usize];
         for (i, tile) in tiles.iter().enumerate() {
             let words = shard::shard_info(tile, job.spec.grid, wg);

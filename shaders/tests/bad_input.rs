@@ -54,7 +54,12 @@ fn job(source: &str, spec: TaskSpec, data: &[u8]) -> Result<Job, ExecError> {
     Job::new(spec, kernel, |id| id.matches(&blob).then(|| blob.clone()))
 }
 
-fn copy_job(bindings: Vec<BindingSpec>, grid: [u32; 3], merge: MergeRule, data: &[u8]) -> Result<Job, ExecError> {
+fn copy_job(
+    bindings: Vec<BindingSpec>,
+    grid: [u32; 3],
+    merge: MergeRule,
+    data: &[u8],
+) -> Result<Job, ExecError> {
     job(COPY, spec(COPY, bindings, grid, merge), data)
 }
 
@@ -62,7 +67,12 @@ fn copy_job(bindings: Vec<BindingSpec>, grid: [u32; 3], merge: MergeRule, data: 
 fn malformed_wgsl_reports_line_and_column() {
     let source = "@compute @workgroup_size(1)\nfn main() {\n    let x = 1u +;\n}\n";
     match Kernel::compile(source, "main") {
-        Err(ExecError::Shader { line, column, message, .. }) => {
+        Err(ExecError::Shader {
+            line,
+            column,
+            message,
+            ..
+        }) => {
             assert_eq!(line, 3, "{message}");
             assert!(column > 0);
             let shown = Kernel::compile(source, "main").unwrap_err().to_string();
@@ -85,8 +95,14 @@ fn invalid_wgsl_that_parses_reports_where() {
 fn missing_entry_point_lists_the_ones_there_are() {
     let err = Kernel::compile(COPY, "mian").unwrap_err();
     let shown = err.to_string();
-    assert!(matches!(err, ExecError::MissingEntryPoint { .. }), "{shown}");
-    assert!(shown.contains("\"mian\"") && shown.contains("main"), "{shown}");
+    assert!(
+        matches!(err, ExecError::MissingEntryPoint { .. }),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("\"mian\"") && shown.contains("main"),
+        "{shown}"
+    );
 }
 
 #[test]
@@ -99,13 +115,19 @@ fn binding_the_shader_does_not_declare_is_named() {
         &data,
     )
     .unwrap_err();
-    assert!(matches!(err, ExecError::Binding { binding: 7, .. }), "{err}");
+    assert!(
+        matches!(err, ExecError::Binding { binding: 7, .. }),
+        "{err}"
+    );
 }
 
 #[test]
 fn binding_the_shader_needs_but_the_task_omits_is_named() {
     let err = copy_job(vec![output(1, 256)], [1, 1, 1], MergeRule::Concat, &[]).unwrap_err();
-    assert!(matches!(err, ExecError::Binding { binding: 0, .. }), "{err}");
+    assert!(
+        matches!(err, ExecError::Binding { binding: 0, .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains("--input 0=FILE"), "{err}");
 }
 
@@ -113,12 +135,30 @@ fn binding_the_shader_needs_but_the_task_omits_is_named() {
 fn wrong_access_mode_is_refused_both_ways() {
     let data = [0u8; 256];
     // The read-only source given as an output.
-    let err = copy_job(vec![output(0, 256), output(1, 256)], [1, 1, 1], MergeRule::Concat, &data).unwrap_err();
-    assert!(matches!(err, ExecError::Binding { binding: 0, .. }), "{err}");
+    let err = copy_job(
+        vec![output(0, 256), output(1, 256)],
+        [1, 1, 1],
+        MergeRule::Concat,
+        &data,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, ExecError::Binding { binding: 0, .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains("read_write"), "{err}");
     // The read_write destination given as an input.
-    let err = copy_job(vec![input(0, &data), input(1, &data)], [1, 1, 1], MergeRule::Concat, &data).unwrap_err();
-    assert!(matches!(err, ExecError::Binding { binding: 1, .. }), "{err}");
+    let err = copy_job(
+        vec![input(0, &data), input(1, &data)],
+        [1, 1, 1],
+        MergeRule::Concat,
+        &data,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, ExecError::Binding { binding: 1, .. }),
+        "{err}"
+    );
 }
 
 #[test]
@@ -131,8 +171,14 @@ fn merge_rule_of_another_element_type_is_refused() {
         &data,
     )
     .unwrap_err();
-    assert!(matches!(err, ExecError::Binding { binding: 1, .. }), "{err}");
-    assert!(err.to_string().contains("f32") && err.to_string().contains("u32"), "{err}");
+    assert!(
+        matches!(err, ExecError::Binding { binding: 1, .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("f32") && err.to_string().contains("u32"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -146,22 +192,39 @@ fn output_too_small_for_its_declared_type_is_refused() {
     }
     let kernel = Arc::new(Kernel::for_source(&spec.shader, "main").unwrap());
     let err = Job::new(spec, kernel, |id| problem.blobs.get(id).cloned()).unwrap_err();
-    assert!(matches!(err, ExecError::Binding { binding: 1, .. }), "{err}");
+    assert!(
+        matches!(err, ExecError::Binding { binding: 1, .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains("too small"), "{err}");
 }
 
 #[test]
 fn concat_output_not_divisible_by_the_split_axis_is_refused() {
     let data = [0u8; 256];
-    let err = copy_job(vec![input(0, &data), output(1, 256)], [3, 1, 1], MergeRule::Concat, &data).unwrap_err();
-    assert!(matches!(err, ExecError::Binding { binding: 1, .. }), "{err}");
+    let err = copy_job(
+        vec![input(0, &data), output(1, 256)],
+        [3, 1, 1],
+        MergeRule::Concat,
+        &data,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, ExecError::Binding { binding: 1, .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains("does not divide"), "{err}");
 }
 
 #[test]
 fn more_shards_than_workgroups_is_refused() {
     let data = [0u8; 256];
-    let mut s = spec(COPY, vec![input(0, &data), output(1, 256)], [4, 1, 1], MergeRule::Concat);
+    let mut s = spec(
+        COPY,
+        vec![input(0, &data), output(1, 256)],
+        [4, 1, 1],
+        MergeRule::Concat,
+    );
     s.shards = 5;
     let err = job(COPY, s, &data).unwrap_err();
     assert!(err.to_string().contains("5 shards"), "{err}");
@@ -171,7 +234,12 @@ fn more_shards_than_workgroups_is_refused() {
 fn missing_or_corrupt_input_blob_is_refused() {
     let data = [1u8; 256];
     let kernel = Arc::new(Kernel::compile(COPY, "main").unwrap());
-    let s = spec(COPY, vec![input(0, &data), output(1, 256)], [1, 1, 1], MergeRule::Concat);
+    let s = spec(
+        COPY,
+        vec![input(0, &data), output(1, 256)],
+        [1, 1, 1],
+        MergeRule::Concat,
+    );
     let err = Job::new(s.clone(), kernel.clone(), |_| None).unwrap_err();
     assert!(err.to_string().contains("not available"), "{err}");
     let wrong: Arc<[u8]> = Arc::from(vec![2u8; 256]);
@@ -193,7 +261,12 @@ fn workgroup_and_grid_over_the_limits_are_refused() {
                   @compute @workgroup_size(4096)\nfn main() { o[0] = 1u; }\n";
     for adapter in common::adapters() {
         let executor = common::lock(adapter);
-        let j = job(big_wg, spec(big_wg, vec![output(0, 256)], [1, 1, 1], MergeRule::Concat), &[]).unwrap();
+        let j = job(
+            big_wg,
+            spec(big_wg, vec![output(0, 256)], [1, 1, 1], MergeRule::Concat),
+            &[],
+        )
+        .unwrap();
         let err = executor.check_limits(&j).unwrap_err();
         assert!(matches!(err, ExecError::Limit { .. }), "{err}");
         assert!(err.to_string().contains("workgroup size along x"), "{err}");
@@ -232,13 +305,25 @@ fn buffer_over_the_adapter_maximum_is_refused_before_allocation() {
             .min(executor.capability().limits.max_buffer_size);
         let data = [0u8; 256];
         let size = (limit + 256).next_multiple_of(256);
-        let j = copy_job(vec![input(0, &data), output(1, size)], [4, 1, 1], MergeRule::Concat, &data).unwrap();
+        let j = copy_job(
+            vec![input(0, &data), output(1, size)],
+            [4, 1, 1],
+            MergeRule::Concat,
+            &data,
+        )
+        .unwrap();
         let err = executor.run(&j, None).unwrap_err();
         assert!(matches!(err, ExecError::Limit { .. }), "{err}");
         assert!(err.to_string().contains("binding 1"), "{err}");
         // And the executor still runs good work.
         let data: Vec<u8> = (0..64u32).flat_map(|v| v.to_le_bytes()).collect();
-        let j = copy_job(vec![input(0, &data), output(1, 256)], [1, 1, 1], MergeRule::Concat, &data).unwrap();
+        let j = copy_job(
+            vec![input(0, &data), output(1, 256)],
+            [1, 1, 1],
+            MergeRule::Concat,
+            &data,
+        )
+        .unwrap();
         let out = executor.run(&j, None).unwrap();
         let want: Vec<u8> = (0..64u32).flat_map(|v| (v * 2).to_le_bytes()).collect();
         assert_eq!(out.outputs[&1], want);
@@ -253,8 +338,12 @@ struct Params { rounds: u32, _a: u32, _b: u32, _c: u32 }
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     var x = gid.x;
+    // llvmpipe stops any shader's loops after 65535 iterations in all, so the
+    // work comes from the number of invocations.
     for (var i = 0u; i < params.rounds; i++) {
-        x = (x ^ (x >> 13u)) * 1664525u + i;
+        for (var j = 0u; j < 1000u; j++) {
+            x = (x ^ (x >> 13u)) * 1664525u + j;
+        }
     }
     out[gid.x] = x;
 }
@@ -264,30 +353,45 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 fn a_task_past_its_deadline_fails_and_the_next_task_runs() {
     for adapter in common::adapters() {
         let mut executor = common::lock(adapter);
-        let rounds: u32 = 4_000_000; // about a second of work on lavapipe
+        let rounds: u32 = 100; // with 2048 workgroups, about a second on lavapipe
         let s = spec(
             SPIN,
             vec![
                 BindingSpec {
                     binding: 0,
                     role: BindingRole::Param {
-                        data: [rounds, 0, 0, 0].iter().flat_map(|v| v.to_le_bytes()).collect(),
+                        data: [rounds, 0, 0, 0]
+                            .iter()
+                            .flat_map(|v| v.to_le_bytes())
+                            .collect(),
                     },
                 },
-                output(1, 64 * 4 * 4),
+                output(1, 2048 * 64 * 4),
             ],
-            [4, 1, 1],
+            [2048, 1, 1],
             MergeRule::Concat,
         );
         let slow = job(SPIN, s, &[]).unwrap();
         let before = executor.rebuilds();
         let t = std::time::Instant::now();
-        let err = executor.run(&slow, Some(Duration::from_millis(20))).unwrap_err();
-        eprintln!("{}: deadline reported after {:?}", adapter.backend.name(), t.elapsed());
+        let err = executor
+            .run(&slow, Some(Duration::from_millis(20)))
+            .unwrap_err();
+        eprintln!(
+            "{}: deadline reported after {:?}",
+            adapter.backend.name(),
+            t.elapsed()
+        );
         assert!(matches!(err, ExecError::Deadline { .. }), "{err}");
         assert_eq!(executor.rebuilds(), before + 1, "the device is rebuilt");
         let data: Vec<u8> = (0..64u32).flat_map(|v| v.to_le_bytes()).collect();
-        let j = copy_job(vec![input(0, &data), output(1, 256)], [1, 1, 1], MergeRule::Concat, &data).unwrap();
+        let j = copy_job(
+            vec![input(0, &data), output(1, 256)],
+            [1, 1, 1],
+            MergeRule::Concat,
+            &data,
+        )
+        .unwrap();
         let out = executor.run(&j, None).unwrap();
         let want: Vec<u8> = (0..64u32).flat_map(|v| (v * 2).to_le_bytes()).collect();
         assert_eq!(out.outputs[&1], want, "on {}", adapter.backend.name());
@@ -303,10 +407,17 @@ fn a_lost_device_is_rebuilt_and_the_next_task_runs() {
         executor.simulate_device_loss();
         let first = executor.run(&problem.job(2).unwrap(), None);
         if let Err(e) = &first {
-            assert!(matches!(e, ExecError::DeviceLost(_)), "a loss is reported as such: {e}");
+            assert!(
+                matches!(e, ExecError::DeviceLost(_)),
+                "a loss is reported as such: {e}"
+            );
         }
         let out = executor.run(&problem.job(2).unwrap(), None).unwrap();
         problem.verify(&out.outputs).unwrap();
-        assert!(executor.rebuilds() > before, "on {}", adapter.backend.name());
+        assert!(
+            executor.rebuilds() > before,
+            "on {}",
+            adapter.backend.name()
+        );
     }
 }

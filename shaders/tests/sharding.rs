@@ -37,9 +37,13 @@ fn assert_shard_invariant(
 
 fn builtin_case(name: &str, size: u32) {
     let problem = builtins::get(name).unwrap().problem(size).unwrap();
-    assert_shard_invariant(name, |s| problem.job(s).unwrap(), |out| {
-        problem.verify(out).unwrap();
-    });
+    assert_shard_invariant(
+        name,
+        |s| problem.job(s).unwrap(),
+        |out| {
+            problem.verify(out).unwrap();
+        },
+    );
 }
 
 #[test]
@@ -77,7 +81,13 @@ fn jacobi_concat_of_rows() {
     builtin_case("jacobi", 64 * 8);
 }
 
-fn custom(source: &str, bindings: Vec<BindingSpec>, grid: [u32; 3], shards: u32, merge: MergeRule) -> Job {
+fn custom(
+    source: &str,
+    bindings: Vec<BindingSpec>,
+    grid: [u32; 3],
+    shards: u32,
+    merge: MergeRule,
+) -> Job {
     let spec = TaskSpec {
         shader: ShaderSource::Wgsl(source.into()),
         entry_point: "main".into(),
@@ -98,7 +108,10 @@ fn output(binding: u32, size: u64) -> BindingSpec {
 }
 
 fn u32s(bytes: &[u8]) -> Vec<u32> {
-    bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 /// Builtins passed loose and inside a struct, on a 3-D grid split along z.
@@ -195,15 +208,29 @@ fn minmax_reference(invocations: u32, max: bool) -> Vec<i32> {
 
 #[test]
 fn min_and_max_i32_partials() {
-    for (rule, max) in [(MergeRule::Min(ElemType::I32), false), (MergeRule::Max(ElemType::I32), true)] {
+    for (rule, max) in [
+        (MergeRule::Min(ElemType::I32), false),
+        (MergeRule::Max(ElemType::I32), true),
+    ] {
         let want = minmax_reference(32 * 13, max);
         // Both outputs merge with the same rule; only the matching one is checked
         // against the reference, and both must be shard-invariant.
         assert_shard_invariant(
             &rule.to_string(),
-            |s| custom(MINMAX, vec![output(0, 64), output(1, 64)], [13, 1, 1], s, rule),
+            |s| {
+                custom(
+                    MINMAX,
+                    vec![output(0, 64), output(1, 64)],
+                    [13, 1, 1],
+                    s,
+                    rule,
+                )
+            },
             |out| {
-                let got: Vec<i32> = u32s(&out[&(u32::from(max))]).iter().map(|&u| u as i32).collect();
+                let got: Vec<i32> = u32s(&out[&(u32::from(max))])
+                    .iter()
+                    .map(|&u| u as i32)
+                    .collect();
                 assert_eq!(got, want);
             },
         );
@@ -226,9 +253,21 @@ fn grids_beyond_65535_workgroups_are_tiled() {
     let want: Vec<u32> = (0..groups).map(|i| i ^ (groups << 1)).collect();
     for adapter in common::adapters() {
         let mut executor = common::lock(adapter);
-        assert!(executor.capability().limits.max_compute_workgroups_per_dimension < groups);
+        assert!(
+            executor
+                .capability()
+                .limits
+                .max_compute_workgroups_per_dimension
+                < groups
+        );
         for shards in [1, 2] {
-            let job = custom(WIDE, vec![output(0, u64::from(groups) * 4)], [groups, 1, 1], shards, MergeRule::Concat);
+            let job = custom(
+                WIDE,
+                vec![output(0, u64::from(groups) * 4)],
+                [groups, 1, 1],
+                shards,
+                MergeRule::Concat,
+            );
             let out = executor.run(&job, None).unwrap().outputs;
             assert_eq!(u32s(&out[&0]), want, "on {}", adapter.backend.name());
         }
@@ -239,7 +278,10 @@ fn grids_beyond_65535_workgroups_are_tiled() {
 fn sum_f32_across_shards_matches_reference_within_tolerance() {
     // Float atomics add in an unspecified order, so byte equality is not expected;
     // the CPU reference bounds every shard count.
-    let problem = builtins::get("linreg_grad").unwrap().problem(256 * 9).unwrap();
+    let problem = builtins::get("linreg_grad")
+        .unwrap()
+        .problem(256 * 9)
+        .unwrap();
     for adapter in common::adapters() {
         let mut executor = common::lock(adapter);
         for shards in 1..=7 {
