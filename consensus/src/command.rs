@@ -1,0 +1,190 @@
+//! What the Raft log carries: commands (metadata only, never bulk data), the request
+//! id that makes every proposal idempotent, and the outcome a proposer gets back.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use gpumesh_protocol::{BlobId, NodeCapability, TaskSpec};
+use serde::{Deserialize, Serialize};
+
+/// The idempotency key of a proposal: a proposal retried with the same id is applied
+/// at most once, and the retry learns the first application's outcome.
+///
+/// `client` names who chose the id (a raft id, or any number a client picks);
+/// `seq` must not repeat for that client.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RequestId {
+    pub client: u64,
+    pub seq: u64,
+}
+
+impl RequestId {
+    pub fn new(client: u64, seq: u64) -> Self {
+        Self { client, seq }
+    }
+}
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:x}-{:x}", self.client, self.seq)
+    }
+}
+
+/// Hands out request ids that do not repeat across restarts of the same client: the
+/// sequence starts at the wall-clock time in nanoseconds, so a restarted process
+/// begins above anything it issued before (clocks would have to step back by more
+/// than the ids used to break this, and that only costs a spurious dedup hit).
+#[derive(Debug)]
+pub struct RequestIds {
+    client: u64,
+    next: AtomicU64,
+}
+
+impl RequestIds {
+    pub fn new(client: u64) -> Self {
+        let start = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
+        Self {
+            client,
+            next: AtomicU64::new(start),
+        }
+    }
+
+    pub fn next_id(&self) -> RequestId {
+        RequestId::new(self.client, self.next.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// A task's id in the record: the log index of the `SubmitTask` entry that created it
+/// (unique and the same on every replica).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct TaskId(pub u64);
+
+impl fmt::Display for TaskId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "t{}", self.0)
+    }
+}
+
+/// A change to the replicated record. Values that vary per node (clock readings,
+/// peer ids) are chosen by the proposer and carried here, so `apply` stays pure.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Command {
+    /// A new task. Acknowledged only once committed; retried submits with the same
+    /// request id return the same task.
+    SubmitTask { spec: TaskSpec, submitter: String },
+    /// Gives shard `shard` of `task` to `node`, starting a new attempt (epoch + 1).
+    AssignShard { task: TaskId, shard: u32, node: u64 },
+    /// The assigned node began running the shard's current attempt.
+    ShardStarted {
+        task: TaskId,
+        shard: u32,
+        epoch: u32,
+        node: u64,
+    },
+    /// The shard's output is blob `blob` of `size` bytes. The first valid result of the
+    /// current epoch wins; later and stale ones are ignored.
+    ShardResult {
+        task: TaskId,
+        shard: u32,
+        epoch: u32,
+        node: u64,
+        blob: BlobId,
+        size: u64,
+    },
+    /// The current attempt failed; the shard goes back to pending.
+    ShardFailed {
+        task: TaskId,
+        shard: u32,
+        epoch: u32,
+        node: u64,
+        reason: String,
+    },
+    /// Stops a task; results that arrive later are ignored.
+    TaskCancelled { task: TaskId, reason: String },
+    /// Adds a Raft learner (a Raft membership change): `peer_id` is the node's libp2p
+    /// peer id in its text form.
+    NodeJoined {
+        raft_id: u64,
+        peer_id: String,
+        capability: Option<NodeCapability>,
+    },
+    /// Promotes a learner to voter (refused when the voter cap is reached).
+    NodePromoted { raft_id: u64 },
+    /// Removes a member from the Raft group.
+    NodeLeft { raft_id: u64 },
+    /// A member's (re)measured adapter capability.
+    NodeCapabilities {
+        raft_id: u64,
+        capability: NodeCapability,
+    },
+    /// A liveness beacon; `at_ms` is the proposer's wall clock (ms since the epoch).
+    Heartbeat { raft_id: u64, at_ms: u64 },
+}
+
+impl Command {
+    /// Whether this command is a Raft membership change (proposed as a ConfChange).
+    pub fn is_membership_change(&self) -> bool {
+        matches!(
+            self,
+            Command::NodeJoined { .. } | Command::NodePromoted { .. } | Command::NodeLeft { .. }
+        )
+    }
+
+    /// A short name for logs and events.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Command::SubmitTask { .. } => "submit-task",
+            Command::AssignShard { .. } => "assign-shard",
+            Command::ShardStarted { .. } => "shard-started",
+            Command::ShardResult { .. } => "shard-result",
+            Command::ShardFailed { .. } => "shard-failed",
+            Command::TaskCancelled { .. } => "task-cancelled",
+            Command::NodeJoined { .. } => "node-joined",
+            Command::NodePromoted { .. } => "node-promoted",
+            Command::NodeLeft { .. } => "node-left",
+            Command::NodeCapabilities { .. } => "node-capabilities",
+            Command::Heartbeat { .. } => "heartbeat",
+        }
+    }
+}
+
+/// One entry of the log as gpumesh writes it: who proposed it, its idempotency key,
+/// and the command.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LogEntry {
+    /// Raft id of the node whose client is waiting for the outcome.
+    pub origin: u64,
+    pub request_id: RequestId,
+    pub command: Command,
+}
+
+/// What applying a command did. Deterministic: every replica computes the same one.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    /// The command took effect.
+    Applied,
+    /// A task was created (or, for a retried submit, the one created first).
+    TaskSubmitted { task: TaskId },
+    /// The shard's new attempt is `epoch`.
+    ShardAssigned {
+        task: TaskId,
+        shard: u32,
+        epoch: u32,
+    },
+    /// Valid but without effect (stale epoch, a later result, a finished task...).
+    Ignored(String),
+    /// Refused (unknown task, invalid spec, voter cap reached...).
+    Rejected(String),
+}
+
+/// A proposal's final answer: its outcome and where it sits in the log.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Committed {
+    /// Log index of the entry whose application produced `outcome`.
+    pub index: u64,
+    pub outcome: Outcome,
+}

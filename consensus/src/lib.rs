@@ -1,0 +1,60 @@
+//! gpumesh's replicated record: which nodes are in the mesh, which tasks exist,
+//! who runs which shard, and which results won — agreed through Raft (raft-rs),
+//! stored durably in redb.
+//!
+//! Modules:
+//! - [`replica`]: the actor that drives raft-rs's `RawNode` ([`ConsensusHandle`] is
+//!   its client): ticks, messages, proposals (forwarded to the leader from any
+//!   member), linearizable and local reads, membership changes, snapshots.
+//! - [`storage`]: [`RedbStorage`], raft-rs's `Storage` on redb, fsync'd per Ready,
+//!   with log compaction and snapshots; refuses corrupt or foreign data.
+//! - [`state`]: the deterministic [`StateMachine`] (members, tasks, shards, results).
+//! - [`command`]: what the log carries ([`Command`], [`LogEntry`]), request ids for
+//!   idempotency, and the [`Outcome`] a proposer gets.
+//! - [`transport`]: the [`Transport`] trait the node crate implements over libp2p.
+//! - [`wire`]: the frames replicas exchange ([`ClusterId`], [`Frame`]).
+//! - [`sim`]: an in-process network with faults, for tests and the benchmark.
+//! - [`bench`]: the `gpumesh bench consensus` measurement.
+//! - `tracing_drain`: raft-rs's slog output forwarded into `tracing`.
+//!
+//! # Using it from a node
+//!
+//! ```no_run
+//! # use std::sync::Arc;
+//! # use gpumesh_consensus::*;
+//! # async fn demo(transport: Arc<dyn Transport>) -> Result<()> {
+//! let cluster = ClusterId::derive(b"cluster key bytes");
+//! let mut storage = RedbStorage::open("data/raft.redb", cluster)?;
+//! if !storage.is_initialized() {
+//!     // --init: a one-node mesh (or all N founders with the same list).
+//!     storage.initialize(&[(1, "12D3KooW...".into())], ClusterSettings { max_voters: 5 })?;
+//! }
+//! let raft = ConsensusHandle::start(ReplicaConfig::new(1), storage, transport)?;
+//! // Frames from peers: raft.receive(from_raft_id, bytes).await
+//! let done = raft.propose(Command::Heartbeat { raft_id: 1, at_ms: 0 }).await?;
+//! let tasks = raft.read_linearizable(|s| s.tasks().len()).await?;
+//! # let _ = (done, tasks); Ok(()) }
+//! ```
+
+pub mod bench;
+pub mod command;
+mod error;
+pub mod replica;
+pub mod sim;
+pub mod state;
+pub mod storage;
+mod tracing_drain;
+pub mod transport;
+pub mod wire;
+
+pub use command::{Command, Committed, LogEntry, Outcome, RequestId, RequestIds, TaskId};
+pub use error::{ConsensusError, Result};
+pub use replica::{AppliedEvent, ConsensusHandle, RaftRole, ReplicaConfig, Status};
+pub use state::{
+    ClusterSettings, Liveness, Member, Role, Shard, ShardOutput, ShardState, StateMachine, Task,
+    TaskStatus,
+};
+pub use storage::RedbStorage;
+pub use tracing_drain::{raft_logger, TracingDrain};
+pub use transport::{Transport, Unreachable};
+pub use wire::{ClusterId, Frame, FrameBody};

@@ -1,0 +1,1369 @@
+//! The consensus actor: owns the raft-rs `RawNode`, its [`RedbStorage`] and the
+//! [`StateMachine`]; talks to peers only through a [`Transport`], and to the rest
+//! of the node through a [`ConsensusHandle`].
+//!
+//! One loop: tick on a timer, step messages from peers, collect proposals, then
+//! handle every Ready in the order raft-rs documents — send the leader's messages
+//! at once (a leader may replicate before its own fsync, Raft thesis §10.2.1),
+//! persist snapshot + entries + hard state in one durable redb transaction, apply
+//! committed entries, and only then send the messages that depend on the persisted
+//! state (votes, append responses). Then `advance`, and the same for the LightReady.
+//!
+//! Proposals are idempotent by request id. A proposal made on a follower is
+//! forwarded to the leader; the proposer learns the outcome when its own replica
+//! applies the entry, so no reply has to survive a leader change. The leader tells
+//! the proposer where it appended the entry (index, term): if a different entry
+//! commits at that index, the proposal certainly failed; if nothing can be told
+//! before the deadline, the proposer gets [`ConsensusError::OutcomeUnknown`] and a
+//! retry with the same request id is safe.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gpumesh_protocol::{codec, NodeCapability};
+use protobuf::Message as _;
+use raft::eraftpb::{
+    ConfChange, ConfChangeType, ConfState, Entry, EntryType, Message as RaftMessage, MessageType,
+    Snapshot,
+};
+use raft::{RawNode, StateRole};
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+use tokio::time::{self, Instant, MissedTickBehavior};
+use tracing::{debug, error, info, warn};
+
+use crate::command::{Command, Committed, LogEntry, RequestId, RequestIds};
+use crate::error::{ConsensusError, Result};
+use crate::state::{Applied, StateMachine};
+use crate::storage::RedbStorage;
+use crate::tracing_drain::raft_logger;
+use crate::transport::Transport;
+use crate::wire::{decode_raft, encode_raft, ClusterId, Frame, FrameBody};
+
+/// Tuning of one replica. The defaults suit a LAN mesh; tests shrink the tick.
+#[derive(Clone, Debug)]
+pub struct ReplicaConfig {
+    /// This replica's raft id (non-zero).
+    pub id: u64,
+    /// One Raft tick.
+    pub tick_interval: Duration,
+    /// Ticks without a leader before a follower campaigns.
+    pub election_tick: usize,
+    /// Ticks between leader heartbeats.
+    pub heartbeat_tick: usize,
+    /// Take a snapshot and compact the log after this many applied entries.
+    pub snapshot_interval: u64,
+    /// Entries kept in the log behind a snapshot, so a follower that lags a little
+    /// catches up from the log rather than a full snapshot.
+    pub log_retain: u64,
+    /// How long a proposal may take before its caller gets an answer anyway.
+    pub proposal_timeout: Duration,
+    /// How long a linearizable read may wait for a quorum.
+    pub read_timeout: Duration,
+    /// Leader-side: promote caught-up learners while voters are below the cap.
+    pub auto_promote: bool,
+    /// Capacity of the actor's inbox.
+    pub inbox_capacity: usize,
+    /// Capacity of the applied-event broadcast (slow subscribers see `Lagged`).
+    pub event_capacity: usize,
+}
+
+impl ReplicaConfig {
+    pub fn new(id: u64) -> Self {
+        Self {
+            id,
+            tick_interval: Duration::from_millis(100),
+            election_tick: 10,
+            heartbeat_tick: 2,
+            snapshot_interval: 10_000,
+            log_retain: 1_000,
+            proposal_timeout: Duration::from_secs(10),
+            read_timeout: Duration::from_secs(5),
+            auto_promote: true,
+            inbox_capacity: 8192,
+            event_capacity: 8192,
+        }
+    }
+
+    fn raft_config(&self, applied: u64) -> raft::Config {
+        raft::Config {
+            id: self.id,
+            election_tick: self.election_tick,
+            heartbeat_tick: self.heartbeat_tick,
+            applied,
+            max_size_per_msg: 1 << 20,
+            max_inflight_msgs: 256,
+            // A leader cut off from a quorum steps down, and a partitioned node does
+            // not disrupt the group with higher terms when it returns.
+            check_quorum: true,
+            pre_vote: true,
+            batch_append: true,
+            ..Default::default()
+        }
+    }
+}
+
+/// The Raft role of a replica.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RaftRole {
+    Follower,
+    Candidate,
+    PreCandidate,
+    Leader,
+}
+
+impl From<StateRole> for RaftRole {
+    fn from(r: StateRole) -> Self {
+        match r {
+            StateRole::Follower => RaftRole::Follower,
+            StateRole::Candidate => RaftRole::Candidate,
+            StateRole::PreCandidate => RaftRole::PreCandidate,
+            StateRole::Leader => RaftRole::Leader,
+        }
+    }
+}
+
+/// A replica's view of the group.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Status {
+    pub id: u64,
+    pub role: RaftRole,
+    /// The leader this replica follows (0 if none is known).
+    pub leader_id: u64,
+    pub term: u64,
+    pub commit_index: u64,
+    pub applied_index: u64,
+    pub first_index: u64,
+    pub last_index: u64,
+    pub snapshot_index: u64,
+    pub voters: Vec<u64>,
+    pub learners: Vec<u64>,
+    pub pending_proposals: usize,
+}
+
+/// Something the state machine did, in log order.
+#[derive(Clone, Debug)]
+pub enum AppliedEvent {
+    /// A committed entry was applied (`duplicate`: its request id had been applied
+    /// before, so it had no effect and `committed` repeats the first outcome).
+    Entry {
+        index: u64,
+        term: u64,
+        entry: Arc<LogEntry>,
+        committed: Committed,
+        duplicate: bool,
+    },
+    /// The state was replaced by a snapshot taken at `index`.
+    Restored { index: u64, term: u64 },
+}
+
+type Reply<T> = oneshot::Sender<Result<T>>;
+type ReadFn = Box<dyn FnOnce(Result<&StateMachine>) + Send>;
+
+enum Msg {
+    Propose {
+        entry: LogEntry,
+        respond_to: Reply<Committed>,
+    },
+    Receive {
+        from: u64,
+        frame: Vec<u8>,
+    },
+    ReadLocal {
+        read: ReadFn,
+    },
+    ReadLinearizable {
+        read: ReadFn,
+    },
+    Status {
+        respond_to: oneshot::Sender<Status>,
+    },
+    Campaign {
+        respond_to: Reply<()>,
+    },
+    TransferLeader {
+        to: u64,
+    },
+    Shutdown {
+        respond_to: oneshot::Sender<()>,
+    },
+}
+
+/// A cheap, cloneable client of one replica.
+#[derive(Clone)]
+pub struct ConsensusHandle {
+    id: u64,
+    tx: mpsc::Sender<Msg>,
+    events: broadcast::Sender<AppliedEvent>,
+    status: watch::Receiver<Status>,
+    ids: Arc<RequestIds>,
+    task: Arc<Mutex<Option<JoinHandle<()>>>>,
+}
+
+impl std::fmt::Debug for ConsensusHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsensusHandle")
+            .field("id", &self.id)
+            .finish()
+    }
+}
+
+impl ConsensusHandle {
+    /// Starts the replica's actor on the current tokio runtime.
+    ///
+    /// `storage` either holds a Raft state (initialised here with
+    /// [`RedbStorage::initialize`], or from an earlier run), or is empty: then the
+    /// replica waits to be added by an existing member and receives a snapshot.
+    pub fn start(
+        config: ReplicaConfig,
+        storage: RedbStorage,
+        transport: Arc<dyn Transport>,
+    ) -> Result<Self> {
+        if config.id == 0 {
+            return Err(ConsensusError::Invalid("raft id 0 is reserved".into()));
+        }
+        let snapshot_meta = storage.snapshot_metadata().clone();
+        let state = storage.snapshot_state()?;
+        let cluster = storage.cluster_id();
+        let raft_config = config.raft_config(snapshot_meta.index);
+        raft_config.validate()?;
+        let raw = RawNode::new(&raft_config, storage, &raft_logger(config.id))?;
+
+        let (tx, inbox) = mpsc::channel(config.inbox_capacity.max(16));
+        let (events, _) = broadcast::channel(config.event_capacity.max(16));
+        let ids = Arc::new(RequestIds::new(config.id));
+        let mut actor = Actor {
+            cluster,
+            raw,
+            state,
+            conf_state: snapshot_meta.get_conf_state().clone(),
+            transport,
+            inbox,
+            events: events.clone(),
+            status_tx: None,
+            pending: HashMap::new(),
+            placed_at: BTreeMap::new(),
+            batch: Vec::new(),
+            reads: HashMap::new(),
+            confirmed_reads: Vec::new(),
+            next_read: 0,
+            ids: ids.clone(),
+            ticks: 0,
+            cfg: config.clone(),
+        };
+        let (status_tx, status) = watch::channel(actor.status());
+        actor.status_tx = Some(status_tx);
+        info!(
+            raft_id = config.id,
+            %cluster,
+            snapshot_index = snapshot_meta.index,
+            last_index = actor.raw.store().last(),
+            "consensus replica starting"
+        );
+        let task = tokio::spawn(actor.run());
+        Ok(Self {
+            id: config.id,
+            tx,
+            events,
+            status,
+            ids,
+            task: Arc::new(Mutex::new(Some(task))),
+        })
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// A request id no other proposal of this replica uses.
+    pub fn new_request_id(&self) -> RequestId {
+        self.ids.next_id()
+    }
+
+    /// Proposes `command` under a fresh request id and waits until it is applied
+    /// here (so a read on this replica afterwards sees it).
+    pub async fn propose(&self, command: Command) -> Result<Committed> {
+        self.propose_with_id(self.new_request_id(), command).await
+    }
+
+    /// Proposes `command` under `request_id`. Retrying with the same id after an
+    /// error is always safe: the command is applied at most once and a retry of an
+    /// applied request returns the first outcome.
+    pub async fn propose_with_id(
+        &self,
+        request_id: RequestId,
+        command: Command,
+    ) -> Result<Committed> {
+        let entry = LogEntry {
+            origin: self.id,
+            request_id,
+            command,
+        };
+        let (respond_to, rx) = oneshot::channel();
+        self.send(Msg::Propose { entry, respond_to }).await?;
+        rx.await.map_err(|_| ConsensusError::OutcomeUnknown {
+            request_id,
+            reason: "the consensus actor stopped".into(),
+        })?
+    }
+
+    /// Adds a node as a learner (it receives the log but does not vote).
+    pub async fn add_learner(
+        &self,
+        raft_id: u64,
+        peer_id: String,
+        capability: Option<NodeCapability>,
+    ) -> Result<Committed> {
+        self.propose(Command::NodeJoined {
+            raft_id,
+            peer_id,
+            capability,
+        })
+        .await
+    }
+
+    /// Promotes a learner to voter; refused once the voter cap is reached.
+    pub async fn promote(&self, raft_id: u64) -> Result<Committed> {
+        self.propose(Command::NodePromoted { raft_id }).await
+    }
+
+    /// Removes a member from the group.
+    pub async fn remove(&self, raft_id: u64) -> Result<Committed> {
+        self.propose(Command::NodeLeft { raft_id }).await
+    }
+
+    /// Reads this replica's state as applied so far. It may lag the leader by
+    /// however far this replica lags (usually a heartbeat; unbounded if it is
+    /// partitioned away). Use for dashboards and listings, not for decisions.
+    pub async fn read_local<R, F>(&self, f: F) -> Result<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&StateMachine) -> R + Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
+        let read: ReadFn = Box::new(move |state| {
+            let _ = tx.send(state.map(f));
+        });
+        self.send(Msg::ReadLocal { read }).await?;
+        rx.await.map_err(|_| ConsensusError::Stopped)?
+    }
+
+    /// Reads a state that includes every write committed before the call (Raft
+    /// ReadIndex: the leader confirms its leadership with a quorum, and this
+    /// replica waits until it has applied up to the leader's commit index).
+    pub async fn read_linearizable<R, F>(&self, f: F) -> Result<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&StateMachine) -> R + Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
+        let read: ReadFn = Box::new(move |state| {
+            let _ = tx.send(state.map(f));
+        });
+        self.send(Msg::ReadLinearizable { read }).await?;
+        rx.await.map_err(|_| ConsensusError::Stopped)?
+    }
+
+    pub async fn status(&self) -> Result<Status> {
+        let (respond_to, rx) = oneshot::channel();
+        self.send(Msg::Status { respond_to }).await?;
+        rx.await.map_err(|_| ConsensusError::Stopped)
+    }
+
+    /// The latest status, updated after every round of the actor's loop.
+    pub fn watch_status(&self) -> watch::Receiver<Status> {
+        self.status.clone()
+    }
+
+    /// Every applied entry, in log order, from now on.
+    pub fn subscribe(&self) -> broadcast::Receiver<AppliedEvent> {
+        self.events.subscribe()
+    }
+
+    /// Hands a frame received from peer `from` (its raft id, as the transport
+    /// authenticated it) to the replica. Malformed frames are logged and dropped.
+    pub async fn receive(&self, from: u64, frame: Vec<u8>) -> Result<()> {
+        self.send(Msg::Receive { from, frame }).await
+    }
+
+    /// Like [`Self::receive`] but never waits: returns false (frame dropped, as a
+    /// congested network would) when the inbox is full or the actor stopped.
+    pub fn try_receive(&self, from: u64, frame: Vec<u8>) -> bool {
+        self.tx.try_send(Msg::Receive { from, frame }).is_ok()
+    }
+
+    /// Makes this replica start an election now.
+    pub async fn campaign(&self) -> Result<()> {
+        let (respond_to, rx) = oneshot::channel();
+        self.send(Msg::Campaign { respond_to }).await?;
+        rx.await.map_err(|_| ConsensusError::Stopped)?
+    }
+
+    /// Asks the leader (this replica, if it leads) to hand leadership to `to`.
+    pub async fn transfer_leader(&self, to: u64) -> Result<()> {
+        self.send(Msg::TransferLeader { to }).await
+    }
+
+    /// Stops the actor and waits until its storage is closed. Everything already
+    /// acknowledged is durable; nothing needs flushing.
+    pub async fn shutdown(&self) {
+        let (respond_to, rx) = oneshot::channel();
+        if self.send(Msg::Shutdown { respond_to }).await.is_ok() {
+            let _ = rx.await;
+        }
+        self.join().await;
+    }
+
+    /// Stops the actor abruptly, wherever it is between two awaits, as a crash
+    /// would; its in-memory state is dropped. Waits until the storage is closed.
+    pub async fn kill(&self) {
+        let task = self.task.lock().ok().and_then(|mut t| t.take());
+        if let Some(task) = task {
+            task.abort();
+            let _ = task.await;
+        }
+    }
+
+    async fn join(&self) {
+        let task = self.task.lock().ok().and_then(|mut t| t.take());
+        if let Some(task) = task {
+            let _ = task.await;
+        }
+    }
+
+    async fn send(&self, msg: Msg) -> Result<()> {
+        self.tx.send(msg).await.map_err(|_| ConsensusError::Stopped)
+    }
+}
+
+/// A proposal of this replica that has no outcome yet.
+struct Pending {
+    entry: LogEntry,
+    waiters: Vec<Reply<Committed>>,
+    /// Where leaders said they appended it (index, term).
+    placements: Vec<(u64, u64)>,
+    /// Forwards sent and neither accepted nor refused yet.
+    unacked: u32,
+    /// Whether it ever left this replica or entered its log (if not, it certainly
+    /// did not commit).
+    sent: bool,
+    /// Sitting in the current batch of this (leading) replica.
+    batched: bool,
+    deadline: Instant,
+    next_retry: Instant,
+}
+
+/// Where a batched proposal came from.
+enum Source {
+    Local,
+    Forwarded(u64),
+}
+
+struct Actor {
+    cfg: ReplicaConfig,
+    cluster: ClusterId,
+    raw: RawNode<RedbStorage>,
+    state: StateMachine,
+    /// The conf state as of the applied index (goes into snapshots).
+    conf_state: ConfState,
+    transport: Arc<dyn Transport>,
+    inbox: mpsc::Receiver<Msg>,
+    events: broadcast::Sender<AppliedEvent>,
+    status_tx: Option<watch::Sender<Status>>,
+    pending: HashMap<RequestId, Pending>,
+    /// Log index → proposals of ours a leader placed there.
+    placed_at: BTreeMap<u64, Vec<RequestId>>,
+    /// Normal proposals collected this round, proposed together as one message.
+    batch: Vec<(LogEntry, Source)>,
+    /// ReadIndex requests in flight, by context.
+    reads: HashMap<u64, (ReadFn, Instant)>,
+    /// Reads whose index is known, waiting for apply to reach it.
+    confirmed_reads: Vec<(u64, ReadFn)>,
+    next_read: u64,
+    ids: Arc<RequestIds>,
+    ticks: u64,
+}
+
+/// Messages handled per round before the Ready is processed: large enough to batch
+/// many proposals into one fsync, small enough to keep ticks on time.
+const MAX_MSGS_PER_ROUND: usize = 4096;
+
+impl Actor {
+    async fn run(mut self) {
+        let mut ticker = time::interval(self.cfg.tick_interval);
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut shutdown = None;
+        // Apply what an earlier run committed but had not applied.
+        if let Err(e) = self.drive() {
+            error!(raft_id = self.cfg.id, "consensus stopped: {e}");
+            return;
+        }
+        loop {
+            tokio::select! {
+                biased;
+                _ = ticker.tick() => self.on_tick(),
+                msg = self.inbox.recv() => {
+                    let Some(msg) = msg else { break };
+                    if let Some(done) = self.handle(msg) {
+                        shutdown = Some(done);
+                        break;
+                    }
+                    for _ in 0..MAX_MSGS_PER_ROUND {
+                        let Ok(msg) = self.inbox.try_recv() else { break };
+                        if let Some(done) = self.handle(msg) {
+                            shutdown = Some(done);
+                            break;
+                        }
+                    }
+                    if shutdown.is_some() {
+                        break;
+                    }
+                }
+            }
+            self.flush_batch();
+            if let Err(e) = self.drive() {
+                // A storage failure leaves Raft unable to go on safely.
+                error!(raft_id = self.cfg.id, "consensus stopped: {e}");
+                break;
+            }
+        }
+        let id = self.cfg.id;
+        self.fail_all();
+        // Close the storage before telling the caller we are done.
+        drop(self);
+        info!(raft_id = id, "consensus replica stopped");
+        if let Some(done) = shutdown {
+            let _ = done.send(());
+        }
+    }
+
+    fn is_leader(&self) -> bool {
+        self.raw.raft.state == StateRole::Leader
+    }
+
+    fn leader(&self) -> u64 {
+        self.raw.raft.leader_id
+    }
+
+    /// Returns the shutdown responder when asked to stop.
+    fn handle(&mut self, msg: Msg) -> Option<oneshot::Sender<()>> {
+        match msg {
+            Msg::Propose { entry, respond_to } => self.on_propose(entry, respond_to),
+            Msg::Receive { from, frame } => self.on_frame(from, &frame),
+            Msg::ReadLocal { read } => read(Ok(&self.state)),
+            Msg::ReadLinearizable { read } => {
+                self.next_read += 1;
+                let ctx = self.next_read;
+                let deadline = Instant::now() + self.cfg.read_timeout;
+                self.reads.insert(ctx, (read, deadline));
+                self.raw.read_index(ctx.to_le_bytes().to_vec());
+            }
+            Msg::Status { respond_to } => {
+                let _ = respond_to.send(self.status());
+            }
+            Msg::Campaign { respond_to } => {
+                let _ = respond_to.send(self.raw.campaign().map_err(Into::into));
+            }
+            Msg::TransferLeader { to } => self.raw.transfer_leader(to),
+            Msg::Shutdown { respond_to } => return Some(respond_to),
+        }
+        None
+    }
+
+    fn on_propose(&mut self, entry: LogEntry, respond_to: Reply<Committed>) {
+        let request_id = entry.request_id;
+        if let Some(done) = self.state.outcome_of(&request_id) {
+            let _ = respond_to.send(Ok(done));
+            return;
+        }
+        if let Some(p) = self.pending.get_mut(&request_id) {
+            p.waiters.push(respond_to);
+            return;
+        }
+        let now = Instant::now();
+        self.pending.insert(
+            request_id,
+            Pending {
+                entry,
+                waiters: vec![respond_to],
+                placements: Vec::new(),
+                unacked: 0,
+                sent: false,
+                batched: false,
+                deadline: now + self.cfg.proposal_timeout,
+                next_retry: now,
+            },
+        );
+        self.place(request_id);
+    }
+
+    /// Gets a pending proposal into some leader's log: ours if we lead, else by
+    /// forwarding. Without a known leader it waits for a later tick.
+    fn place(&mut self, request_id: RequestId) {
+        let leading = self.is_leader();
+        let leader = self.leader();
+        let retry_after = self.cfg.tick_interval * self.cfg.election_tick as u32;
+        let Some(p) = self.pending.get_mut(&request_id) else {
+            return;
+        };
+        p.next_retry = Instant::now() + retry_after;
+        if leading {
+            if p.entry.command.is_membership_change() {
+                let entry = p.entry.clone();
+                match self.propose_conf_change(&entry) {
+                    Ok(Some(at)) => self.record_placement(request_id, at),
+                    // Another change is in flight: try again next tick.
+                    Ok(None) => {}
+                    Err(reason) => self.drop_pending(request_id, reason),
+                }
+            } else if !p.batched {
+                p.batched = true;
+                p.sent = true;
+                self.batch.push((p.entry.clone(), Source::Local));
+            }
+        } else if leader != 0 {
+            p.sent = true;
+            p.unacked += 1;
+            let body = FrameBody::Forward(p.entry.clone());
+            self.send_frame(leader, body);
+        }
+    }
+
+    fn record_placement(&mut self, request_id: RequestId, (index, term): (u64, u64)) {
+        if index <= self.state.applied_index() {
+            // Already applied here and it was not ours (ours would have resolved the
+            // proposal): that placement lost.
+            if let Some(p) = self.pending.get_mut(&request_id) {
+                p.sent = true;
+                p.placements.push((index, term));
+            }
+            self.unplace(request_id, index);
+            return;
+        }
+        if let Some(p) = self.pending.get_mut(&request_id) {
+            p.sent = true;
+            if !p.placements.contains(&(index, term)) {
+                p.placements.push((index, term));
+                self.placed_at.entry(index).or_default().push(request_id);
+            }
+        }
+    }
+
+    fn drop_pending(&mut self, request_id: RequestId, reason: String) {
+        if let Some(p) = self.pending.remove(&request_id) {
+            for w in p.waiters {
+                let _ = w.send(Err(ConsensusError::ProposalDropped {
+                    request_id,
+                    reason: reason.clone(),
+                }));
+            }
+        }
+    }
+
+    fn resolve(&mut self, request_id: RequestId, committed: &Committed) {
+        if let Some(p) = self.pending.remove(&request_id) {
+            for w in p.waiters {
+                let _ = w.send(Ok(committed.clone()));
+            }
+        }
+    }
+
+    /// Proposes a membership change as a Raft ConfChange carrying the log entry.
+    /// `Ok(None)`: another change is pending; retry later.
+    fn propose_conf_change(&mut self, entry: &LogEntry) -> Result<Option<(u64, u64)>, String> {
+        if self.raw.raft.has_pending_conf() {
+            return Ok(None);
+        }
+        let (change_type, node_id) = match &entry.command {
+            Command::NodeJoined { raft_id, .. } => (ConfChangeType::AddLearnerNode, *raft_id),
+            Command::NodePromoted { raft_id } => (ConfChangeType::AddNode, *raft_id),
+            Command::NodeLeft { raft_id } => (ConfChangeType::RemoveNode, *raft_id),
+            other => return Err(format!("{} is not a membership change", other.kind())),
+        };
+        if let Err(outcome) = self.state.membership_verdict(&entry.command) {
+            // Refuse early what apply would refuse anyway; apply re-checks.
+            return Err(format!("{outcome:?}"));
+        }
+        let mut cc = ConfChange::default();
+        cc.set_change_type(change_type);
+        cc.node_id = node_id;
+        cc.context = codec::to_bytes(entry).map_err(|e| e.to_string())?.into();
+        let before = self.raw.raft.raft_log.last_index();
+        self.raw
+            .propose_conf_change(vec![], cc)
+            .map_err(|e| e.to_string())?;
+        let after = self.raw.raft.raft_log.last_index();
+        if after == before {
+            return Err("raft dropped the proposal".into());
+        }
+        Ok(Some((after, self.raw.raft.term)))
+    }
+
+    /// Proposes this round's normal proposals as one MsgPropose: one append, one
+    /// broadcast, one fsync for all of them.
+    fn flush_batch(&mut self) {
+        if self.batch.is_empty() {
+            return;
+        }
+        let batch = std::mem::take(&mut self.batch);
+        let mut msg = RaftMessage::default();
+        msg.set_msg_type(MessageType::MsgPropose);
+        msg.from = self.cfg.id;
+        let mut encoded = Vec::with_capacity(batch.len());
+        for (entry, _) in &batch {
+            match codec::to_bytes(entry) {
+                Ok(data) => {
+                    let mut e = Entry::default();
+                    e.data = data.into();
+                    encoded.push(e);
+                }
+                Err(e) => encoded.push({
+                    warn!(request_id = %entry.request_id, "cannot encode proposal: {e}");
+                    Entry::default()
+                }),
+            }
+        }
+        msg.set_entries(encoded.into());
+        let before = self.raw.raft.raft_log.last_index();
+        let result = if self.is_leader() {
+            self.raw.step(msg).map_err(|e| e.to_string())
+        } else {
+            Err("no longer the leader".to_string())
+        };
+        let after = self.raw.raft.raft_log.last_index();
+        let term = self.raw.raft.term;
+        let appended = result.is_ok() && after == before + batch.len() as u64;
+        let leader = self.leader();
+        for (i, (entry, source)) in batch.into_iter().enumerate() {
+            let at = (before + 1 + i as u64, term);
+            match source {
+                Source::Local => {
+                    if let Some(p) = self.pending.get_mut(&entry.request_id) {
+                        p.batched = false;
+                    }
+                    if appended {
+                        self.record_placement(entry.request_id, at);
+                    }
+                    // Otherwise it stays pending and is forwarded on a later tick.
+                }
+                Source::Forwarded(origin) => {
+                    let body = if appended {
+                        FrameBody::ForwardAccepted {
+                            request_id: entry.request_id,
+                            index: at.0,
+                            term: at.1,
+                        }
+                    } else {
+                        FrameBody::ForwardRefused {
+                            request_id: entry.request_id,
+                            leader,
+                            reason: result
+                                .clone()
+                                .err()
+                                .unwrap_or_else(|| "raft dropped the proposal".into()),
+                        }
+                    };
+                    self.send_frame(origin, body);
+                }
+            }
+        }
+    }
+
+    fn on_frame(&mut self, from: u64, bytes: &[u8]) {
+        let frame = match Frame::decode(bytes) {
+            Ok(f) => f,
+            Err(e) => {
+                warn!(raft_id = self.cfg.id, from, "dropping malformed frame: {e}");
+                return;
+            }
+        };
+        if frame.cluster != self.cluster {
+            warn!(
+                raft_id = self.cfg.id,
+                from,
+                theirs = %frame.cluster,
+                ours = %self.cluster,
+                "dropping frame from another cluster"
+            );
+            return;
+        }
+        if frame.from != from {
+            warn!(
+                raft_id = self.cfg.id,
+                from,
+                claimed = frame.from,
+                "dropping frame whose sender does not match the transport's"
+            );
+            return;
+        }
+        match frame.body {
+            FrameBody::Raft(bytes) => self.on_raft_message(from, &bytes),
+            FrameBody::Forward(entry) => self.on_forward(from, entry),
+            FrameBody::ForwardAccepted {
+                request_id,
+                index,
+                term,
+            } => {
+                if let Some(p) = self.pending.get_mut(&request_id) {
+                    p.unacked = p.unacked.saturating_sub(1);
+                    self.record_placement(request_id, (index, term));
+                }
+            }
+            FrameBody::ForwardRefused {
+                request_id,
+                leader,
+                reason,
+            } => {
+                debug!(raft_id = self.cfg.id, %request_id, leader, "forward refused: {reason}");
+                if let Some(p) = self.pending.get_mut(&request_id) {
+                    p.unacked = p.unacked.saturating_sub(1);
+                    // Retry at the next tick, when the leader may be known.
+                    p.next_retry = Instant::now();
+                }
+            }
+        }
+    }
+
+    fn on_raft_message(&mut self, from: u64, bytes: &[u8]) {
+        let msg = match decode_raft(bytes) {
+            Ok(m) => m,
+            Err(e) => {
+                warn!(
+                    raft_id = self.cfg.id,
+                    from, "dropping malformed raft message: {e}"
+                );
+                return;
+            }
+        };
+        if msg.from != from || msg.to != self.cfg.id {
+            warn!(
+                raft_id = self.cfg.id,
+                from,
+                msg_from = msg.from,
+                msg_to = msg.to,
+                "dropping misaddressed raft message"
+            );
+            return;
+        }
+        if raft::raw_node::is_local_msg(msg.get_msg_type()) {
+            warn!(
+                raft_id = self.cfg.id,
+                from, "dropping local-only raft message type"
+            );
+            return;
+        }
+        if msg.get_msg_type() == MessageType::MsgSnapshot {
+            // Check the state inside before raft-rs adopts it: a snapshot we cannot
+            // restore must not replace our log.
+            if let Err(e) = StateMachine::from_bytes(&msg.get_snapshot().data) {
+                warn!(
+                    raft_id = self.cfg.id,
+                    from, "dropping snapshot with bad state: {e}"
+                );
+                return;
+            }
+        }
+        if let Err(e) = self.raw.step(msg) {
+            debug!(raft_id = self.cfg.id, from, "raft ignored message: {e}");
+        }
+    }
+
+    fn on_forward(&mut self, from: u64, entry: LogEntry) {
+        let request_id = entry.request_id;
+        if entry.origin != from {
+            warn!(
+                raft_id = self.cfg.id,
+                from,
+                origin = entry.origin,
+                "dropping forwarded proposal with a foreign origin"
+            );
+            return;
+        }
+        if !self.is_leader() {
+            let leader = self.leader();
+            self.send_frame(
+                from,
+                FrameBody::ForwardRefused {
+                    request_id,
+                    leader,
+                    reason: "not the leader".into(),
+                },
+            );
+            return;
+        }
+        if entry.command.is_membership_change() {
+            let body = match self.propose_conf_change(&entry) {
+                Ok(Some((index, term))) => FrameBody::ForwardAccepted {
+                    request_id,
+                    index,
+                    term,
+                },
+                Ok(None) => FrameBody::ForwardRefused {
+                    request_id,
+                    leader: self.cfg.id,
+                    reason: "another membership change is in progress".into(),
+                },
+                Err(reason) => FrameBody::ForwardRefused {
+                    request_id,
+                    leader: self.cfg.id,
+                    reason,
+                },
+            };
+            self.send_frame(from, body);
+            return;
+        }
+        self.batch.push((entry, Source::Forwarded(from)));
+    }
+
+    fn on_tick(&mut self) {
+        self.raw.tick();
+        self.ticks += 1;
+        let now = Instant::now();
+
+        // Proposals: answer the expired, retry the unplaced.
+        let mut expired = Vec::new();
+        let mut retry = Vec::new();
+        for (id, p) in &self.pending {
+            if now >= p.deadline {
+                expired.push(*id);
+            } else if p.placements.is_empty() && !p.batched && now >= p.next_retry {
+                retry.push(*id);
+            }
+        }
+        for id in expired {
+            if let Some(p) = self.pending.remove(&id) {
+                let err = || {
+                    if p.sent {
+                        ConsensusError::OutcomeUnknown {
+                            request_id: id,
+                            reason: "no commit seen before the deadline".into(),
+                        }
+                    } else {
+                        ConsensusError::NoLeader
+                    }
+                };
+                for w in p.waiters {
+                    let _ = w.send(Err(err()));
+                }
+            }
+        }
+        for id in retry {
+            self.place(id);
+        }
+
+        // Reads that no quorum confirmed in time.
+        let late: Vec<u64> = self
+            .reads
+            .iter()
+            .filter(|(_, (_, deadline))| now >= *deadline)
+            .map(|(ctx, _)| *ctx)
+            .collect();
+        for ctx in late {
+            if let Some((read, _)) = self.reads.remove(&ctx) {
+                read(Err(ConsensusError::ReadTimeout));
+            }
+        }
+
+        if self.cfg.auto_promote && self.is_leader() && self.ticks % 5 == 0 {
+            self.maybe_promote();
+        }
+    }
+
+    /// Promotes one caught-up learner while voters are below the cap.
+    fn maybe_promote(&mut self) {
+        if self.raw.raft.has_pending_conf()
+            || self.state.voter_count() >= self.state.settings().max_voters as usize
+        {
+            return;
+        }
+        let last = self.raw.raft.raft_log.last_index();
+        let learner = self.state.members().values().find(|m| {
+            m.role == crate::state::Role::Learner
+                && self
+                    .raw
+                    .raft
+                    .prs()
+                    .get(m.raft_id)
+                    .is_some_and(|p| p.matched + 100 >= last)
+        });
+        let Some(learner) = learner.map(|m| m.raft_id) else {
+            return;
+        };
+        let entry = LogEntry {
+            origin: self.cfg.id,
+            request_id: self.ids.next_id(),
+            command: Command::NodePromoted { raft_id: learner },
+        };
+        match self.propose_conf_change(&entry) {
+            Ok(Some(_)) => info!(raft_id = self.cfg.id, learner, "promoting learner"),
+            Ok(None) => {}
+            Err(e) => debug!(raft_id = self.cfg.id, "not promoting: {e}"),
+        }
+    }
+
+    /// Handles every pending Ready (see the module docs for the order).
+    fn drive(&mut self) -> Result<()> {
+        while self.raw.has_ready() {
+            let mut ready = self.raw.ready();
+            if !ready.messages().is_empty() {
+                self.send_raft(ready.take_messages());
+            }
+            let snapshot = (!ready.snapshot().is_empty()).then(|| ready.snapshot().clone());
+            if snapshot.is_some() || !ready.entries().is_empty() || ready.hs().is_some() {
+                self.raw
+                    .mut_store()
+                    .persist(snapshot.as_ref(), ready.entries(), ready.hs())?;
+            }
+            if let Some(snapshot) = snapshot {
+                self.restore(&snapshot)?;
+            }
+            self.on_read_states(ready.take_read_states());
+            self.apply_entries(ready.take_committed_entries());
+            if !ready.persisted_messages().is_empty() {
+                self.send_raft(ready.take_persisted_messages());
+            }
+            let mut light = self.raw.advance(ready);
+            if let Some(commit) = light.commit_index() {
+                self.raw.mut_store().set_commit(commit);
+            }
+            self.send_raft(light.take_messages());
+            self.apply_entries(light.take_committed_entries());
+            self.raw.advance_apply();
+        }
+        self.serve_reads();
+        self.maybe_snapshot()?;
+        self.publish_status();
+        Ok(())
+    }
+
+    fn send_raft(&mut self, msgs: Vec<RaftMessage>) {
+        for msg in msgs {
+            let to = msg.to;
+            let is_snapshot = msg.get_msg_type() == MessageType::MsgSnapshot;
+            let delivered = match encode_raft(&msg) {
+                Ok(bytes) => self.send_frame(to, FrameBody::Raft(bytes)),
+                Err(e) => {
+                    error!(raft_id = self.cfg.id, to, "cannot encode raft message: {e}");
+                    false
+                }
+            };
+            if !delivered {
+                self.raw.report_unreachable(to);
+            }
+            if is_snapshot {
+                // The transport gives no receipt: report at once. If the snapshot is
+                // lost, the follower rejects the next append and Raft sends it again.
+                let status = if delivered {
+                    raft::SnapshotStatus::Finish
+                } else {
+                    raft::SnapshotStatus::Failure
+                };
+                self.raw.report_snapshot(to, status);
+            }
+        }
+    }
+
+    /// Sends a frame; false if the transport says the peer is unreachable.
+    fn send_frame(&self, to: u64, body: FrameBody) -> bool {
+        let frame = Frame {
+            cluster: self.cluster,
+            from: self.cfg.id,
+            body,
+        };
+        match frame.encode() {
+            Ok(bytes) => self.transport.send(to, bytes).is_ok(),
+            Err(e) => {
+                error!(raft_id = self.cfg.id, to, "cannot encode frame: {e}");
+                false
+            }
+        }
+    }
+
+    fn restore(&mut self, snapshot: &Snapshot) -> Result<()> {
+        let meta = snapshot.get_metadata();
+        self.state = StateMachine::from_bytes(&snapshot.data)?;
+        self.conf_state = meta.get_conf_state().clone();
+        info!(
+            raft_id = self.cfg.id,
+            index = meta.index,
+            term = meta.term,
+            "restored state from a snapshot"
+        );
+        let _ = self.events.send(AppliedEvent::Restored {
+            index: meta.index,
+            term: meta.term,
+        });
+        // Proposals placed at or below the snapshot: the state says what happened.
+        let covered: Vec<u64> = self
+            .placed_at
+            .range(..=meta.index)
+            .map(|(i, _)| *i)
+            .collect();
+        for index in covered {
+            for request_id in self.placed_at.remove(&index).unwrap_or_default() {
+                match self.state.outcome_of(&request_id) {
+                    Some(done) => self.resolve(request_id, &done),
+                    None => self.unplace(request_id, index),
+                }
+            }
+        }
+        // Our own proposals may also be inside without a known placement.
+        let inside: Vec<(RequestId, Committed)> = self
+            .pending
+            .keys()
+            .filter_map(|id| self.state.outcome_of(id).map(|c| (*id, c)))
+            .collect();
+        for (id, done) in inside {
+            self.resolve(id, &done);
+        }
+        Ok(())
+    }
+
+    /// The entry at `index` is not `request_id`'s: forget that placement, and if
+    /// no other could still commit, the proposal certainly failed.
+    fn unplace(&mut self, request_id: RequestId, index: u64) {
+        let Some(p) = self.pending.get_mut(&request_id) else {
+            return;
+        };
+        p.placements.retain(|(i, _)| *i != index);
+        if p.placements.is_empty() && p.unacked == 0 && !p.batched {
+            self.drop_pending(
+                request_id,
+                format!("a different entry was committed at index {index} (leader changed)"),
+            );
+        }
+    }
+
+    fn on_read_states(&mut self, states: Vec<raft::ReadState>) {
+        for rs in states {
+            let Ok(ctx) = <[u8; 8]>::try_from(rs.request_ctx.as_slice()) else {
+                continue;
+            };
+            if let Some((read, _)) = self.reads.remove(&u64::from_le_bytes(ctx)) {
+                self.confirmed_reads.push((rs.index, read));
+            }
+        }
+    }
+
+    fn serve_reads(&mut self) {
+        if self.confirmed_reads.is_empty() {
+            return;
+        }
+        let applied = self.state.applied_index();
+        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.confirmed_reads)
+            .into_iter()
+            .partition(|(index, _)| *index <= applied);
+        self.confirmed_reads = waiting;
+        for (_, read) in ready {
+            read(Ok(&self.state));
+        }
+    }
+
+    fn apply_entries(&mut self, entries: Vec<Entry>) {
+        for entry in entries {
+            let (index, term) = (entry.index, entry.term);
+            if index <= self.state.applied_index() {
+                continue;
+            }
+            match entry.get_entry_type() {
+                EntryType::EntryNormal if entry.data.is_empty() => {
+                    // A new leader's empty entry.
+                    self.state.skip(index, term);
+                    self.settle(index, None);
+                }
+                EntryType::EntryNormal => match codec::from_bytes::<LogEntry>(&entry.data) {
+                    Ok(le) => {
+                        let applied = self.state.apply(index, term, &le);
+                        self.finish(index, term, le, applied);
+                    }
+                    Err(e) => {
+                        // Every replica skips the same bytes alike: still deterministic.
+                        error!(
+                            raft_id = self.cfg.id,
+                            index, "skipping undecodable entry: {e}"
+                        );
+                        self.state.skip(index, term);
+                        self.settle(index, None);
+                    }
+                },
+                EntryType::EntryConfChange => self.apply_conf_change(&entry),
+                EntryType::EntryConfChangeV2 => {
+                    warn!(
+                        raft_id = self.cfg.id,
+                        index, "skipping unexpected ConfChangeV2"
+                    );
+                    self.state.skip(index, term);
+                    self.settle(index, None);
+                }
+            }
+        }
+    }
+
+    fn apply_conf_change(&mut self, entry: &Entry) {
+        let (index, term) = (entry.index, entry.term);
+        let decoded = ConfChange::parse_from_bytes(&entry.data)
+            .map_err(|e| e.to_string())
+            .and_then(|cc| {
+                codec::from_bytes::<LogEntry>(&cc.context)
+                    .map(|le| (cc, le))
+                    .map_err(|e| e.to_string())
+            });
+        let (cc, le) = match decoded {
+            Ok(x) => x,
+            Err(e) => {
+                error!(
+                    raft_id = self.cfg.id,
+                    index, "skipping undecodable conf change: {e}"
+                );
+                self.state.skip(index, term);
+                self.settle(index, None);
+                return;
+            }
+        };
+        let applied = if self.state.outcome_of(&le.request_id).is_some() {
+            self.state.apply(index, term, &le)
+        } else {
+            match self.state.membership_verdict(&le.command) {
+                Ok(()) => match self.raw.apply_conf_change(&cc) {
+                    Ok(cs) => {
+                        self.conf_state = cs;
+                        self.state.apply(index, term, &le)
+                    }
+                    Err(e) => self.state.conclude(
+                        index,
+                        term,
+                        &le,
+                        crate::command::Outcome::Rejected(format!("raft refused: {e}")),
+                    ),
+                },
+                Err(outcome) => self.state.conclude(index, term, &le, outcome),
+            }
+        };
+        info!(
+            raft_id = self.cfg.id,
+            index,
+            change = le.command.kind(),
+            node = cc.node_id,
+            outcome = ?applied.committed.outcome,
+            "membership change applied"
+        );
+        self.finish(index, term, le, applied);
+    }
+
+    fn finish(&mut self, index: u64, term: u64, entry: LogEntry, applied: Applied) {
+        let request_id = entry.request_id;
+        if entry.origin == self.cfg.id {
+            self.resolve(request_id, &applied.committed);
+        }
+        self.settle(index, Some(request_id));
+        let _ = self.events.send(AppliedEvent::Entry {
+            index,
+            term,
+            entry: Arc::new(entry),
+            committed: applied.committed,
+            duplicate: applied.duplicate,
+        });
+    }
+
+    /// Index `index` is applied with `request_id` (if any): other proposals placed
+    /// there lost their slot.
+    fn settle(&mut self, index: u64, request_id: Option<RequestId>) {
+        if self.placed_at.is_empty() {
+            return;
+        }
+        // Placements below are settled too (they may be skipped by a snapshot).
+        let done: Vec<u64> = self.placed_at.range(..=index).map(|(i, _)| *i).collect();
+        for i in done {
+            for id in self.placed_at.remove(&i).unwrap_or_default() {
+                if Some(id) != request_id || i != index {
+                    self.unplace(id, i);
+                }
+            }
+        }
+    }
+
+    fn maybe_snapshot(&mut self) -> Result<()> {
+        let applied = self.state.applied_index();
+        let snap_index = self.raw.store().snapshot_metadata().index;
+        let requested = self.raw.store().take_snapshot_request();
+        if applied <= snap_index
+            || (!requested && applied - snap_index < self.cfg.snapshot_interval)
+        {
+            return Ok(());
+        }
+        let mut snapshot = Snapshot::default();
+        snapshot.data = self.state.to_bytes()?.into();
+        let meta = snapshot.mut_metadata();
+        meta.index = applied;
+        meta.term = self.state.applied_term();
+        meta.set_conf_state(self.conf_state.clone());
+        let compact_to = (applied + 1).saturating_sub(self.cfg.log_retain);
+        self.raw.mut_store().compact(snapshot, compact_to)?;
+        debug!(
+            raft_id = self.cfg.id,
+            index = applied,
+            "snapshot taken, log compacted"
+        );
+        Ok(())
+    }
+
+    fn status(&self) -> Status {
+        let raft = &self.raw.raft;
+        let store = self.raw.store();
+        let conf = raft.prs().conf().to_conf_state();
+        let mut voters = conf.voters.clone();
+        voters.sort_unstable();
+        let mut learners = conf.learners.clone();
+        learners.sort_unstable();
+        Status {
+            id: self.cfg.id,
+            role: raft.state.into(),
+            leader_id: raft.leader_id,
+            term: raft.term,
+            commit_index: raft.raft_log.committed,
+            applied_index: self.state.applied_index(),
+            first_index: store.first(),
+            last_index: raft.raft_log.last_index(),
+            snapshot_index: store.snapshot_metadata().index,
+            voters,
+            learners,
+            pending_proposals: self.pending.len(),
+        }
+    }
+
+    fn publish_status(&mut self) {
+        let status = self.status();
+        if let Some(tx) = &self.status_tx {
+            tx.send_if_modified(|s| {
+                if *s != status {
+                    *s = status;
+                    true
+                } else {
+                    false
+                }
+            });
+        }
+    }
+
+    fn fail_all(&mut self) {
+        for (id, p) in self.pending.drain() {
+            for w in p.waiters {
+                let _ = w.send(Err(if p.sent {
+                    ConsensusError::OutcomeUnknown {
+                        request_id: id,
+                        reason: "the consensus actor stopped".into(),
+                    }
+                } else {
+                    ConsensusError::Stopped
+                }));
+            }
+        }
+        for (_, (read, _)) in self.reads.drain() {
+            read(Err(ConsensusError::Stopped));
+        }
+        for (_, read) in self.confirmed_reads.drain(..) {
+            read(Err(ConsensusError::Stopped));
+        }
+    }
+}

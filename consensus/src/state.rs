@@ -1,0 +1,628 @@
+//! The replicated state machine: members, tasks, shards and results.
+//!
+//! `apply` is a plain deterministic function of (state, index, entry): no clocks, no
+//! randomness, no I/O, so every replica that applies the same log reaches the same
+//! state, and a replica restored from a snapshot equals one that replayed the log.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use gpumesh_protocol::{codec, BlobId, NodeCapability, TaskSpec};
+use serde::{Deserialize, Serialize};
+
+use crate::command::{Command, Committed, LogEntry, Outcome, RequestId, TaskId};
+use crate::error::Result;
+
+/// How many outcomes of non-submit proposals are remembered for deduplication. A
+/// retry arriving after this many later proposals is applied again; submits are
+/// deduplicated for as long as their task exists.
+pub const REMEMBERED_REQUESTS: usize = 100_000;
+/// A task may be split into at most this many shards.
+pub const MAX_SHARDS_PER_TASK: u32 = 65_536;
+/// After this many failed attempts of one shard, its task fails.
+pub const MAX_SHARD_ATTEMPTS: u32 = 3;
+/// Default cap on Raft voters; further members stay learners.
+pub const DEFAULT_MAX_VOTERS: u32 = 5;
+
+/// Settings fixed when the mesh is initialised and replicated with the state, so
+/// every replica judges membership changes alike.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterSettings {
+    pub max_voters: u32,
+}
+
+/// A member's role in the Raft group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Role {
+    Voter,
+    Learner,
+}
+
+/// A liveness beacon as recorded: where in the log and what the sender's clock said.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Liveness {
+    pub index: u64,
+    pub at_ms: u64,
+}
+
+/// One node of the mesh.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Member {
+    pub raft_id: u64,
+    /// The libp2p peer id in text form (consensus does not depend on libp2p).
+    pub peer_id: String,
+    pub role: Role,
+    pub capability: Option<NodeCapability>,
+    pub last_heartbeat: Option<Liveness>,
+    /// Log index at which the node joined (0 for founding members).
+    pub joined_index: u64,
+}
+
+/// Where a task stands.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TaskStatus {
+    /// No shard has been assigned yet.
+    Pending,
+    /// Some shard is assigned, running or done; not all are done.
+    Running,
+    /// Every shard has a result.
+    Completed,
+    Failed(String),
+    Cancelled(String),
+}
+
+impl TaskStatus {
+    pub fn is_terminal(&self) -> bool {
+        matches!(
+            self,
+            TaskStatus::Completed | TaskStatus::Failed(_) | TaskStatus::Cancelled(_)
+        )
+    }
+}
+
+/// Where one shard stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ShardState {
+    Pending,
+    Assigned,
+    Running,
+    Done,
+}
+
+/// The accepted output of a shard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardOutput {
+    /// blake3 of the output bytes: both its address and its checksum.
+    pub blob: BlobId,
+    pub size: u64,
+    pub node: u64,
+    pub epoch: u32,
+    /// Log index of the accepted `ShardResult`.
+    pub index: u64,
+}
+
+/// One shard of a task.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shard {
+    /// The current attempt; bumped by every assignment, so reports from an earlier
+    /// attempt are recognisably stale.
+    pub epoch: u32,
+    pub assigned_to: Option<u64>,
+    pub state: ShardState,
+    pub failures: u32,
+    pub last_error: Option<String>,
+    pub output: Option<ShardOutput>,
+}
+
+/// A submitted task.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Task {
+    pub id: TaskId,
+    pub spec: TaskSpec,
+    pub spec_hash: [u8; 32],
+    pub submitter: String,
+    /// The idempotency key it was submitted with.
+    pub request_id: RequestId,
+    pub status: TaskStatus,
+    pub shards: Vec<Shard>,
+}
+
+/// What one `apply` call produced.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Applied {
+    pub committed: Committed,
+    /// True when the entry repeated an already applied request id: it had no effect
+    /// and `committed` is the first application's outcome.
+    pub duplicate: bool,
+}
+
+/// The replicated record.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StateMachine {
+    applied_index: u64,
+    applied_term: u64,
+    settings: ClusterSettings,
+    members: BTreeMap<u64, Member>,
+    tasks: BTreeMap<TaskId, Task>,
+    task_by_request: BTreeMap<RequestId, TaskId>,
+    requests: BTreeMap<RequestId, Committed>,
+    /// Insertion order of `requests`, oldest first, to forget deterministically.
+    request_order: VecDeque<RequestId>,
+}
+
+impl StateMachine {
+    /// The state of a new mesh whose founding members are all voters.
+    pub fn bootstrap(founders: &[(u64, String)], settings: ClusterSettings) -> Self {
+        let members = founders
+            .iter()
+            .map(|(raft_id, peer_id)| {
+                (
+                    *raft_id,
+                    Member {
+                        raft_id: *raft_id,
+                        peer_id: peer_id.clone(),
+                        role: Role::Voter,
+                        capability: None,
+                        last_heartbeat: None,
+                        joined_index: 0,
+                    },
+                )
+            })
+            .collect();
+        Self {
+            applied_index: 0,
+            applied_term: 0,
+            settings,
+            members,
+            tasks: BTreeMap::new(),
+            task_by_request: BTreeMap::new(),
+            requests: BTreeMap::new(),
+            request_order: VecDeque::new(),
+        }
+    }
+
+    /// An empty state (for a node that has not yet received a snapshot).
+    pub fn empty() -> Self {
+        Self::bootstrap(
+            &[],
+            ClusterSettings {
+                max_voters: DEFAULT_MAX_VOTERS,
+            },
+        )
+    }
+
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        Ok(codec::to_bytes(self)?)
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        Ok(codec::from_bytes(bytes)?)
+    }
+
+    pub fn applied_index(&self) -> u64 {
+        self.applied_index
+    }
+
+    pub fn applied_term(&self) -> u64 {
+        self.applied_term
+    }
+
+    pub fn settings(&self) -> &ClusterSettings {
+        &self.settings
+    }
+
+    pub fn members(&self) -> &BTreeMap<u64, Member> {
+        &self.members
+    }
+
+    pub fn member(&self, raft_id: u64) -> Option<&Member> {
+        self.members.get(&raft_id)
+    }
+
+    pub fn voter_count(&self) -> usize {
+        self.members
+            .values()
+            .filter(|m| m.role == Role::Voter)
+            .count()
+    }
+
+    pub fn tasks(&self) -> &BTreeMap<TaskId, Task> {
+        &self.tasks
+    }
+
+    pub fn task(&self, id: TaskId) -> Option<&Task> {
+        self.tasks.get(&id)
+    }
+
+    /// The task a submit with this idempotency key created, if any.
+    pub fn task_by_request(&self, request_id: &RequestId) -> Option<TaskId> {
+        self.task_by_request.get(request_id).copied()
+    }
+
+    /// The outcome of an applied request id, while it is remembered.
+    pub fn prior(&self, request_id: &RequestId) -> Option<&Committed> {
+        self.requests.get(request_id)
+    }
+
+    /// The outcome a request id already got, if it is still remembered (submits: for
+    /// as long as their task exists).
+    pub fn outcome_of(&self, request_id: &RequestId) -> Option<Committed> {
+        if let Some(c) = self.requests.get(request_id) {
+            return Some(c.clone());
+        }
+        self.task_by_request.get(request_id).map(|task| Committed {
+            index: task.0,
+            outcome: Outcome::TaskSubmitted { task: *task },
+        })
+    }
+
+    /// Advances the applied position for an entry that carries no command (a new
+    /// leader's empty entry, or an undecodable one).
+    pub fn skip(&mut self, index: u64, term: u64) {
+        if index > self.applied_index {
+            self.applied_index = index;
+            self.applied_term = term;
+        }
+    }
+
+    /// Whether a membership change may take effect. `Err` carries the outcome to
+    /// record instead; the caller then must not apply the Raft ConfChange.
+    pub fn membership_verdict(&self, command: &Command) -> Result<(), Outcome> {
+        match command {
+            Command::NodeJoined { raft_id, .. } => match self.members.get(raft_id) {
+                Some(_) => Err(Outcome::Ignored(format!(
+                    "node {raft_id} is already a member"
+                ))),
+                None => Ok(()),
+            },
+            Command::NodePromoted { raft_id } => match self.members.get(raft_id) {
+                None => Err(Outcome::Rejected(format!("node {raft_id} is not a member"))),
+                Some(m) if m.role == Role::Voter => Err(Outcome::Ignored(format!(
+                    "node {raft_id} is already a voter"
+                ))),
+                Some(_) if self.voter_count() >= self.settings.max_voters as usize => {
+                    Err(Outcome::Rejected(format!(
+                        "the voter cap of {} is reached; node {raft_id} stays a learner",
+                        self.settings.max_voters
+                    )))
+                }
+                Some(_) => Ok(()),
+            },
+            Command::NodeLeft { raft_id } => match self.members.get(raft_id) {
+                None => Err(Outcome::Ignored(format!("node {raft_id} is not a member"))),
+                Some(m) if m.role == Role::Voter && self.voter_count() <= 1 => Err(
+                    Outcome::Rejected(format!("node {raft_id} is the last voter")),
+                ),
+                Some(_) => Ok(()),
+            },
+            _ => Err(Outcome::Rejected(format!(
+                "{} is not a membership change",
+                command.kind()
+            ))),
+        }
+    }
+
+    /// Records `outcome` for `entry` without running its command (a refused
+    /// membership change).
+    pub fn conclude(
+        &mut self,
+        index: u64,
+        term: u64,
+        entry: &LogEntry,
+        outcome: Outcome,
+    ) -> Applied {
+        if let Some(prior) = self.requests.get(&entry.request_id) {
+            let committed = prior.clone();
+            self.skip(index, term);
+            return Applied {
+                committed,
+                duplicate: true,
+            };
+        }
+        self.skip(index, term);
+        let committed = Committed { index, outcome };
+        self.remember(entry.request_id, committed.clone());
+        Applied {
+            committed,
+            duplicate: false,
+        }
+    }
+
+    /// Applies one committed entry. Entries at or below the applied index are
+    /// ignored (replays after a restart), and a repeated request id has no effect.
+    pub fn apply(&mut self, index: u64, term: u64, entry: &LogEntry) -> Applied {
+        if let Some(prior) = self.requests.get(&entry.request_id) {
+            let committed = prior.clone();
+            self.skip(index, term);
+            return Applied {
+                committed,
+                duplicate: true,
+            };
+        }
+        if let Some(task) = self.task_by_request.get(&entry.request_id) {
+            let committed = Committed {
+                index: task.0,
+                outcome: Outcome::TaskSubmitted { task: *task },
+            };
+            self.skip(index, term);
+            return Applied {
+                committed,
+                duplicate: true,
+            };
+        }
+        if index <= self.applied_index {
+            // Not a new entry: already part of this state. Report without effect.
+            return Applied {
+                committed: Committed {
+                    index,
+                    outcome: Outcome::Ignored("already applied".into()),
+                },
+                duplicate: true,
+            };
+        }
+        self.applied_index = index;
+        self.applied_term = term;
+        let outcome = self.run(index, entry);
+        let committed = Committed { index, outcome };
+        // Submits are remembered through their task instead (see `task_by_request`).
+        if !matches!(committed.outcome, Outcome::TaskSubmitted { .. }) {
+            self.remember(entry.request_id, committed.clone());
+        }
+        Applied {
+            committed,
+            duplicate: false,
+        }
+    }
+
+    fn remember(&mut self, request_id: RequestId, committed: Committed) {
+        self.requests.insert(request_id, committed);
+        self.request_order.push_back(request_id);
+        while self.request_order.len() > REMEMBERED_REQUESTS {
+            if let Some(old) = self.request_order.pop_front() {
+                self.requests.remove(&old);
+            }
+        }
+    }
+
+    fn run(&mut self, index: u64, entry: &LogEntry) -> Outcome {
+        match &entry.command {
+            Command::SubmitTask { spec, submitter } => {
+                self.submit(index, entry.request_id, spec, submitter)
+            }
+            Command::AssignShard { task, shard, node } => self.assign(*task, *shard, *node),
+            Command::ShardStarted {
+                task,
+                shard,
+                epoch,
+                node,
+            } => self.with_current_attempt(*task, *shard, *epoch, *node, |_, s| {
+                if s.state != ShardState::Assigned {
+                    return Outcome::Ignored(format!("shard is {:?}, not assigned", s.state));
+                }
+                s.state = ShardState::Running;
+                Outcome::Applied
+            }),
+            Command::ShardResult {
+                task,
+                shard,
+                epoch,
+                node,
+                blob,
+                size,
+            } => {
+                let output = ShardOutput {
+                    blob: *blob,
+                    size: *size,
+                    node: *node,
+                    epoch: *epoch,
+                    index,
+                };
+                let outcome = self.with_current_attempt(*task, *shard, *epoch, *node, |_, s| {
+                    s.state = ShardState::Done;
+                    s.output = Some(output);
+                    Outcome::Applied
+                });
+                self.refresh_status(*task);
+                outcome
+            }
+            Command::ShardFailed {
+                task,
+                shard,
+                epoch,
+                node,
+                reason,
+            } => {
+                let outcome = self.with_current_attempt(*task, *shard, *epoch, *node, |t, s| {
+                    s.failures += 1;
+                    s.last_error = Some(reason.clone());
+                    s.state = ShardState::Pending;
+                    s.assigned_to = None;
+                    if s.failures >= MAX_SHARD_ATTEMPTS {
+                        *t.status = TaskStatus::Failed(format!(
+                            "shard failed {} times; last error: {reason}",
+                            s.failures
+                        ));
+                    }
+                    Outcome::Applied
+                });
+                self.refresh_status(*task);
+                outcome
+            }
+            Command::TaskCancelled { task, reason } => match self.tasks.get_mut(task) {
+                None => Outcome::Rejected(format!("no task {task}")),
+                Some(t) if t.status.is_terminal() => {
+                    Outcome::Ignored(format!("task {task} already finished: {:?}", t.status))
+                }
+                Some(t) => {
+                    t.status = TaskStatus::Cancelled(reason.clone());
+                    Outcome::Applied
+                }
+            },
+            Command::NodeJoined {
+                raft_id,
+                peer_id,
+                capability,
+            } => {
+                self.members.insert(
+                    *raft_id,
+                    Member {
+                        raft_id: *raft_id,
+                        peer_id: peer_id.clone(),
+                        role: Role::Learner,
+                        capability: capability.clone(),
+                        last_heartbeat: None,
+                        joined_index: index,
+                    },
+                );
+                Outcome::Applied
+            }
+            Command::NodePromoted { raft_id } => match self.members.get_mut(raft_id) {
+                Some(m) => {
+                    m.role = Role::Voter;
+                    Outcome::Applied
+                }
+                None => Outcome::Rejected(format!("node {raft_id} is not a member")),
+            },
+            Command::NodeLeft { raft_id } => match self.members.remove(raft_id) {
+                Some(_) => Outcome::Applied,
+                None => Outcome::Ignored(format!("node {raft_id} is not a member")),
+            },
+            Command::NodeCapabilities {
+                raft_id,
+                capability,
+            } => match self.members.get_mut(raft_id) {
+                Some(m) => {
+                    m.capability = Some(capability.clone());
+                    Outcome::Applied
+                }
+                None => Outcome::Rejected(format!("node {raft_id} is not a member")),
+            },
+            Command::Heartbeat { raft_id, at_ms } => match self.members.get_mut(raft_id) {
+                Some(m) => {
+                    m.last_heartbeat = Some(Liveness {
+                        index,
+                        at_ms: *at_ms,
+                    });
+                    Outcome::Applied
+                }
+                None => Outcome::Rejected(format!("node {raft_id} is not a member")),
+            },
+        }
+    }
+
+    fn submit(
+        &mut self,
+        index: u64,
+        request_id: RequestId,
+        spec: &TaskSpec,
+        submitter: &str,
+    ) -> Outcome {
+        if let Err(e) = spec.check_shape() {
+            return Outcome::Rejected(e.to_string());
+        }
+        if spec.shards > MAX_SHARDS_PER_TASK {
+            return Outcome::Rejected(format!(
+                "{} shards requested; the limit is {MAX_SHARDS_PER_TASK}",
+                spec.shards
+            ));
+        }
+        let spec_hash = match spec.hash() {
+            Ok(h) => h,
+            Err(e) => return Outcome::Rejected(e.to_string()),
+        };
+        let id = TaskId(index);
+        let shard = Shard {
+            epoch: 0,
+            assigned_to: None,
+            state: ShardState::Pending,
+            failures: 0,
+            last_error: None,
+            output: None,
+        };
+        self.tasks.insert(
+            id,
+            Task {
+                id,
+                spec: spec.clone(),
+                spec_hash,
+                submitter: submitter.to_owned(),
+                request_id,
+                status: TaskStatus::Pending,
+                shards: vec![shard; spec.shards as usize],
+            },
+        );
+        self.task_by_request.insert(request_id, id);
+        Outcome::TaskSubmitted { task: id }
+    }
+
+    fn assign(&mut self, task: TaskId, shard: u32, node: u64) -> Outcome {
+        if !self.members.contains_key(&node) {
+            return Outcome::Rejected(format!("node {node} is not a member"));
+        }
+        let Some(t) = self.tasks.get_mut(&task) else {
+            return Outcome::Rejected(format!("no task {task}"));
+        };
+        if t.status.is_terminal() {
+            return Outcome::Ignored(format!("task {task} already finished: {:?}", t.status));
+        }
+        let Some(s) = t.shards.get_mut(shard as usize) else {
+            return Outcome::Rejected(format!("task {task} has no shard {shard}"));
+        };
+        if s.state == ShardState::Done {
+            return Outcome::Ignored(format!("shard {shard} of {task} already has a result"));
+        }
+        s.epoch += 1;
+        s.assigned_to = Some(node);
+        s.state = ShardState::Assigned;
+        let epoch = s.epoch;
+        t.status = TaskStatus::Running;
+        Outcome::ShardAssigned { task, shard, epoch }
+    }
+
+    /// Runs `f` on the shard if the report is for its current attempt by the node it
+    /// is assigned to, and the task is still live; otherwise the report is stale.
+    fn with_current_attempt(
+        &mut self,
+        task: TaskId,
+        shard: u32,
+        epoch: u32,
+        node: u64,
+        f: impl FnOnce(&mut TaskStatusRef<'_>, &mut Shard) -> Outcome,
+    ) -> Outcome {
+        let Some(t) = self.tasks.get_mut(&task) else {
+            return Outcome::Rejected(format!("no task {task}"));
+        };
+        if t.status.is_terminal() {
+            return Outcome::Ignored(format!("task {task} already finished: {:?}", t.status));
+        }
+        let Some(s) = t.shards.get_mut(shard as usize) else {
+            return Outcome::Rejected(format!("task {task} has no shard {shard}"));
+        };
+        if s.state == ShardState::Done {
+            return Outcome::Ignored(format!("shard {shard} of {task} already has a result"));
+        }
+        if epoch != s.epoch || s.assigned_to != Some(node) {
+            return Outcome::Ignored(format!(
+                "stale report for shard {shard} of {task}: attempt {epoch} by node {node}, \
+                 current attempt {} by {:?}",
+                s.epoch, s.assigned_to
+            ));
+        }
+        let mut status = TaskStatusRef {
+            status: &mut t.status,
+        };
+        f(&mut status, s)
+    }
+
+    fn refresh_status(&mut self, task: TaskId) {
+        if let Some(t) = self.tasks.get_mut(&task) {
+            if !t.status.is_terminal() && t.shards.iter().all(|s| s.state == ShardState::Done) {
+                t.status = TaskStatus::Completed;
+            }
+        }
+    }
+}
+
+/// Lets a shard closure change its task's status while the shard is borrowed.
+struct TaskStatusRef<'a> {
+    status: &'a mut TaskStatus,
+}
