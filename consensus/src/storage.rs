@@ -520,8 +520,13 @@ impl Storage for RedbStorage {
         Ok(self.last())
     }
 
-    fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
-        if !self.snapshot.is_empty() && self.snapshot.get_metadata().index >= request_index {
+    fn snapshot(&self, request_index: u64, to: u64) -> raft::Result<Snapshot> {
+        let meta = self.snapshot.get_metadata();
+        let cs = meta.get_conf_state();
+        // raft-rs refuses a snapshot whose conf state lacks the receiver (a learner
+        // added after it was taken): ask the actor for a fresh one instead.
+        let knows_receiver = cs.voters.contains(&to) || cs.learners.contains(&to);
+        if !self.snapshot.is_empty() && meta.index >= request_index && knows_receiver {
             return Ok(self.snapshot.clone());
         }
         self.snapshot_wanted.store(true, Ordering::Relaxed);

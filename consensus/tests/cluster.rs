@@ -1,0 +1,408 @@
+//! Replicas on the simulated network: elections, leader loss, partitions, snapshots,
+//! membership, forwarding and reads.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use gpumesh_consensus::{
+    ClusterSettings, Command, ConsensusError, ConsensusHandle, Outcome, RaftRole, RedbStorage, Role,
+};
+
+const SEC: Duration = Duration::from_secs(1);
+
+#[tokio::test(start_paused = true)]
+async fn single_node_commits_and_restarts_intact() {
+    let mut c = Cluster::new(1, 1).await;
+    let leader = c.leader().await;
+    assert_eq!(leader, 1);
+    let first = c.node(1).propose(submit(4)).await.expect("submit");
+    let Outcome::TaskSubmitted { task } = first.outcome else {
+        panic!("{first:?}")
+    };
+    let second = c.node(1).propose(submit(8)).await.expect("submit");
+    assert!(second.index > first.index);
+    c.crash(1).await;
+    c.start(1);
+    c.leader().await;
+    let tasks = c
+        .node(1)
+        .read_linearizable(|s| s.tasks().keys().copied().collect::<Vec<_>>())
+        .await
+        .expect("read");
+    assert_eq!(tasks.len(), 2);
+    assert!(tasks.contains(&task));
+    c.shutdown().await;
+}
+
+async fn elects_and_replicates(n: u64) {
+    let c = Cluster::new(n, n).await;
+    let leader = c.leader().await;
+    let follower = c
+        .ids()
+        .into_iter()
+        .find(|&i| i != leader)
+        .expect("a follower");
+    // A proposal on a follower is forwarded to the leader and answered here.
+    let done = c
+        .node(follower)
+        .propose(submit(16))
+        .await
+        .expect("forwarded submit");
+    assert!(matches!(done.outcome, Outcome::TaskSubmitted { .. }));
+    // Applied on the proposer before it answers: a local read sees it.
+    let n_tasks = c
+        .node(follower)
+        .read_local(|s| s.tasks().len())
+        .await
+        .expect("read");
+    assert_eq!(n_tasks, 1);
+    let ids = c.ids();
+    c.wait_applied(&ids, done.index, 5 * SEC).await;
+    c.converged(&ids, 5 * SEC).await;
+    let st = c.status(leader).await;
+    assert_eq!(st.voters.len() as u64, n);
+    c.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn three_nodes_elect_and_replicate() {
+    elects_and_replicates(3).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn five_nodes_elect_and_replicate() {
+    elects_and_replicates(5).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn leader_loss_elects_a_new_leader_and_keeps_the_record() {
+    for n in [3u64, 5] {
+        let mut c = Cluster::new(n, 10 + n).await;
+        let old = c.leader().await;
+        let before = c.node(old).propose(submit(1)).await.expect("submit");
+        c.crash(old).await;
+        let rest = c.ids();
+        let new = c.leader_among(&rest, 10 * SEC).await;
+        assert_ne!(new, old);
+        let after = c
+            .node(rest[0])
+            .propose(submit(2))
+            .await
+            .expect("submit after failover");
+        assert!(after.index > before.index);
+        // The old leader comes back as a follower and catches up.
+        c.start(old);
+        let all = c.ids();
+        c.wait_applied(&all, after.index, 10 * SEC).await;
+        c.converged(&all, 10 * SEC).await;
+        let tasks = c
+            .node(old)
+            .read_local(|s| s.tasks().len())
+            .await
+            .expect("read");
+        assert_eq!(tasks, 2);
+        c.shutdown().await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn minority_partition_cannot_commit_and_heals() {
+    let c = Cluster::new(5, 7).await;
+    let leader = c.leader().await;
+    let others: Vec<u64> = c.ids().into_iter().filter(|&i| i != leader).collect();
+    // The old leader plus one follower are the minority.
+    let minority = vec![leader, others[0]];
+    let majority: Vec<u64> = others[1..].to_vec();
+    c.net.partition(&[minority.clone(), majority.clone()]);
+
+    // The minority's proposal cannot commit: the caller hears it did not, or that
+    // the outcome is unknown — never a success.
+    let stuck = c.node(minority[1]).propose(submit(3));
+    let majority_leader = c.leader_among(&majority, 10 * SEC).await;
+    let ok = c
+        .node(majority_leader)
+        .propose(submit(5))
+        .await
+        .expect("majority commits");
+    match stuck.await {
+        Err(ConsensusError::OutcomeUnknown { .. })
+        | Err(ConsensusError::NoLeader)
+        | Err(ConsensusError::ProposalDropped { .. }) => {}
+        other => panic!("minority proposal must not succeed: {other:?}"),
+    }
+    for &id in &minority {
+        let st = c.status(id).await;
+        assert!(
+            st.commit_index < ok.index,
+            "minority node {id} committed: {st:?}"
+        );
+        assert_ne!(st.role, RaftRole::Leader, "an isolated leader steps down");
+    }
+
+    c.net.heal();
+    let all = c.ids();
+    c.wait_applied(&all, ok.index, 10 * SEC).await;
+    c.converged(&all, 10 * SEC).await;
+    c.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn lagging_follower_catches_up_through_a_snapshot() {
+    fn small_snapshots(id: u64) -> gpumesh_consensus::ReplicaConfig {
+        let mut c = test_config(id);
+        c.snapshot_interval = 20;
+        c.log_retain = 5;
+        c
+    }
+    let c = Cluster::with(3, 3, small_snapshots, 5).await;
+    let leader = c.leader().await;
+    let lagger = c
+        .ids()
+        .into_iter()
+        .find(|&i| i != leader)
+        .expect("follower");
+    let mut events = c.node(lagger).subscribe();
+    c.net.isolate(lagger, &c.ids());
+    let mut last = 0;
+    for i in 0..60 {
+        last = c
+            .node(leader)
+            .propose(submit(i + 1))
+            .await
+            .expect("submit")
+            .index;
+    }
+    let st = c.status(leader).await;
+    assert!(
+        st.first_index > c.status(lagger).await.last_index,
+        "log was compacted: {st:?}"
+    );
+    c.net.heal();
+    let all = c.ids();
+    c.wait_applied(&all, last, 10 * SEC).await;
+    c.converged(&all, 10 * SEC).await;
+    let mut restored = false;
+    while let Ok(e) = events.try_recv() {
+        if matches!(e, gpumesh_consensus::AppliedEvent::Restored { .. }) {
+            restored = true;
+        }
+    }
+    assert!(restored, "the lagging follower installed a snapshot");
+    // And it survives a restart from that snapshot.
+    c.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn membership_add_promote_cap_and_remove() {
+    // Two founders, cap 3 voters; nodes 3 and 4 join empty.
+    let mut c = Cluster::with(2, 9, test_config, 3).await;
+    let leader = c.leader().await;
+    for id in [3u64, 4] {
+        // A joining node starts with empty storage and waits for a snapshot.
+        let storage = RedbStorage::open(c.path(id), CLUSTER).expect("open");
+        assert!(!storage.is_initialized());
+        let h =
+            ConsensusHandle::start(test_config(id), storage, c.net.transport(id)).expect("start");
+        c.net.register(h.clone());
+        c.nodes.insert(id, h);
+        let done = c
+            .node(1)
+            .add_learner(id, format!("peer-{id}"), None)
+            .await
+            .expect("add learner");
+        assert_eq!(done.outcome, Outcome::Applied, "{done:?}");
+    }
+    // Auto-promotion fills the voter cap (3), the fourth stays a learner.
+    let ok = eventually(10 * SEC, || async {
+        let st = c.status(leader).await;
+        (st.voters.len() == 3 && st.learners.len() == 1).then_some(st)
+    })
+    .await;
+    let st = ok.expect("one learner promoted to the cap");
+    let learner = st.learners[0];
+    let roles = c
+        .node(leader)
+        .read_linearizable(|s| {
+            s.members()
+                .values()
+                .map(|m| (m.raft_id, m.role))
+                .collect::<Vec<_>>()
+        })
+        .await
+        .expect("read");
+    assert_eq!(roles.iter().filter(|(_, r)| *r == Role::Voter).count(), 3);
+    // An explicit promotion past the cap is refused.
+    let refused = c.node(2).promote(learner).await.expect("answered");
+    assert!(
+        matches!(refused.outcome, Outcome::Rejected(_)),
+        "{refused:?}"
+    );
+    // Removing a voter makes room again.
+    let victim = st
+        .voters
+        .iter()
+        .copied()
+        .find(|&v| v != leader)
+        .expect("voter");
+    let done = c.node(leader).remove(victim).await.expect("remove");
+    assert_eq!(done.outcome, Outcome::Applied);
+    c.crash(victim).await;
+    let ok = eventually(10 * SEC, || async {
+        let st = c.status(leader).await;
+        (st.voters.len() == 3 && st.learners.is_empty() && !st.voters.contains(&victim))
+            .then_some(())
+    })
+    .await;
+    assert!(
+        ok.is_some(),
+        "the learner is promoted after the removal: {:?}",
+        c.status(leader).await
+    );
+    let all = c.ids();
+    c.converged(&all, 10 * SEC).await;
+    c.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn linearizable_read_on_a_follower_sees_the_latest_commit() {
+    let c = Cluster::new(3, 4).await;
+    let leader = c.leader().await;
+    let follower = c
+        .ids()
+        .into_iter()
+        .find(|&i| i != leader)
+        .expect("follower");
+    // Slow links to the follower: a local read there may be stale, a linearizable
+    // one may not.
+    c.net.set_faults(faults(0.0, 0.0, (0, 30)));
+    for i in 0..5 {
+        let done = c.node(leader).propose(submit(i + 1)).await.expect("submit");
+        let seen = c
+            .node(follower)
+            .read_linearizable(|s| s.applied_index())
+            .await
+            .expect("linearizable read");
+        assert!(seen >= done.index, "read {seen} < committed {}", done.index);
+    }
+    // With the follower cut off, a linearizable read times out instead of lying.
+    c.net.isolate(follower, &c.ids());
+    let r = c
+        .node(follower)
+        .read_linearizable(|s| s.applied_index())
+        .await;
+    assert!(matches!(r, Err(ConsensusError::ReadTimeout)), "{r:?}");
+    // A local read still answers, with stated staleness.
+    c.node(follower)
+        .read_local(|s| s.applied_index())
+        .await
+        .expect("local read");
+    c.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn retry_with_the_same_request_id_applies_once() {
+    let c = Cluster::new(3, 5).await;
+    let leader = c.leader().await;
+    let follower = c
+        .ids()
+        .into_iter()
+        .find(|&i| i != leader)
+        .expect("follower");
+    let id = c.node(follower).new_request_id();
+    let a = c
+        .node(follower)
+        .propose_with_id(id, submit(7))
+        .await
+        .expect("first");
+    let b = c
+        .node(leader)
+        .propose_with_id(id, submit(7))
+        .await
+        .expect("retry elsewhere");
+    assert_eq!(a, b);
+    let n = c
+        .node(leader)
+        .read_linearizable(|s| s.tasks().len())
+        .await
+        .expect("read");
+    assert_eq!(n, 1);
+    c.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn malformed_frames_are_dropped_without_harm() {
+    let c = Cluster::new(3, 6).await;
+    let leader = c.leader().await;
+    let garbage: Vec<Vec<u8>> = vec![
+        vec![],
+        b"GPMH".to_vec(),
+        b"GPMH\x01\x00\xff\xff\xff\xff".to_vec(),
+        b"not a frame at all".to_vec(),
+        vec![0xff; 4096],
+    ];
+    for id in c.ids() {
+        for g in &garbage {
+            c.node(id)
+                .receive(leader, g.clone())
+                .await
+                .expect("accepted for inspection");
+        }
+    }
+    // A well-formed frame with a raft body that is not protobuf, and one claiming
+    // another cluster.
+    for body in [
+        gpumesh_consensus::FrameBody::Raft(vec![0xde, 0xad, 0xbe, 0xef]),
+        gpumesh_consensus::FrameBody::Raft(Vec::new()),
+    ] {
+        let frame = gpumesh_consensus::Frame {
+            cluster: CLUSTER,
+            from: leader,
+            body,
+        }
+        .encode()
+        .expect("encode");
+        for id in c.ids() {
+            c.node(id)
+                .receive(leader, frame.clone())
+                .await
+                .expect("receive");
+        }
+    }
+    let foreign = gpumesh_consensus::Frame {
+        cluster: gpumesh_consensus::ClusterId(42),
+        from: leader,
+        body: gpumesh_consensus::FrameBody::Raft(Vec::new()),
+    }
+    .encode()
+    .expect("encode");
+    for id in c.ids() {
+        c.node(id)
+            .receive(leader, foreign.clone())
+            .await
+            .expect("receive");
+    }
+    // Still a working group.
+    let done = c.node(leader).propose(submit(2)).await.expect("submit");
+    let ids = c.ids();
+    c.wait_applied(&ids, done.index, 5 * SEC).await;
+    c.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn founders_must_agree_and_storage_refuses_reinit() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut s = RedbStorage::open(dir.path().join("a.redb"), CLUSTER).expect("open");
+    s.initialize(&[(1, "p1".into())], ClusterSettings { max_voters: 5 })
+        .expect("init");
+    let again = s.initialize(&[(1, "p1".into())], ClusterSettings { max_voters: 5 });
+    assert!(matches!(
+        again,
+        Err(ConsensusError::AlreadyInitialized { .. })
+    ));
+    let _ = Command::Heartbeat {
+        raft_id: 1,
+        at_ms: 0,
+    };
+}

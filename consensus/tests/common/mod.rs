@@ -1,0 +1,236 @@
+//! A cluster of real replicas on redb files in a temp dir, joined by the simulated
+//! network. Tests run on tokio's paused clock: timers fire as soon as everything
+//! is idle, so elections and timeouts cost no wall time.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use gpumesh_consensus::sim::{Faults, SimNetwork};
+use gpumesh_consensus::{
+    ClusterId, ClusterSettings, Command, ConsensusHandle, RaftRole, RedbStorage, ReplicaConfig,
+    Status,
+};
+use gpumesh_protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
+
+pub const CLUSTER: ClusterId = ClusterId(0x6770_756d_6573_6801);
+
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "off".into()),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+pub fn test_config(id: u64) -> ReplicaConfig {
+    let mut c = ReplicaConfig::new(id);
+    c.tick_interval = Duration::from_millis(10);
+    c.election_tick = 10;
+    c.heartbeat_tick = 2;
+    c.proposal_timeout = Duration::from_secs(3);
+    c.read_timeout = Duration::from_secs(2);
+    c
+}
+
+pub fn spec(n: u32) -> TaskSpec {
+    TaskSpec {
+        shader: ShaderSource::Builtin("fill".into()),
+        entry_point: "main".into(),
+        bindings: vec![BindingSpec {
+            binding: 0,
+            role: BindingRole::Output {
+                size: 4 * u64::from(n),
+            },
+        }],
+        grid: Grid([n, 1, 1]),
+        shards: 2,
+        merge: MergeRule::Concat,
+    }
+}
+
+pub fn submit(n: u32) -> Command {
+    Command::SubmitTask {
+        spec: spec(n),
+        submitter: "test".into(),
+    }
+}
+
+pub struct Cluster {
+    pub net: SimNetwork,
+    pub dir: tempfile::TempDir,
+    pub nodes: BTreeMap<u64, ConsensusHandle>,
+    pub configure: fn(u64) -> ReplicaConfig,
+}
+
+impl Cluster {
+    /// `n` founding voters 1..=n, all started.
+    pub async fn new(n: u64, seed: u64) -> Self {
+        Self::with(n, seed, test_config, 5).await
+    }
+
+    pub async fn with(
+        n: u64,
+        seed: u64,
+        configure: fn(u64) -> ReplicaConfig,
+        max_voters: u32,
+    ) -> Self {
+        init_tracing();
+        let mut c = Self {
+            net: SimNetwork::new(seed),
+            dir: tempfile::tempdir().expect("tempdir"),
+            nodes: BTreeMap::new(),
+            configure,
+        };
+        let founders: Vec<(u64, String)> = (1..=n).map(|i| (i, format!("peer-{i}"))).collect();
+        for id in 1..=n {
+            let mut s = RedbStorage::open(c.path(id), CLUSTER).expect("open storage");
+            s.initialize(&founders, ClusterSettings { max_voters })
+                .expect("initialize");
+        }
+        for id in 1..=n {
+            c.start(id);
+        }
+        c
+    }
+
+    pub fn path(&self, id: u64) -> PathBuf {
+        self.dir.path().join(format!("node-{id}.redb"))
+    }
+
+    /// Starts (or restarts) replica `id` from its storage file.
+    pub fn start(&mut self, id: u64) -> ConsensusHandle {
+        let storage = RedbStorage::open(self.path(id), CLUSTER).expect("reopen storage");
+        let h = ConsensusHandle::start((self.configure)(id), storage, self.net.transport(id))
+            .expect("start replica");
+        self.net.register(h.clone());
+        self.nodes.insert(id, h.clone());
+        h
+    }
+
+    /// Crashes replica `id`: its task is aborted and its memory dropped.
+    pub async fn crash(&mut self, id: u64) {
+        self.net.unregister(id);
+        if let Some(h) = self.nodes.remove(&id) {
+            h.kill().await;
+        }
+    }
+
+    pub fn node(&self, id: u64) -> &ConsensusHandle {
+        &self.nodes[&id]
+    }
+
+    pub fn ids(&self) -> Vec<u64> {
+        self.nodes.keys().copied().collect()
+    }
+
+    pub async fn status(&self, id: u64) -> Status {
+        self.node(id).status().await.expect("status")
+    }
+
+    /// Waits until one of `among` leads and all of them agree on it.
+    pub async fn leader_among(&self, among: &[u64], within: Duration) -> u64 {
+        let found = eventually(within, || async {
+            let mut leader = None;
+            for &id in among {
+                let s = self.status(id).await;
+                if s.role == RaftRole::Leader {
+                    leader = Some(id);
+                }
+            }
+            let leader = leader?;
+            for &id in among {
+                if self.status(id).await.leader_id != leader {
+                    return None;
+                }
+            }
+            Some(leader)
+        })
+        .await;
+        found.unwrap_or_else(|| panic!("no agreed leader among {among:?} within {within:?}"))
+    }
+
+    pub async fn leader(&self) -> u64 {
+        let ids = self.ids();
+        self.leader_among(&ids, Duration::from_secs(10)).await
+    }
+
+    /// Waits until every listed replica applied at least `index`.
+    pub async fn wait_applied(&self, among: &[u64], index: u64, within: Duration) {
+        let ok = eventually(within, || async {
+            for &id in among {
+                if self.status(id).await.applied_index < index {
+                    return None;
+                }
+            }
+            Some(())
+        })
+        .await;
+        if ok.is_none() {
+            let mut report = Vec::new();
+            for &id in among {
+                report.push(self.status(id).await);
+            }
+            panic!("not all of {among:?} applied {index} within {within:?}: {report:#?}");
+        }
+    }
+
+    /// Waits until the listed replicas hold equal state machines; returns it as bytes.
+    pub async fn converged(&self, among: &[u64], within: Duration) {
+        let ok = eventually(within, || async {
+            let mut first = None;
+            for &id in among {
+                let s = self.node(id).read_local(|s| s.clone()).await.expect("read");
+                match &first {
+                    None => first = Some(s),
+                    Some(f) if *f != s => return None,
+                    Some(_) => {}
+                }
+            }
+            Some(())
+        })
+        .await;
+        if ok.is_none() {
+            let mut report = Vec::new();
+            for &id in among {
+                report.push(self.status(id).await);
+            }
+            panic!("{among:?} did not converge within {within:?}: {report:#?}");
+        }
+    }
+
+    pub async fn shutdown(self) {
+        for h in self.nodes.values() {
+            h.shutdown().await;
+        }
+    }
+}
+
+pub fn faults(drop: f64, duplicate: f64, delay_ms: (u64, u64)) -> Faults {
+    Faults {
+        drop,
+        duplicate,
+        delay_ms,
+    }
+}
+
+/// Polls `f` every 10 ms (of the test clock) until it returns `Some` or time runs out.
+pub async fn eventually<T, F, Fut>(within: Duration, mut f: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if let Some(v) = f().await {
+            return Some(v);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
