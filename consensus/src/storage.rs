@@ -19,7 +19,7 @@ use protobuf::Message as _;
 use raft::eraftpb::{ConfState, Entry, HardState, Snapshot};
 use raft::{GetEntriesContext, RaftState, Storage, StorageError};
 use redb::backends::InMemoryBackend;
-use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition};
+use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition, TableHandle};
 
 use crate::error::{ConsensusError, Result};
 use crate::state::{ClusterSettings, StateMachine};
@@ -104,6 +104,16 @@ impl RedbStorage {
                 None => {
                     if meta.len().map_err(|e| err(e.into()))? != 0 {
                         return Err(corrupt("a meta table without a format tag".into()));
+                    }
+                    let foreign = txn
+                        .list_tables()
+                        .map_err(|e| err(e.into()))?
+                        .map(|t| t.name().to_owned())
+                        .find(|name| name != "meta" && name != "log");
+                    if let Some(name) = foreign {
+                        return Err(corrupt(format!(
+                            "not a gpumesh consensus store (it has a table {name:?})"
+                        )));
                     }
                     meta.insert(KEY_FORMAT, FORMAT).map_err(|e| err(e.into()))?;
                     meta.insert(KEY_CLUSTER, cluster.0.to_le_bytes().as_slice())

@@ -1,0 +1,377 @@
+//! The deterministic state machine: tasks, shards and results, membership rules, and
+//! snapshot/replay equivalence.
+
+mod common;
+
+use common::{spec, submit};
+use gpumesh_consensus::sim::SplitMix64;
+use gpumesh_consensus::{
+    ClusterSettings, Command, LogEntry, Outcome, RequestId, Role, ShardState, StateMachine, TaskId,
+    TaskStatus,
+};
+use gpumesh_protocol::BlobId;
+
+struct Log {
+    sm: StateMachine,
+    index: u64,
+    entries: Vec<(u64, LogEntry)>,
+    seq: u64,
+}
+
+impl Log {
+    fn new() -> Self {
+        let founders = vec![
+            (1, "p1".to_string()),
+            (2, "p2".to_string()),
+            (3, "p3".to_string()),
+        ];
+        Self {
+            sm: StateMachine::bootstrap(&founders, ClusterSettings { max_voters: 3 }),
+            index: 1,
+            entries: Vec::new(),
+            seq: 0,
+        }
+    }
+
+    fn apply_as(&mut self, request_id: RequestId, command: Command) -> Outcome {
+        self.index += 1;
+        let entry = LogEntry {
+            origin: 1,
+            request_id,
+            command,
+        };
+        self.entries.push((self.index, entry.clone()));
+        self.sm.apply(self.index, 1, &entry).committed.outcome
+    }
+
+    fn apply(&mut self, command: Command) -> Outcome {
+        self.seq += 1;
+        self.apply_as(RequestId::new(1, self.seq), command)
+    }
+}
+
+fn result(task: TaskId, shard: u32, epoch: u32, node: u64, tag: &[u8]) -> Command {
+    Command::ShardResult {
+        task,
+        shard,
+        epoch,
+        node,
+        blob: BlobId::of(tag),
+        size: tag.len() as u64,
+    }
+}
+
+#[test]
+fn a_retried_submit_returns_the_same_task() {
+    let mut log = Log::new();
+    let id = RequestId::new(9, 1);
+    let a = log.apply_as(id, submit(4));
+    let b = log.apply_as(id, submit(4));
+    assert_eq!(a, b);
+    assert_eq!(log.sm.tasks().len(), 1);
+    let Outcome::TaskSubmitted { task } = a else {
+        panic!("{a:?}")
+    };
+    assert_eq!(log.sm.task_by_request(&id), Some(task));
+    let t = log.sm.task(task).expect("task");
+    assert_eq!(t.spec_hash, spec(4).hash().expect("hash"));
+    assert_eq!(t.shards.len(), 2);
+}
+
+#[test]
+fn first_valid_result_of_the_current_epoch_wins() {
+    let mut log = Log::new();
+    let Outcome::TaskSubmitted { task } = log.apply(submit(4)) else {
+        panic!()
+    };
+    let assign = |node| Command::AssignShard {
+        task,
+        shard: 0,
+        node,
+    };
+    assert_eq!(
+        log.apply(assign(2)),
+        Outcome::ShardAssigned {
+            task,
+            shard: 0,
+            epoch: 1
+        }
+    );
+    // Reassigned (e.g. node 2 looked dead): epoch 2 to node 3.
+    assert_eq!(
+        log.apply(assign(3)),
+        Outcome::ShardAssigned {
+            task,
+            shard: 0,
+            epoch: 2
+        }
+    );
+    // Node 2's late result for epoch 1 is stale.
+    assert!(matches!(
+        log.apply(result(task, 0, 1, 2, b"old")),
+        Outcome::Ignored(_)
+    ));
+    // A result from a node that does not hold the current attempt is stale too.
+    assert!(matches!(
+        log.apply(result(task, 0, 2, 1, b"x")),
+        Outcome::Ignored(_)
+    ));
+    assert_eq!(
+        log.apply(Command::ShardStarted {
+            task,
+            shard: 0,
+            epoch: 2,
+            node: 3
+        }),
+        Outcome::Applied
+    );
+    assert_eq!(log.apply(result(task, 0, 2, 3, b"good")), Outcome::Applied);
+    // A second result for the same epoch is ignored: the first wins.
+    assert!(matches!(
+        log.apply(result(task, 0, 2, 3, b"other")),
+        Outcome::Ignored(_)
+    ));
+    let shard = &log.sm.task(task).expect("task").shards[0];
+    assert_eq!(shard.state, ShardState::Done);
+    assert_eq!(shard.output.expect("output").blob, BlobId::of(b"good"));
+    assert_eq!(log.sm.task(task).expect("task").status, TaskStatus::Running);
+    // Finishing the other shard completes the task.
+    log.apply(Command::AssignShard {
+        task,
+        shard: 1,
+        node: 1,
+    });
+    log.apply(result(task, 1, 1, 1, b"second"));
+    assert_eq!(
+        log.sm.task(task).expect("task").status,
+        TaskStatus::Completed
+    );
+    // Assigning a shard that is done is ignored.
+    assert!(matches!(log.apply(assign(1)), Outcome::Ignored(_)));
+}
+
+#[test]
+fn failures_requeue_then_fail_the_task_and_cancel_stops_results() {
+    let mut log = Log::new();
+    let Outcome::TaskSubmitted { task } = log.apply(submit(4)) else {
+        panic!()
+    };
+    for attempt in 1..=3 {
+        log.apply(Command::AssignShard {
+            task,
+            shard: 0,
+            node: 2,
+        });
+        assert_eq!(
+            log.apply(Command::ShardFailed {
+                task,
+                shard: 0,
+                epoch: attempt,
+                node: 2,
+                reason: "device lost".into()
+            }),
+            Outcome::Applied
+        );
+    }
+    assert!(matches!(
+        log.sm.task(task).expect("task").status,
+        TaskStatus::Failed(_)
+    ));
+
+    let Outcome::TaskSubmitted { task } = log.apply(submit(8)) else {
+        panic!()
+    };
+    log.apply(Command::AssignShard {
+        task,
+        shard: 0,
+        node: 2,
+    });
+    assert_eq!(
+        log.apply(Command::TaskCancelled {
+            task,
+            reason: "user".into()
+        }),
+        Outcome::Applied
+    );
+    assert!(matches!(
+        log.apply(result(task, 0, 1, 2, b"late")),
+        Outcome::Ignored(_)
+    ));
+    assert!(matches!(
+        log.apply(Command::AssignShard {
+            task: TaskId(999),
+            shard: 0,
+            node: 1
+        }),
+        Outcome::Rejected(_)
+    ));
+    // Invalid specs are rejected deterministically.
+    let mut bad = spec(4);
+    bad.shards = 0;
+    assert!(matches!(
+        log.apply(Command::SubmitTask {
+            spec: bad,
+            submitter: "t".into()
+        }),
+        Outcome::Rejected(_)
+    ));
+}
+
+#[test]
+fn membership_rules_hold_the_voter_cap() {
+    let mut log = Log::new();
+    let join = Command::NodeJoined {
+        raft_id: 4,
+        peer_id: "p4".into(),
+        capability: None,
+    };
+    assert_eq!(log.sm.membership_verdict(&join), Ok(()));
+    log.apply(join.clone());
+    assert_eq!(log.sm.member(4).expect("member").role, Role::Learner);
+    assert!(matches!(
+        log.sm.membership_verdict(&join),
+        Err(Outcome::Ignored(_))
+    ));
+    // Three voters is the cap here.
+    assert!(matches!(
+        log.sm
+            .membership_verdict(&Command::NodePromoted { raft_id: 4 }),
+        Err(Outcome::Rejected(_))
+    ));
+    log.apply(Command::NodeLeft { raft_id: 3 });
+    assert_eq!(
+        log.sm
+            .membership_verdict(&Command::NodePromoted { raft_id: 4 }),
+        Ok(())
+    );
+    log.apply(Command::Heartbeat {
+        raft_id: 4,
+        at_ms: 1234,
+    });
+    let hb = log
+        .sm
+        .member(4)
+        .expect("member")
+        .last_heartbeat
+        .expect("hb");
+    assert_eq!(hb.at_ms, 1234);
+    assert!(matches!(
+        log.apply(Command::Heartbeat {
+            raft_id: 77,
+            at_ms: 1
+        }),
+        Outcome::Rejected(_)
+    ));
+}
+
+/// A random but valid-looking command stream over a few tasks and nodes.
+fn random_command(rng: &mut SplitMix64, tasks: &[TaskId]) -> Command {
+    let pick = |rng: &mut SplitMix64| {
+        if tasks.is_empty() {
+            TaskId(rng.range(0, 5))
+        } else {
+            tasks[rng.range(0, tasks.len() as u64 - 1) as usize]
+        }
+    };
+    match rng.range(0, 7) {
+        0 => submit(rng.range(1, 64) as u32),
+        1 => Command::AssignShard {
+            task: pick(rng),
+            shard: rng.range(0, 2) as u32,
+            node: rng.range(1, 4),
+        },
+        2 => Command::ShardStarted {
+            task: pick(rng),
+            shard: rng.range(0, 1) as u32,
+            epoch: rng.range(0, 3) as u32,
+            node: rng.range(1, 3),
+        },
+        3 => result(
+            pick(rng),
+            rng.range(0, 1) as u32,
+            rng.range(0, 3) as u32,
+            rng.range(1, 3),
+            &rng.next_u64().to_le_bytes(),
+        ),
+        4 => Command::ShardFailed {
+            task: pick(rng),
+            shard: rng.range(0, 1) as u32,
+            epoch: rng.range(0, 3) as u32,
+            node: rng.range(1, 3),
+            reason: "boom".into(),
+        },
+        5 => Command::TaskCancelled {
+            task: pick(rng),
+            reason: "r".into(),
+        },
+        6 => Command::Heartbeat {
+            raft_id: rng.range(1, 4),
+            at_ms: rng.next_u64() % 1_000_000,
+        },
+        _ => Command::NodeCapabilities {
+            raft_id: rng.range(1, 3),
+            capability: gpumesh_protocol::NodeCapability {
+                adapter_name: "llvmpipe".into(),
+                vendor: 0,
+                backend: gpumesh_protocol::BackendKind::Vulkan,
+                device_kind: gpumesh_protocol::DeviceKind::Cpu,
+                driver: "mesa".into(),
+                limits: gpumesh_protocol::AdapterLimits {
+                    max_buffer_size: 1 << 28,
+                    max_storage_buffer_binding_size: 1 << 27,
+                    max_uniform_buffer_binding_size: 1 << 16,
+                    max_storage_buffers_per_shader_stage: 8,
+                    max_compute_workgroups_per_dimension: 65535,
+                    max_compute_invocations_per_workgroup: 256,
+                    max_compute_workgroup_size: [256, 256, 64],
+                    max_compute_workgroup_storage_size: 16384,
+                },
+                gflops: rng.next_f64() * 100.0,
+                gbps: rng.next_f64() * 10.0,
+            },
+        },
+    }
+}
+
+#[test]
+fn a_state_restored_from_a_snapshot_equals_one_that_replayed_the_log() {
+    for seed in 0..20u64 {
+        let mut rng = SplitMix64::new(seed);
+        let mut log = Log::new();
+        let mut tasks = Vec::new();
+        let mut snapshots = Vec::new();
+        for i in 0..300 {
+            let cmd = random_command(&mut rng, &tasks);
+            // Some retries of earlier request ids, to exercise dedup in both paths.
+            let outcome = if i % 17 == 5 && log.seq > 3 {
+                let id = RequestId::new(1, rng.range(1, log.seq));
+                log.apply_as(id, cmd)
+            } else {
+                log.apply(cmd)
+            };
+            if let Outcome::TaskSubmitted { task } = outcome {
+                if !tasks.contains(&task) {
+                    tasks.push(task);
+                }
+            }
+            if i % 50 == 25 {
+                snapshots.push((log.index, log.sm.to_bytes().expect("snapshot")));
+            }
+        }
+        for (at, bytes) in snapshots {
+            let mut restored = StateMachine::from_bytes(&bytes).expect("restore");
+            for (index, entry) in log.entries.iter().filter(|(i, _)| *i > at) {
+                restored.apply(*index, 1, entry);
+            }
+            assert_eq!(
+                restored, log.sm,
+                "seed {seed}: snapshot at {at} + replay differs"
+            );
+        }
+        // Replaying an entry twice (a restart that re-applies) changes nothing.
+        let before = log.sm.clone();
+        let (index, entry) = log.entries.last().cloned().expect("entries");
+        log.sm.apply(index, 1, &entry);
+        assert_eq!(before, log.sm);
+    }
+}

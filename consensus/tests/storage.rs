@@ -1,0 +1,231 @@
+//! RedbStorage: what it persists survives reopening; corrupt or foreign data is refused.
+
+mod common;
+
+use common::CLUSTER;
+use gpumesh_consensus::{ClusterId, ClusterSettings, ConsensusError, RedbStorage};
+use protobuf::Message as _;
+use raft::eraftpb::{Entry, HardState, Snapshot};
+use raft::{GetEntriesContext, Storage};
+
+fn entry(index: u64, term: u64) -> Entry {
+    let mut e = Entry::default();
+    e.index = index;
+    e.term = term;
+    e.data = format!("entry {index}").into_bytes().into();
+    e
+}
+
+fn settings() -> ClusterSettings {
+    ClusterSettings { max_voters: 5 }
+}
+
+fn initialized(path: &std::path::Path) -> RedbStorage {
+    let mut s = RedbStorage::open(path, CLUSTER).expect("open");
+    s.initialize(
+        &[(1, "p1".into()), (2, "p2".into()), (3, "p3".into())],
+        settings(),
+    )
+    .expect("init");
+    s
+}
+
+#[test]
+fn entries_hard_state_and_snapshot_survive_reopen() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("raft.redb");
+    {
+        let mut s = initialized(&path);
+        assert_eq!((s.first(), s.last()), (2, 1));
+        let ents: Vec<Entry> = (2..=10).map(|i| entry(i, 2)).collect();
+        let mut hs = HardState::default();
+        hs.term = 2;
+        hs.vote = 1;
+        hs.commit = 5;
+        s.persist(None, &ents, Some(&hs)).expect("persist");
+        // A conflicting suffix from a new leader replaces entries 8..=10.
+        s.persist(None, &[entry(8, 3), entry(9, 3)], None)
+            .expect("overwrite");
+        assert_eq!(s.last(), 9);
+    }
+    let s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+    assert_eq!((s.first(), s.last()), (2, 9));
+    assert_eq!(s.term(7).expect("term"), 2);
+    assert_eq!(s.term(8).expect("term"), 3);
+    assert_eq!(s.term(1).expect("snapshot term"), 1);
+    let got = s
+        .entries(2, 10, None, GetEntriesContext::empty(false))
+        .expect("entries");
+    assert_eq!(got.len(), 8);
+    assert_eq!(got[6], entry(8, 3));
+    let st = s.initial_state().expect("state");
+    assert_eq!(
+        (st.hard_state.term, st.hard_state.vote, st.hard_state.commit),
+        (2, 1, 5)
+    );
+    assert_eq!(st.conf_state.voters, vec![1, 2, 3]);
+    assert_eq!(s.snapshot_state().expect("sm").members().len(), 3);
+}
+
+#[test]
+fn compaction_keeps_the_tail_and_snapshots_replace_the_log() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("raft.redb");
+    let mut s = initialized(&path);
+    let ents: Vec<Entry> = (2..=20).map(|i| entry(i, 2)).collect();
+    s.persist(None, &ents, None).expect("persist");
+    let state = s.snapshot_state().expect("sm");
+    let mut snap = Snapshot::default();
+    snap.data = state.to_bytes().expect("bytes").into();
+    snap.mut_metadata().index = 15;
+    snap.mut_metadata().term = 2;
+    snap.mut_metadata().mut_conf_state().voters = vec![1, 2, 3];
+    s.compact(snap, 12).expect("compact");
+    assert_eq!((s.first(), s.last()), (12, 20));
+    assert!(matches!(
+        s.entries(5, 8, None, GetEntriesContext::empty(false)),
+        Err(raft::Error::Store(raft::StorageError::Compacted))
+    ));
+    assert_eq!(s.term(11).expect("term of the truncation point"), 2);
+    assert_eq!(s.snapshot(0, 1).expect("snapshot").get_metadata().index, 15);
+    // A snapshot without the receiver in its conf state is not handed out.
+    assert!(s.snapshot(0, 9).is_err());
+    assert!(s.take_snapshot_request());
+    drop(s);
+
+    let mut s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+    assert_eq!((s.first(), s.last()), (12, 20));
+    assert!(
+        s.hard_state().commit >= 15,
+        "a snapshot's index is committed"
+    );
+    // A snapshot from the leader replaces the whole log.
+    let mut snap = Snapshot::default();
+    snap.data = s
+        .snapshot_state()
+        .expect("sm")
+        .to_bytes()
+        .expect("bytes")
+        .into();
+    snap.mut_metadata().index = 40;
+    snap.mut_metadata().term = 4;
+    snap.mut_metadata().mut_conf_state().voters = vec![1, 2, 3];
+    s.persist(Some(&snap), &[entry(41, 4)], None)
+        .expect("install");
+    drop(s);
+    let s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+    assert_eq!((s.first(), s.last()), (41, 41));
+    assert_eq!(s.term(40).expect("term"), 4);
+    assert_eq!(s.hard_state().commit, 40);
+}
+
+#[test]
+fn storage_of_another_cluster_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("raft.redb");
+    drop(initialized(&path));
+    let err = RedbStorage::open(&path, ClusterId(7)).expect_err("must refuse");
+    assert!(
+        matches!(err, ConsensusError::ClusterMismatch { .. }),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains(&CLUSTER.to_string()) && text.contains("refusing"),
+        "{text}"
+    );
+    // The refusal changed nothing: the right cluster still opens.
+    RedbStorage::open(&path, CLUSTER).expect("still ours");
+}
+
+#[test]
+fn a_garbage_file_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("raft.redb");
+    let mut rng = gpumesh_consensus::sim::SplitMix64::new(99);
+    let junk: Vec<u8> = (0..65536).map(|_| rng.next_u64() as u8).collect();
+    std::fs::write(&path, &junk).expect("write");
+    let err = RedbStorage::open(&path, CLUSTER).expect_err("must refuse");
+    assert!(
+        err.to_string().contains("raft.redb"),
+        "names the file: {err}"
+    );
+}
+
+#[test]
+fn a_damaged_database_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("raft.redb");
+    {
+        let mut s = initialized(&path);
+        s.persist(None, &[entry(2, 1), entry(3, 1)], None)
+            .expect("persist");
+    }
+    // Flip bytes in the middle of the file, where redb keeps pages.
+    let mut bytes = std::fs::read(&path).expect("read");
+    let len = bytes.len();
+    for b in &mut bytes[len / 3..len / 3 + 4096] {
+        *b ^= 0x5a;
+    }
+    std::fs::write(&path, &bytes).expect("write");
+    match RedbStorage::open(&path, CLUSTER) {
+        Err(e) => assert!(e.to_string().contains("raft.redb"), "{e}"),
+        // Damage may land in free pages; then the data must still be intact.
+        Ok(s) => assert_eq!(s.last(), 3),
+    }
+}
+
+#[test]
+fn undecodable_values_are_refused() {
+    const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
+    const LOG: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::new("log");
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (table, what) in [("meta", "hard state"), ("log", "log entry")] {
+        let path = dir.path().join(format!("{table}.redb"));
+        {
+            let mut s = initialized(&path);
+            s.persist(None, &[entry(2, 1)], None).expect("persist");
+        }
+        {
+            let db = redb::Database::create(&path).expect("raw open");
+            let txn = db.begin_write().expect("txn");
+            if table == "meta" {
+                let mut t = txn.open_table(META).expect("meta");
+                t.insert("hard_state", [0xffu8; 7].as_slice())
+                    .expect("insert");
+            } else {
+                let mut t = txn.open_table(LOG).expect("log");
+                t.insert(2, [0xffu8; 7].as_slice()).expect("insert");
+            }
+            txn.commit().expect("commit");
+        }
+        let err = RedbStorage::open(&path, CLUSTER).expect_err("must refuse");
+        assert!(
+            matches!(err, ConsensusError::CorruptStorage { .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains(what), "{err}");
+    }
+    let _ = HardState::default().write_to_bytes();
+}
+
+#[test]
+fn a_foreign_redb_database_is_refused() {
+    const OTHER: redb::TableDefinition<u64, u64> = redb::TableDefinition::new("accounts");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("other.redb");
+    {
+        let db = redb::Database::create(&path).expect("create");
+        let txn = db.begin_write().expect("txn");
+        txn.open_table(OTHER)
+            .expect("table")
+            .insert(1, 2)
+            .expect("insert");
+        txn.commit().expect("commit");
+    }
+    let err = RedbStorage::open(&path, CLUSTER).expect_err("must refuse");
+    assert!(
+        matches!(err, ConsensusError::CorruptStorage { .. }),
+        "{err}"
+    );
+}
