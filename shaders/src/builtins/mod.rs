@@ -69,7 +69,7 @@ pub static ALL: &[Builtin] = &[
     },
     Builtin {
         name: "matmul",
-        summary: "tiled f32 matrix multiply C = A B",
+        summary: "register-tiled f32 matrix multiply C = A B",
         size_means: "matrix side (multiple of 64)",
         default_size: 1024,
         test_size: 256,

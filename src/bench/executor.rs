@@ -1,0 +1,254 @@
+//! `gpumesh bench executor`: (a) the built-in tiled matmul against an optimized CPU
+//! sgemm, (b) the executor's added time against a direct wgpu call, for a trivial
+//! kernel and a ~100 ms one, (c) one shard against n shards on one adapter.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpumesh_protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
+use gpumesh_shaders::{builtins, BackendChoice, Executor, Job, Kernel};
+
+use super::direct::Direct;
+use super::{median_of, ms};
+
+#[derive(clap::Args, Debug)]
+pub struct ExecutorBenchArgs {
+    /// Matrix sides for the matmul comparison.
+    #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048")]
+    pub sizes: Vec<u32>,
+    /// Shard counts for the 1-vs-n comparison (matmul at 1024).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    pub shards: Vec<u32>,
+    /// Timed runs per measurement (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    pub runs: usize,
+    #[arg(long, default_value = "auto", value_parser = crate::cli::parse_backend)]
+    pub backend: BackendChoice,
+}
+
+/// A kernel whose run time scales with its workgroup count: each invocation hashes
+/// `rounds` times (kept under llvmpipe's 65535-iteration loop cap).
+const SPIN: &str = r#"
+struct Params { rounds: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var x = gid.x;
+    for (var i = 0u; i < params.rounds; i++) {
+        x = (x ^ (x >> 13u)) * 1664525u + i;
+    }
+    out[gid.x] = x;
+}
+"#;
+const SPIN_ROUNDS: u32 = 60_000;
+
+fn spin_job(groups: u32) -> anyhow::Result<Job> {
+    let spec = TaskSpec {
+        shader: ShaderSource::Wgsl(SPIN.into()),
+        entry_point: "main".into(),
+        bindings: vec![
+            BindingSpec {
+                binding: 0,
+                role: BindingRole::Param {
+                    data: bytemuck::cast_slice(&[SPIN_ROUNDS, 0, 0, 0]).to_vec(),
+                },
+            },
+            BindingSpec {
+                binding: 1,
+                role: BindingRole::Output {
+                    size: u64::from(groups) * 64 * 4,
+                },
+            },
+        ],
+        grid: Grid([groups, 1, 1]),
+        shards: 1,
+        merge: MergeRule::Concat,
+    };
+    Ok(Job::new(
+        spec,
+        Arc::new(Kernel::compile(SPIN, "main")?),
+        |_| None,
+    )?)
+}
+
+pub fn executor(args: ExecutorBenchArgs) -> anyhow::Result<ExitCode> {
+    let mut ex = Executor::new(args.backend)?;
+    let cap = ex.capability().clone();
+    println!(
+        "gpumesh bench executor — adapter: {} ({}, {}), CPU threads: {}",
+        cap.adapter_name,
+        cap.backend.name(),
+        cap.device_kind.name(),
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+
+    println!("\n(a) tiled f32 matmul through the executor vs CPU sgemm (matrixmultiply), median of {} runs", args.runs);
+    println!(
+        "{:>6} {:>12} {:>12} {:>12} {:>12} {:>8}",
+        "n", "gpu ms", "gpu GFLOP/s", "cpu ms", "cpu GFLOP/s", "gpu/cpu"
+    );
+    let matmul = builtins::get("matmul")?;
+    for &n in &args.sizes {
+        let problem = matmul.problem(n)?;
+        let n = problem.size;
+        let job = problem.job(1)?;
+        let runs = if n >= 2048 {
+            args.runs.min(3)
+        } else {
+            args.runs
+        };
+        let gpu = median_of(runs, || ex.run(&job, None).map(|o| o.elapsed))?;
+        let (a, b) = matmul_inputs(&problem);
+        let mut c = vec![0f32; (n * n) as usize];
+        let cpu = median_of(runs, || -> anyhow::Result<Duration> {
+            let t = Instant::now();
+            sgemm(n as usize, &a, &b, &mut c);
+            Ok(t.elapsed())
+        })?;
+        let flops = problem.flops;
+        let (g, c_) = (
+            flops / gpu.as_secs_f64() / 1e9,
+            flops / cpu.as_secs_f64() / 1e9,
+        );
+        println!(
+            "{n:>6} {:>12.2} {g:>12.2} {:>12.2} {c_:>12.2} {:>8.2}",
+            ms(gpu),
+            ms(cpu),
+            g / c_
+        );
+    }
+
+    println!(
+        "\n(b) executor vs a direct wgpu dispatch on the same device, median of {} runs",
+        args.runs
+    );
+    println!(
+        "{:>26} {:>12} {:>12} {:>12} {:>8}",
+        "kernel", "direct ms", "executor ms", "added ms", "ratio"
+    );
+    let (device, queue) = ex.device();
+    let direct = Direct::new(device, queue, SPIN);
+    let uniform: Vec<u8> = bytemuck::cast_slice(&[SPIN_ROUNDS, 0, 0, 0]).to_vec();
+    let trivial_uniform: Vec<u8> = bytemuck::cast_slice(&[1u32, 0, 0, 0]).to_vec();
+    // Scale the spin kernel to about 100 ms on this adapter.
+    let probe_groups = 64;
+    let (probe, _) = direct.run(&uniform, u64::from(probe_groups) * 256, probe_groups)?;
+    let probe = median_of(3, || {
+        direct
+            .run(&uniform, u64::from(probe_groups) * 256, probe_groups)
+            .map(|r| r.0)
+    })?
+    .min(probe);
+    let groups =
+        ((0.1 / probe.as_secs_f64()) * f64::from(probe_groups)).clamp(1.0, 65_535.0) as u32;
+    let trivial = {
+        let mut spec = spin_job(1)?.spec;
+        spec.bindings[0].role = BindingRole::Param {
+            data: trivial_uniform.clone(),
+        };
+        Job::new(spec, Arc::new(Kernel::compile(SPIN, "main")?), |_| None)?
+    };
+    for (label, job, uniform, groups) in [
+        (
+            "trivial (1 workgroup)".to_string(),
+            trivial,
+            &trivial_uniform,
+            1u32,
+        ),
+        (
+            format!("~100 ms ({groups} workgroups)"),
+            spin_job(groups)?,
+            &uniform,
+            groups,
+        ),
+    ] {
+        let out_bytes = u64::from(groups) * 256;
+        // Interleave so drift in machine load hits both sides alike.
+        let mut d_times = Vec::new();
+        let mut e_times = Vec::new();
+        direct.run(uniform, out_bytes, groups)?;
+        ex.run(&job, None)?;
+        for _ in 0..args.runs.max(3) {
+            let (d, direct_out) = direct.run(uniform, out_bytes, groups)?;
+            let e = ex.run(&job, None)?;
+            anyhow::ensure!(
+                e.outputs[&1] == direct_out,
+                "executor and direct outputs differ"
+            );
+            d_times.push(d);
+            e_times.push(e.elapsed);
+        }
+        d_times.sort();
+        e_times.sort();
+        let (d, e) = (d_times[d_times.len() / 2], e_times[e_times.len() / 2]);
+        println!(
+            "{label:>26} {:>12.3} {:>12.3} {:>12.3} {:>8.3}",
+            ms(d),
+            ms(e),
+            ms(e) - ms(d),
+            e.as_secs_f64() / d.as_secs_f64()
+        );
+    }
+
+    println!(
+        "\n(c) matmul n=1024 on one adapter, 1 shard vs n shards, median of {} runs",
+        args.runs
+    );
+    println!("{:>8} {:>12} {:>12}", "shards", "ms", "vs 1 shard");
+    let problem = matmul.problem(1024)?;
+    let mut base = None;
+    for &shards in &args.shards {
+        let job = problem.job(shards)?;
+        let t = median_of(args.runs, || ex.run(&job, None).map(|o| o.elapsed))?;
+        let base = *base.get_or_insert(t);
+        println!(
+            "{shards:>8} {:>12.2} {:>12.3}",
+            ms(t),
+            t.as_secs_f64() / base.as_secs_f64()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn matmul_inputs(problem: &builtins::Problem) -> (Vec<f32>, Vec<f32>) {
+    let mut inputs = problem.bindings.iter().filter_map(|b| match &b.role {
+        BindingRole::Input { blob, .. } => problem
+            .blobs
+            .get(blob)
+            .map(|bytes| bytemuck::cast_slice::<u8, f32>(bytes).to_vec()),
+        _ => None,
+    });
+    let a = inputs.next().unwrap_or_default();
+    let b = inputs.next().unwrap_or_default();
+    (a, b)
+}
+
+/// C = A B with matrixmultiply's optimized, threaded sgemm.
+fn sgemm(n: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
+    assert!(a.len() >= n * n && b.len() >= n * n && c.len() >= n * n);
+    let s = n as isize;
+    // SAFETY: the three slices each hold at least n*n row-major f32s (checked above),
+    // which is exactly what the strides (n, 1) describe.
+    #[allow(unsafe_code)]
+    unsafe {
+        matrixmultiply::sgemm(
+            n,
+            n,
+            n,
+            1.0,
+            a.as_ptr(),
+            s,
+            1,
+            b.as_ptr(),
+            s,
+            1,
+            0.0,
+            c.as_mut_ptr(),
+            s,
+            1,
+        );
+    }
+}

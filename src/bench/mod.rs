@@ -1,0 +1,26 @@
+//! `gpumesh bench ...`: measurements printed as tables, never asserted in tests.
+
+mod direct;
+mod executor;
+
+pub use executor::{executor, ExecutorBenchArgs};
+
+use std::time::Duration;
+
+/// Median of `runs` timings of `f`, after one warm-up call.
+pub fn median_of<E>(
+    runs: usize,
+    mut f: impl FnMut() -> Result<Duration, E>,
+) -> Result<Duration, E> {
+    f()?;
+    let mut times = Vec::with_capacity(runs);
+    for _ in 0..runs.max(1) {
+        times.push(f()?);
+    }
+    times.sort();
+    Ok(times[times.len() / 2])
+}
+
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}

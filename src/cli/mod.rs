@@ -1,0 +1,147 @@
+//! The command line: `gpumesh adapters`, `gpumesh run`, `gpumesh bench`.
+
+mod adapters;
+mod run;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use gpumesh_protocol::{Grid, MergeRule};
+use gpumesh_shaders::BackendChoice;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "gpumesh",
+    version,
+    about = "A peer-to-peer GPU compute mesh: WGSL on any adapter."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// List the GPU adapters on this machine and measure their speed.
+    Adapters {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Skip the short calibration kernels.
+        #[arg(long)]
+        no_calibrate: bool,
+    },
+    /// Run a WGSL kernel (or a built-in one) here, once, without a mesh.
+    Run(RunArgs),
+    /// Measure gpumesh and print a table.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// The executor: matmul vs CPU sgemm, overhead vs direct wgpu, 1 vs n shards.
+    Executor(crate::bench::ExecutorBenchArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// A WGSL file holding the kernel (or use --builtin).
+    #[arg(required_unless_present = "builtin", conflicts_with = "builtin")]
+    pub kernel: Option<PathBuf>,
+    /// A built-in kernel: vector_add, matmul, mandelbrot, montecarlo_pi, histogram,
+    /// linreg_grad, jacobi, blur.
+    #[arg(long)]
+    pub builtin: Option<String>,
+    /// Problem size of a built-in kernel (its meaning depends on the kernel).
+    #[arg(long, requires = "builtin")]
+    pub size: Option<u32>,
+    /// Entry point of the kernel.
+    #[arg(long, default_value = "main")]
+    pub entry: String,
+    /// An input: the bytes of FILE bound at @group(0) @binding(BINDING).
+    #[arg(long = "input", value_name = "BINDING=FILE", value_parser = parse_input)]
+    pub inputs: Vec<(u32, PathBuf)>,
+    /// An output of BYTES bytes at @group(0) @binding(BINDING).
+    #[arg(long = "output", value_name = "BINDING:BYTES", value_parser = parse_output)]
+    pub outputs: Vec<(u32, u64)>,
+    /// Workgroups along x, y and z.
+    #[arg(long, value_name = "X[,Y[,Z]]", value_parser = parse_grid)]
+    pub grid: Option<Grid>,
+    /// Split the grid into this many shards and merge their outputs.
+    #[arg(long, default_value_t = 1)]
+    pub shards: u32,
+    /// How shard outputs merge: concat, or sum|min|max-u32|i32|f32.
+    #[arg(long, value_parser = parse_merge)]
+    pub merge: Option<MergeRule>,
+    /// Write each output to DIR/<binding>.bin.
+    #[arg(long, value_name = "DIR")]
+    pub out_dir: Option<PathBuf>,
+    /// Backend: vulkan, gl, metal, dx12 (default: the best adapter available).
+    #[arg(long, default_value = "auto", value_parser = parse_backend)]
+    pub backend: BackendChoice,
+    /// Compare with the CPU reference (built-in kernels); exit non-zero on mismatch.
+    #[arg(long)]
+    pub verify: bool,
+    /// Run the task this many times and report the median time (the first run,
+    /// which builds the pipeline, is not counted when repeating).
+    #[arg(long, default_value_t = 1)]
+    pub repeat: u32,
+    /// Fail the task if it runs longer than this many seconds.
+    #[arg(long, value_name = "SECONDS")]
+    pub deadline: Option<f64>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_input(s: &str) -> Result<(u32, PathBuf), String> {
+    let (binding, file) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not BINDING=FILE (e.g. --input 0=a.bin)"))?;
+    let binding = binding
+        .parse()
+        .map_err(|_| format!("{binding:?} in {s:?} is not a binding number"))?;
+    Ok((binding, PathBuf::from(file)))
+}
+
+fn parse_output(s: &str) -> Result<(u32, u64), String> {
+    let (binding, bytes) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?} is not BINDING:BYTES (e.g. --output 2:4096)"))?;
+    let binding = binding
+        .parse()
+        .map_err(|_| format!("{binding:?} in {s:?} is not a binding number"))?;
+    let bytes = bytes
+        .parse()
+        .map_err(|_| format!("{bytes:?} in {s:?} is not a byte count"))?;
+    Ok((binding, bytes))
+}
+
+fn parse_grid(s: &str) -> Result<Grid, String> {
+    s.parse()
+        .map_err(|e: gpumesh_protocol::ProtocolError| e.to_string())
+}
+
+fn parse_merge(s: &str) -> Result<MergeRule, String> {
+    s.parse()
+        .map_err(|e: gpumesh_protocol::ProtocolError| e.to_string())
+}
+
+pub fn parse_backend(s: &str) -> Result<BackendChoice, String> {
+    s.parse()
+        .map_err(|e: gpumesh_shaders::ExecError| e.to_string())
+}
+
+pub fn execute(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Adapters { json, no_calibrate } => adapters::run(json, !no_calibrate),
+        Command::Run(args) => run::run(args),
+        Command::Bench { which } => match which {
+            BenchCommand::Executor(args) => crate::bench::executor(args),
+        },
+    }
+}
