@@ -1,0 +1,317 @@
+//! The `gpumesh` command as a user runs it: real processes, real adapters, outputs
+//! checked against CPU references, bad input answered with a clear message and a
+//! non-zero exit.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn gpumesh(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gpumesh"))
+        .args(args)
+        .env("RUST_LOG", "error")
+        .output()
+        .expect("the gpumesh binary runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Backends to run GPU cases on: those present, all of `GPUMESH_REQUIRE_BACKENDS`
+/// required; a missing one is reported loudly.
+fn backends() -> Vec<&'static str> {
+    let required = std::env::var("GPUMESH_REQUIRE_BACKENDS").unwrap_or_default();
+    let listed = gpumesh(&["adapters", "--json", "--no-calibrate"]);
+    let json: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap_or_default();
+    let present: Vec<String> = json
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|c| c["backend"].as_str().map(str::to_lowercase))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut out = Vec::new();
+    for (name, wire) in [("vulkan", "vulkan"), ("gl", "gl")] {
+        if present.iter().any(|p| p == wire) {
+            out.push(name);
+        } else {
+            assert!(
+                !required.split(',').any(|r| r.trim() == name),
+                "GPUMESH_REQUIRE_BACKENDS names {name} but `gpumesh adapters` does not list it"
+            );
+            eprintln!("\n!!!!! NO {name} ADAPTER: its CLI cases are SKIPPED !!!!!\n");
+        }
+    }
+    out
+}
+
+const DOUBLE: &str = "@group(0) @binding(0) var<storage, read> src: array<u32>;\n\
+@group(0) @binding(1) var<storage, read_write> dst: array<u32>;\n\
+\n\
+@compute @workgroup_size(64)\n\
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {\n\
+    dst[gid.x] = src[gid.x] * 3u + gid.x;\n\
+}\n";
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p.to_string_lossy().into_owned()
+}
+
+#[test]
+fn builtins_verify_against_the_cpu_on_every_backend() {
+    for backend in backends() {
+        for (builtin, size) in [
+            ("vector_add", "4096"),
+            ("histogram", "8192"),
+            ("blur", "64"),
+        ] {
+            let o = gpumesh(&[
+                "run",
+                "--builtin",
+                builtin,
+                "--size",
+                size,
+                "--shards",
+                "3",
+                "--verify",
+                "--json",
+                "--backend",
+                backend,
+            ]);
+            assert!(o.status.success(), "{builtin} on {backend}: {}", stderr(&o));
+            let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+            assert_eq!(report["verify"]["ok"], true, "{report}");
+            assert_eq!(report["shards"].as_array().unwrap().len(), 3);
+        }
+    }
+}
+
+#[test]
+fn a_wgsl_file_runs_sharded_and_writes_its_outputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = write(dir.path(), "double.wgsl", DOUBLE.as_bytes());
+    let n = 64 * 10u32;
+    let input: Vec<u8> = (0..n).flat_map(|v| (v * 7 + 1).to_le_bytes()).collect();
+    let input_path = write(dir.path(), "in.bin", &input);
+    let want: Vec<u8> = (0..n)
+        .flat_map(|v| ((v * 7 + 1) * 3 + v).to_le_bytes())
+        .collect();
+    for backend in backends() {
+        let out_dir = dir.path().join(format!("out-{backend}"));
+        let o = gpumesh(&[
+            "run",
+            &kernel,
+            "--input",
+            &format!("0={input_path}"),
+            "--output",
+            &format!("1:{}", n * 4),
+            "--grid",
+            "10",
+            "--shards",
+            "4",
+            "--out-dir",
+            out_dir.to_str().unwrap(),
+            "--backend",
+            backend,
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let got = std::fs::read(out_dir.join("1.bin")).unwrap();
+        assert_eq!(got, want, "on {backend}");
+        let hash = blake3::hash(&want).to_hex().to_string();
+        assert!(
+            stdout(&o).contains(&hash),
+            "the output hash is printed: {}",
+            stdout(&o)
+        );
+        assert!(
+            stdout(&o).contains(" ms"),
+            "the time is printed: {}",
+            stdout(&o)
+        );
+    }
+}
+
+/// Runs a WGSL task expected to fail; returns its stderr.
+fn refused(kernel_source: &str, extra: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = write(dir.path(), "k.wgsl", kernel_source.as_bytes());
+    let input = write(dir.path(), "in.bin", &[0u8; 256]);
+    let out_dir = dir.path().join("out");
+    let input_arg = format!("0={input}");
+    let mut args = vec![
+        "run",
+        kernel.as_str(),
+        "--out-dir",
+        out_dir.to_str().unwrap(),
+    ];
+    if !extra.contains(&"--no-default-input") {
+        args.extend(["--input", input_arg.as_str()]);
+    }
+    args.extend(extra.iter().filter(|a| **a != "--no-default-input"));
+    let o = gpumesh(&args);
+    assert!(!o.status.success(), "expected failure, got: {}", stdout(&o));
+    let err = stderr(&o);
+    assert!(!err.contains("panicked"), "no panic: {err}");
+    err
+}
+
+#[test]
+fn malformed_wgsl_is_reported_with_file_line_and_column() {
+    let bad = DOUBLE.replace("* 3u +", "* 3u + +");
+    let err = refused(&bad, &["--output", "1:256", "--grid", "1"]);
+    assert!(err.contains("k.wgsl:6:"), "{err}");
+}
+
+#[test]
+fn a_missing_entry_point_is_named() {
+    let err = refused(
+        DOUBLE,
+        &["--entry", "nope", "--output", "1:256", "--grid", "1"],
+    );
+    assert!(err.contains("\"nope\"") && err.contains("main"), "{err}");
+}
+
+#[test]
+fn an_undeclared_binding_is_named() {
+    let err = refused(
+        DOUBLE,
+        &["--output", "1:256", "--output", "5:256", "--grid", "1"],
+    );
+    assert!(err.contains("binding 5"), "{err}");
+}
+
+#[test]
+fn a_binding_of_another_access_mode_is_named() {
+    let err = refused(
+        DOUBLE,
+        &[
+            "--no-default-input",
+            "--output",
+            "0:256",
+            "--output",
+            "1:256",
+            "--grid",
+            "1",
+        ],
+    );
+    assert!(
+        err.contains("binding 0") && err.contains("read_write"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_output_not_divisible_for_concat_is_refused() {
+    let err = refused(DOUBLE, &["--output", "1:256", "--grid", "3"]);
+    assert!(err.contains("does not divide"), "{err}");
+}
+
+#[test]
+fn a_missing_input_file_is_named() {
+    let err = refused(
+        DOUBLE,
+        &[
+            "--no-default-input",
+            "--input",
+            "0=/nonexistent/in.bin",
+            "--output",
+            "1:256",
+            "--grid",
+            "1",
+        ],
+    );
+    assert!(
+        err.contains("cannot read input file /nonexistent/in.bin for binding 0"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_missing_kernel_file_is_named() {
+    let o = gpumesh(&[
+        "run",
+        "/nonexistent/k.wgsl",
+        "--output",
+        "1:256",
+        "--grid",
+        "1",
+        "--out-dir",
+        "/tmp",
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("cannot read kernel file /nonexistent/k.wgsl"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn a_grid_over_the_limits_is_refused() {
+    if backends().is_empty() {
+        return;
+    }
+    let err = refused(
+        DOUBLE,
+        &[
+            "--output",
+            "1:256",
+            "--grid",
+            "65536,65536",
+            "--merge",
+            "sum-u32",
+        ],
+    );
+    assert!(err.contains("over the adapter limit"), "{err}");
+}
+
+#[test]
+fn a_buffer_over_the_adapter_maximum_is_refused() {
+    if backends().is_empty() {
+        return;
+    }
+    let err = refused(DOUBLE, &["--output", "1:68719476736", "--grid", "1"]);
+    assert!(
+        err.contains("binding 1") && err.contains("over the adapter limit"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unknown_builtins_and_bad_flags_are_explained() {
+    let o = gpumesh(&["run", "--builtin", "nope"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("matmul"),
+        "lists the built-ins: {}",
+        stderr(&o)
+    );
+    let o = gpumesh(&["run", "--builtin", "matmul", "--merge", "avg-f32"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("sum-f32"), "{}", stderr(&o));
+    let o = gpumesh(&["run", "--builtin", "matmul", "--backend", "voodoo"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("vulkan, gl"), "{}", stderr(&o));
+}
+
+#[test]
+fn adapters_lists_each_backend_with_measured_speed() {
+    let found = backends();
+    if found.is_empty() {
+        return;
+    }
+    let o = gpumesh(&["adapters", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let caps: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for c in caps.as_array().unwrap() {
+        assert!(c["gflops"].as_f64().unwrap() > 0.0, "{c}");
+        assert!(c["gbps"].as_f64().unwrap() > 0.0, "{c}");
+    }
+}
