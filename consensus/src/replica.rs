@@ -17,7 +17,7 @@
 //! before the deadline, the proposer gets [`ConsensusError::OutcomeUnknown`] and a
 //! retry with the same request id is safe.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -98,7 +98,12 @@ impl ReplicaConfig {
             // not disrupt the group with higher terms when it returns.
             check_quorum: true,
             pre_vote: true,
-            batch_append: true,
+            // Off: raft-rs 0.7's append batching can merge new entries into an
+            // already queued empty MsgAppend whose prev index is the first new entry,
+            // producing an append whose follower acknowledges one entry more than it
+            // stored (found by the randomized test: "to_commit out of range").
+            // Proposals are batched before they reach Raft instead.
+            batch_append: false,
             ..Default::default()
         }
     }
@@ -242,10 +247,10 @@ impl ConsensusHandle {
             inbox,
             events: events.clone(),
             status_tx: None,
-            pending: HashMap::new(),
+            pending: BTreeMap::new(),
             placed_at: BTreeMap::new(),
             batch: Vec::new(),
-            reads: HashMap::new(),
+            reads: BTreeMap::new(),
             confirmed_reads: Vec::new(),
             next_read: 0,
             ids: ids.clone(),
@@ -471,13 +476,13 @@ struct Actor {
     inbox: mpsc::Receiver<Msg>,
     events: broadcast::Sender<AppliedEvent>,
     status_tx: Option<watch::Sender<Status>>,
-    pending: HashMap<RequestId, Pending>,
+    pending: BTreeMap<RequestId, Pending>,
     /// Log index → proposals of ours a leader placed there.
     placed_at: BTreeMap<u64, Vec<RequestId>>,
     /// Normal proposals collected this round, proposed together as one message.
     batch: Vec<(LogEntry, Source)>,
     /// ReadIndex requests in flight, by context.
-    reads: HashMap<u64, (ReadFn, Instant)>,
+    reads: BTreeMap<u64, (ReadFn, Instant)>,
     /// Reads whose index is known, waiting for apply to reach it.
     confirmed_reads: Vec<(u64, ReadFn)>,
     next_read: u64,
@@ -862,6 +867,15 @@ impl Actor {
                 return;
             }
         }
+        tracing::trace!(
+            raft_id = self.cfg.id,
+            from,
+            kind = ?msg.get_msg_type(),
+            index = msg.index,
+            entries = ?msg.entries.iter().map(|e| (e.index, e.term)).collect::<Vec<_>>(),
+            last = self.raw.raft.raft_log.last_index(),
+            "step"
+        );
         if let Err(e) = self.raw.step(msg) {
             debug!(raft_id = self.cfg.id, from, "raft ignored message: {e}");
         }
@@ -1004,6 +1018,15 @@ impl Actor {
     fn drive(&mut self) -> Result<()> {
         while self.raw.has_ready() {
             let mut ready = self.raw.ready();
+            tracing::trace!(
+                raft_id = self.cfg.id,
+                number = ready.number(),
+                entries = ?ready.entries().first().map(|e| (e.index, ready.entries().len())),
+                msgs = ready.messages().len(),
+                persisted_msgs = ready.persisted_messages().len(),
+                committed = ready.committed_entries().len(),
+                "ready"
+            );
             if !ready.messages().is_empty() {
                 self.send_raft(ready.take_messages());
             }
@@ -1345,7 +1368,7 @@ impl Actor {
     }
 
     fn fail_all(&mut self) {
-        for (id, p) in self.pending.drain() {
+        for (id, p) in std::mem::take(&mut self.pending) {
             for w in p.waiters {
                 let _ = w.send(Err(if p.sent {
                     ConsensusError::OutcomeUnknown {
@@ -1357,7 +1380,7 @@ impl Actor {
                 }));
             }
         }
-        for (_, (read, _)) in self.reads.drain() {
+        for (_, (read, _)) in std::mem::take(&mut self.reads) {
             read(Err(ConsensusError::Stopped));
         }
         for (_, read) in self.confirmed_reads.drain(..) {

@@ -51,6 +51,8 @@ pub struct RedbStorage {
     entries: VecDeque<Entry>,
     /// Raft asked for a snapshot newer than the one held; the actor makes one.
     snapshot_wanted: AtomicBool,
+    /// Test hook: writes left before every write fails (a simulated crash).
+    fail_after: Option<u64>,
 }
 
 impl std::fmt::Debug for RedbStorage {
@@ -216,6 +218,7 @@ impl RedbStorage {
             truncated,
             entries,
             snapshot_wanted: AtomicBool::new(false),
+            fail_after: None,
         })
     }
 
@@ -303,6 +306,7 @@ impl RedbStorage {
         entries: &[Entry],
         hard_state: Option<&HardState>,
     ) -> Result<()> {
+        self.count_write()?;
         let mut next = NextState {
             hard_state: self.hard_state.clone(),
             snapshot: None,
@@ -373,6 +377,14 @@ impl RedbStorage {
             self.entries.extend(entries.iter().cloned());
         }
         self.hard_state = next.hard_state;
+        tracing::trace!(
+            path = %self.path,
+            appended = ?entries.first().map(|e| (e.index, entries.len())),
+            snapshot = ?snapshot.map(|s| s.get_metadata().index),
+            first = self.first(),
+            last = self.last(),
+            "persisted"
+        );
         Ok(())
     }
 
@@ -387,6 +399,7 @@ impl RedbStorage {
     /// drops log entries before `compact_to` (at most the snapshot index + 1), in one
     /// durable transaction.
     pub fn compact(&mut self, snapshot: Snapshot, compact_to: u64) -> Result<()> {
+        self.count_write()?;
         let index = snapshot.get_metadata().index;
         let compact_to = compact_to.min(index + 1).min(self.last() + 1);
         let mut truncated = self.truncated;
@@ -423,6 +436,28 @@ impl RedbStorage {
         self.snapshot = snapshot;
         self.hard_state = hard_state;
         Ok(())
+    }
+
+    /// Fault injection for crash tests: after `writes` more successful writes,
+    /// every write fails (before touching the disk), which stops the replica in the
+    /// middle of a Ready, as a crash there would.
+    #[doc(hidden)]
+    pub fn fail_after_writes(&mut self, writes: u64) {
+        self.fail_after = Some(writes);
+    }
+
+    fn count_write(&mut self) -> Result<()> {
+        match &mut self.fail_after {
+            Some(0) => Err(ConsensusError::Storage {
+                path: self.path.clone(),
+                reason: "injected failure (crash test)".into(),
+            }),
+            Some(n) => {
+                *n -= 1;
+                Ok(())
+            }
+            None => Ok(()),
+        }
     }
 
     /// Whether Raft asked for a snapshot newer than the stored one since last asked.

@@ -103,7 +103,16 @@ impl Cluster {
 
     /// Starts (or restarts) replica `id` from its storage file.
     pub fn start(&mut self, id: u64) -> ConsensusHandle {
-        let storage = RedbStorage::open(self.path(id), CLUSTER).expect("reopen storage");
+        self.start_failing(id, None)
+    }
+
+    /// Starts replica `id`; with `Some(n)`, its storage fails after `n` writes (a
+    /// crash in the middle of a Ready).
+    pub fn start_failing(&mut self, id: u64, fail_after: Option<u64>) -> ConsensusHandle {
+        let mut storage = RedbStorage::open(self.path(id), CLUSTER).expect("reopen storage");
+        if let Some(n) = fail_after {
+            storage.fail_after_writes(n);
+        }
         let h = ConsensusHandle::start((self.configure)(id), storage, self.net.transport(id))
             .expect("start replica");
         self.net.register(h.clone());
