@@ -2,6 +2,8 @@
 //! checked against CPU references, bad input answered with a clear message and a
 //! non-zero exit.
 
+#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+
 use std::path::Path;
 use std::process::{Command, Output};
 

@@ -1,5 +1,7 @@
 //! Round trips and hostile bytes through the codec and the envelope.
 
+#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+
 use gpumesh_protocol::{
     codec, open, seal, AdapterLimits, BackendKind, BindingRole, BindingSpec, BlobId, DeviceKind,
     ElemType, Grid, MergeRule, NodeCapability, ProtocolError, ShaderSource, TaskSpec, WIRE_VERSION,

@@ -289,8 +289,10 @@ fn list<'a>(items: impl Iterator<Item = &'a u32>) -> String {
 
 fn validate(
     module: &naga::Module,
-) -> std::result::Result<ModuleInfo, naga::WithSpan<naga::valid::ValidationError>> {
-    Validator::new(ValidationFlags::all(), Capabilities::default()).validate(module)
+) -> std::result::Result<ModuleInfo, Box<naga::WithSpan<naga::valid::ValidationError>>> {
+    Validator::new(ValidationFlags::all(), Capabilities::default())
+        .validate(module)
+        .map_err(Box::new)
 }
 
 /// An error and its sources, one line.

@@ -1,5 +1,7 @@
 //! Bad input gets a clear error naming the problem, and the executor keeps working.
 
+#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+
 mod common;
 
 use std::sync::Arc;

@@ -1,5 +1,7 @@
 //! Every built-in kernel on every local adapter, against its CPU reference.
 
+#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+
 mod common;
 
 use gpumesh_shaders::builtins;

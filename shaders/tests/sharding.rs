@@ -1,6 +1,8 @@
 //! Sharded + merged equals unsharded, byte for byte, for 1..=7 shards; and every
 //! result equals its CPU reference.
 
+#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+
 mod common;
 
 use std::collections::BTreeMap;
