@@ -1,4 +1,4 @@
-//! Measures an adapter's compute throughput (GFLOP/s) and memory bandwidth (GB/s)
+//! Measures an adapter's compute throughput (GFLOP/s) and memory read bandwidth (GB/s)
 //! with two short kernels, so the scheduler can place shards by measured speed.
 //!
 //! Each kernel runs once to warm up and then three times; the best run counts. The
@@ -56,7 +56,9 @@ pub fn calibrate(executor: &mut Executor) -> Result<Speed> {
     let flops = f64::from(invocations) * f64::from(rounds) * 4.0 * 4.0 * 2.0;
     let flop_time = best_of(executor, &flops_job)?;
 
-    let bytes: u64 = 16 << 20;
+    let bytes: u64 = 32 << 20;
+    // Each workgroup reads 4096 vec4s.
+    let groups = bytes / (4096 * 16);
     let src: Arc<[u8]> = Arc::from(vec![1u8; bytes as usize]);
     let src_id = BlobId::of(&src);
     let copy_job = Job::new(
@@ -73,10 +75,10 @@ pub fn calibrate(executor: &mut Executor) -> Result<Speed> {
                 },
                 BindingSpec {
                     binding: 1,
-                    role: BindingRole::Output { size: bytes },
+                    role: BindingRole::Output { size: groups * 16 },
                 },
             ],
-            grid: Grid([(bytes / 16 / 256) as u32, 1, 1]),
+            grid: Grid([groups as u32, 1, 1]),
             shards: 1,
             merge: MergeRule::Concat,
         },
@@ -87,7 +89,7 @@ pub fn calibrate(executor: &mut Executor) -> Result<Speed> {
 
     let speed = Speed {
         gflops: flops / flop_time.as_secs_f64() / 1e9,
-        gbps: (2 * bytes) as f64 / copy_time.as_secs_f64() / 1e9,
+        gbps: bytes as f64 / copy_time.as_secs_f64() / 1e9,
     };
     executor.set_speed(speed.gflops, speed.gbps);
     Ok(speed)

@@ -1,6 +1,7 @@
 //! The executor: one adapter, one device, and the pipelines built on it.
 //!
-//! It runs a [`Job`]'s shards: uploads the inputs once, then per shard fills the
+//! It runs a [`Job`]'s shards: uploads the inputs once (and keeps them resident,
+//! by content, for later tasks up to a byte budget), then per shard fills the
 //! outputs with the merge rule's identity, dispatches the instrumented kernel once
 //! per tile of at most `max_compute_workgroups_per_dimension` workgroups, and reads
 //! back the bytes the shard owns. Every wait is bounded by the task's deadline.
@@ -8,13 +9,13 @@
 //! thread, since a runaway dispatch may never let it go) and builds a fresh one, so
 //! the next task runs.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::num::NonZeroU64;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpumesh_protocol::{BindingRole, MergeRule, NodeCapability};
+use gpumesh_protocol::{BindingRole, BlobId, MergeRule, NodeCapability};
 use wgpu::util::DeviceExt;
 
 use crate::adapter::{self, BackendChoice};
@@ -33,6 +34,8 @@ pub struct ExecutorLimits {
     pub default_deadline: Duration,
     /// Compiled pipelines kept before the cache is cleared.
     pub pipeline_cache_entries: usize,
+    /// Bytes of input buffers kept on the device for reuse by later tasks.
+    pub resident_input_bytes: u64,
 }
 
 impl Default for ExecutorLimits {
@@ -41,6 +44,7 @@ impl Default for ExecutorLimits {
             max_grid_workgroups: 1 << 28,
             default_deadline: Duration::from_secs(300),
             pipeline_cache_entries: 64,
+            resident_input_bytes: 512 << 20,
         }
     }
 }
@@ -76,6 +80,10 @@ pub struct Executor {
     adapter: wgpu::Adapter,
     gpu: Gpu,
     pipelines: HashMap<[u8; 32], Arc<Pipeline>>,
+    /// Input buffers by content, oldest first in `resident_order`.
+    resident: HashMap<(BlobId, bool), wgpu::Buffer>,
+    resident_order: VecDeque<(BlobId, bool)>,
+    resident_bytes: u64,
     capability: NodeCapability,
     limits: ExecutorLimits,
     rebuilds: u64,
@@ -94,6 +102,9 @@ impl Executor {
             adapter,
             gpu,
             pipelines: HashMap::new(),
+            resident: HashMap::new(),
+            resident_order: VecDeque::new(),
+            resident_bytes: 0,
             capability,
             limits,
             rebuilds: 0,
@@ -229,7 +240,8 @@ impl Executor {
         let device = self.gpu.device.clone();
         device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let result = self.dispatch_shards(job, &pipeline, ranges, started, deadline);
+        let inputs = self.upload_inputs(job);
+        let result = self.dispatch_shards(job, &pipeline, &inputs, ranges, started, deadline);
         let validation = pollster::block_on(device.pop_error_scope());
         let oom = pollster::block_on(device.pop_error_scope());
         let result = match (result, validation.or(oom)) {
@@ -255,35 +267,15 @@ impl Executor {
         &self,
         job: &Job,
         pipeline: &Pipeline,
+        inputs: &BTreeMap<u32, wgpu::Buffer>,
         ranges: &[ShardRange],
         started: Instant,
         deadline: Duration,
     ) -> Result<Vec<ShardOutput>> {
-        let device = &self.gpu.device;
-        let inputs: BTreeMap<u32, wgpu::Buffer> = job
-            .inputs
-            .iter()
-            .map(|(&binding, input)| {
-                let usage = if input.uniform {
-                    wgpu::BufferUsages::UNIFORM
-                } else {
-                    wgpu::BufferUsages::STORAGE
-                };
-                let align = if input.uniform { 16 } else { 4 };
-                let mut contents = input.bytes.to_vec();
-                contents.resize(contents.len().div_ceil(align).max(1) * align, 0);
-                let buffer = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                    label: Some("gpumesh input"),
-                    contents: &contents,
-                    usage,
-                });
-                (binding, buffer)
-            })
-            .collect();
         let mut out = Vec::with_capacity(ranges.len());
         for range in ranges {
             let shard_start = Instant::now();
-            let outputs = self.dispatch_one(job, pipeline, &inputs, range, started, deadline)?;
+            let outputs = self.dispatch_one(job, pipeline, inputs, range, started, deadline)?;
             out.push(ShardOutput {
                 range: *range,
                 outputs,
@@ -291,6 +283,51 @@ impl Executor {
             });
         }
         Ok(out)
+    }
+
+    /// GPU buffers for the job's inputs, uploaded unless already resident. Inputs are
+    /// immutable and content-addressed, so a buffer can serve every later task that
+    /// binds the same bytes (a chained solver's matrix, a benchmark's repeated runs).
+    fn upload_inputs(&mut self, job: &Job) -> BTreeMap<u32, wgpu::Buffer> {
+        let mut buffers = BTreeMap::new();
+        for (&binding, input) in &job.inputs {
+            let key = (input.id, input.uniform);
+            if let Some(buffer) = self.resident.get(&key) {
+                buffers.insert(binding, buffer.clone());
+                continue;
+            }
+            let (usage, align) = if input.uniform {
+                (wgpu::BufferUsages::UNIFORM, 16)
+            } else {
+                (wgpu::BufferUsages::STORAGE, 4)
+            };
+            let mut contents = input.bytes.to_vec();
+            contents.resize(contents.len().div_ceil(align).max(1) * align, 0);
+            let buffer = self
+                .gpu
+                .device
+                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some("gpumesh input"),
+                    contents: &contents,
+                    usage,
+                });
+            let size = contents.len() as u64;
+            if size <= self.limits.resident_input_bytes {
+                while self.resident_bytes + size > self.limits.resident_input_bytes {
+                    let Some(old) = self.resident_order.pop_front() else {
+                        break;
+                    };
+                    if let Some(evicted) = self.resident.remove(&old) {
+                        self.resident_bytes -= evicted.size();
+                    }
+                }
+                self.resident.insert(key, buffer.clone());
+                self.resident_order.push_back(key);
+                self.resident_bytes += size;
+            }
+            buffers.insert(binding, buffer);
+        }
+        buffers
     }
 
     fn dispatch_one(
@@ -500,6 +537,9 @@ impl Executor {
                     .name("gpumesh-device-drop".into())
                     .spawn(move || drop(old));
                 self.pipelines.clear();
+                self.resident.clear();
+                self.resident_order.clear();
+                self.resident_bytes = 0;
                 self.rebuilds += 1;
                 tracing::warn!(rebuilds = self.rebuilds, "GPU device rebuilt");
             }

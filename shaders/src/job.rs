@@ -12,6 +12,8 @@ use crate::shard::ShardRange;
 /// Bytes bound to one input binding.
 #[derive(Clone, Debug)]
 pub struct InputBuffer {
+    /// Content address of `bytes` (parameters are hashed too), the residency key.
+    pub id: BlobId,
     pub bytes: Arc<[u8]>,
     pub uniform: bool,
 }
@@ -60,12 +62,20 @@ impl Job {
                             ),
                         });
                     }
-                    inputs.insert(b.binding, InputBuffer { bytes, uniform });
+                    inputs.insert(
+                        b.binding,
+                        InputBuffer {
+                            id: *id,
+                            bytes,
+                            uniform,
+                        },
+                    );
                 }
                 BindingRole::Param { data } => {
                     inputs.insert(
                         b.binding,
                         InputBuffer {
+                            id: BlobId::of(data),
                             bytes: Arc::from(data.as_slice()),
                             uniform,
                         },
