@@ -254,10 +254,12 @@ fn raw_appends(
     let mut times = Vec::with_capacity(count);
     let started = Instant::now();
     for i in 0..count as u64 {
-        let mut e = Entry::default();
-        e.index = i + 2;
-        e.term = 1;
-        e.data = vec![0x5a; entry_bytes].into();
+        let e = Entry {
+            index: i + 2,
+            term: 1,
+            data: vec![0x5a; entry_bytes].into(),
+            ..Default::default()
+        };
         let t = Instant::now();
         storage.persist(None, &[e], None)?;
         times.push(t.elapsed());

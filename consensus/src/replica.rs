@@ -717,9 +717,10 @@ impl Actor {
         for (entry, _) in &batch {
             match codec::to_bytes(entry) {
                 Ok(data) => {
-                    let mut e = Entry::default();
-                    e.data = data.into();
-                    encoded.push(e);
+                    encoded.push(Entry {
+                        data: data.into(),
+                        ..Default::default()
+                    });
                 }
                 Err(e) => encoded.push({
                     warn!(request_id = %entry.request_id, "cannot encode proposal: {e}");
@@ -1313,8 +1314,10 @@ impl Actor {
         {
             return Ok(());
         }
-        let mut snapshot = Snapshot::default();
-        snapshot.data = self.state.to_bytes()?.into();
+        let mut snapshot = Snapshot {
+            data: self.state.to_bytes()?.into(),
+            ..Default::default()
+        };
         let meta = snapshot.mut_metadata();
         meta.index = applied;
         meta.term = self.state.applied_term();

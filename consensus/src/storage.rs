@@ -185,8 +185,8 @@ impl RedbStorage {
 
         let log = txn.open_table(LOG).map_err(|e| err(e.into()))?;
         let mut entries = VecDeque::new();
-        let mut expect = truncated.0 + 1;
-        for item in log.range(truncated.0 + 1..).map_err(|e| err(e.into()))? {
+        let stored = log.range(truncated.0 + 1..).map_err(|e| err(e.into()))?;
+        for (expect, item) in (truncated.0 + 1..).zip(stored) {
             let (k, v) = item.map_err(|e| err(e.into()))?;
             let index = k.value();
             if index != expect {
@@ -203,7 +203,6 @@ impl RedbStorage {
                 )));
             }
             entries.push_back(entry);
-            expect += 1;
         }
         drop(log);
         drop(meta);
@@ -260,8 +259,10 @@ impl RedbStorage {
         // Index 1, term 1, as raft-rs's examples do: the founders start from the same
         // snapshot, and joiners catch up through a snapshot first.
         state.skip(1, 1);
-        let mut snapshot = Snapshot::default();
-        snapshot.data = state.to_bytes()?.into();
+        let mut snapshot = Snapshot {
+            data: state.to_bytes()?.into(),
+            ..Default::default()
+        };
         let meta = snapshot.mut_metadata();
         meta.index = 1;
         meta.term = 1;

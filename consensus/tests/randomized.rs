@@ -236,11 +236,14 @@ async fn run_seed(seed: u64) {
         .await;
     c.converged(&all, Duration::from_secs(30)).await;
 
-    let history = history.lock().expect("history");
-    assert!(history.violations.is_empty(), "{:#?}", history.violations);
+    let (entries, violations, restores) = {
+        let h = history.lock().expect("history");
+        (h.entries.clone(), h.violations.clone(), h.restores)
+    };
+    assert!(violations.is_empty(), "{violations:#?}");
     // None applied twice: each request id takes effect at most once.
     let mut effective: HashMap<RequestId, u64> = HashMap::new();
-    for (index, (rid, _, duplicate)) in &history.entries {
+    for (index, (rid, _, duplicate)) in &entries {
         if !duplicate {
             if let Some(first) = effective.insert(*rid, *index) {
                 panic!("{rid} took effect at {first} and again at {index}");
@@ -291,11 +294,10 @@ async fn run_seed(seed: u64) {
          {} snapshot installs, net {stats:?}",
         acks.len(),
         unacked.lock().expect("unacked").len(),
-        history.entries.len(),
-        history.entries.values().filter(|e| e.2).count(),
-        history.restores,
+        entries.len(),
+        entries.values().filter(|e| e.2).count(),
+        restores,
     );
-    drop(history);
     for h in c.nodes.values() {
         h.shutdown().await;
     }

@@ -9,11 +9,12 @@ use raft::eraftpb::{Entry, HardState, Snapshot};
 use raft::{GetEntriesContext, Storage};
 
 fn entry(index: u64, term: u64) -> Entry {
-    let mut e = Entry::default();
-    e.index = index;
-    e.term = term;
-    e.data = format!("entry {index}").into_bytes().into();
-    e
+    Entry {
+        index,
+        term,
+        data: format!("entry {index}").into_bytes().into(),
+        ..Default::default()
+    }
 }
 
 fn settings() -> ClusterSettings {
@@ -38,10 +39,12 @@ fn entries_hard_state_and_snapshot_survive_reopen() {
         let mut s = initialized(&path);
         assert_eq!((s.first(), s.last()), (2, 1));
         let ents: Vec<Entry> = (2..=10).map(|i| entry(i, 2)).collect();
-        let mut hs = HardState::default();
-        hs.term = 2;
-        hs.vote = 1;
-        hs.commit = 5;
+        let hs = HardState {
+            term: 2,
+            vote: 1,
+            commit: 5,
+            ..Default::default()
+        };
         s.persist(None, &ents, Some(&hs)).expect("persist");
         // A conflicting suffix from a new leader replaces entries 8..=10.
         s.persist(None, &[entry(8, 3), entry(9, 3)], None)
@@ -75,8 +78,10 @@ fn compaction_keeps_the_tail_and_snapshots_replace_the_log() {
     let ents: Vec<Entry> = (2..=20).map(|i| entry(i, 2)).collect();
     s.persist(None, &ents, None).expect("persist");
     let state = s.snapshot_state().expect("sm");
-    let mut snap = Snapshot::default();
-    snap.data = state.to_bytes().expect("bytes").into();
+    let mut snap = Snapshot {
+        data: state.to_bytes().expect("bytes").into(),
+        ..Default::default()
+    };
     snap.mut_metadata().index = 15;
     snap.mut_metadata().term = 2;
     snap.mut_metadata().mut_conf_state().voters = vec![1, 2, 3];
@@ -100,13 +105,15 @@ fn compaction_keeps_the_tail_and_snapshots_replace_the_log() {
         "a snapshot's index is committed"
     );
     // A snapshot from the leader replaces the whole log.
-    let mut snap = Snapshot::default();
-    snap.data = s
-        .snapshot_state()
-        .expect("sm")
-        .to_bytes()
-        .expect("bytes")
-        .into();
+    let mut snap = Snapshot {
+        data: s
+            .snapshot_state()
+            .expect("sm")
+            .to_bytes()
+            .expect("bytes")
+            .into(),
+        ..Default::default()
+    };
     snap.mut_metadata().index = 40;
     snap.mut_metadata().term = 4;
     snap.mut_metadata().mut_conf_state().voters = vec![1, 2, 3];
