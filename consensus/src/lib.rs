@@ -17,6 +17,31 @@
 //! - [`bench`]: the `gpumesh bench consensus` measurement.
 //! - `tracing_drain`: raft-rs's slog output forwarded into `tracing`.
 //!
+//! # Public API (for the node crate)
+//!
+//! - [`RedbStorage::open`]`(path, ClusterId)`: opens or creates the durable store;
+//!   refuses corrupt files, foreign redb files and other clusters' stores.
+//!   [`RedbStorage::initialize`]`(&[(raft_id, peer_id)], ClusterSettings)` founds a
+//!   mesh (one node, or all N founders with the same list); a joining node starts
+//!   with empty storage and is added by a member with [`ConsensusHandle::add_learner`].
+//! - [`ConsensusHandle::start`]`(ReplicaConfig, RedbStorage, Arc<dyn Transport>)`
+//!   spawns the actor. The handle is `Clone`:
+//!   - `propose(Command) -> Result<Committed>` / `propose_with_id(RequestId, Command)`:
+//!     from any member (forwarded to the leader); answered once applied here.
+//!     Errors say whether it certainly did not commit (`NoLeader`,
+//!     `ProposalDropped`) or may have (`OutcomeUnknown`: retry with the same id).
+//!   - `add_learner`, `promote`, `remove`: membership (voters capped by
+//!     `ClusterSettings::max_voters`; the leader auto-promotes caught-up learners).
+//!   - `read_linearizable(|&StateMachine| ..)` (ReadIndex) and
+//!     `read_local(|&StateMachine| ..)` (this replica's applied state, may be stale).
+//!   - `status() -> Status` (role, leader, term, commit/applied, voters/learners),
+//!     `watch_status()`, `subscribe() -> broadcast::Receiver<AppliedEvent>`.
+//!   - `receive(from_raft_id, bytes)` / `try_receive`: frames from the transport.
+//!   - `shutdown()`, `kill()` (crash simulation), `campaign()`, `transfer_leader()`.
+//! - [`Transport`]: `send(to_raft_id, bytes) -> Result<(), Unreachable>`, non-blocking,
+//!   best effort. Frames are `gpumesh_protocol` envelopes around [`Frame`].
+//! - [`bench::run`]`(BenchConfig) -> BenchReport` (`Display`: a plain-text table).
+//!
 //! # Using it from a node
 //!
 //! ```no_run

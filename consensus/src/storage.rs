@@ -299,7 +299,8 @@ impl RedbStorage {
         self.truncated.0 + self.entries.len() as u64
     }
 
-    /// Persists one Ready in a single durable write transaction, in raft-rs's order:
+    /// Persists one Ready in a single durable write transaction, in raft-rs's order
+    /// (called by the replica; public for storage tests):
     /// a received snapshot, then new entries, then the hard state.
     pub fn persist(
         &mut self,

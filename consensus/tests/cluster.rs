@@ -406,3 +406,119 @@ async fn founders_must_agree_and_storage_refuses_reinit() {
         at_ms: 0,
     };
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_proposal_lost_in_a_leader_change_is_reported_dropped_and_retried_once() {
+    let c = Cluster::new(5, 21).await;
+    let old = c.leader().await;
+    let ids = c.ids();
+    let f = ids.iter().copied().find(|&i| i != old).expect("follower");
+    let others: Vec<u64> = ids
+        .iter()
+        .copied()
+        .filter(|&i| i != old && i != f)
+        .collect();
+    // The old leader keeps only the follower `f`: together they are no quorum, so
+    // what the old leader appends cannot commit; the other three elect a leader.
+    for &o in &others {
+        c.net.cut(old, o);
+        c.net.cut(f, o);
+    }
+    let rid = c.node(f).new_request_id();
+    let h = c.node(f).clone();
+    let attempt = tokio::spawn(async move { h.propose_with_id(rid, submit(42)).await });
+    let new = c.leader_among(&others, 10 * SEC).await;
+    assert_ne!(new, old);
+    // Commit something at the new leader so the old leader's entry is overwritten.
+    c.node(new)
+        .propose(submit(1))
+        .await
+        .expect("new leader commits");
+    c.net.heal();
+    let first = attempt.await.expect("task");
+    eprintln!("proposal across the leader change: {first:?}");
+    match &first {
+        // The proposer was told for certain that its entry lost its slot...
+        Err(ConsensusError::ProposalDropped { .. }) => {}
+        // ...or could not tell in time (then a retry is the safe answer)...
+        Err(ConsensusError::OutcomeUnknown { .. }) => {}
+        // ...or it did commit (if the entry survived the change).
+        Ok(done) => assert!(matches!(done.outcome, Outcome::TaskSubmitted { .. })),
+        Err(e) => panic!("unexpected error: {e}"),
+    }
+    // Retrying with the same id applies it exactly once.
+    let retry = c
+        .node(f)
+        .propose_with_id(rid, submit(42))
+        .await
+        .expect("retry");
+    if let Ok(done) = &first {
+        assert_eq!(done, &retry);
+    }
+    let all = c.ids();
+    c.wait_applied(&all, retry.index, 10 * SEC).await;
+    let count = c
+        .node(new)
+        .read_linearizable(move |s| s.tasks().values().filter(|t| t.request_id == rid).count())
+        .await
+        .expect("read");
+    assert_eq!(count, 1);
+    c.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn crashes_at_random_points_keep_acknowledged_state() {
+    let mut c = Cluster::new(3, 31).await;
+    let mut rng = gpumesh_consensus::sim::SplitMix64::new(31);
+    let mut acked = Vec::new();
+    for round in 0..12u32 {
+        let victim = c.ids()[rng.range(0, 2) as usize];
+        // Either abruptly between two rounds of the actor, or inside a Ready: the
+        // storage fails at its k-th write (after a leader may have sent appends).
+        if rng.chance(0.5) {
+            c.crash(victim).await;
+        } else {
+            let k = rng.range(0, 3);
+            c.crash(victim).await;
+            c.start_failing(victim, Some(k));
+        }
+        let up: Vec<u64> = c.ids().into_iter().filter(|&i| i != victim).collect();
+        for i in 0..3 {
+            let via = up[rng.range(0, up.len() as u64 - 1) as usize];
+            let rid = c.node(via).new_request_id();
+            loop {
+                match c
+                    .node(via)
+                    .propose_with_id(rid, submit(round * 10 + i + 1))
+                    .await
+                {
+                    Ok(done) => {
+                        acked.push((rid, done));
+                        break;
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                }
+            }
+        }
+        c.crash(victim).await;
+        c.start(victim);
+    }
+    let all = c.ids();
+    let last = acked.last().expect("acked").1.index;
+    c.wait_applied(&all, last, 10 * SEC).await;
+    c.converged(&all, 10 * SEC).await;
+    for id in all {
+        let acked = acked.clone();
+        let ok = c
+            .node(id)
+            .read_local(move |s| {
+                acked
+                    .iter()
+                    .all(|(rid, done)| s.outcome_of(rid).as_ref() == Some(done))
+            })
+            .await
+            .expect("read");
+        assert!(ok, "node {id} lost an acknowledged proposal");
+    }
+    c.shutdown().await;
+}
