@@ -14,7 +14,7 @@
 //! - [`transport`]: the [`Transport`] trait the node crate implements over libp2p.
 //! - [`wire`]: the frames replicas exchange ([`ClusterId`], [`Frame`]).
 //! - [`sim`]: an in-process network with faults, for tests and the benchmark.
-//! - [`bench`]: the `gpumesh bench consensus` measurement.
+//! - [`mod@bench`]: the `gpumesh bench consensus` measurement.
 //! - `tracing_drain`: raft-rs's slog output forwarded into `tracing`.
 //!
 //! # Public API (for the node crate)

@@ -39,7 +39,7 @@ const KEY_TRUNCATED: &str = "truncated";
 /// The durable Raft state of one replica.
 pub struct RedbStorage {
     db: Database,
-    /// For error messages ("<memory>" for the in-memory backend).
+    /// For error messages (`<memory>` for the in-memory backend).
     path: String,
     cluster: ClusterId,
     hard_state: HardState,
