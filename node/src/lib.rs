@@ -1,5 +1,12 @@
 //! A gpumesh node: the libp2p swarm actor, the scheduler, the worker, the blob store
 //! and the local API, wiring the protocol, consensus and executor crates together.
 //!
-//! Not built yet: this crate is where the mesh (issue 4) lands. Until then `gpumesh`
-//! runs tasks locally through `gpumesh-shaders`.
+//! - [`blob`]: the content-addressed blob store on disk.
+//!
+//! The mesh itself (issue 4) is being built here; until it lands `gpumesh` runs tasks
+//! locally through `gpumesh-shaders`.
+
+pub mod blob;
+mod error;
+
+pub use error::{NodeError, Result};

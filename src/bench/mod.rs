@@ -1,8 +1,10 @@
 //! `gpumesh bench ...`: measurements printed as tables, never asserted in tests.
 
+mod consensus;
 mod direct;
 mod executor;
 
+pub use consensus::{consensus, ConsensusBenchArgs};
 pub use executor::{executor, ExecutorBenchArgs};
 
 use std::time::Duration;

@@ -45,6 +45,9 @@ pub enum Command {
 pub enum BenchCommand {
     /// The executor: matmul vs CPU sgemm, overhead vs direct wgpu, 1 vs n shards.
     Executor(crate::bench::ExecutorBenchArgs),
+    /// Raft: committed proposals/s (batched and one at a time), commit latency, and
+    /// the disk's raw fsync'd append rate, on a 3-node cluster in one process.
+    Consensus(crate::bench::ConsensusBenchArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -142,6 +145,7 @@ pub fn execute(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Run(args) => run::run(args),
         Command::Bench { which } => match which {
             BenchCommand::Executor(args) => crate::bench::executor(args),
+            BenchCommand::Consensus(args) => crate::bench::consensus(args),
         },
     }
 }

@@ -1,0 +1,190 @@
+//! The blob store: bulk data on disk, addressed by the blake3 hash of its bytes.
+//!
+//! Inputs, shard outputs and merged results live here, never in the Raft log. A blob
+//! is written to a temporary file, fsync'd and renamed into place, so a crash leaves
+//! either the whole blob or none of it; every read checks the bytes against the id,
+//! so a corrupted file is reported and removed instead of served.
+
+use std::fs::{self, File};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use gpumesh_protocol::BlobId;
+
+use crate::error::{NodeError, Result};
+
+/// Content-addressed files under one directory.
+#[derive(Clone, Debug)]
+pub struct BlobStore {
+    root: PathBuf,
+    max_blob_bytes: u64,
+}
+
+impl BlobStore {
+    /// Opens (creating) the store in `dir`; leftovers of interrupted writes are removed.
+    pub fn open(dir: impl AsRef<Path>, max_blob_bytes: u64) -> Result<Self> {
+        let root = dir.as_ref().to_path_buf();
+        fs::create_dir_all(&root).map_err(|e| NodeError::io(&root, e))?;
+        for entry in fs::read_dir(&root).map_err(|e| NodeError::io(&root, e))?.flatten() {
+            if entry.file_name().to_string_lossy().ends_with(".tmp") {
+                let _ = fs::remove_file(entry.path());
+            }
+        }
+        Ok(BlobStore {
+            root,
+            max_blob_bytes,
+        })
+    }
+
+    pub fn max_blob_bytes(&self) -> u64 {
+        self.max_blob_bytes
+    }
+
+    fn path(&self, id: &BlobId) -> PathBuf {
+        self.root.join(id.to_hex())
+    }
+
+    /// Stores `bytes` and returns their id; storing the same bytes twice is a no-op.
+    pub fn put(&self, bytes: &[u8]) -> Result<BlobId> {
+        let id = BlobId::of(bytes);
+        self.put_as(id, bytes)?;
+        Ok(id)
+    }
+
+    /// Stores bytes that claim to be blob `id` (e.g. received from a peer); refused
+    /// unless they hash to `id`.
+    pub fn put_verified(&self, id: BlobId, bytes: &[u8]) -> Result<()> {
+        if !id.matches(bytes) {
+            return Err(NodeError::BlobMismatch {
+                id,
+                got: BlobId::of(bytes),
+            });
+        }
+        self.put_as(id, bytes)
+    }
+
+    fn put_as(&self, id: BlobId, bytes: &[u8]) -> Result<()> {
+        if bytes.len() as u64 > self.max_blob_bytes {
+            return Err(NodeError::Limit {
+                what: "blob size in bytes",
+                value: bytes.len() as u64,
+                limit: self.max_blob_bytes,
+            });
+        }
+        let path = self.path(&id);
+        if path.exists() {
+            return Ok(());
+        }
+        let tmp = self.root.join(format!("{}.{}.tmp", id.to_hex(), std::process::id()));
+        let write = || -> std::io::Result<()> {
+            let mut f = File::create(&tmp)?;
+            f.write_all(bytes)?;
+            f.sync_all()?;
+            fs::rename(&tmp, &path)?;
+            File::open(&self.root)?.sync_all()
+        };
+        write().map_err(|e| {
+            let _ = fs::remove_file(&tmp);
+            NodeError::io(&path, e)
+        })
+    }
+
+    pub fn has(&self, id: &BlobId) -> bool {
+        self.path(id).is_file()
+    }
+
+    /// Size of a stored blob.
+    pub fn size(&self, id: &BlobId) -> Option<u64> {
+        fs::metadata(self.path(id)).ok().map(|m| m.len())
+    }
+
+    /// The blob's bytes, checked against its id; `None` if absent. A blob whose bytes
+    /// no longer match is deleted and reported.
+    pub fn get(&self, id: &BlobId) -> Result<Option<Vec<u8>>> {
+        let path = self.path(id);
+        let bytes = match fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(NodeError::io(&path, e)),
+        };
+        if !id.matches(&bytes) {
+            let _ = fs::remove_file(&path);
+            return Err(NodeError::BlobMismatch {
+                id: *id,
+                got: BlobId::of(&bytes),
+            });
+        }
+        Ok(Some(bytes))
+    }
+
+    /// Up to `len` bytes from `offset`, and the blob's total size, for serving chunks.
+    /// The receiver checks the assembled blob against its id.
+    pub fn read_range(&self, id: &BlobId, offset: u64, len: u64) -> Result<Option<(u64, Vec<u8>)>> {
+        let path = self.path(id);
+        let mut f = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(NodeError::io(&path, e)),
+        };
+        let total = f.metadata().map_err(|e| NodeError::io(&path, e))?.len();
+        let start = offset.min(total);
+        let len = len.min(total - start);
+        let mut buf = vec![0u8; len as usize];
+        f.seek(SeekFrom::Start(start))
+            .and_then(|_| f.read_exact(&mut buf))
+            .map_err(|e| NodeError::io(&path, e))?;
+        Ok(Some((total, buf)))
+    }
+
+    /// (count, bytes) of everything stored.
+    pub fn stats(&self) -> (u64, u64) {
+        let mut count = 0;
+        let mut bytes = 0;
+        if let Ok(dir) = fs::read_dir(&self.root) {
+            for entry in dir.flatten() {
+                if entry.file_name().len() == 64 {
+                    count += 1;
+                    bytes += entry.metadata().map(|m| m.len()).unwrap_or(0);
+                }
+            }
+        }
+        (count, bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stores_by_content_and_refuses_what_does_not_match() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path(), 1 << 20).unwrap();
+        let id = store.put(b"hello mesh").unwrap();
+        assert_eq!(store.put(b"hello mesh").unwrap(), id);
+        assert_eq!(store.get(&id).unwrap().unwrap(), b"hello mesh");
+        assert_eq!(store.size(&id), Some(10));
+        assert_eq!(store.read_range(&id, 6, 100).unwrap().unwrap(), (10, b"mesh".to_vec()));
+        assert!(store.put_verified(id, b"hello MESH").is_err());
+        assert_eq!(store.get(&BlobId::of(b"other")).unwrap(), None);
+        assert_eq!(store.stats(), (1, 10));
+    }
+
+    #[test]
+    fn a_corrupted_file_is_reported_and_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path(), 1 << 20).unwrap();
+        let id = store.put(b"precious").unwrap();
+        std::fs::write(dir.path().join(id.to_hex()), b"tampered").unwrap();
+        assert!(matches!(store.get(&id), Err(NodeError::BlobMismatch { .. })));
+        assert!(!store.has(&id));
+    }
+
+    #[test]
+    fn oversized_blobs_are_refused_naming_the_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path(), 8).unwrap();
+        let err = store.put(b"nine bytes").unwrap_err();
+        assert!(err.to_string().contains("limit"), "{err}");
+    }
+}

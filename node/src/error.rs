@@ -1,0 +1,51 @@
+use std::path::Path;
+
+use gpumesh_protocol::BlobId;
+use thiserror::Error;
+
+/// Everything a node can fail at, each saying what to do where there is something.
+#[derive(Debug, Error)]
+pub enum NodeError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("blob {id} does not match its content (hashes to {got})")]
+    BlobMismatch { id: BlobId, got: BlobId },
+    #[error("{what} is {value}, over the limit of {limit}")]
+    Limit {
+        what: &'static str,
+        value: u64,
+        limit: u64,
+    },
+    // Network (net actor) errors.
+    #[error("could not start the network: {0}")]
+    NetSetup(String),
+    #[error("could not connect to {addr}: {reason}; check that a gpumesh node listens there and uses the same cluster key")]
+    Dial { addr: String, reason: String },
+    #[error("{addr} did not complete a connection within {secs:.1}s; check the address, the firewall, and that the node there uses the same cluster key")]
+    DialTimeout { addr: String, secs: f64 },
+    #[error("request to peer {peer} failed: {reason}")]
+    Request { peer: String, reason: String },
+    #[error("peer {peer} answered: {reason}")]
+    PeerRefused { peer: String, reason: String },
+    #[error("peer {peer} does not have blob {id}")]
+    BlobNotFound { id: BlobId, peer: String },
+    #[error("the network actor is busy ({0}); try again")]
+    NetBusy(&'static str),
+    #[error("the network actor has stopped (the node is shutting down)")]
+    NetStopped,
+}
+
+impl NodeError {
+    pub fn io(path: &Path, source: std::io::Error) -> Self {
+        NodeError::Io {
+            path: path.display().to_string(),
+            source,
+        }
+    }
+}
+
+pub type Result<T, E = NodeError> = std::result::Result<T, E>;
