@@ -8,6 +8,7 @@
 //!   outputs are merged ([`MergeRule`]).
 //! - [`capability`]: what a node's adapter is and how fast it measured
 //!   ([`NodeCapability`]).
+//! - [`mesh`]: what nodes say to each other ([`MeshRequest`], [`MeshResponse`]).
 //!
 //! This crate depends on no other workspace crate.
 
@@ -16,10 +17,12 @@ pub mod codec;
 pub mod envelope;
 mod error;
 pub mod ids;
+pub mod mesh;
 pub mod task;
 
 pub use capability::{AdapterLimits, BackendKind, DeviceKind, NodeCapability};
 pub use envelope::{open, seal, WIRE_VERSION};
 pub use error::{ProtocolError, Result};
 pub use ids::BlobId;
+pub use mesh::{MeshRequest, MeshResponse};
 pub use task::{BindingRole, BindingSpec, ElemType, Grid, MergeRule, ShaderSource, TaskSpec};

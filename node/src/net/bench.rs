@@ -1,0 +1,233 @@
+//! `gpumesh bench mesh`: how fast a blob moves between two nodes, next to how fast the
+//! same bytes move over a plain loopback TCP socket, in one run on one machine.
+//!
+//! Both nodes live in this process and talk over 127.0.0.1 through the full stack
+//! (Noise, Yamux, request-response, the envelope, the blob store), so the ratio is
+//! the cost of the mesh's framing and encryption relative to the kernel alone.
+
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpumesh_protocol::BlobId;
+use libp2p::identity::Keypair;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::{NetConfig, NetHandle};
+use crate::blob::BlobStore;
+use crate::error::{NodeError, Result};
+
+/// Each figure is the best of this many runs, so one scheduling hiccup does not
+/// decide the result.
+const RUNS: usize = 3;
+
+/// The outcome of [`bench_blob_transfer`].
+#[derive(Clone, Debug)]
+pub struct BlobTransferReport {
+    pub bytes: usize,
+    pub chunk_bytes: u32,
+    pub fetch_window: usize,
+    /// Plain tokio `TcpStream` write → read of the same bytes over loopback.
+    pub raw_tcp: Duration,
+    /// The chunked, pipelined pull between two nodes, into memory.
+    pub mesh_pull: Duration,
+    /// [`NetHandle::fetch_blob`] end to end: the pull, the blake3 check, and the
+    /// fsync'd write into the blob store.
+    pub fetch_blob: Duration,
+}
+
+impl BlobTransferReport {
+    fn mib_per_s(&self, d: Duration) -> f64 {
+        self.bytes as f64 / (1 << 20) as f64 / d.as_secs_f64().max(1e-9)
+    }
+
+    /// Mesh pull throughput as a fraction of raw TCP (1.0 = as fast).
+    pub fn pull_ratio(&self) -> f64 {
+        self.raw_tcp.as_secs_f64() / self.mesh_pull.as_secs_f64().max(1e-9)
+    }
+
+    /// `fetch_blob` throughput as a fraction of raw TCP.
+    pub fn fetch_ratio(&self) -> f64 {
+        self.raw_tcp.as_secs_f64() / self.fetch_blob.as_secs_f64().max(1e-9)
+    }
+}
+
+impl fmt::Display for BlobTransferReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "blob transfer over loopback: {:.1} MiB, chunks of {} KiB, {} in flight (best of {RUNS})",
+            self.bytes as f64 / (1 << 20) as f64,
+            self.chunk_bytes / 1024,
+            self.fetch_window
+        )?;
+        writeln!(
+            f,
+            "{:<34} {:>10} {:>10} {:>8}",
+            "path", "ms", "MiB/s", "vs tcp"
+        )?;
+        let rows = [
+            ("raw TCP (tokio, loopback)", self.raw_tcp, 1.0),
+            (
+                "mesh pull (noise+yamux+rr)",
+                self.mesh_pull,
+                self.pull_ratio(),
+            ),
+            (
+                "fetch_blob (+blake3 +fsync)",
+                self.fetch_blob,
+                self.fetch_ratio(),
+            ),
+        ];
+        for (name, d, ratio) in rows {
+            writeln!(
+                f,
+                "{name:<34} {:>10.1} {:>10.1} {:>7.0}%",
+                d.as_secs_f64() * 1e3,
+                self.mib_per_s(d),
+                ratio * 100.0
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Measures moving `bytes` between two nodes on loopback with the default tuning.
+pub async fn bench_blob_transfer(bytes: usize) -> Result<BlobTransferReport> {
+    let defaults = NetConfig::new(Keypair::generate_ed25519());
+    bench_blob_transfer_with(bytes, defaults.chunk_bytes, defaults.fetch_window).await
+}
+
+/// [`bench_blob_transfer`] with a chosen chunk size and number of chunks in flight.
+pub async fn bench_blob_transfer_with(
+    bytes: usize,
+    chunk_bytes: u32,
+    fetch_window: usize,
+) -> Result<BlobTransferReport> {
+    let loopback = |e: std::io::Error| NodeError::io(Path::new("127.0.0.1"), e);
+    let blobs: Vec<Vec<u8>> = (0..RUNS as u64)
+        .map(|seed| noise_bytes(bytes, seed))
+        .collect();
+
+    let mut raw_tcp = Duration::MAX;
+    for blob in &blobs {
+        raw_tcp = raw_tcp.min(
+            raw_tcp_transfer(Arc::new(blob.clone()))
+                .await
+                .map_err(loopback)?,
+        );
+    }
+
+    let dir = tempfile::tempdir().map_err(|e| NodeError::io(&std::env::temp_dir(), e))?;
+    let cancel = CancellationToken::new();
+    let max_blob = bytes as u64 + 1;
+    let start_node = |name: &str| {
+        let store = BlobStore::open(dir.path().join(name), max_blob);
+        let cancel = cancel.clone();
+        async move {
+            let mut config = NetConfig::new(Keypair::generate_ed25519());
+            config.listen = vec!["/ip4/127.0.0.1/tcp/0"
+                .parse()
+                .map_err(|e| NodeError::NetSetup(format!("loopback address: {e}")))?];
+            config.mdns = false;
+            config.chunk_bytes = chunk_bytes;
+            config.fetch_window = fetch_window;
+            // The bench does not read events; a small channel whose overflow is
+            // dropped is all it needs.
+            let (events, _) = mpsc::channel(16);
+            NetHandle::start(config, store?, events, cancel).await
+        }
+    };
+    let (server, server_task) = start_node("server").await?;
+    let (client, client_task) = start_node("client").await?;
+    let result = async {
+        let mut ids = Vec::new();
+        for blob in &blobs {
+            ids.push(server.blobs.put(blob)?);
+        }
+        let addr = server
+            .listen_addrs()
+            .await?
+            .into_iter()
+            .next()
+            .ok_or_else(|| NodeError::NetSetup("server has no listen address".into()))?;
+        let peer = client.dial(addr).await?;
+
+        let mut mesh_pull = Duration::MAX;
+        for id in &ids {
+            let t = Instant::now();
+            let got = client.pull_blob(peer, *id).await?;
+            mesh_pull = mesh_pull.min(t.elapsed());
+            check_same(*id, &got)?;
+        }
+        let mut fetch_blob = Duration::MAX;
+        for id in &ids {
+            let t = Instant::now();
+            client.fetch_blob(peer, *id).await?;
+            fetch_blob = fetch_blob.min(t.elapsed());
+        }
+        Ok(BlobTransferReport {
+            bytes,
+            chunk_bytes,
+            fetch_window,
+            raw_tcp,
+            mesh_pull,
+            fetch_blob,
+        })
+    }
+    .await;
+    cancel.cancel();
+    let _ = server_task.await;
+    let _ = client_task.await;
+    result
+}
+
+fn check_same(id: BlobId, got: &[u8]) -> Result<()> {
+    if id.matches(got) {
+        Ok(())
+    } else {
+        Err(NodeError::BlobMismatch {
+            id,
+            got: BlobId::of(got),
+        })
+    }
+}
+
+/// Sends `data` from one loopback socket to another and times it until the last byte
+/// is read, receive buffer included (the mesh pull allocates one too).
+async fn raw_tcp_transfer(data: Arc<Vec<u8>>) -> std::io::Result<Duration> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let len = data.len();
+    let start = Instant::now();
+    let sender = tokio::spawn(async move {
+        let mut stream = TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        stream.write_all(&data).await?;
+        stream.shutdown().await
+    });
+    let (mut stream, _) = listener.accept().await?;
+    let mut buf = vec![0u8; len];
+    stream.read_exact(&mut buf).await?;
+    let elapsed = start.elapsed();
+    sender.await.map_err(std::io::Error::other)??;
+    Ok(elapsed)
+}
+
+/// Incompressible bytes (xorshift), different per seed, cheap to make.
+fn noise_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ seed.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        out.extend_from_slice(&state.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}

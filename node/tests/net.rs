@@ -1,0 +1,644 @@
+//! The network actor over real loopback TCP: real swarms, real Noise and Yamux, no
+//! mocks. Every wait is bounded, so a broken actor fails a test instead of hanging it.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+
+use std::collections::VecDeque;
+use std::io;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, StreamExt};
+use gpumesh_node::blob::BlobStore;
+use gpumesh_node::net::{bench_blob_transfer_with, NetConfig, NetEvent, NetHandle, MESH_PROTOCOL};
+use gpumesh_node::NodeError;
+use gpumesh_protocol::{seal, BlobId, MeshRequest, MeshResponse};
+use libp2p::identity::Keypair;
+use libp2p::multiaddr::Protocol;
+use libp2p::pnet::PreSharedKey;
+use libp2p::request_response::{self, ProtocolSupport};
+use libp2p::swarm::SwarmEvent;
+use libp2p::{noise, tcp, yamux, Multiaddr, PeerId, StreamProtocol, SwarmBuilder};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// The longest any single wait in these tests may take.
+const WAIT: Duration = Duration::from_secs(15);
+
+struct Node {
+    net: NetHandle,
+    events: mpsc::Receiver<NetEvent>,
+    backlog: VecDeque<NetEvent>,
+    blobs: BlobStore,
+    /// Listen address with `/p2p/<peer id>`.
+    addr: Multiaddr,
+    cancel: CancellationToken,
+    task: JoinHandle<()>,
+    _dir: tempfile::TempDir,
+}
+
+impl Node {
+    async fn start(tune: impl FnOnce(&mut NetConfig)) -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        let blobs = BlobStore::open(dir.path(), 64 << 20).unwrap();
+        let mut config = NetConfig::new(Keypair::generate_ed25519());
+        config.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
+        config.mdns = false;
+        config.request_timeout = Duration::from_secs(10);
+        config.dial_timeout = Duration::from_secs(5);
+        tune(&mut config);
+        let (tx, events) = mpsc::channel(64);
+        let cancel = CancellationToken::new();
+        let (net, task) = NetHandle::start(config, blobs.clone(), tx, cancel.clone())
+            .await
+            .unwrap();
+        let addr = net.listen_addrs().await.unwrap()[0]
+            .clone()
+            .with(Protocol::P2p(net.local_peer_id()));
+        Node {
+            net,
+            events,
+            backlog: VecDeque::new(),
+            blobs,
+            addr,
+            cancel,
+            task,
+            _dir: dir,
+        }
+    }
+
+    fn id(&self) -> PeerId {
+        self.net.local_peer_id()
+    }
+
+    /// The first event that `pick` accepts (it hands back the others, which are kept
+    /// for later calls, so arrival order between kinds does not matter); panics after
+    /// [`WAIT`].
+    async fn expect<T>(
+        &mut self,
+        what: &str,
+        mut pick: impl FnMut(NetEvent) -> Result<T, NetEvent>,
+    ) -> T {
+        for _ in 0..self.backlog.len() {
+            let event = self.backlog.pop_front().unwrap();
+            match pick(event) {
+                Ok(found) => return found,
+                Err(event) => self.backlog.push_back(event),
+            }
+        }
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let event = tokio::time::timeout_at(deadline, self.events.recv())
+                .await
+                .unwrap_or_else(|_| panic!("no {what} event within {WAIT:?}"))
+                .expect("net actor stopped");
+            match pick(event) {
+                Ok(found) => return found,
+                Err(event) => self.backlog.push_back(event),
+            }
+        }
+    }
+
+    async fn stop(self) {
+        self.cancel.cancel();
+        tokio::time::timeout(WAIT, self.task)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+}
+
+fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn dialled_nodes_exchange_raft_frames_both_ways_with_sender_ids() {
+    let mut a = Node::start(|_| {}).await;
+    let mut b = Node::start(|_| {}).await;
+
+    let got = b.net.dial(a.addr.clone()).await.unwrap();
+    assert_eq!(got, a.id());
+    let b_id = b.id();
+    a.expect("PeerConnected", |e| match e {
+        NetEvent::PeerConnected { peer, .. } if peer == b_id => Ok(()),
+        other => Err(other),
+    })
+    .await;
+    assert_eq!(b.net.connected_peers().await.unwrap(), vec![a.id()]);
+
+    b.net.send_raft(a.id(), b"vote for me".to_vec()).unwrap();
+    let (from, frame) = a
+        .expect("Raft", |e| match e {
+            NetEvent::Raft { from, frame } => Ok((from, frame)),
+            other => Err(other),
+        })
+        .await;
+    assert_eq!((from, frame.as_slice()), (b.id(), &b"vote for me"[..]));
+
+    // The other way, over the connection b opened.
+    a.net.send_raft(b.id(), b"granted".to_vec()).unwrap();
+    let (from, frame) = b
+        .expect("Raft", |e| match e {
+            NetEvent::Raft { from, frame } => Ok((from, frame)),
+            other => Err(other),
+        })
+        .await;
+    assert_eq!((from, frame.as_slice()), (a.id(), &b"granted"[..]));
+
+    // Many frames in a row arrive, each once.
+    for i in 0..200u32 {
+        b.net.send_raft(a.id(), i.to_le_bytes().to_vec()).unwrap();
+    }
+    let mut seen = vec![false; 200];
+    for _ in 0..200 {
+        let frame = a
+            .expect("Raft", |e| match e {
+                NetEvent::Raft { frame, .. } => Ok(frame),
+                other => Err(other),
+            })
+            .await;
+        let i = u32::from_le_bytes(frame.try_into().unwrap()) as usize;
+        assert!(!seen[i], "frame {i} twice");
+        seen[i] = true;
+    }
+
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test]
+async fn three_nodes_reach_each_other_through_known_addresses() {
+    let mut hub = Node::start(|_| {}).await;
+    let mut b = Node::start(|_| {}).await;
+    let mut c = Node::start(|_| {}).await;
+    b.net.dial(hub.addr.clone()).await.unwrap();
+    c.net.dial(hub.addr.clone()).await.unwrap();
+
+    // c has never connected to b; an address (as the membership table would give)
+    // is enough for a Raft frame to find it.
+    c.net.add_address(b.id(), b.addr.clone()).await.unwrap();
+    c.net.send_raft(b.id(), b"c->b".to_vec()).unwrap();
+    let (from, frame) = b
+        .expect("Raft from c", |e| match e {
+            NetEvent::Raft { from, frame } => Ok((from, frame)),
+            other => Err(other),
+        })
+        .await;
+    assert_eq!((from, frame), (c.id(), b"c->b".to_vec()));
+
+    for (sender, to) in [(&hub, b.id()), (&hub, c.id()), (&b, hub.id())] {
+        sender.net.send_raft(to, sender.id().to_bytes()).unwrap();
+    }
+    for node in [&mut b, &mut c, &mut hub] {
+        let (from, frame) = node
+            .expect("Raft", |e| match e {
+                NetEvent::Raft { from, frame } => Ok((from, frame)),
+                other => Err(other),
+            })
+            .await;
+        assert_eq!(frame, from.to_bytes(), "the frame names its sender");
+    }
+    let mut peers = hub.net.connected_peers().await.unwrap();
+    peers.sort();
+    let mut want = vec![b.id(), c.id()];
+    want.sort();
+    assert_eq!(peers, want);
+
+    // identify told the hub where b listens.
+    let b_id = b.id();
+    let b_listen = b.addr.clone();
+    let addrs = hub
+        .expect("PeerDiscovered", |e| match e {
+            NetEvent::PeerDiscovered { peer, addrs } if peer == b_id => Ok(addrs),
+            other => Err(other),
+        })
+        .await;
+    assert!(
+        addrs
+            .iter()
+            .any(|a| b_listen.to_string().starts_with(&a.to_string())),
+        "{addrs:?} should hold {b_listen}"
+    );
+
+    for node in [hub, b, c] {
+        node.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn a_ten_megabyte_blob_arrives_in_chunks_byte_for_byte() {
+    let server = Node::start(|_| {}).await;
+    // Small chunks and an odd size: many pipelined requests and a short last chunk.
+    let client = Node::start(|c| {
+        c.chunk_bytes = 256 << 10;
+        c.fetch_window = 6;
+    })
+    .await;
+    let data = pseudo_random(10_000_003, 7);
+    let id = server.blobs.put(&data).unwrap();
+    let peer = client.net.dial(server.addr.clone()).await.unwrap();
+
+    let started = Instant::now();
+    client.net.fetch_blob(peer, id).await.unwrap();
+    let took = started.elapsed();
+    assert!(
+        client.blobs.get(&id).unwrap().unwrap() == data,
+        "bytes differ"
+    );
+    eprintln!("10 MB fetched in {took:?}");
+    // Already here: a second fetch does not touch the network.
+    client.net.fetch_blob(peer, id).await.unwrap();
+
+    // An empty blob is a blob too.
+    let empty = server.blobs.put(b"").unwrap();
+    client.net.fetch_blob(peer, empty).await.unwrap();
+    assert_eq!(client.blobs.get(&empty).unwrap().unwrap(), b"");
+
+    server.stop().await;
+    client.stop().await;
+}
+
+#[tokio::test]
+async fn fetching_an_unknown_blob_names_the_blob_and_the_peer() {
+    let server = Node::start(|_| {}).await;
+    let client = Node::start(|_| {}).await;
+    let peer = client.net.dial(server.addr.clone()).await.unwrap();
+    let id = BlobId::of(b"nobody has this");
+    let err = client.net.fetch_blob(peer, id).await.unwrap_err();
+    assert!(matches!(err, NodeError::BlobNotFound { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(
+        text.contains(&id.to_string()) && text.contains(&peer.to_string()),
+        "{text}"
+    );
+    assert!(!client.blobs.has(&id));
+    server.stop().await;
+    client.stop().await;
+}
+
+#[tokio::test]
+async fn node_requests_reach_the_node_and_its_answer_comes_back() {
+    let mut a = Node::start(|_| {}).await;
+    let b = Node::start(|_| {}).await;
+    b.net.dial(a.addr.clone()).await.unwrap();
+    let a_id = a.id();
+
+    let asking = tokio::spawn({
+        let net = b.net.clone();
+        async move { net.request(a_id, MeshRequest::Node(b"ping".to_vec())).await }
+    });
+    let (request, reply) = a
+        .expect("Request", |e| match e {
+            NetEvent::Request { request, reply, .. } => Ok((request, reply)),
+            other => Err(other),
+        })
+        .await;
+    assert_eq!(request, MeshRequest::Node(b"ping".to_vec()));
+    reply.send(MeshResponse::Node(b"pong".to_vec())).unwrap();
+    let answer = tokio::time::timeout(WAIT, asking)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(answer, MeshResponse::Node(b"pong".to_vec()));
+
+    // A node that drops the reply answers with an error instead of leaving the peer
+    // waiting out its timeout.
+    let asking = tokio::spawn({
+        let net = b.net.clone();
+        async move {
+            net.request(
+                a_id,
+                MeshRequest::Join {
+                    raft_id: 9,
+                    peer_id: "x".into(),
+                    addrs: vec![],
+                    capability: None,
+                },
+            )
+            .await
+        }
+    });
+    let reply = a
+        .expect("Request", |e| match e {
+            NetEvent::Request { reply, .. } => Ok(reply),
+            other => Err(other),
+        })
+        .await;
+    drop(reply);
+    let answer = tokio::time::timeout(WAIT, asking)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(answer, MeshResponse::Error(ref e) if e.contains("join")),
+        "{answer:?}"
+    );
+
+    a.stop().await;
+    b.stop().await;
+}
+
+/// Writes whatever bytes it is given as a "request" on the gpumesh protocol.
+#[derive(Clone, Default)]
+struct JunkCodec;
+
+#[async_trait]
+impl request_response::Codec for JunkCodec {
+    type Protocol = StreamProtocol;
+    type Request = Vec<u8>;
+    type Response = Vec<u8>;
+
+    async fn read_request<T>(&mut self, _: &StreamProtocol, io: &mut T) -> io::Result<Vec<u8>>
+    where
+        T: AsyncRead + Unpin + Send,
+    {
+        let mut out = Vec::new();
+        io.read_to_end(&mut out).await?;
+        Ok(out)
+    }
+
+    async fn read_response<T>(&mut self, _: &StreamProtocol, io: &mut T) -> io::Result<Vec<u8>>
+    where
+        T: AsyncRead + Unpin + Send,
+    {
+        let mut out = Vec::new();
+        io.read_to_end(&mut out).await?;
+        Ok(out)
+    }
+
+    async fn write_request<T>(
+        &mut self,
+        _: &StreamProtocol,
+        io: &mut T,
+        req: Vec<u8>,
+    ) -> io::Result<()>
+    where
+        T: AsyncWrite + Unpin + Send,
+    {
+        io.write_all(&req).await
+    }
+
+    async fn write_response<T>(
+        &mut self,
+        _: &StreamProtocol,
+        io: &mut T,
+        res: Vec<u8>,
+    ) -> io::Result<()>
+    where
+        T: AsyncWrite + Unpin + Send,
+    {
+        io.write_all(&res).await
+    }
+}
+
+fn framed(body: &[u8]) -> Vec<u8> {
+    let mut out = (body.len() as u32).to_le_bytes().to_vec();
+    out.extend_from_slice(body);
+    out
+}
+
+#[tokio::test]
+async fn garbage_on_the_wire_does_not_stop_the_node_from_serving() {
+    let victim = Node::start(|c| c.max_frame_bytes = 4 << 20).await;
+    let data = pseudo_random(300_000, 3);
+    let id = victim.blobs.put(&data).unwrap();
+
+    // 1. Raw TCP junk at the listening port: fails the handshake, nothing more.
+    let tcp_port = victim
+        .addr
+        .iter()
+        .find_map(|p| match p {
+            Protocol::Tcp(port) => Some(port),
+            _ => None,
+        })
+        .unwrap();
+    for junk in [&b"GET / HTTP/1.1\r\n\r\n"[..], &[0xFF; 4096][..], &[][..]] {
+        use tokio::io::AsyncWriteExt as _;
+        let mut raw = tokio::net::TcpStream::connect(("127.0.0.1", tcp_port))
+            .await
+            .unwrap();
+        let _ = raw.write_all(junk).await;
+        let _ = raw.shutdown().await;
+    }
+
+    // 2. A real, authenticated libp2p peer that speaks the gpumesh protocol badly.
+    let mut rogue = SwarmBuilder::with_new_identity()
+        .with_tokio()
+        .with_tcp(
+            tcp::Config::default(),
+            noise::Config::new,
+            yamux::Config::default,
+        )
+        .unwrap()
+        .with_behaviour(|_| {
+            request_response::Behaviour::<JunkCodec>::new(
+                [(MESH_PROTOCOL, ProtocolSupport::Full)],
+                request_response::Config::default().with_request_timeout(Duration::from_secs(5)),
+            )
+        })
+        .unwrap()
+        .build();
+    rogue.dial(victim.addr.clone()).unwrap();
+    let junk: Vec<Vec<u8>> = vec![
+        b"definitely not an envelope".to_vec(), // no length prefix at all
+        u32::MAX.to_le_bytes().to_vec(),        // a length over the limit
+        framed(&[0xAB; 100]),                   // bad magic
+        framed(&seal(&"a string, not a request").unwrap()), // right envelope, wrong type
+        [framed(&seal(&MeshRequest::Raft(vec![1; 64])).unwrap())[..40].to_vec()].concat(), // cut short
+        vec![],                     // nothing
+        pseudo_random(1 << 20, 11), // a megabyte of noise
+    ];
+    let victim_id = victim.id();
+    let mut outstanding = 0;
+    let mut sent = false;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let event = tokio::time::timeout_at(deadline, rogue.select_next_some())
+            .await
+            .expect("rogue peer's requests did not all finish");
+        match event {
+            SwarmEvent::ConnectionEstablished { peer_id, .. } if peer_id == victim_id && !sent => {
+                for bytes in &junk {
+                    rogue
+                        .behaviour_mut()
+                        .send_request(&victim_id, bytes.clone());
+                    outstanding += 1;
+                }
+                sent = true;
+            }
+            SwarmEvent::Behaviour(request_response::Event::OutboundFailure { .. }) => {
+                outstanding -= 1;
+            }
+            SwarmEvent::Behaviour(request_response::Event::Message { message, .. }) => {
+                if let request_response::Message::Response { response, .. } = message {
+                    // The victim never answers junk with a real answer.
+                    assert!(
+                        response.is_empty(),
+                        "answered junk with {} bytes",
+                        response.len()
+                    );
+                }
+                outstanding -= 1;
+            }
+            _ => {}
+        }
+        if sent && outstanding == 0 {
+            break;
+        }
+    }
+    assert!(
+        rogue.is_connected(&victim_id),
+        "bad streams must not cost the connection"
+    );
+    assert!(!victim.task.is_finished(), "the net actor died");
+
+    // 3. The victim still serves a well-behaved peer.
+    let client = Node::start(|c| c.chunk_bytes = 64 << 10).await;
+    let peer = client.net.dial(victim.addr.clone()).await.unwrap();
+    client.net.fetch_blob(peer, id).await.unwrap();
+    assert_eq!(client.blobs.get(&id).unwrap().unwrap(), data);
+    client.net.send_raft(peer, b"still here?".to_vec()).unwrap();
+    let mut victim = victim;
+    let frame = victim
+        .expect("Raft", |e| match e {
+            NetEvent::Raft { frame, .. } => Ok(frame),
+            other => Err(other),
+        })
+        .await;
+    assert_eq!(frame, b"still here?");
+
+    victim.stop().await;
+    client.stop().await;
+}
+
+#[tokio::test]
+async fn dialling_a_closed_port_fails_fast_naming_the_address() {
+    let node = Node::start(|_| {}).await;
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    }; // closed again here
+    let addr: Multiaddr = format!("/ip4/127.0.0.1/tcp/{port}").parse().unwrap();
+    let started = Instant::now();
+    let err = node.net.dial(addr.clone()).await.unwrap_err();
+    assert!(matches!(err, NodeError::Dial { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(text.contains(&addr.to_string()), "{text}");
+    assert!(text.to_lowercase().contains("refused"), "{text}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    node.stop().await;
+}
+
+#[tokio::test]
+async fn a_peer_that_never_answers_times_out_naming_the_address() {
+    let node = Node::start(|c| c.dial_timeout = Duration::from_millis(800)).await;
+    // Accepts TCP connections and then says nothing, like a wedged process.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            held.push(socket);
+        }
+    });
+    let addr: Multiaddr = format!("/ip4/127.0.0.1/tcp/{port}").parse().unwrap();
+    let started = Instant::now();
+    let err = node.net.dial(addr.clone()).await.unwrap_err();
+    let took = started.elapsed();
+    assert!(matches!(err, NodeError::DialTimeout { .. }), "{err:?}");
+    assert!(err.to_string().contains(&addr.to_string()), "{err}");
+    assert!(
+        took >= Duration::from_millis(700) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    holder.abort();
+    node.stop().await;
+}
+
+#[tokio::test]
+async fn only_nodes_with_the_same_cluster_key_connect() {
+    let key = PreSharedKey::new([7; 32]);
+    let a = Node::start(|c| c.psk = Some(key)).await;
+    let b = Node::start(|c| c.psk = Some(key)).await;
+    let stranger = Node::start(|c| {
+        c.psk = Some(PreSharedKey::new([8; 32]));
+        c.dial_timeout = Duration::from_secs(3);
+    })
+    .await;
+    let open = Node::start(|c| c.dial_timeout = Duration::from_secs(3)).await;
+
+    assert_eq!(b.net.dial(a.addr.clone()).await.unwrap(), a.id());
+    for outsider in [&stranger, &open] {
+        let err = outsider.net.dial(a.addr.clone()).await.unwrap_err();
+        assert!(err.to_string().contains(&a.addr.to_string()), "{err}");
+    }
+    assert_eq!(a.net.connected_peers().await.unwrap(), vec![b.id()]);
+    for node in [a, b, stranger, open] {
+        node.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn bootstrap_peers_are_dialled_at_start_and_after_they_come_up() {
+    let mut a = Node::start(|_| {}).await;
+    let a_addr = a.addr.clone();
+    // A bootstrap peer that is not up yet, on a port that is closed for now.
+    let later_port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let later_addr: Multiaddr = format!("/ip4/127.0.0.1/tcp/{later_port}").parse().unwrap();
+    let mut b = Node::start(|c| {
+        c.peers = vec![a_addr, later_addr.clone()];
+        c.redial_interval = Duration::from_millis(100);
+    })
+    .await;
+    let b_id = b.id();
+    a.expect("PeerConnected from bootstrap", |e| match e {
+        NetEvent::PeerConnected { peer, .. } if peer == b_id => Ok(()),
+        other => Err(other),
+    })
+    .await;
+
+    let late = Node::start(|c| c.listen = vec![later_addr.clone()]).await;
+    let late_id = late.id();
+    b.expect("PeerConnected to the late peer", |e| match e {
+        NetEvent::PeerConnected { peer, .. } if peer == late_id => Ok(()),
+        other => Err(other),
+    })
+    .await;
+    for node in [a, b, late] {
+        node.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn the_transfer_bench_reports_all_three_paths() {
+    let report = bench_blob_transfer_with(2 << 20, 256 << 10, 4)
+        .await
+        .unwrap();
+    eprintln!("{report}");
+    assert!(report.raw_tcp > Duration::ZERO && report.mesh_pull > Duration::ZERO);
+    assert!(report.fetch_blob >= report.mesh_pull / 4);
+    let text = report.to_string();
+    assert!(
+        text.contains("raw TCP") && text.contains("fetch_blob"),
+        "{text}"
+    );
+}
