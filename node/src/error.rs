@@ -20,6 +20,10 @@ pub enum NodeError {
         value: u64,
         limit: u64,
     },
+    #[error("{0}")]
+    Config(String),
+    #[error(transparent)]
+    Consensus(#[from] gpumesh_consensus::ConsensusError),
     // Network (net actor) errors.
     #[error("could not start the network: {0}")]
     NetSetup(String),

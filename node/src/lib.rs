@@ -1,12 +1,26 @@
 //! A gpumesh node: the libp2p swarm actor, the scheduler, the worker, the blob store
 //! and the local API, wiring the protocol, consensus and executor crates together.
 //!
+//! - [`mesh`]: [`MeshNode`], one node with every actor wired together; forming,
+//!   joining and leaving a mesh.
+//! - [`net`]: the libp2p swarm actor (TCP + Noise + Yamux, mDNS, identify,
+//!   request-response for Raft frames, node requests and blob chunks).
+//! - [`worker`]: runs assigned shards on the GPU thread and reports results.
+//! - [`scheduler`]: on the leader, places pending shards by capability and queue.
+//! - [`api`]: the local HTTP+JSON API for the CLI, the client and the dashboard.
 //! - [`blob`]: the content-addressed blob store on disk.
-//!
-//! The mesh itself (issue 4) is being built here; until it lands `gpumesh` runs tasks
-//! locally through `gpumesh-shaders`.
+//! - [`identity`]: the node key and the raft id derived from it.
 
+pub mod api;
 pub mod blob;
 mod error;
+pub mod identity;
+pub mod mesh;
+pub mod net;
+pub mod scheduler;
+mod wire;
+pub mod worker;
 
 pub use error::{NodeError, Result};
+pub use libp2p::{Multiaddr, PeerId};
+pub use mesh::{Formation, MeshNode, NodeConfig};

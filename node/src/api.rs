@@ -1,0 +1,452 @@
+//! The local HTTP+JSON API (loopback by default), used by the CLI, `gpumesh::Client`
+//! and, later, the dashboard. Talks to: raft (proposes submits, reads state), the
+//! blob store and net (outputs are merged from shard blobs pulled from their nodes).
+//!
+//! | method | path | what |
+//! |---|---|---|
+//! | POST | /v1/blobs | store the body as a blob, answer its id |
+//! | POST | /v1/tasks | submit a task (validated here first), answer its id |
+//! | GET | /v1/tasks | all tasks |
+//! | GET | /v1/tasks/{id} | one task with its shards |
+//! | GET | /v1/tasks/{id}/outputs | merged outputs: binding, size, blake3 |
+//! | GET | /v1/tasks/{id}/outputs/{binding} | one merged output's bytes |
+//! | GET | /v1/status | leader, term, members |
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use gpumesh_consensus::{
+    Command, Outcome, RequestId, ShardState, StateMachine, TaskId, TaskStatus,
+};
+use gpumesh_protocol::{BindingRole, BlobId, TaskSpec};
+use gpumesh_shaders::{merge, shard, Kernel};
+use serde::{Deserialize, Serialize};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{NodeError, Result};
+use crate::mesh::Shared;
+
+/// Merged outputs already computed on this node: task → binding → blob.
+pub type ResultCache = Mutex<HashMap<TaskId, BTreeMap<u32, BlobId>>>;
+
+/// Largest request body the API accepts (blob uploads included).
+pub const MAX_BODY_BYTES: usize = 512 << 20;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SubmitRequest {
+    pub spec: TaskSpec,
+    /// Idempotency key: a retried submit with the same id returns the same task.
+    pub request_id: Option<RequestId>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SubmitReply {
+    pub task: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BlobReply {
+    pub id: String,
+    pub size: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ShardView {
+    pub index: u32,
+    pub state: String,
+    pub node: Option<u64>,
+    pub epoch: u32,
+    pub failures: u32,
+    pub last_error: Option<String>,
+    pub output: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TaskView {
+    pub id: u64,
+    pub status: String,
+    pub reason: Option<String>,
+    pub kernel: String,
+    pub submitter: String,
+    pub merge: String,
+    pub grid: String,
+    pub shards_done: usize,
+    pub shards: Vec<ShardView>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct OutputView {
+    pub binding: u32,
+    pub size: u64,
+    pub blake3: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct MemberView {
+    pub raft_id: u64,
+    pub peer_id: String,
+    pub role: String,
+    pub alive: bool,
+    pub adapter: Option<String>,
+    pub backend: Option<String>,
+    pub gflops: Option<f64>,
+    pub gbps: Option<f64>,
+    pub queue: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StatusView {
+    pub node: u64,
+    pub peer_id: String,
+    pub leader: u64,
+    pub term: u64,
+    pub commit_index: u64,
+    pub applied_index: u64,
+    pub members: Vec<MemberView>,
+}
+
+#[derive(Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: String,
+}
+
+struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(ErrorBody { error: self.1 })).into_response()
+    }
+}
+
+fn bad(e: impl std::fmt::Display) -> ApiError {
+    ApiError(StatusCode::BAD_REQUEST, e.to_string())
+}
+
+fn unavailable(e: impl std::fmt::Display) -> ApiError {
+    ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+}
+
+fn not_found(id: u64) -> ApiError {
+    ApiError(
+        StatusCode::NOT_FOUND,
+        format!("no task t{id}; `gpumesh tasks` lists the tasks there are"),
+    )
+}
+
+type ApiResult<T> = std::result::Result<T, ApiError>;
+
+/// Binds `addr` and serves until `cancel`; returns the bound address.
+pub(crate) async fn serve(
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+) -> Result<(SocketAddr, JoinHandle<()>)> {
+    let app = Router::new()
+        .route("/v1/blobs", post(put_blob))
+        .route("/v1/tasks", post(submit).get(list_tasks))
+        .route("/v1/tasks/{id}", get(get_task))
+        .route("/v1/tasks/{id}/outputs", get(outputs))
+        .route("/v1/tasks/{id}/outputs/{binding}", get(output_bytes))
+        .route("/v1/status", get(status))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(shared);
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        NodeError::Config(format!(
+            "cannot serve the API on {addr}: {e}; pick another --api address"
+        ))
+    })?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| NodeError::Config(e.to_string()))?;
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { cancel.cancelled().await })
+            .await;
+    });
+    Ok((bound, task))
+}
+
+fn consensus(shared: &Shared) -> ApiResult<gpumesh_consensus::ConsensusHandle> {
+    shared
+        .consensus
+        .get()
+        .cloned()
+        .ok_or_else(|| unavailable("this node has not joined a mesh yet"))
+}
+
+async fn put_blob(State(shared): State<Arc<Shared>>, body: Bytes) -> ApiResult<Json<BlobReply>> {
+    let blobs = shared.blobs.clone();
+    let size = body.len() as u64;
+    let id = tokio::task::spawn_blocking(move || blobs.put(&body))
+        .await
+        .map_err(unavailable)?
+        .map_err(bad)?;
+    Ok(Json(BlobReply {
+        id: id.to_hex(),
+        size,
+    }))
+}
+
+async fn submit(State(shared): State<Arc<Shared>>, body: Bytes) -> ApiResult<Json<SubmitReply>> {
+    let req: SubmitRequest =
+        serde_json::from_slice(&body).map_err(|e| bad(format!("malformed submit request: {e}")))?;
+    let c = consensus(&shared)?;
+    // The same checks `gpumesh run` makes, before anything is committed.
+    let kernel = Kernel::for_source(&req.spec.shader, &req.spec.entry_point).map_err(bad)?;
+    kernel.check(&req.spec).map_err(bad)?;
+    for b in &req.spec.bindings {
+        if let BindingRole::Input { blob, size } = &b.role {
+            match shared.blobs.size(blob) {
+                Some(s) if s == *size => {}
+                Some(s) => return Err(bad(format!("binding {}: blob {blob} holds {s} bytes, the spec says {size}", b.binding))),
+                None => return Err(bad(format!(
+                    "binding {}: input blob {blob} is not on this node; upload it first (POST /v1/blobs)",
+                    b.binding
+                ))),
+            }
+        }
+    }
+    let request_id = req.request_id.unwrap_or_else(|| c.new_request_id());
+    let committed = c
+        .propose_with_id(
+            request_id,
+            Command::SubmitTask {
+                spec: req.spec,
+                submitter: shared.peer_id.to_string(),
+            },
+        )
+        .await
+        .map_err(unavailable)?;
+    match committed.outcome {
+        Outcome::TaskSubmitted { task } => Ok(Json(SubmitReply { task: task.0 })),
+        Outcome::Rejected(why) => Err(bad(why)),
+        other => Err(unavailable(format!("unexpected outcome {other:?}"))),
+    }
+}
+
+fn view(t: &gpumesh_consensus::Task) -> TaskView {
+    let (status, reason) = match &t.status {
+        TaskStatus::Pending => ("pending", None),
+        TaskStatus::Running => ("running", None),
+        TaskStatus::Completed => ("completed", None),
+        TaskStatus::Failed(r) => ("failed", Some(r.clone())),
+        TaskStatus::Cancelled(r) => ("cancelled", Some(r.clone())),
+    };
+    TaskView {
+        id: t.id.0,
+        status: status.into(),
+        reason,
+        kernel: match &t.spec.shader {
+            gpumesh_protocol::ShaderSource::Builtin(n) => n.clone(),
+            gpumesh_protocol::ShaderSource::Wgsl(_) => format!("wgsl:{}", t.spec.entry_point),
+        },
+        submitter: t.submitter.clone(),
+        merge: t.spec.merge.to_string(),
+        grid: t.spec.grid.to_string(),
+        shards_done: t
+            .shards
+            .iter()
+            .filter(|s| s.state == ShardState::Done)
+            .count(),
+        shards: t
+            .shards
+            .iter()
+            .enumerate()
+            .map(|(i, s)| ShardView {
+                index: i as u32,
+                state: format!("{:?}", s.state).to_lowercase(),
+                node: s.assigned_to,
+                epoch: s.epoch,
+                failures: s.failures,
+                last_error: s.last_error.clone(),
+                output: s.output.map(|o| o.blob.to_hex()),
+            })
+            .collect(),
+    }
+}
+
+async fn list_tasks(State(shared): State<Arc<Shared>>) -> ApiResult<Json<Vec<TaskView>>> {
+    let c = consensus(&shared)?;
+    let tasks = c
+        .read_local(|s| s.tasks().values().map(view).collect::<Vec<_>>())
+        .await
+        .map_err(unavailable)?;
+    Ok(Json(tasks))
+}
+
+async fn get_task(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<u64>,
+) -> ApiResult<Json<TaskView>> {
+    let c = consensus(&shared)?;
+    c.read_linearizable(move |s| s.task(TaskId(id)).map(view))
+        .await
+        .map_err(unavailable)?
+        .map(Json)
+        .ok_or_else(|| not_found(id))
+}
+
+/// Merges a completed task's shard outputs here (pulling them from their nodes),
+/// keeps the merged outputs as blobs, and returns binding → blob.
+async fn merged(shared: &Arc<Shared>, id: u64) -> ApiResult<BTreeMap<u32, BlobId>> {
+    if let Some(done) = shared
+        .results
+        .lock()
+        .ok()
+        .and_then(|r| r.get(&TaskId(id)).cloned())
+    {
+        return Ok(done);
+    }
+    let c = consensus(shared)?;
+    let task = c
+        .read_linearizable(move |s: &StateMachine| s.task(TaskId(id)).cloned())
+        .await
+        .map_err(unavailable)?
+        .ok_or_else(|| not_found(id))?;
+    match &task.status {
+        TaskStatus::Completed => {}
+        TaskStatus::Failed(r) | TaskStatus::Cancelled(r) => {
+            return Err(ApiError(
+                StatusCode::CONFLICT,
+                format!("task t{id} did not complete: {r}"),
+            ))
+        }
+        _ => {
+            return Err(ApiError(
+                StatusCode::CONFLICT,
+                format!("task t{id} is still running; `gpumesh submit --wait` or retry later"),
+            ))
+        }
+    }
+    let plan = shard::plan(task.spec.grid, task.spec.shards).map_err(bad)?;
+    let mut parts = Vec::new();
+    for (i, sh) in task.shards.iter().enumerate() {
+        let out = sh
+            .output
+            .ok_or_else(|| unavailable(format!("shard {i} has no output")))?;
+        crate::mesh::fetch_blob(shared, out.blob, shared.peers.get(out.node))
+            .await
+            .map_err(|e| unavailable(format!("the output of shard {i}: {e}")))?;
+        let bytes = shared
+            .blobs
+            .get(&out.blob)
+            .map_err(unavailable)?
+            .ok_or_else(|| unavailable("shard output vanished"))?;
+        let outputs = crate::worker::decode_outputs(&bytes).map_err(unavailable)?;
+        parts.push(gpumesh_shaders::ShardOutput {
+            range: plan[i],
+            outputs,
+            elapsed: std::time::Duration::ZERO,
+        });
+    }
+    let sizes: BTreeMap<u32, u64> = task
+        .spec
+        .bindings
+        .iter()
+        .filter_map(|b| match b.role {
+            BindingRole::Output { size } => Some((b.binding, size)),
+            _ => None,
+        })
+        .collect();
+    let merged = merge::merge(task.spec.merge, &sizes, &parts).map_err(unavailable)?;
+    let mut ids = BTreeMap::new();
+    for (binding, bytes) in merged {
+        ids.insert(binding, shared.blobs.put(&bytes).map_err(unavailable)?);
+    }
+    if let Ok(mut r) = shared.results.lock() {
+        r.insert(TaskId(id), ids.clone());
+    }
+    Ok(ids)
+}
+
+async fn outputs(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<u64>,
+) -> ApiResult<Json<Vec<OutputView>>> {
+    let ids = merged(&shared, id).await?;
+    Ok(Json(
+        ids.into_iter()
+            .map(|(binding, blob)| OutputView {
+                binding,
+                size: shared.blobs.size(&blob).unwrap_or(0),
+                blake3: blob.to_hex(),
+            })
+            .collect(),
+    ))
+}
+
+async fn output_bytes(
+    State(shared): State<Arc<Shared>>,
+    Path((id, binding)): Path<(u64, u32)>,
+) -> ApiResult<Vec<u8>> {
+    let ids = merged(&shared, id).await?;
+    let blob = ids.get(&binding).ok_or_else(|| {
+        ApiError(
+            StatusCode::NOT_FOUND,
+            format!(
+                "task t{id} has no output binding {binding}; it has {:?}",
+                ids.keys().collect::<Vec<_>>()
+            ),
+        )
+    })?;
+    shared
+        .blobs
+        .get(blob)
+        .map_err(unavailable)?
+        .ok_or_else(|| unavailable("merged output vanished"))
+}
+
+async fn status(State(shared): State<Arc<Shared>>) -> ApiResult<Json<StatusView>> {
+    let c = consensus(&shared)?;
+    let st = c.status().await.map_err(unavailable)?;
+    let now = crate::scheduler::now_ms();
+    let members = c
+        .read_local(move |s| {
+            let mut queue: HashMap<u64, u32> = HashMap::new();
+            for t in s.tasks().values().filter(|t| !t.status.is_terminal()) {
+                for sh in &t.shards {
+                    if let (Some(n), ShardState::Assigned | ShardState::Running) =
+                        (sh.assigned_to, sh.state)
+                    {
+                        *queue.entry(n).or_default() += 1;
+                    }
+                }
+            }
+            s.members()
+                .values()
+                .map(|m| MemberView {
+                    raft_id: m.raft_id,
+                    peer_id: m.peer_id.clone(),
+                    role: format!("{:?}", m.role).to_lowercase(),
+                    alive: m.last_heartbeat.is_some_and(|h| {
+                        now.saturating_sub(h.at_ms)
+                            < crate::scheduler::STALE_AFTER.as_millis() as u64
+                    }),
+                    adapter: m.capability.as_ref().map(|c| c.adapter_name.clone()),
+                    backend: m.capability.as_ref().map(|c| c.backend.name().to_string()),
+                    gflops: m.capability.as_ref().map(|c| c.gflops),
+                    gbps: m.capability.as_ref().map(|c| c.gbps),
+                    queue: queue.get(&m.raft_id).copied().unwrap_or(0),
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        .map_err(unavailable)?;
+    Ok(Json(StatusView {
+        node: shared.raft_id,
+        peer_id: shared.peer_id.to_string(),
+        leader: st.leader_id,
+        term: st.term,
+        commit_index: st.commit_index,
+        applied_index: st.applied_index,
+        members,
+    }))
+}

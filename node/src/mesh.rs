@@ -1,0 +1,794 @@
+//! `MeshNode`: one gpumesh node, every actor wired together.
+//!
+//! Start-up: identity and blob store from the data dir, the GPU thread (calibrated),
+//! the libp2p net actor, then the Raft record — reopened from the data dir, or formed
+//! (`--init`, `--bootstrap-expect N`), or joined through any member reached by
+//! `--peer` or mDNS — and finally the worker, the scheduler, heartbeats and the
+//! local HTTP API. Raft frames travel over libp2p; a peer's raft id is derived from
+//! its Noise-authenticated peer id, so no frame can claim another sender.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use gpumesh_consensus::{
+    ClusterId, ClusterSettings, Command, ConsensusHandle, RedbStorage, ReplicaConfig, Transport,
+    Unreachable,
+};
+use gpumesh_protocol::mesh::{MeshRequest, MeshResponse};
+use gpumesh_protocol::NodeCapability;
+use gpumesh_shaders::BackendChoice;
+use libp2p::{Multiaddr, PeerId};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::blob::BlobStore;
+use crate::error::{NodeError, Result};
+use crate::identity;
+use crate::net::{NetConfig, NetEvent, NetHandle};
+use crate::scheduler::{self, Scheduler};
+use crate::wire::{self, NodeReply, NodeRequest};
+use crate::worker::{GpuHandle, Worker};
+
+/// How a node comes into a mesh the first time it starts with an empty data dir.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Formation {
+    /// Form a new one-node mesh.
+    Init,
+    /// Wait until this many nodes (this one included) see each other, then form a
+    /// mesh of all of them as voters.
+    BootstrapExpect(usize),
+    /// Join an existing mesh through any member reached.
+    Join,
+}
+
+/// Everything a node needs to start.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    pub data_dir: PathBuf,
+    pub listen: Vec<Multiaddr>,
+    pub api: SocketAddr,
+    pub formation: Formation,
+    pub peers: Vec<Multiaddr>,
+    pub backend: BackendChoice,
+    pub mdns: bool,
+    pub calibrate: bool,
+    /// How long joining or forming may take before the node gives up.
+    pub join_timeout: Duration,
+    pub heartbeat_interval: Duration,
+    /// Raft tick; elections happen after 10 ticks without a leader.
+    pub raft_tick: Duration,
+    pub max_blob_bytes: u64,
+    pub max_voters: u32,
+}
+
+impl NodeConfig {
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        NodeConfig {
+            data_dir: data_dir.into(),
+            listen: vec!["/ip4/0.0.0.0/tcp/0".parse().expect("valid multiaddr")],
+            api: SocketAddr::from(([127, 0, 0, 1], 7070)),
+            formation: Formation::Join,
+            peers: Vec::new(),
+            backend: BackendChoice::Auto,
+            mdns: true,
+            calibrate: true,
+            join_timeout: Duration::from_secs(30),
+            heartbeat_interval: Duration::from_secs(2),
+            raft_tick: Duration::from_millis(100),
+            max_blob_bytes: 1 << 30,
+            max_voters: 5,
+        }
+    }
+}
+
+/// Raft id → peer id, learned from connections and from the membership table.
+#[derive(Clone, Default)]
+pub struct PeerBook(Arc<RwLock<HashMap<u64, PeerId>>>);
+
+impl PeerBook {
+    pub fn insert(&self, peer: PeerId) -> u64 {
+        let id = identity::raft_id(&peer);
+        if let Ok(mut m) = self.0.write() {
+            m.insert(id, peer);
+        }
+        id
+    }
+
+    pub fn get(&self, raft_id: u64) -> Option<PeerId> {
+        self.0.read().ok()?.get(&raft_id).copied()
+    }
+
+    pub fn all(&self) -> Vec<PeerId> {
+        self.0
+            .read()
+            .map(|m| m.values().copied().collect())
+            .unwrap_or_default()
+    }
+}
+
+struct NetTransport {
+    net: NetHandle,
+    peers: PeerBook,
+}
+
+impl Transport for NetTransport {
+    fn send(&self, to: u64, frame: Vec<u8>) -> std::result::Result<(), Unreachable> {
+        let peer = self.peers.get(to).ok_or(Unreachable)?;
+        self.net.send_raft(peer, frame).map_err(|_| Unreachable)
+    }
+}
+
+/// A running node.
+pub struct MeshNode {
+    pub peer_id: PeerId,
+    pub raft_id: u64,
+    pub api_addr: SocketAddr,
+    pub listen_addrs: Vec<Multiaddr>,
+    pub consensus: ConsensusHandle,
+    pub net: NetHandle,
+    pub blobs: BlobStore,
+    pub capability: Option<NodeCapability>,
+    cancel: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+/// What the dispatcher and the API share.
+pub(crate) struct Shared {
+    pub raft_id: u64,
+    pub peer_id: PeerId,
+    pub net: NetHandle,
+    pub blobs: BlobStore,
+    pub peers: PeerBook,
+    pub consensus: tokio::sync::OnceCell<ConsensusHandle>,
+    pub cluster: tokio::sync::OnceCell<ClusterId>,
+    pub capability: Option<NodeCapability>,
+    pub results: crate::api::ResultCache,
+    /// Where peers listen, from identify, mDNS and other nodes' address books.
+    pub addrs: RwLock<HashMap<PeerId, Vec<Multiaddr>>>,
+}
+
+impl Shared {
+    fn learn_addrs(&self, peer: PeerId, addrs: &[Multiaddr]) {
+        if let Ok(mut book) = self.addrs.write() {
+            let known = book.entry(peer).or_default();
+            for a in addrs {
+                if !known.contains(a) {
+                    known.push(a.clone());
+                }
+            }
+        }
+    }
+}
+
+const CLUSTER_FILE: &str = "cluster-id";
+
+impl MeshNode {
+    /// Starts a node; returns once it is a member of a mesh and serving its API.
+    pub async fn start(config: NodeConfig) -> Result<MeshNode> {
+        let cancel = CancellationToken::new();
+        let dir = &config.data_dir;
+        std::fs::create_dir_all(dir).map_err(|e| NodeError::io(dir, e))?;
+        let keypair = identity::load_or_create(dir)?;
+        let peer_id = keypair.public().to_peer_id();
+        let raft_id = identity::raft_id(&peer_id);
+        let blobs = BlobStore::open(dir.join("blobs"), config.max_blob_bytes)?;
+
+        let backend = config.backend;
+        let calibrate = config.calibrate;
+        let gpu = tokio::task::spawn_blocking(move || GpuHandle::start(backend, calibrate))
+            .await
+            .map_err(|e| NodeError::Config(format!("GPU start-up panicked: {e}")))?;
+        let capability = gpu.as_ref().map(|(_, c)| c.clone());
+
+        let (events_tx, events_rx) = mpsc::channel(1024);
+        let mut net_config = NetConfig::new(keypair);
+        net_config.listen = config.listen.clone();
+        net_config.peers = config.peers.clone();
+        net_config.mdns = config.mdns;
+        let (net, net_task) =
+            NetHandle::start(net_config, blobs.clone(), events_tx, cancel.clone()).await?;
+        let listen_addrs = net.listen_addrs().await?;
+
+        let shared = Arc::new(Shared {
+            raft_id,
+            peer_id,
+            net: net.clone(),
+            blobs: blobs.clone(),
+            peers: PeerBook::default(),
+            consensus: tokio::sync::OnceCell::new(),
+            cluster: tokio::sync::OnceCell::new(),
+            capability: capability.clone(),
+            results: Default::default(),
+            addrs: RwLock::new(HashMap::new()),
+        });
+        shared.peers.insert(peer_id);
+        let mut tasks = vec![net_task];
+        tasks.push(tokio::spawn(dispatch(
+            shared.clone(),
+            events_rx,
+            cancel.clone(),
+        )));
+
+        let result = async {
+            let (storage, joined_through) = open_or_form(&config, &shared).await?;
+            let mut rc = ReplicaConfig::new(raft_id);
+            rc.tick_interval = config.raft_tick;
+            let transport = Arc::new(NetTransport {
+                net: net.clone(),
+                peers: shared.peers.clone(),
+            });
+            let consensus = ConsensusHandle::start(rc, storage, transport)?;
+            let _ = shared.consensus.set(consensus.clone());
+            if let Some(peer) = joined_through {
+                join_through(&shared, peer, config.join_timeout).await?;
+            }
+            Ok::<_, NodeError>(consensus)
+        }
+        .await;
+        let consensus = match result {
+            Ok(c) => c,
+            Err(e) => {
+                cancel.cancel();
+                return Err(e);
+            }
+        };
+
+        tasks.push(tokio::spawn(learn_members(shared.clone(), cancel.clone())));
+        tasks.push(tokio::spawn(heartbeats(
+            shared.clone(),
+            config.heartbeat_interval,
+            cancel.clone(),
+        )));
+        tasks.push(tokio::spawn(
+            Scheduler {
+                consensus: consensus.clone(),
+                interval: Duration::from_millis(250),
+            }
+            .run(cancel.clone()),
+        ));
+        if let Some((gpu, _)) = gpu {
+            tasks.push(tokio::spawn(
+                Worker {
+                    me: raft_id,
+                    consensus: consensus.clone(),
+                    shared: shared.clone(),
+                    gpu,
+                }
+                .run(cancel.clone()),
+            ));
+        }
+        let (api_addr, api_task) =
+            crate::api::serve(config.api, shared.clone(), cancel.clone()).await?;
+        tasks.push(api_task);
+        tracing::info!(%peer_id, raft_id, %api_addr, "node started");
+        Ok(MeshNode {
+            peer_id,
+            raft_id,
+            api_addr,
+            listen_addrs,
+            consensus,
+            net,
+            blobs,
+            capability,
+            cancel,
+            tasks,
+        })
+    }
+
+    /// Leaves the mesh gracefully: hands leadership away, asks to be removed, stops.
+    pub async fn leave(self) {
+        let status = self.consensus.status().await.ok();
+        if let Some(st) = &status {
+            if st.leader_id == self.raft_id {
+                if let Some(&other) = st.voters.iter().find(|&&v| v != self.raft_id) {
+                    let _ = self.consensus.transfer_leader(other).await;
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+        }
+        let removal = tokio::time::timeout(
+            Duration::from_secs(5),
+            self.consensus.propose(Command::NodeLeft {
+                raft_id: self.raft_id,
+            }),
+        )
+        .await;
+        if !matches!(removal, Ok(Ok(_))) {
+            tracing::warn!("could not confirm removal from the mesh before stopping");
+        }
+        self.stop().await;
+    }
+
+    /// Stops without leaving (as a crash would, minus the crash).
+    pub async fn stop(self) {
+        self.consensus.shutdown().await;
+        self.cancel.cancel();
+        for t in self.tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+        }
+    }
+}
+
+/// Opens the Raft storage of an existing member, or forms/joins a mesh. Returns the
+/// storage and, when joining, the peer to ask for membership once Raft runs.
+async fn open_or_form(
+    config: &NodeConfig,
+    shared: &Arc<Shared>,
+) -> Result<(RedbStorage, Option<PeerId>)> {
+    let dir = &config.data_dir;
+    let raft_path = dir.join("raft.redb");
+    let cluster_path = dir.join(CLUSTER_FILE);
+    if let Ok(text) = std::fs::read_to_string(&cluster_path) {
+        let cluster =
+            ClusterId(text.trim().parse().map_err(|_| {
+                NodeError::Config(format!("{} is corrupt", cluster_path.display()))
+            })?);
+        let storage = RedbStorage::open(&raft_path, cluster)?;
+        let _ = shared.cluster.set(cluster);
+        if storage.is_initialized() {
+            return Ok((storage, None));
+        }
+        // Joined once but never received the mesh's state: join again.
+        let peer = find_mesh(config, shared, Some(cluster)).await?.1;
+        return Ok((storage, Some(peer)));
+    }
+    let settings = ClusterSettings {
+        max_voters: config.max_voters,
+    };
+    match config.formation {
+        Formation::Init => {
+            let cluster = ClusterId::derive(
+                format!("{}:{:?}", shared.peer_id, std::time::SystemTime::now()).as_bytes(),
+            );
+            let mut storage = RedbStorage::open(&raft_path, cluster)?;
+            storage.initialize(&[(shared.raft_id, shared.peer_id.to_string())], settings)?;
+            save_cluster(&cluster_path, cluster)?;
+            let _ = shared.cluster.set(cluster);
+            Ok((storage, None))
+        }
+        Formation::BootstrapExpect(n) => {
+            let deadline = Instant::now() + config.join_timeout;
+            loop {
+                let seen = hello_all(shared).await;
+                if let Some((peer, cluster)) = seen.iter().find_map(|(p, c)| c.map(|c| (*p, c))) {
+                    // Someone formed it already: join.
+                    let cluster = ClusterId(cluster);
+                    let storage = RedbStorage::open(&raft_path, cluster)?;
+                    save_cluster(&cluster_path, cluster)?;
+                    let _ = shared.cluster.set(cluster);
+                    return Ok((storage, Some(peer)));
+                }
+                let mut founders: Vec<(u64, String)> = seen
+                    .iter()
+                    .map(|(p, _)| (identity::raft_id(p), p.to_string()))
+                    .chain([(shared.raft_id, shared.peer_id.to_string())])
+                    .collect();
+                founders.sort();
+                founders.dedup();
+                if founders.len() >= n {
+                    founders.truncate(n);
+                    if founders.iter().any(|(id, _)| *id == shared.raft_id) {
+                        let seed: String = founders
+                            .iter()
+                            .map(|(_, p)| p.as_str())
+                            .collect::<Vec<_>>()
+                            .join(",");
+                        let cluster = ClusterId::derive(seed.as_bytes());
+                        let mut storage = RedbStorage::open(&raft_path, cluster)?;
+                        storage.initialize(&founders, settings)?;
+                        save_cluster(&cluster_path, cluster)?;
+                        let _ = shared.cluster.set(cluster);
+                        return Ok((storage, None));
+                    }
+                }
+                if Instant::now() > deadline {
+                    return Err(NodeError::Config(format!(
+                        "--bootstrap-expect {n}: saw only {} node(s) within {:?}; start the others or \
+                         point --peer at them",
+                        founders.len(),
+                        config.join_timeout
+                    )));
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
+        Formation::Join => {
+            let (cluster, peer) = find_mesh(config, shared, None).await?;
+            let storage = RedbStorage::open(&raft_path, cluster)?;
+            save_cluster(&cluster_path, cluster)?;
+            let _ = shared.cluster.set(cluster);
+            Ok((storage, Some(peer)))
+        }
+    }
+}
+
+fn save_cluster(path: &std::path::Path, cluster: ClusterId) -> Result<()> {
+    std::fs::write(path, cluster.0.to_string()).map_err(|e| NodeError::io(path, e))
+}
+
+/// Asks every connected peer which mesh it is in.
+async fn hello_all(shared: &Arc<Shared>) -> Vec<(PeerId, Option<u64>)> {
+    let peers = shared.net.connected_peers().await.unwrap_or_default();
+    let mut out = Vec::new();
+    for peer in peers {
+        let asked = shared
+            .net
+            .request(peer, MeshRequest::Node(wire::encode(&NodeRequest::Hello)))
+            .await;
+        if let Ok(MeshResponse::Node(bytes)) = asked {
+            if let Some(NodeReply::Hello { cluster, .. }) = wire::decode(&bytes) {
+                out.push((peer, cluster));
+            }
+        }
+    }
+    out
+}
+
+/// Finds a member of a mesh (of `cluster`, if given) among the reachable peers.
+async fn find_mesh(
+    config: &NodeConfig,
+    shared: &Arc<Shared>,
+    cluster: Option<ClusterId>,
+) -> Result<(ClusterId, PeerId)> {
+    let deadline = Instant::now() + config.join_timeout;
+    loop {
+        let seen = hello_all(shared).await;
+        for (peer, theirs) in &seen {
+            match (theirs, cluster) {
+                (Some(c), None) => return Ok((ClusterId(*c), *peer)),
+                (Some(c), Some(mine)) if *c == mine.0 => return Ok((mine, *peer)),
+                (Some(c), Some(mine)) => {
+                    return Err(NodeError::Config(format!(
+                    "this data dir ({}) belongs to mesh {:x}, but peer {peer} is in mesh {c:x}; \
+                         use a fresh --data-dir to join that mesh",
+                    config.data_dir.display(),
+                    mine.0
+                )))
+                }
+                (None, _) => {}
+            }
+        }
+        if Instant::now() > deadline {
+            let tried: Vec<String> = config.peers.iter().map(|p| p.to_string()).collect();
+            return Err(NodeError::Config(if tried.is_empty() && seen.is_empty() {
+                "found no mesh to join: give --peer ADDRESS of a member, or --init to start a new mesh".into()
+            } else {
+                format!(
+                    "no mesh member answered within {:?} (tried --peer {}); check the address and that a \
+                     node runs there, or --init to start a new mesh",
+                    config.join_timeout,
+                    if tried.is_empty() { "none".into() } else { tried.join(", ") }
+                )
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// Asks `peer` to add us as a learner, retrying until it is committed.
+async fn join_through(shared: &Arc<Shared>, peer: PeerId, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let request = NodeRequest::Join {
+        capability: shared.capability.clone(),
+    };
+    loop {
+        let reply = shared
+            .net
+            .request(peer, MeshRequest::Node(wire::encode(&request)))
+            .await;
+        match reply {
+            Ok(MeshResponse::Node(bytes)) => match wire::decode(&bytes) {
+                Some(NodeReply::Joined) => return Ok(()),
+                Some(NodeReply::Refused(why)) if Instant::now() > deadline => {
+                    return Err(NodeError::Config(format!(
+                        "{peer} refused to add this node: {why}"
+                    )))
+                }
+                _ => {}
+            },
+            Err(e) if Instant::now() > deadline => {
+                return Err(NodeError::Config(format!(
+                    "could not join through {peer}: {e}"
+                )))
+            }
+            _ => {}
+        }
+        if Instant::now() > deadline {
+            return Err(NodeError::Config(format!(
+                "{peer} did not add this node within {timeout:?}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// Routes network events: Raft frames to the replica, node requests to handlers.
+async fn dispatch(
+    shared: Arc<Shared>,
+    mut events: mpsc::Receiver<NetEvent>,
+    cancel: CancellationToken,
+) {
+    loop {
+        let event = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return,
+            e = events.recv() => match e { Some(e) => e, None => return },
+        };
+        match event {
+            NetEvent::Raft { from, frame } => {
+                let id = shared.peers.insert(from);
+                if let Some(c) = shared.consensus.get() {
+                    if !c.try_receive(id, frame) {
+                        tracing::debug!("raft inbox full; frame dropped (raft retries)");
+                    }
+                }
+            }
+            NetEvent::PeerConnected { peer, .. } => {
+                shared.peers.insert(peer);
+            }
+            NetEvent::PeerDiscovered { peer, addrs } => {
+                shared.learn_addrs(peer, &addrs);
+                for a in &addrs {
+                    let _ = shared.net.add_address(peer, a.clone()).await;
+                }
+                let connected = shared.net.connected_peers().await.unwrap_or_default();
+                if !connected.contains(&peer) {
+                    if let Some(addr) = addrs.first() {
+                        let net = shared.net.clone();
+                        let addr = addr.clone();
+                        tokio::spawn(async move {
+                            let _ = net.dial(addr).await;
+                        });
+                    }
+                }
+            }
+            NetEvent::PeerDisconnected(_) => {}
+            NetEvent::Request {
+                from,
+                request,
+                reply,
+            } => {
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    let answer = answer(&shared, from, request).await;
+                    let _ = reply.send(answer);
+                });
+            }
+        }
+    }
+}
+
+async fn answer(shared: &Arc<Shared>, from: PeerId, request: MeshRequest) -> MeshResponse {
+    let MeshRequest::Node(bytes) = request else {
+        return MeshResponse::Error("unsupported request".into());
+    };
+    let Some(request) = wire::decode::<NodeRequest>(&bytes) else {
+        tracing::warn!(%from, "malformed node request dropped");
+        return MeshResponse::Error("malformed node request".into());
+    };
+    let reply = match request {
+        NodeRequest::Hello => NodeReply::Hello {
+            raft_id: shared.raft_id,
+            cluster: match shared.consensus.get() {
+                Some(_) => shared.cluster.get().map(|c| c.0),
+                None => None,
+            },
+        },
+        NodeRequest::Join { capability } => match shared.consensus.get() {
+            None => NodeReply::Refused("this node is not in a mesh yet".into()),
+            Some(c) => {
+                let raft_id = shared.peers.insert(from);
+                let known = c
+                    .read_local(move |s| s.member(raft_id).is_some())
+                    .await
+                    .unwrap_or(false);
+                if known {
+                    NodeReply::Joined
+                } else {
+                    match c.add_learner(raft_id, from.to_string(), capability).await {
+                        Ok(_) => NodeReply::Joined,
+                        Err(e) => NodeReply::Refused(e.to_string()),
+                    }
+                }
+            }
+        },
+        NodeRequest::Peers => NodeReply::Peers(
+            shared
+                .addrs
+                .read()
+                .map(|book| {
+                    book.iter()
+                        .map(|(p, a)| (p.to_string(), a.iter().map(|a| a.to_string()).collect()))
+                        .collect()
+                })
+                .unwrap_or_default(),
+        ),
+        NodeRequest::Leave => match shared.consensus.get() {
+            None => NodeReply::Refused("not in a mesh".into()),
+            Some(c) => {
+                let raft_id = crate::identity::raft_id(&from);
+                match c.propose(Command::NodeLeft { raft_id }).await {
+                    Ok(_) => NodeReply::Left,
+                    Err(e) => NodeReply::Refused(e.to_string()),
+                }
+            }
+        },
+    };
+    MeshResponse::Node(wire::encode(&reply))
+}
+
+/// Keeps the peer book in step with the membership table.
+async fn learn_members(shared: Arc<Shared>, cancel: CancellationToken) {
+    let Some(consensus) = shared.consensus.get().cloned() else {
+        return;
+    };
+    loop {
+        if let Ok(peers) = consensus
+            .read_local(|s| {
+                s.members()
+                    .values()
+                    .map(|m| m.peer_id.clone())
+                    .collect::<Vec<_>>()
+            })
+            .await
+        {
+            let connected = shared.net.connected_peers().await.unwrap_or_default();
+            let mut missing = Vec::new();
+            for p in peers {
+                if let Ok(peer) = p.parse::<PeerId>() {
+                    shared.peers.insert(peer);
+                    if peer != shared.peer_id && !connected.contains(&peer) {
+                        missing.push(peer);
+                    }
+                }
+            }
+            if !missing.is_empty() {
+                connect_members(&shared, &connected, &missing).await;
+            }
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+/// Makes blob `id` local, pulling it from `preferred` first and then from every
+/// other known peer, connecting to them as needed.
+pub(crate) async fn fetch_blob(
+    shared: &Arc<Shared>,
+    id: gpumesh_protocol::BlobId,
+    preferred: Option<PeerId>,
+) -> std::result::Result<(), String> {
+    if shared.blobs.has(&id) {
+        return Ok(());
+    }
+    let mut sources: Vec<PeerId> = preferred.into_iter().collect();
+    for p in shared.peers.all() {
+        if !sources.contains(&p) && p != shared.peer_id {
+            sources.push(p);
+        }
+    }
+    let mut last = String::from("no peer to fetch it from");
+    for round in 0..2 {
+        for &peer in &sources {
+            match shared.net.fetch_blob(peer, id).await {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "blob fetch failed");
+                    last = e.to_string();
+                }
+            }
+        }
+        if round == 0 {
+            // Maybe we just have no connection yet: make them and try once more.
+            let connected = shared.net.connected_peers().await.unwrap_or_default();
+            let missing: Vec<PeerId> = sources
+                .iter()
+                .copied()
+                .filter(|p| !connected.contains(p))
+                .collect();
+            connect_members(shared, &connected, &missing).await;
+        }
+    }
+    Err(format!("blob {id} could not be fetched: {last}"))
+}
+
+/// Dials members this node has no connection to, learning their addresses from
+/// the peers it is connected to when it has none.
+async fn connect_members(shared: &Arc<Shared>, connected: &[PeerId], missing: &[PeerId]) {
+    let unknown = missing.iter().any(|p| {
+        shared
+            .addrs
+            .read()
+            .map(|b| !b.contains_key(p))
+            .unwrap_or(true)
+    });
+    if unknown {
+        for peer in connected {
+            let reply = shared
+                .net
+                .request(*peer, MeshRequest::Node(wire::encode(&NodeRequest::Peers)))
+                .await;
+            if let Ok(MeshResponse::Node(bytes)) = reply {
+                if let Some(NodeReply::Peers(list)) = wire::decode(&bytes) {
+                    for (p, addrs) in list {
+                        if let Ok(p) = p.parse::<PeerId>() {
+                            let addrs: Vec<Multiaddr> =
+                                addrs.iter().filter_map(|a| a.parse().ok()).collect();
+                            shared.learn_addrs(p, &addrs);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for peer in missing {
+        let addrs = shared
+            .addrs
+            .read()
+            .ok()
+            .and_then(|b| b.get(peer).cloned())
+            .unwrap_or_default();
+        for addr in addrs {
+            let _ = shared.net.add_address(*peer, addr.clone()).await;
+            let with_id = if addr
+                .iter()
+                .any(|p| matches!(p, libp2p::multiaddr::Protocol::P2p(_)))
+            {
+                addr
+            } else {
+                addr.with(libp2p::multiaddr::Protocol::P2p(*peer))
+            };
+            if shared.net.dial(with_id).await.is_ok() {
+                break;
+            }
+        }
+    }
+}
+
+/// Publishes this node's capability once and a heartbeat every `interval`.
+async fn heartbeats(shared: Arc<Shared>, interval: Duration, cancel: CancellationToken) {
+    let Some(consensus) = shared.consensus.get().cloned() else {
+        return;
+    };
+    let me = shared.raft_id;
+    let mut published = false;
+    loop {
+        let member = consensus
+            .read_local(move |s| s.member(me).cloned())
+            .await
+            .ok()
+            .flatten();
+        if let Some(member) = member {
+            if !published {
+                match (&shared.capability, &member.capability) {
+                    (Some(mine), theirs) if theirs.as_ref() != Some(mine) => {
+                        published = consensus
+                            .propose(Command::NodeCapabilities {
+                                raft_id: me,
+                                capability: mine.clone(),
+                            })
+                            .await
+                            .is_ok();
+                    }
+                    _ => published = true,
+                }
+            }
+            let _ = consensus
+                .propose(Command::Heartbeat {
+                    raft_id: me,
+                    at_ms: scheduler::now_ms(),
+                })
+                .await;
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+    }
+}

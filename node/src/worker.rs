@@ -1,0 +1,279 @@
+//! The worker: runs the shards the mesh assigns to this node.
+//!
+//! Owns the GPU executor on a dedicated thread (wgpu polling blocks). Watches the
+//! applied log for `AssignShard` entries naming this node, pulls the task's input
+//! blobs from whoever holds them, runs the shard, stores its outputs as one blob and
+//! proposes the result (or the failure) through Raft. Talks to: raft (reads state,
+//! proposes), net (fetches blobs), the blob store.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpumesh_consensus::{AppliedEvent, Command, ConsensusHandle, Outcome, ShardState, TaskId};
+use gpumesh_protocol::{BindingRole, BlobId, NodeCapability, TaskSpec};
+use gpumesh_shaders::{calibrate, BackendChoice, ExecError, Executor, Job, Kernel, ShardOutput};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+type Outputs = BTreeMap<u32, Vec<u8>>;
+
+struct GpuRequest {
+    job: Job,
+    shard: u32,
+    reply: oneshot::Sender<Result<ShardOutput, ExecError>>,
+}
+
+/// The executor on its own thread. Cheap to clone.
+#[derive(Clone)]
+pub struct GpuHandle {
+    tx: mpsc::Sender<GpuRequest>,
+}
+
+impl GpuHandle {
+    /// Opens and calibrates the adapter `choice` allows; `None` (logged) when this
+    /// machine has none: the node still joins the mesh, and gets no shards.
+    pub fn start(
+        choice: BackendChoice,
+        calibrate_speed: bool,
+    ) -> Option<(GpuHandle, NodeCapability)> {
+        let (tx, mut rx) = mpsc::channel::<GpuRequest>(16);
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name("gpumesh-gpu".into())
+            .spawn(move || {
+                let mut executor = match Executor::new(choice) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "no usable GPU adapter; this node will run no shards");
+                        let _ = ready_tx.send(None);
+                        return;
+                    }
+                };
+                if calibrate_speed {
+                    if let Err(e) = calibrate::calibrate(&mut executor) {
+                        tracing::warn!(error = %e, "calibration failed");
+                    }
+                }
+                let _ = ready_tx.send(Some(executor.capability().clone()));
+                while let Some(req) = rx.blocking_recv() {
+                    let result = job_shard(&req.job, req.shard).and_then(|range| {
+                        executor
+                            .run_shards(&req.job, &[range], None)
+                            .map(|mut v| v.remove(0))
+                    });
+                    let _ = req.reply.send(result);
+                }
+            });
+        if spawned.is_err() {
+            return None;
+        }
+        let capability = ready_rx.recv().ok().flatten()?;
+        Some((GpuHandle { tx }, capability))
+    }
+
+    pub async fn run(&self, job: Job, shard: u32) -> Result<ShardOutput, ExecError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(GpuRequest { job, shard, reply })
+            .await
+            .map_err(|_| ExecError::Gpu("the GPU thread has stopped".into()))?;
+        rx.await
+            .map_err(|_| ExecError::Gpu("the GPU thread has stopped".into()))?
+    }
+}
+
+fn job_shard(job: &Job, shard: u32) -> Result<gpumesh_shaders::shard::ShardRange, ExecError> {
+    job.plan
+        .get(shard as usize)
+        .copied()
+        .ok_or_else(|| ExecError::Task(format!("shard {shard} is not in the task's plan")))
+}
+
+/// One shard this node was asked to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Assignment {
+    task: TaskId,
+    shard: u32,
+    epoch: u32,
+}
+
+pub(crate) struct Worker {
+    pub me: u64,
+    pub consensus: ConsensusHandle,
+    pub shared: Arc<crate::mesh::Shared>,
+    pub gpu: GpuHandle,
+}
+
+impl Worker {
+    pub async fn run(self, cancel: CancellationToken) {
+        let mut events = self.consensus.subscribe();
+        let mut queue: VecDeque<Assignment> = VecDeque::new();
+        let mut kernels: HashMap<[u8; 32], Arc<Kernel>> = HashMap::new();
+        // Anything already assigned to us (a restart) comes first.
+        queue.extend(self.assigned_to_me().await);
+        loop {
+            while let Some(a) = queue.pop_front() {
+                if cancel.is_cancelled() {
+                    return;
+                }
+                self.execute(a, &mut kernels).await;
+            }
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => return,
+                event = events.recv() => match event {
+                    Ok(AppliedEvent::Entry { entry, committed, duplicate: false, .. }) => {
+                        if let (
+                            Command::AssignShard { node, .. },
+                            Outcome::ShardAssigned { task, shard, epoch },
+                        ) = (&entry.command, &committed.outcome)
+                        {
+                            if *node == self.me {
+                                queue.push_back(Assignment { task: *task, shard: *shard, epoch: *epoch });
+                            }
+                        }
+                    }
+                    Ok(_) => {}
+                    // Missed events or a snapshot: rescan the state.
+                    Err(_) => queue.extend(self.assigned_to_me().await),
+                },
+            }
+        }
+    }
+
+    async fn assigned_to_me(&self) -> Vec<Assignment> {
+        let me = self.me;
+        self.consensus
+            .read_local(move |s| {
+                let mut out = Vec::new();
+                for t in s.tasks().values().filter(|t| !t.status.is_terminal()) {
+                    for (i, sh) in t.shards.iter().enumerate() {
+                        if sh.assigned_to == Some(me)
+                            && matches!(sh.state, ShardState::Assigned | ShardState::Running)
+                        {
+                            out.push(Assignment {
+                                task: t.id,
+                                shard: i as u32,
+                                epoch: sh.epoch,
+                            });
+                        }
+                    }
+                }
+                out
+            })
+            .await
+            .unwrap_or_default()
+    }
+
+    async fn execute(&self, a: Assignment, kernels: &mut HashMap<[u8; 32], Arc<Kernel>>) {
+        let span = tracing::info_span!("shard", task = %a.task, shard = a.shard, epoch = a.epoch);
+        let _enter = span.enter();
+        let current = self
+            .consensus
+            .read_local(move |s| {
+                s.task(a.task).and_then(|t| {
+                    let sh = t.shards.get(a.shard as usize)?;
+                    (!t.status.is_terminal() && sh.epoch == a.epoch && sh.state != ShardState::Done)
+                        .then(|| (t.spec.clone(), t.submitter.clone()))
+                })
+            })
+            .await
+            .ok()
+            .flatten();
+        let Some((spec, submitter)) = current else {
+            return; // superseded, finished or cancelled meanwhile
+        };
+        let _ = self
+            .consensus
+            .propose(Command::ShardStarted {
+                task: a.task,
+                shard: a.shard,
+                epoch: a.epoch,
+                node: self.me,
+            })
+            .await;
+        let command = match self.run_shard(&spec, &submitter, a.shard, kernels).await {
+            Ok((blob, size)) => Command::ShardResult {
+                task: a.task,
+                shard: a.shard,
+                epoch: a.epoch,
+                node: self.me,
+                blob,
+                size,
+            },
+            Err(reason) => {
+                tracing::warn!(%reason, "shard failed");
+                Command::ShardFailed {
+                    task: a.task,
+                    shard: a.shard,
+                    epoch: a.epoch,
+                    node: self.me,
+                    reason,
+                }
+            }
+        };
+        if let Err(e) = self.consensus.propose(command).await {
+            tracing::warn!(error = %e, "could not report the shard's outcome");
+        }
+    }
+
+    /// Runs one shard; returns the blob holding its outputs.
+    async fn run_shard(
+        &self,
+        spec: &TaskSpec,
+        submitter: &str,
+        shard: u32,
+        kernels: &mut HashMap<[u8; 32], Arc<Kernel>>,
+    ) -> Result<(BlobId, u64), String> {
+        for b in &spec.bindings {
+            if let BindingRole::Input { blob, .. } = &b.role {
+                self.ensure_blob(*blob, submitter).await?;
+            }
+        }
+        let key =
+            *blake3::hash(format!("{:?}\0{}", spec.shader, spec.entry_point).as_bytes()).as_bytes();
+        let kernel = match kernels.get(&key) {
+            Some(k) => k.clone(),
+            None => {
+                let k = Arc::new(
+                    Kernel::for_source(&spec.shader, &spec.entry_point)
+                        .map_err(|e| e.to_string())?,
+                );
+                if kernels.len() > 64 {
+                    kernels.clear();
+                }
+                kernels.insert(key, k.clone());
+                k
+            }
+        };
+        let blobs = self.shared.blobs.clone();
+        let job = Job::new(spec.clone(), kernel, |id| {
+            blobs.get(id).ok().flatten().map(Arc::from)
+        })
+        .map_err(|e| e.to_string())?;
+        let out = self.gpu.run(job, shard).await.map_err(|e| e.to_string())?;
+        let bytes = encode_outputs(&out.outputs).map_err(|e| e.to_string())?;
+        let id = self.shared.blobs.put(&bytes).map_err(|e| e.to_string())?;
+        Ok((id, bytes.len() as u64))
+    }
+
+    /// Makes blob `id` local: from the submitter first, then from any peer.
+    async fn ensure_blob(&self, id: BlobId, submitter: &str) -> Result<(), String> {
+        crate::mesh::fetch_blob(&self.shared, id, submitter.parse().ok())
+            .await
+            .map_err(|e| format!("input {e}"))
+    }
+}
+
+/// A shard's outputs as one blob.
+pub fn encode_outputs(outputs: &Outputs) -> gpumesh_protocol::Result<Vec<u8>> {
+    gpumesh_protocol::codec::to_bytes(outputs)
+}
+
+pub fn decode_outputs(bytes: &[u8]) -> gpumesh_protocol::Result<Outputs> {
+    gpumesh_protocol::codec::from_bytes(bytes)
+}
+
+/// How long to wait between attempts when nothing is known yet.
+pub const RETRY: Duration = Duration::from_millis(200);

@@ -1,0 +1,186 @@
+//! `gpumesh::Client`: a program's way to submit tasks to a mesh and fetch results,
+//! through any node's local API (`--api`, or `GPUMESH_API`).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use gpumesh_consensus::RequestId;
+use gpumesh_node::api::{
+    BlobReply, ErrorBody, OutputView, StatusView, SubmitReply, SubmitRequest, TaskView,
+};
+use gpumesh_protocol::{BlobId, TaskSpec};
+
+/// Default API address of a node started without `--api`.
+pub const DEFAULT_API: &str = "127.0.0.1:7070";
+
+/// Errors a client sees, each saying what to try.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot reach the gpumesh API at {addr}: {reason}; is a node running there? (set --api or GPUMESH_API)")]
+    Unreachable { addr: String, reason: String },
+    #[error("{0}")]
+    Refused(String),
+    #[error("unexpected answer from {addr}: {reason}")]
+    Protocol { addr: String, reason: String },
+}
+
+pub type ClientResult<T> = Result<T, ClientError>;
+
+/// A client of one node's API.
+#[derive(Clone, Debug)]
+pub struct Client {
+    addr: String,
+    http: reqwest::Client,
+}
+
+impl Client {
+    /// A client of the node at `addr` (`host:port`).
+    pub fn new(addr: impl Into<String>) -> Self {
+        Client {
+            addr: addr.into(),
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// A client of `GPUMESH_API`, or of the default address.
+    pub fn from_env() -> Self {
+        Self::new(std::env::var("GPUMESH_API").unwrap_or_else(|_| DEFAULT_API.to_string()))
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    async fn send(&self, req: reqwest::RequestBuilder) -> ClientResult<reqwest::Response> {
+        let resp = req.send().await.map_err(|e| ClientError::Unreachable {
+            addr: self.addr.clone(),
+            reason: e.to_string(),
+        })?;
+        if resp.status().is_success() {
+            return Ok(resp);
+        }
+        let status = resp.status();
+        let body = resp.bytes().await.unwrap_or_default();
+        Err(match serde_json::from_slice::<ErrorBody>(&body) {
+            Ok(e) => ClientError::Refused(e.error),
+            Err(_) => ClientError::Protocol {
+                addr: self.addr.clone(),
+                reason: format!("HTTP {status}"),
+            },
+        })
+    }
+
+    async fn json<T: serde::de::DeserializeOwned>(
+        &self,
+        req: reqwest::RequestBuilder,
+    ) -> ClientResult<T> {
+        self.send(req)
+            .await?
+            .json()
+            .await
+            .map_err(|e| ClientError::Protocol {
+                addr: self.addr.clone(),
+                reason: e.to_string(),
+            })
+    }
+
+    /// Stores `bytes` on the node as an input blob.
+    pub async fn upload(&self, bytes: Vec<u8>) -> ClientResult<BlobId> {
+        let reply: BlobReply = self
+            .json(self.http.post(self.url("/v1/blobs")).body(bytes))
+            .await?;
+        reply.id.parse().map_err(|e| ClientError::Protocol {
+            addr: self.addr.clone(),
+            reason: format!("{e}"),
+        })
+    }
+
+    /// Submits a task whose inputs were uploaded; returns its id once committed.
+    pub async fn submit(&self, spec: TaskSpec, request_id: Option<RequestId>) -> ClientResult<u64> {
+        let reply: SubmitReply = self
+            .json(
+                self.http
+                    .post(self.url("/v1/tasks"))
+                    .json(&SubmitRequest { spec, request_id }),
+            )
+            .await?;
+        Ok(reply.task)
+    }
+
+    pub async fn task(&self, id: u64) -> ClientResult<TaskView> {
+        self.json(self.http.get(self.url(&format!("/v1/tasks/{id}"))))
+            .await
+    }
+
+    pub async fn tasks(&self) -> ClientResult<Vec<TaskView>> {
+        self.json(self.http.get(self.url("/v1/tasks"))).await
+    }
+
+    pub async fn status(&self) -> ClientResult<StatusView> {
+        self.json(self.http.get(self.url("/v1/status"))).await
+    }
+
+    /// Polls until the task finishes, calling `progress(done, total)` on each change.
+    pub async fn wait(
+        &self,
+        id: u64,
+        mut progress: impl FnMut(usize, usize),
+    ) -> ClientResult<TaskView> {
+        let mut last = usize::MAX;
+        loop {
+            let t = self.task(id).await?;
+            if t.shards_done != last {
+                last = t.shards_done;
+                progress(t.shards_done, t.shards.len());
+            }
+            match t.status.as_str() {
+                "completed" => return Ok(t),
+                "failed" | "cancelled" => {
+                    return Err(ClientError::Refused(format!(
+                        "task t{id} {}: {}",
+                        t.status,
+                        t.reason.unwrap_or_default()
+                    )))
+                }
+                _ => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    }
+
+    /// The merged outputs' bindings, sizes and hashes.
+    pub async fn outputs(&self, id: u64) -> ClientResult<Vec<OutputView>> {
+        self.json(self.http.get(self.url(&format!("/v1/tasks/{id}/outputs"))))
+            .await
+    }
+
+    /// Every merged output's bytes, checked against the hash the node reports.
+    pub async fn results(&self, id: u64) -> ClientResult<BTreeMap<u32, Vec<u8>>> {
+        let mut out = BTreeMap::new();
+        for o in self.outputs(id).await? {
+            let bytes = self
+                .send(
+                    self.http
+                        .get(self.url(&format!("/v1/tasks/{id}/outputs/{}", o.binding))),
+                )
+                .await?
+                .bytes()
+                .await
+                .map_err(|e| ClientError::Protocol {
+                    addr: self.addr.clone(),
+                    reason: e.to_string(),
+                })?;
+            if blake3::hash(&bytes).to_hex().as_str() != o.blake3 {
+                return Err(ClientError::Protocol {
+                    addr: self.addr.clone(),
+                    reason: format!("output {} does not match its hash", o.binding),
+                });
+            }
+            out.insert(o.binding, bytes.to_vec());
+        }
+        Ok(out)
+    }
+}
