@@ -638,6 +638,9 @@ struct Bootstrap {
 
 type Reply = (ResponseChannel<MeshResponse>, MeshResponse);
 
+// One lives on the stack for one loop turn; boxing a variant would only add an
+// allocation per event.
+#[allow(clippy::large_enum_variant)]
 enum Wake {
     Reply(Reply),
     Command(Command),
@@ -900,14 +903,12 @@ impl NetActor {
             }
             SwarmEvent::ConnectionClosed {
                 peer_id,
-                num_established,
+                num_established: 0,
                 cause,
                 ..
             } => {
-                if num_established == 0 {
-                    tracing::info!(peer = %peer_id, ?cause, "disconnected");
-                    self.emit(NetEvent::PeerDisconnected(peer_id));
-                }
+                tracing::info!(peer = %peer_id, ?cause, "disconnected");
+                self.emit(NetEvent::PeerDisconnected(peer_id));
             }
             SwarmEvent::OutgoingConnectionError {
                 connection_id,
@@ -979,12 +980,10 @@ impl NetActor {
                 Some(PendingRequest::Reply(reply)) => {
                     let _ = reply.send(Ok(response));
                 }
-                Some(PendingRequest::Raft) => {
-                    if response != MeshResponse::Ack {
-                        tracing::debug!(%peer, ?response, "raft frame not acknowledged");
-                    }
+                Some(PendingRequest::Raft) if response != MeshResponse::Ack => {
+                    tracing::debug!(%peer, ?response, "raft frame not acknowledged");
                 }
-                None => {}
+                Some(PendingRequest::Raft) | None => {}
             },
             Event::OutboundFailure {
                 peer,

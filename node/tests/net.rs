@@ -1,7 +1,10 @@
 //! The network actor over real loopback TCP: real swarms, real Noise and Yamux, no
 //! mocks. Every wait is bounded, so a broken actor fails a test instead of hanging it.
 
-#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+#![allow(clippy::unwrap_used)]
+// tests unwrap: a failure should stop the test
+// `Node::expect` hands unwanted events back as `Err(event)`; their size is no concern here.
+#![allow(clippy::result_large_err)]
 
 use std::collections::VecDeque;
 use std::io;
@@ -159,7 +162,7 @@ async fn dialled_nodes_exchange_raft_frames_both_ways_with_sender_ids() {
     for i in 0..200u32 {
         b.net.send_raft(a.id(), i.to_le_bytes().to_vec()).unwrap();
     }
-    let mut seen = vec![false; 200];
+    let mut seen = [false; 200];
     for _ in 0..200 {
         let frame = a
             .expect("Raft", |e| match e {
@@ -641,4 +644,33 @@ async fn the_transfer_bench_reports_all_three_paths() {
         text.contains("raw TCP") && text.contains("fetch_blob"),
         "{text}"
     );
+}
+
+/// The figures for the report: `GPUMESH_BENCH_MB=64 cargo test --release -p gpumesh-node
+/// --test net -- --ignored --nocapture` (optionally `GPUMESH_BENCH_CHUNK_KB`,
+/// `GPUMESH_BENCH_WINDOW`).
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "a measurement, not a check; run by hand"]
+async fn transfer_bench_figures() {
+    let env = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let bytes = env("GPUMESH_BENCH_MB", 64) << 20;
+    let report = match (
+        std::env::var("GPUMESH_BENCH_CHUNK_KB").ok(),
+        std::env::var("GPUMESH_BENCH_WINDOW").ok(),
+    ) {
+        (None, None) => gpumesh_node::net::bench_blob_transfer(bytes).await.unwrap(),
+        _ => bench_blob_transfer_with(
+            bytes,
+            (env("GPUMESH_BENCH_CHUNK_KB", 1024) << 10) as u32,
+            env("GPUMESH_BENCH_WINDOW", 8),
+        )
+        .await
+        .unwrap(),
+    };
+    println!("{report}");
 }

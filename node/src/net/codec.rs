@@ -1,7 +1,14 @@
-//! How one [`MeshRequest`] / [`MeshResponse`] travels on one libp2p stream: a
-//! little-endian `u32` length, then the sealed [envelope](gpumesh_protocol::envelope).
+//! How one [`MeshRequest`] / [`MeshResponse`] travels on one libp2p stream.
 //!
-//! The length is checked against a hard limit before anything is allocated, and
+//! Layout: a little-endian `u32` length and the sealed
+//! [envelope](gpumesh_protocol::envelope) of the message, then a `u32` length and the
+//! message's bulk bytes (a Raft frame, a blob chunk, a node payload; empty for the
+//! others). The bulk bytes ride beside the envelope rather than inside it so that a
+//! chunk is written straight from the buffer it was read into and read straight into
+//! the buffer it is kept in: bincode never copies it, and neither does the envelope.
+//! The envelope still carries the version and says which message the bytes belong to.
+//!
+//! Both lengths are checked against a hard limit before anything is allocated, and
 //! anything that does not open as a gpumesh envelope is an `InvalidData` error. Both
 //! fail only the stream they arrived on: request-response reports them as an inbound or
 //! outbound failure, and the connection and the node carry on.
@@ -32,21 +39,78 @@ impl MeshCodec {
     }
 }
 
-async fn read_frame<T, M>(io: &mut T, max: usize) -> io::Result<M>
-where
-    T: AsyncRead + Unpin + Send,
-    M: DeserializeOwned,
-{
+/// A message whose bulk bytes can travel outside its envelope.
+trait Bulk {
+    /// Takes the bulk bytes out, leaving an empty vector in their place.
+    fn detach(&mut self) -> Vec<u8>;
+    /// Puts received bulk bytes back; fails if this message has no place for them.
+    fn attach(&mut self, body: Vec<u8>) -> Result<(), Vec<u8>>;
+}
+
+impl Bulk for MeshRequest {
+    fn detach(&mut self) -> Vec<u8> {
+        match self {
+            MeshRequest::Raft(bytes) | MeshRequest::Node(bytes) => std::mem::take(bytes),
+            MeshRequest::BlobChunk { .. } | MeshRequest::Join { .. } => Vec::new(),
+        }
+    }
+
+    fn attach(&mut self, body: Vec<u8>) -> Result<(), Vec<u8>> {
+        match self {
+            MeshRequest::Raft(bytes) | MeshRequest::Node(bytes) if bytes.is_empty() => {
+                *bytes = body;
+                Ok(())
+            }
+            _ => Err(body),
+        }
+    }
+}
+
+impl Bulk for MeshResponse {
+    fn detach(&mut self) -> Vec<u8> {
+        match self {
+            MeshResponse::BlobChunk { data, .. } | MeshResponse::Node(data) => std::mem::take(data),
+            MeshResponse::Ack
+            | MeshResponse::NotFound
+            | MeshResponse::Joined { .. }
+            | MeshResponse::Error(_) => Vec::new(),
+        }
+    }
+
+    fn attach(&mut self, body: Vec<u8>) -> Result<(), Vec<u8>> {
+        match self {
+            MeshResponse::BlobChunk { data, .. } | MeshResponse::Node(data) if data.is_empty() => {
+                *data = body;
+                Ok(())
+            }
+            _ => Err(body),
+        }
+    }
+}
+
+fn invalid(message: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, message)
+}
+
+async fn read_len<T: AsyncRead + Unpin>(io: &mut T) -> io::Result<usize> {
     let mut prefix = [0u8; 4];
     io.read_exact(&mut prefix).await?;
-    let len = u32::from_le_bytes(prefix) as usize;
-    if len > max {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("frame of {len} bytes exceeds the limit of {max}"),
-        ));
+    Ok(u32::from_le_bytes(prefix) as usize)
+}
+
+/// Exactly `len` bytes; allocated up front only up to [`INITIAL_BUFFER`].
+async fn read_exactly<T: AsyncRead + Unpin>(io: &mut T, len: usize) -> io::Result<Vec<u8>> {
+    if len <= INITIAL_BUFFER {
+        let mut buf = vec![0u8; len];
+        io.read_exact(&mut buf).await.map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("frame cut short (wanted {len} bytes): {e}"),
+            )
+        })?;
+        return Ok(buf);
     }
-    let mut buf = Vec::with_capacity(len.min(INITIAL_BUFFER));
+    let mut buf = Vec::with_capacity(INITIAL_BUFFER);
     io.take(len as u64).read_to_end(&mut buf).await?;
     if buf.len() != len {
         return Err(io::Error::new(
@@ -54,30 +118,66 @@ where
             format!("frame cut short: {} of {len} bytes", buf.len()),
         ));
     }
-    open(&buf).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+    Ok(buf)
 }
 
-async fn write_frame<T, M>(io: &mut T, max: usize, message: &M) -> io::Result<()>
+async fn read_frame<T, M>(io: &mut T, max: usize) -> io::Result<M>
+where
+    T: AsyncRead + Unpin + Send,
+    M: DeserializeOwned + Bulk,
+{
+    let header_len = read_len(io).await?;
+    if header_len > max {
+        return Err(invalid(format!(
+            "frame of {header_len} bytes exceeds the limit of {max}"
+        )));
+    }
+    let header = read_exactly(io, header_len).await?;
+    let mut message: M = open(&header).map_err(|e| invalid(e.to_string()))?;
+    let body_len = read_len(io).await?;
+    if header_len + body_len > max {
+        return Err(invalid(format!(
+            "frame of {} bytes exceeds the limit of {max}",
+            header_len + body_len
+        )));
+    }
+    if body_len > 0 {
+        let body = read_exactly(io, body_len).await?;
+        message
+            .attach(body)
+            .map_err(|_| invalid("bulk bytes after a message that takes none".into()))?;
+    }
+    Ok(message)
+}
+
+async fn write_frame<T, M>(io: &mut T, max: usize, mut message: M) -> io::Result<()>
 where
     T: AsyncWrite + Unpin + Send,
-    M: Serialize,
+    M: Serialize + Bulk,
 {
-    let bytes = seal(message).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let body = message.detach();
+    let header = seal(&message).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     // Refused here too, so that an over-size message fails with a clear reason on the
     // sender instead of as a reset stream on the receiver.
-    if bytes.len() > max {
+    if header.len() + body.len() > max {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!(
                 "message of {} bytes exceeds the frame limit of {max}",
-                bytes.len()
+                header.len() + body.len()
             ),
         ));
     }
-    let len = u32::try_from(bytes.len())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame over 4 GiB"))?;
-    io.write_all(&len.to_le_bytes()).await?;
-    io.write_all(&bytes).await?;
+    // Both fit in a u32: `max` is at most the codec's 64 MiB limit.
+    let mut head = Vec::with_capacity(header.len() + 8);
+    head.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    head.extend_from_slice(&header);
+    head.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    // Two writes, not four: each write on a Yamux stream becomes at least one frame.
+    io.write_all(&head).await?;
+    if !body.is_empty() {
+        io.write_all(&body).await?;
+    }
     io.flush().await
 }
 
@@ -110,7 +210,7 @@ impl libp2p::request_response::Codec for MeshCodec {
     where
         T: AsyncWrite + Unpin + Send,
     {
-        write_frame(io, self.max_frame_bytes, &request).await
+        write_frame(io, self.max_frame_bytes, request).await
     }
 
     async fn write_response<T>(
@@ -122,7 +222,7 @@ impl libp2p::request_response::Codec for MeshCodec {
     where
         T: AsyncWrite + Unpin + Send,
     {
-        write_frame(io, self.max_frame_bytes, &response).await
+        write_frame(io, self.max_frame_bytes, response).await
     }
 }
 
@@ -131,6 +231,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use futures::io::Cursor;
+    use gpumesh_protocol::BlobId;
     use libp2p::request_response::Codec;
 
     use super::*;
@@ -142,28 +243,86 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_request_round_trips() {
+    async fn every_message_round_trips_with_its_bulk_bytes_beside_the_envelope() {
         let mut codec = MeshCodec::new(1 << 20);
-        let mut wire = Cursor::new(Vec::new());
-        let request = MeshRequest::Raft(vec![9; 1000]);
-        codec
-            .write_request(&MESH_PROTOCOL, &mut wire, request.clone())
-            .await
-            .unwrap();
-        let mut wire = Cursor::new(wire.into_inner());
-        let back = codec.read_request(&MESH_PROTOCOL, &mut wire).await.unwrap();
-        assert_eq!(back, request);
+        let requests = [
+            MeshRequest::Raft(vec![9; 1000]),
+            MeshRequest::Raft(vec![]),
+            MeshRequest::Node(b"call".to_vec()),
+            MeshRequest::BlobChunk {
+                id: BlobId::of(b"x"),
+                offset: 5,
+                len: 7,
+            },
+        ];
+        for request in requests {
+            let mut wire = Cursor::new(Vec::new());
+            codec
+                .write_request(&MESH_PROTOCOL, &mut wire, request.clone())
+                .await
+                .unwrap();
+            let mut wire = Cursor::new(wire.into_inner());
+            let back = codec.read_request(&MESH_PROTOCOL, &mut wire).await.unwrap();
+            assert_eq!(back, request);
+        }
+        let responses = [
+            MeshResponse::BlobChunk {
+                total: 1 << 40,
+                data: vec![3; 70_000],
+            },
+            MeshResponse::Node(vec![1]),
+            MeshResponse::Ack,
+            MeshResponse::Error("no".into()),
+        ];
+        for response in responses {
+            let mut wire = Cursor::new(Vec::new());
+            codec
+                .write_response(&MESH_PROTOCOL, &mut wire, response.clone())
+                .await
+                .unwrap();
+            let bytes = wire.into_inner();
+            if let MeshResponse::BlobChunk { data, .. } = &response {
+                // The chunk is not inside the envelope: the frame is the chunk plus
+                // a few dozen bytes.
+                assert!(bytes.len() < data.len() + 64, "{}", bytes.len());
+                assert_eq!(&bytes[bytes.len() - data.len()..], &data[..]);
+            }
+            let back = codec
+                .read_response(&MESH_PROTOCOL, &mut Cursor::new(bytes))
+                .await
+                .unwrap();
+            assert_eq!(back, response);
+        }
     }
 
     #[tokio::test]
-    async fn garbage_oversize_and_short_frames_are_invalid_data_not_panics() {
+    async fn garbage_oversize_and_short_frames_are_errors_not_panics() {
         let mut codec = MeshCodec::new(1024);
+        let join = seal(&MeshRequest::Join {
+            raft_id: 1,
+            peer_id: "p".into(),
+            addrs: vec![],
+            capability: None,
+        })
+        .unwrap();
+        let raft = seal(&MeshRequest::Raft(vec![])).unwrap();
         let cases: Vec<(Vec<u8>, &str)> = vec![
             (framed(b"hello there, not an envelope"), "magic"),
             (u32::MAX.to_le_bytes().to_vec(), "exceeds the limit"),
             (framed(&[0u8; 2000]), "exceeds the limit"),
-            ([framed(&[0u8; 10])[..8].to_vec()].concat(), "cut short"),
-            (vec![1, 2], "eof"),
+            (framed(&[0u8; 10])[..8].to_vec(), "cut short"),
+            (vec![1, 2], "end of file"),
+            // A good header, then a body over the limit, cut short, or misplaced.
+            (
+                [framed(&raft), 5000u32.to_le_bytes().to_vec()].concat(),
+                "exceeds the limit",
+            ),
+            (
+                [framed(&raft), framed(&[1; 100])[..50].to_vec()].concat(),
+                "cut short",
+            ),
+            ([framed(&join), framed(&[1; 10])].concat(), "bulk bytes"),
+            (framed(&raft), "end of file"),
         ];
         for (bytes, expect) in cases {
             let err = codec
