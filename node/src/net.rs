@@ -365,7 +365,8 @@ impl NetHandle {
     /// yet checked against `id`.
     pub(crate) async fn pull_blob(&self, from: PeerId, id: BlobId) -> Result<Vec<u8>> {
         let chunk = u64::from(self.chunk_bytes);
-        let (total, first) = self.blob_chunk(from, id, 0, chunk, None).await?;
+        let first = self.blob_chunk(from, id, 0, chunk).await?;
+        let total = first.total;
         let limit = self.blobs.max_blob_bytes();
         if total > limit {
             return Err(NodeError::Limit {
@@ -375,35 +376,34 @@ impl NetHandle {
             });
         }
         let mut out = vec![0u8; total as usize];
-        out[..first.len()].copy_from_slice(&first);
-        let mut next = first.len() as u64;
+        // Ranges to ask for again: a peer with a smaller frame limit than ours sends
+        // less than asked, and the rest is fetched with further requests.
+        let mut again = Vec::new();
+        place(&mut out, first, &mut again, from)?;
+        let mut next = chunk.min(total);
         let mut in_flight = FuturesUnordered::new();
         loop {
-            while in_flight.len() < self.fetch_window && next < total {
-                let len = chunk.min(total - next);
-                in_flight.push(self.blob_chunk(from, id, next, len, Some(total)));
-                next += len;
+            while in_flight.len() < self.fetch_window {
+                let (offset, len) = match again.pop() {
+                    Some(range) => range,
+                    None if next < total => {
+                        let len = chunk.min(total - next);
+                        next += len;
+                        (next - len, len)
+                    }
+                    None => break,
+                };
+                in_flight.push(self.blob_chunk(from, id, offset, len));
             }
-            let Some(result) = in_flight.next().await else {
+            let Some(piece) = in_flight.next().await else {
                 break;
             };
-            let (offset, data) = result?;
-            let start = offset as usize;
-            out[start..start + data.len()].copy_from_slice(&data);
+            place(&mut out, piece?, &mut again, from)?;
         }
         Ok(out)
     }
 
-    /// One chunk, checked for the expected size. With `total` unknown (the first
-    /// chunk) returns `(total, data)`; otherwise `(offset, data)`.
-    async fn blob_chunk(
-        &self,
-        from: PeerId,
-        id: BlobId,
-        offset: u64,
-        len: u64,
-        total: Option<u64>,
-    ) -> Result<(u64, Vec<u8>)> {
+    async fn blob_chunk(&self, from: PeerId, id: BlobId, offset: u64, len: u64) -> Result<Piece> {
         let request = MeshRequest::BlobChunk {
             id,
             offset,
@@ -411,20 +411,13 @@ impl NetHandle {
         };
         let peer = from.to_string();
         match self.request(from, request).await? {
-            MeshResponse::BlobChunk { total: t, data } => {
-                let expect = len.min(t.saturating_sub(offset));
-                if total.is_some_and(|total| total != t) || data.len() as u64 != expect {
-                    return Err(NodeError::Request {
-                        peer,
-                        reason: format!(
-                            "blob {id}: chunk at {offset} has {} bytes of a {t}-byte blob, \
-                             expected {expect} bytes (did the blob change?)",
-                            data.len()
-                        ),
-                    });
-                }
-                Ok((total.map_or(t, |_| offset), data))
-            }
+            MeshResponse::BlobChunk { total, data } => Ok(Piece {
+                id,
+                offset,
+                asked: len,
+                total,
+                data,
+            }),
             MeshResponse::NotFound => Err(NodeError::BlobNotFound { id, peer }),
             MeshResponse::Error(reason) => Err(NodeError::PeerRefused { peer, reason }),
             other => Err(NodeError::Request {
@@ -452,6 +445,39 @@ impl NetHandle {
             .await
             .map_err(|_| NodeError::NetStopped)
     }
+}
+
+/// One answered chunk request.
+struct Piece {
+    id: BlobId,
+    offset: u64,
+    asked: u64,
+    total: u64,
+    data: Vec<u8>,
+}
+
+/// Copies a chunk into the blob being assembled after checking that it fits what was
+/// asked; a short (non-empty) chunk queues the rest in `again`.
+fn place(out: &mut [u8], piece: Piece, again: &mut Vec<(u64, u64)>, from: PeerId) -> Result<()> {
+    let total = out.len() as u64;
+    let expect = piece.asked.min(total.saturating_sub(piece.offset));
+    let got = piece.data.len() as u64;
+    if piece.total != total || got > expect || (got == 0 && expect > 0) {
+        return Err(NodeError::Request {
+            peer: from.to_string(),
+            reason: format!(
+                "blob {}: chunk at {} has {got} bytes of a {}-byte blob, expected {expect} \
+                 bytes of a {total}-byte blob (did the blob change?)",
+                piece.id, piece.offset, piece.total
+            ),
+        });
+    }
+    let start = piece.offset as usize;
+    out[start..start + piece.data.len()].copy_from_slice(&piece.data);
+    if got < expect {
+        again.push((piece.offset + got, expect - got));
+    }
+    Ok(())
 }
 
 #[derive(NetworkBehaviour)]
