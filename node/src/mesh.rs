@@ -674,7 +674,7 @@ pub(crate) async fn fetch_blob(
         }
     }
     let mut last = String::from("no peer to fetch it from");
-    for round in 0..2 {
+    for round in 0..4 {
         for &peer in &sources {
             match shared.net.fetch_blob(peer, id).await {
                 Ok(()) => return Ok(()),
@@ -764,6 +764,13 @@ async fn heartbeats(shared: Arc<Shared>, interval: Duration, cancel: Cancellatio
             .await
             .ok()
             .flatten();
+        // Until this node sees itself in the membership (a joiner catching up),
+        // look again soon rather than after a whole interval.
+        let wait = if member.is_some() {
+            interval
+        } else {
+            Duration::from_millis(200)
+        };
         if let Some(member) = member {
             if !published {
                 match (&shared.capability, &member.capability) {
@@ -779,16 +786,21 @@ async fn heartbeats(shared: Arc<Shared>, interval: Duration, cancel: Cancellatio
                     _ => published = true,
                 }
             }
-            let _ = consensus
+            match consensus
                 .propose(Command::Heartbeat {
                     raft_id: me,
                     at_ms: scheduler::now_ms(),
                 })
-                .await;
+                .await
+            {
+                Ok(c) if c.outcome == gpumesh_consensus::Outcome::Applied => {}
+                Ok(c) => tracing::debug!(outcome = ?c.outcome, "heartbeat had no effect"),
+                Err(e) => tracing::debug!(error = %e, "heartbeat not committed"),
+            }
         }
         tokio::select! {
             _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(interval) => {}
+            _ = tokio::time::sleep(wait) => {}
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The command line: `gpumesh adapters`, `gpumesh run`, `gpumesh bench`.
 
 mod adapters;
-mod run;
+pub mod mesh;
+pub mod run;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -34,6 +35,26 @@ pub enum Command {
     },
     /// Run a WGSL kernel (or a built-in one) here, once, without a mesh.
     Run(RunArgs),
+    /// Run a mesh node until Ctrl-C (then leave the mesh gracefully).
+    Node(Box<crate::cli::mesh::NodeArgs>),
+    /// Submit a task to the mesh through a node's API.
+    Submit(crate::cli::mesh::SubmitArgs),
+    /// Fetch a finished task's outputs from any node into DIR/<binding>.bin.
+    Result(crate::cli::mesh::ResultArgs),
+    /// The mesh: leader, term, and every member.
+    Status {
+        #[command(flatten)]
+        api: ApiArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Every task the mesh knows.
+    Tasks {
+        #[command(flatten)]
+        api: ApiArgs,
+        #[arg(long)]
+        json: bool,
+    },
     /// Measure gpumesh and print a table.
     Bench {
         #[command(subcommand)]
@@ -50,8 +71,9 @@ pub enum BenchCommand {
     Consensus(crate::bench::ConsensusBenchArgs),
 }
 
+/// What to run: the flags `gpumesh run` and `gpumesh submit` share.
 #[derive(clap::Args, Debug)]
-pub struct RunArgs {
+pub struct TaskArgs {
     /// A WGSL file holding the kernel (or use --builtin).
     #[arg(required_unless_present = "builtin", conflicts_with = "builtin")]
     pub kernel: Option<PathBuf>,
@@ -80,6 +102,12 @@ pub struct RunArgs {
     /// How shard outputs merge: concat, or sum|min|max-u32|i32|f32.
     #[arg(long, value_parser = parse_merge)]
     pub merge: Option<MergeRule>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub task: TaskArgs,
     /// Write each output to DIR/<binding>.bin.
     #[arg(long, value_name = "DIR")]
     pub out_dir: Option<PathBuf>,
@@ -99,6 +127,14 @@ pub struct RunArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Where the mesh's API is.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ApiArgs {
+    /// A node's API address (HOST:PORT).
+    #[arg(long, env = "GPUMESH_API", default_value = gpumesh::DEFAULT_API)]
+    pub api: String,
 }
 
 fn parse_input(s: &str) -> Result<(u32, PathBuf), String> {
@@ -143,6 +179,11 @@ pub fn execute(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Adapters { json, no_calibrate } => adapters::run(json, !no_calibrate),
         Command::Run(args) => run::run(args),
+        Command::Node(args) => mesh::node(*args),
+        Command::Submit(args) => mesh::submit(args),
+        Command::Result(args) => mesh::result(args),
+        Command::Status { api, json } => mesh::status(api, json),
+        Command::Tasks { api, json } => mesh::tasks(api, json),
         Command::Bench { which } => match which {
             BenchCommand::Executor(args) => crate::bench::executor(args),
             BenchCommand::Consensus(args) => crate::bench::consensus(args),

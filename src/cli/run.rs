@@ -15,7 +15,7 @@ use gpumesh_shaders::builtins::{self, Problem};
 use gpumesh_shaders::{ExecError, Executor, Job, Kernel};
 use serde::Serialize;
 
-use super::RunArgs;
+use super::{RunArgs, TaskArgs};
 
 #[derive(Serialize)]
 struct Report {
@@ -53,7 +53,18 @@ struct VerifyReport {
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
-    let (job, problem, label) = prepare(&args)?;
+    if args.verify && args.task.builtin.is_none() {
+        bail!("--verify needs a CPU reference, which only built-in kernels have (use --builtin)");
+    }
+    if args.task.kernel.is_some() && args.out_dir.is_none() {
+        bail!("--out-dir DIR is required: each output is written to DIR/<binding>.bin");
+    }
+    let prepared = prepare(&args.task)?;
+    let label = prepared.label.clone();
+    let problem = prepared.problem;
+    let job = Job::new(prepared.spec, prepared.kernel, |id| {
+        prepared.blobs.get(id).cloned()
+    })?;
     if args.repeat == 0 {
         bail!("--repeat must be at least 1");
     }
@@ -190,8 +201,17 @@ fn print_text(r: &Report) {
     }
 }
 
-/// Builds and checks the job without touching a GPU.
-fn prepare(args: &RunArgs) -> anyhow::Result<(Job, Option<Problem>, String)> {
+/// A task built from the command line and checked against its shader.
+pub struct Prepared {
+    pub spec: TaskSpec,
+    pub kernel: Arc<Kernel>,
+    pub blobs: BTreeMap<BlobId, Arc<[u8]>>,
+    pub problem: Option<Problem>,
+    pub label: String,
+}
+
+/// Builds and checks the task without touching a GPU.
+pub fn prepare(args: &TaskArgs) -> anyhow::Result<Prepared> {
     if args.shards == 0 {
         bail!("--shards must be at least 1");
     }
@@ -208,17 +228,21 @@ fn prepare(args: &RunArgs) -> anyhow::Result<(Job, Option<Problem>, String)> {
         }
         let builtin = builtins::get(name)?;
         let problem = builtin.problem(args.size.unwrap_or(builtin.default_size))?;
-        let job = problem.job(args.shards)?;
-        let label = format!("{} ({} {})", builtin.name, problem.size, builtin.size_means);
-        return Ok((job, Some(problem), label));
+        let spec = problem.spec(args.shards);
+        let kernel = Arc::new(Kernel::compile(builtin.source, &spec.entry_point)?);
+        kernel.check(&spec)?;
+        return Ok(Prepared {
+            label: format!("{} ({} {})", builtin.name, problem.size, builtin.size_means),
+            spec,
+            kernel,
+            blobs: problem.blobs.clone(),
+            problem: Some(problem),
+        });
     }
     let path = args
         .kernel
         .as_ref()
         .context("give a WGSL file or --builtin NAME")?;
-    if args.verify {
-        bail!("--verify needs a CPU reference, which only built-in kernels have (use --builtin)");
-    }
     let source = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read kernel file {}", path.display()))?;
     let kernel = Kernel::compile(&source, &args.entry).map_err(|e| located(path, e))?;
@@ -227,9 +251,6 @@ fn prepare(args: &RunArgs) -> anyhow::Result<(Job, Option<Problem>, String)> {
         .context("--grid X[,Y[,Z]] is required for a WGSL kernel")?;
     if args.outputs.is_empty() {
         bail!("a task needs at least one --output BINDING:BYTES");
-    }
-    if args.out_dir.is_none() {
-        bail!("--out-dir DIR is required: each output is written to DIR/<binding>.bin");
     }
     let mut blobs: BTreeMap<BlobId, Arc<[u8]>> = BTreeMap::new();
     let mut bindings = Vec::new();
@@ -259,8 +280,14 @@ fn prepare(args: &RunArgs) -> anyhow::Result<(Job, Option<Problem>, String)> {
         shards: args.shards,
         merge: args.merge.unwrap_or(MergeRule::Concat),
     };
-    let job = Job::new(spec, Arc::new(kernel), |id| blobs.get(id).cloned())?;
-    Ok((job, None, path.display().to_string()))
+    kernel.check(&spec)?;
+    Ok(Prepared {
+        spec,
+        kernel: Arc::new(kernel),
+        blobs,
+        problem: None,
+        label: path.display().to_string(),
+    })
 }
 
 fn read_input(binding: u32, file: &Path) -> anyhow::Result<Vec<u8>> {

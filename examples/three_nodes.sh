@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Three separate `gpumesh node` processes on one machine, each with its own data dir
+# and ports: the multi-machine recipe, on loopback. Submits a sharded task through
+# one node, fetches the result through another, and shows the mesh.
+#
+#   bash examples/three_nodes.sh        (builds gpumesh in release mode first)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release --quiet
+bin=target/release/gpumesh
+work=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  [ -n "${KEEP:-}" ] && cp -r "$work" /tmp/three_nodes_debug
+  rm -rf "$work"
+}
+trap cleanup EXIT
+export RUST_LOG=${RUST_LOG:-warn,wgpu_hal=error,wgpu_core=error,naga=error}
+
+start() { # name listen-port api-port extra-args...
+  local name=$1 port=$2 api=$3; shift 3
+  "$bin" node --data-dir "$work/$name" --listen "/ip4/127.0.0.1/tcp/$port" \
+    --api "127.0.0.1:$api" --no-mdns "$@" > "$work/$name.log" 2>&1 &
+  pids+=($!)
+  for _ in $(seq 1 100); do
+    grep -q "API on" "$work/$name.log" 2>/dev/null && break
+    sleep 0.2
+  done
+  grep -q "API on" "$work/$name.log" || { cat "$work/$name.log"; exit 1; }
+}
+
+start a 47001 47101 --init
+seed=$(grep -o '/ip4/127.0.0.1/tcp/47001/p2p/[A-Za-z0-9]*' "$work/a.log" | head -1)
+start b 47002 47102 --peer "$seed"
+start c 47003 47103 --peer "$seed"
+echo "three nodes up; seed $seed"
+
+GPUMESH_API=127.0.0.1:47102 "$bin" submit --builtin matmul --size 512 --shards 6 --wait --verify
+task=$(GPUMESH_API=127.0.0.1:47101 "$bin" tasks --json | grep -o '"id": *[0-9]*' | tail -1 | grep -o '[0-9]*$')
+GPUMESH_API=127.0.0.1:47103 "$bin" result "t$task" --out-dir "$work/out"
+GPUMESH_API=127.0.0.1:47101 "$bin" status
+GPUMESH_API=127.0.0.1:47101 "$bin" tasks
