@@ -226,6 +226,23 @@ impl MeshNode {
             if let Some(peer) = joined_through {
                 join_through(&shared, peer, config.join_timeout).await?;
             }
+            // Serve nothing until this node knows a leader: reads and proposals
+            // before that would only time out.
+            let mut status = consensus.watch_status();
+            let known = tokio::time::timeout(config.join_timeout, async {
+                while status.borrow_and_update().leader_id == 0 {
+                    if status.changed().await.is_err() {
+                        break;
+                    }
+                }
+            })
+            .await;
+            if known.is_err() {
+                return Err(NodeError::Config(format!(
+                    "no Raft leader emerged within {:?}; a majority of the mesh's voters must be running",
+                    config.join_timeout
+                )));
+            }
             Ok::<_, NodeError>(consensus)
         }
         .await;
@@ -667,14 +684,31 @@ pub(crate) async fn fetch_blob(
     if shared.blobs.has(&id) {
         return Ok(());
     }
-    let mut sources: Vec<PeerId> = preferred.into_iter().collect();
-    for p in shared.peers.all() {
-        if !sources.contains(&p) && p != shared.peer_id {
-            sources.push(p);
-        }
-    }
     let mut last = String::from("no peer to fetch it from");
-    for round in 0..4 {
+    for round in 0..5 {
+        // Every member is a possible holder; a node that just joined learns them
+        // from the replicated membership, not only from its connections.
+        if let Some(c) = shared.consensus.get() {
+            if let Ok(members) = c
+                .read_local(|s| {
+                    s.members()
+                        .values()
+                        .map(|m| m.peer_id.clone())
+                        .collect::<Vec<_>>()
+                })
+                .await
+            {
+                for p in members.iter().filter_map(|p| p.parse::<PeerId>().ok()) {
+                    shared.peers.insert(p);
+                }
+            }
+        }
+        let mut sources: Vec<PeerId> = preferred.into_iter().collect();
+        for p in shared.peers.all() {
+            if !sources.contains(&p) && p != shared.peer_id {
+                sources.push(p);
+            }
+        }
         for &peer in &sources {
             match shared.net.fetch_blob(peer, id).await {
                 Ok(()) => return Ok(()),
@@ -684,16 +718,15 @@ pub(crate) async fn fetch_blob(
                 }
             }
         }
-        if round == 0 {
-            // Maybe we just have no connection yet: make them and try once more.
-            let connected = shared.net.connected_peers().await.unwrap_or_default();
-            let missing: Vec<PeerId> = sources
-                .iter()
-                .copied()
-                .filter(|p| !connected.contains(p))
-                .collect();
-            connect_members(shared, &connected, &missing).await;
-        }
+        // Maybe we have no connection to the holder yet: make them and try again.
+        let connected = shared.net.connected_peers().await.unwrap_or_default();
+        let missing: Vec<PeerId> = sources
+            .iter()
+            .copied()
+            .filter(|p| !connected.contains(p))
+            .collect();
+        connect_members(shared, &connected, &missing).await;
+        tokio::time::sleep(Duration::from_millis(100 << round)).await;
     }
     Err(format!("blob {id} could not be fetched: {last}"))
 }
