@@ -67,7 +67,7 @@ async fn mesh(root: &Path, n: usize) -> Vec<MeshNode> {
             MeshNode::start(config(
                 &root.join(format!("n{i}")),
                 Formation::Join,
-                &[s.clone()],
+                std::slice::from_ref(&s),
             ))
             .await
             .unwrap(),
@@ -109,8 +109,8 @@ async fn three_nodes_submit_from_each_and_fetch_from_each() {
             let task = submit(&client(&nodes[i]), &problem, 5).await;
             let view = client(&nodes[i]).wait(task, |_, _| {}).await.unwrap();
             ran_on.extend(view.shards.iter().filter_map(|s| s.node));
-            for j in 0..3 {
-                let outputs = client(&nodes[j]).results(task).await.unwrap();
+            for (j, node) in nodes.iter().enumerate() {
+                let outputs = client(node).results(task).await.unwrap();
                 problem
                     .verify(&outputs)
                     .unwrap_or_else(|m| panic!("{name} submitted via {i}, fetched via {j}: {m}"));
@@ -274,7 +274,7 @@ async fn bad_requests_get_clear_errors_and_nothing_is_committed() {
         // An impossible spec: more shards than workgroups.
         let mut spec = problem.spec(1);
         spec.shards = 1000;
-        for (_, bytes) in &problem.blobs {
+        for bytes in problem.blobs.values() {
             c.upload(bytes.to_vec()).await.unwrap();
         }
         match c.submit(spec, None).await {

@@ -25,7 +25,10 @@ impl BlobStore {
     pub fn open(dir: impl AsRef<Path>, max_blob_bytes: u64) -> Result<Self> {
         let root = dir.as_ref().to_path_buf();
         fs::create_dir_all(&root).map_err(|e| NodeError::io(&root, e))?;
-        for entry in fs::read_dir(&root).map_err(|e| NodeError::io(&root, e))?.flatten() {
+        for entry in fs::read_dir(&root)
+            .map_err(|e| NodeError::io(&root, e))?
+            .flatten()
+        {
             if entry.file_name().to_string_lossy().ends_with(".tmp") {
                 let _ = fs::remove_file(entry.path());
             }
@@ -75,7 +78,9 @@ impl BlobStore {
         if path.exists() {
             return Ok(());
         }
-        let tmp = self.root.join(format!("{}.{}.tmp", id.to_hex(), std::process::id()));
+        let tmp = self
+            .root
+            .join(format!("{}.{}.tmp", id.to_hex(), std::process::id()));
         let write = || -> std::io::Result<()> {
             let mut f = File::create(&tmp)?;
             f.write_all(bytes)?;
@@ -164,7 +169,10 @@ mod tests {
         assert_eq!(store.put(b"hello mesh").unwrap(), id);
         assert_eq!(store.get(&id).unwrap().unwrap(), b"hello mesh");
         assert_eq!(store.size(&id), Some(10));
-        assert_eq!(store.read_range(&id, 6, 100).unwrap().unwrap(), (10, b"mesh".to_vec()));
+        assert_eq!(
+            store.read_range(&id, 6, 100).unwrap().unwrap(),
+            (10, b"mesh".to_vec())
+        );
         assert!(store.put_verified(id, b"hello MESH").is_err());
         assert_eq!(store.get(&BlobId::of(b"other")).unwrap(), None);
         assert_eq!(store.stats(), (1, 10));
@@ -176,7 +184,10 @@ mod tests {
         let store = BlobStore::open(dir.path(), 1 << 20).unwrap();
         let id = store.put(b"precious").unwrap();
         std::fs::write(dir.path().join(id.to_hex()), b"tampered").unwrap();
-        assert!(matches!(store.get(&id), Err(NodeError::BlobMismatch { .. })));
+        assert!(matches!(
+            store.get(&id),
+            Err(NodeError::BlobMismatch { .. })
+        ));
         assert!(!store.has(&id));
     }
 
