@@ -2,7 +2,6 @@
 //! through any node's local API (`--api`, or `GPUMESH_API`).
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use gpumesh_consensus::RequestId;
 use gpumesh_node::api::{
@@ -146,7 +145,7 @@ impl Client {
                         t.reason.unwrap_or_default()
                     )))
                 }
-                _ => tokio::time::sleep(Duration::from_millis(20)).await,
+                _ => {}
             }
         }
     }

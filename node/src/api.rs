@@ -8,6 +8,7 @@
 //! | POST | /v1/tasks | submit a task (validated here first), answer its id |
 //! | GET | /v1/tasks | all tasks |
 //! | GET | /v1/tasks/{id} | one task with its shards |
+//! | GET | /v1/tasks/{id}/wait?done=N&timeout_ms=T | long poll: answers once the task has a shard count other than N done, or has finished, or T ms passed |
 //! | GET | /v1/tasks/{id}/outputs | merged outputs: binding, size, blake3 |
 //! | GET | /v1/tasks/{id}/outputs/{binding} | one merged output's bytes |
 //! | GET | /v1/status | leader, term, members |
@@ -153,6 +154,7 @@ pub(crate) async fn serve(
         .route("/v1/blobs", post(put_blob))
         .route("/v1/tasks", post(submit).get(list_tasks))
         .route("/v1/tasks/{id}", get(get_task))
+        .route("/v1/tasks/{id}/wait", get(wait_task))
         .route("/v1/tasks/{id}/outputs", get(outputs))
         .route("/v1/tasks/{id}/outputs/{binding}", get(output_bytes))
         .route("/v1/status", get(status))
@@ -180,6 +182,27 @@ fn consensus(shared: &Shared) -> ApiResult<gpumesh_consensus::ConsensusHandle> {
         .get()
         .cloned()
         .ok_or_else(|| unavailable("this node has not joined a mesh yet"))
+}
+
+/// A linearizable read (ReadIndex) when the leader confirms it within a second;
+/// otherwise this replica's own state, which may trail the leader by a few entries
+/// (the caller sees at worst a task a step behind, never a wrong one).
+async fn read_current<R: Send + 'static>(
+    c: &gpumesh_consensus::ConsensusHandle,
+    f: impl Fn(&StateMachine) -> R + Clone + Send + 'static,
+) -> ApiResult<R> {
+    let g = f.clone();
+    match tokio::time::timeout(std::time::Duration::from_secs(1), c.read_linearizable(f)).await {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "linearizable read failed; reading locally");
+            c.read_local(g).await.map_err(unavailable)
+        }
+        Err(_) => {
+            tracing::debug!("linearizable read slow; reading locally");
+            c.read_local(g).await.map_err(unavailable)
+        }
+    }
 }
 
 async fn put_blob(State(shared): State<Arc<Shared>>, body: Bytes) -> ApiResult<Json<BlobReply>> {
@@ -287,11 +310,69 @@ async fn get_task(
     Path(id): Path<u64>,
 ) -> ApiResult<Json<TaskView>> {
     let c = consensus(&shared)?;
-    c.read_linearizable(move |s| s.task(TaskId(id)).map(view))
+    // This replica's state: a submit is acknowledged only once the submitting
+    // replica has applied it, and waiting clients long-poll on local applies.
+    c.read_local(move |s| s.task(TaskId(id)).map(view))
         .await
         .map_err(unavailable)?
         .map(Json)
         .ok_or_else(|| not_found(id))
+}
+
+#[derive(Deserialize)]
+struct WaitQuery {
+    done: Option<usize>,
+    timeout_ms: Option<u64>,
+}
+
+async fn wait_task(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<u64>,
+    axum::extract::Query(q): axum::extract::Query<WaitQuery>,
+) -> ApiResult<Json<TaskView>> {
+    let c = consensus(&shared)?;
+    // Subscribe before the first read so no change slips between the two.
+    let mut events = c.subscribe();
+    let deadline = tokio::time::Instant::now()
+        + std::time::Duration::from_millis(q.timeout_ms.unwrap_or(30_000).min(60_000));
+    loop {
+        let view = c
+            .read_local(move |s| s.task(TaskId(id)).map(view))
+            .await
+            .map_err(unavailable)?
+            .ok_or_else(|| not_found(id))?;
+        let finished = matches!(view.status.as_str(), "completed" | "failed" | "cancelled");
+        if finished || Some(view.shards_done) != q.done {
+            return Ok(Json(view));
+        }
+        // Sleep through entries about other tasks: many clients may be waiting.
+        loop {
+            match tokio::time::timeout_at(deadline, events.recv()).await {
+                Err(_) => return Ok(Json(view)),
+                Ok(Err(tokio::sync::broadcast::error::RecvError::Closed)) => {
+                    return Err(unavailable("the node is shutting down"))
+                }
+                Ok(Ok(gpumesh_consensus::AppliedEvent::Entry { entry, .. })) => {
+                    if concerns(&entry.command, TaskId(id)) {
+                        break;
+                    }
+                }
+                Ok(_) => break,
+            }
+        }
+    }
+}
+
+/// Whether applying `command` can change task `id`.
+fn concerns(command: &Command, id: TaskId) -> bool {
+    match command {
+        Command::AssignShard { task, .. }
+        | Command::ShardStarted { task, .. }
+        | Command::ShardResult { task, .. }
+        | Command::ShardFailed { task, .. }
+        | Command::TaskCancelled { task, .. } => *task == id,
+        _ => false,
+    }
 }
 
 /// Merges a completed task's shard outputs here (pulling them from their nodes),
@@ -306,10 +387,8 @@ async fn merged(shared: &Arc<Shared>, id: u64) -> ApiResult<BTreeMap<u32, BlobId
         return Ok(done);
     }
     let c = consensus(shared)?;
-    let task = c
-        .read_linearizable(move |s: &StateMachine| s.task(TaskId(id)).cloned())
-        .await
-        .map_err(unavailable)?
+    let task = read_current(&c, move |s: &StateMachine| s.task(TaskId(id)).cloned())
+        .await?
         .ok_or_else(|| not_found(id))?;
     match &task.status {
         TaskStatus::Completed => {}

@@ -184,15 +184,17 @@ impl Worker {
         let Some((spec, submitter)) = current else {
             return; // superseded, finished or cancelled meanwhile
         };
-        let _ = self
-            .consensus
-            .propose(Command::ShardStarted {
-                task: a.task,
-                shard: a.shard,
-                epoch: a.epoch,
-                node: self.me,
-            })
-            .await;
+        // Recorded for status and stragglers; the shard does not wait for it.
+        let consensus = self.consensus.clone();
+        let started = Command::ShardStarted {
+            task: a.task,
+            shard: a.shard,
+            epoch: a.epoch,
+            node: self.me,
+        };
+        tokio::spawn(async move {
+            let _ = consensus.propose(started).await;
+        });
         let command = match self.run_shard(&spec, &submitter, a.shard, kernels).await {
             Ok((blob, size)) => Command::ShardResult {
                 task: a.task,

@@ -3,9 +3,11 @@
 mod consensus;
 mod direct;
 mod executor;
+mod mesh;
 
 pub use consensus::{consensus, ConsensusBenchArgs};
 pub use executor::{executor, ExecutorBenchArgs};
+pub use mesh::{mesh, MeshBenchArgs};
 
 use std::time::Duration;
 

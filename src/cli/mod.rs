@@ -69,6 +69,8 @@ pub enum BenchCommand {
     /// Raft: committed proposals/s (batched and one at a time), commit latency, and
     /// the disk's raw fsync'd append rate, on a 3-node cluster in one process.
     Consensus(crate::bench::ConsensusBenchArgs),
+    /// The mesh: task latency and throughput, mesh vs direct, blob transfer vs TCP.
+    Mesh(crate::bench::MeshBenchArgs),
 }
 
 /// What to run: the flags `gpumesh run` and `gpumesh submit` share.
@@ -187,6 +189,7 @@ pub fn execute(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bench { which } => match which {
             BenchCommand::Executor(args) => crate::bench::executor(args),
             BenchCommand::Consensus(args) => crate::bench::consensus(args),
+            BenchCommand::Mesh(args) => crate::bench::mesh(args),
         },
     }
 }

@@ -1,0 +1,219 @@
+//! `gpumesh bench mesh`: a 3-node loopback mesh in this process, measured side by
+//! side with the same work done directly.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpumesh::node::{Formation, MeshNode, NodeConfig};
+use gpumesh::Client;
+use gpumesh_protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
+use gpumesh_shaders::{BackendChoice, Executor, Job, Kernel};
+
+use super::ms;
+
+#[derive(clap::Args, Debug)]
+pub struct MeshBenchArgs {
+    /// Trivial tasks timed one at a time for the latency figures.
+    #[arg(long, default_value_t = 200)]
+    pub latency_tasks: usize,
+    /// Tiny tasks submitted for the throughput figure.
+    #[arg(long, default_value_t = 1000)]
+    pub throughput_tasks: usize,
+    /// Tiny tasks in flight at once during the throughput run.
+    #[arg(long, default_value_t = 64)]
+    pub in_flight: usize,
+    /// MiB moved in the blob transfer comparison.
+    #[arg(long, default_value_t = 64)]
+    pub transfer_mib: usize,
+}
+
+/// Doubles 64 u32s: the smallest useful task.
+const TINY: &str = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;\n\
+@compute @workgroup_size(64)\n\
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) { out[gid.x] = gid.x * 2u; }\n";
+
+/// Each invocation hashes 60,000 times; the workgroup count sets the run time.
+const SPIN: &str = r#"
+@group(0) @binding(0) var<storage, read_write> out: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var x = gid.x;
+    for (var i = 0u; i < 60000u; i++) {
+        x = (x ^ (x >> 13u)) * 1664525u + i;
+    }
+    out[gid.x] = x;
+}
+"#;
+
+fn spec(source: &str, groups: u32, shards: u32) -> TaskSpec {
+    TaskSpec {
+        shader: ShaderSource::Wgsl(source.into()),
+        entry_point: "main".into(),
+        bindings: vec![BindingSpec {
+            binding: 0,
+            role: BindingRole::Output {
+                size: u64::from(groups) * 256,
+            },
+        }],
+        grid: Grid([groups, 1, 1]),
+        shards,
+        merge: MergeRule::Concat,
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+pub fn mesh(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(run(args))
+}
+
+async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
+    let root = std::env::temp_dir().join(format!("gpumesh-bench-mesh-{}", std::process::id()));
+    let config = |name: &str, formation, peers: Vec<_>| {
+        let mut c = NodeConfig::new(root.join(name));
+        c.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().expect("multiaddr")];
+        c.api = "127.0.0.1:0".parse().expect("address");
+        c.mdns = false;
+        c.formation = formation;
+        c.peers = peers;
+        c
+    };
+    let first = MeshNode::start(config("a", Formation::Init, vec![])).await?;
+    let seed: gpumesh::node::Multiaddr =
+        format!("{}/p2p/{}", first.listen_addrs[0], first.peer_id).parse()?;
+    let mut nodes = vec![first];
+    for name in ["b", "c"] {
+        nodes.push(MeshNode::start(config(name, Formation::Join, vec![seed.clone()])).await?);
+    }
+    let status = Client::new(nodes[0].api_addr.to_string()).status().await?;
+    let follower = nodes
+        .iter()
+        .find(|n| n.raft_id != status.leader)
+        .map_or(0, |n| n.api_addr.port());
+    let client = Client::new(format!("127.0.0.1:{follower}"));
+    println!(
+        "gpumesh bench mesh — 3 nodes on loopback in one process, submitting through a follower"
+    );
+
+    // (1) Latency of a trivial task, submit to result, one at a time.
+    let mut lat = Vec::new();
+    let mut phases = [Duration::ZERO; 3];
+    for _ in 0..args.latency_tasks.max(1) {
+        let t = Instant::now();
+        let task = client.submit(spec(TINY, 1, 1), None).await?;
+        let submitted = t.elapsed();
+        client.wait(task, |_, _| {}).await?;
+        let finished = t.elapsed();
+        let out = client.results(task).await?;
+        anyhow::ensure!(out[&0][4..8] == 2u32.to_le_bytes(), "wrong tiny result");
+        lat.push(t.elapsed());
+        phases[0] += submitted;
+        phases[1] += finished - submitted;
+        phases[2] += t.elapsed() - finished;
+    }
+    lat.sort();
+    let n = lat.len() as u32;
+    let phases = phases.map(|p| p / n);
+
+    // (2) Sustained tiny tasks/s.
+    let started = Instant::now();
+    let mut pending = tokio::task::JoinSet::new();
+    let mut done = 0usize;
+    for i in 0..args.throughput_tasks {
+        if pending.len() >= args.in_flight.max(1) {
+            pending.join_next().await.transpose()?.transpose()?;
+            done += 1;
+        }
+        let c = Client::new(nodes[i % nodes.len()].api_addr.to_string());
+        pending.spawn(async move {
+            let task = c.submit(spec(TINY, 1, 1), None).await?;
+            c.wait(task, |_, _| {}).await?;
+            anyhow::Ok(())
+        });
+    }
+    while let Some(r) = pending.join_next().await {
+        r??;
+        done += 1;
+    }
+    let rate = done as f64 / started.elapsed().as_secs_f64();
+
+    // (3) A ~100 ms kernel: directly on this machine's adapter, then through the mesh.
+    let mut direct = Executor::new(BackendChoice::Auto)?;
+    let kernel = Arc::new(Kernel::compile(SPIN, "main")?);
+    let probe = Job::new(spec(SPIN, 64, 1), kernel.clone(), |_| None)?;
+    direct.run(&probe, None)?;
+    let t = direct.run(&probe, None)?.elapsed;
+    let groups = ((0.12 / t.as_secs_f64()) * 64.0).clamp(1.0, 65_535.0) as u32;
+    let job = Job::new(spec(SPIN, groups, 1), kernel, |_| None)?;
+    direct.run(&job, None)?;
+    let mut d = Vec::new();
+    let mut m = Vec::new();
+    for _ in 0..5 {
+        d.push(direct.run(&job, None)?.elapsed);
+        let t = Instant::now();
+        let task = client.submit(spec(SPIN, groups, 1), None).await?;
+        client.wait(task, |_, _| {}).await?;
+        client.results(task).await?;
+        m.push(t.elapsed());
+    }
+    d.sort();
+    m.sort();
+    let (d, m) = (d[2], m[2]);
+
+    // (4) Blob transfer between two nodes vs raw loopback TCP.
+    let transfer = gpumesh::node::net::bench_blob_transfer(args.transfer_mib << 20).await?;
+
+    println!("\n{:<58} {:>14}", "measurement", "value");
+    println!(
+        "{:<58} {:>11.2} ms",
+        "trivial task submit→result, p50",
+        ms(percentile(&lat, 0.5))
+    );
+    println!(
+        "{:<58} {:>11.2} ms",
+        "trivial task submit→result, p99",
+        ms(percentile(&lat, 0.99))
+    );
+    println!(
+        "{:<58} {:>14}",
+        "  of which submit / run / fetch (means)",
+        format!(
+            "{:.1}/{:.1}/{:.1} ms",
+            ms(phases[0]),
+            ms(phases[1]),
+            ms(phases[2])
+        )
+    );
+    println!(
+        "{:<58} {:>10.0} /s",
+        format!("sustained tiny tasks ({} in flight)", args.in_flight),
+        rate
+    );
+    println!(
+        "{:<58} {:>11.1} ms",
+        format!("spin kernel ({groups} workgroups) run directly"),
+        ms(d)
+    );
+    println!(
+        "{:<58} {:>11.1} ms",
+        "same kernel through the mesh, submit→result",
+        ms(m)
+    );
+    println!(
+        "{:<58} {:>14.3}",
+        "mesh / direct",
+        m.as_secs_f64() / d.as_secs_f64()
+    );
+    println!("\n{transfer}");
+    for n in nodes {
+        n.stop().await;
+    }
+    let _ = std::fs::remove_dir_all(&root);
+    Ok(ExitCode::SUCCESS)
+}
