@@ -127,6 +127,45 @@ async fn three_nodes_submit_from_each_and_fetch_from_each() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_shard_output_is_on_two_nodes_so_losing_its_worker_loses_nothing() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let mut nodes = mesh(dir.path(), 3).await;
+        let b = builtins::get("mandelbrot").unwrap();
+        let problem = b.problem(b.test_size).unwrap();
+        let task = submit(&client(&nodes[0]), &problem, 6).await;
+        let view = client(&nodes[0]).wait(task, |_, _| {}).await.unwrap();
+        for shard in &view.shards {
+            let blob: gpumesh::protocol::BlobId = shard.output.as_ref().unwrap().parse().unwrap();
+            let copies = nodes.iter().filter(|n| n.blobs.has(&blob)).count();
+            assert!(
+                copies >= 2,
+                "shard {} output is on {copies} node(s)",
+                shard.index
+            );
+        }
+        // Stop a node that ran shards (not the one we fetch from): nothing is lost.
+        let victim = nodes
+            .iter()
+            .skip(1)
+            .position(|n| view.shards.iter().any(|s| s.node == Some(n.raft_id)))
+            .map(|i| i + 1);
+        if let Some(i) = victim {
+            nodes.remove(i).stop().await;
+        }
+        problem
+            .verify(&client(&nodes[0]).results(task).await.unwrap())
+            .unwrap();
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_fourth_node_joins_mid_run_and_receives_shards() {
     if !have_any() {
         return;

@@ -613,6 +613,10 @@ async fn answer(shared: &Arc<Shared>, from: PeerId, request: MeshRequest) -> Mes
                 }
             }
         },
+        NodeRequest::Replicate { blob } => match shared.net.fetch_blob(from, blob).await {
+            Ok(()) => NodeReply::Replicated,
+            Err(e) => NodeReply::Refused(format!("could not copy blob {blob}: {e}")),
+        },
         NodeRequest::Peers => NodeReply::Peers(
             shared
                 .addrs
@@ -729,6 +733,52 @@ pub(crate) async fn fetch_blob(
         tokio::time::sleep(Duration::from_millis(100 << round)).await;
     }
     Err(format!("blob {id} could not be fetched: {last}"))
+}
+
+/// Has one other node keep a copy of `blob` (the submitter when it is another node,
+/// else any member that answers), so that losing this node after the result is
+/// recorded loses nothing. Succeeds at once in a one-node mesh.
+pub(crate) async fn replicate(
+    shared: &Arc<Shared>,
+    blob: gpumesh_protocol::BlobId,
+    prefer: Option<PeerId>,
+) -> std::result::Result<(), String> {
+    let mut targets: Vec<PeerId> = prefer
+        .into_iter()
+        .filter(|p| *p != shared.peer_id)
+        .collect();
+    for p in shared.net.connected_peers().await.unwrap_or_default() {
+        if !targets.contains(&p) && p != shared.peer_id {
+            targets.push(p);
+        }
+    }
+    let members = match shared.consensus.get() {
+        Some(c) => c.read_local(|s| s.members().len()).await.unwrap_or(1),
+        None => 1,
+    };
+    if members < 2 {
+        return Ok(());
+    }
+    let mut last = String::from("no other member is connected");
+    for peer in targets {
+        let asked = shared
+            .net
+            .request(
+                peer,
+                MeshRequest::Node(wire::encode(&NodeRequest::Replicate { blob })),
+            )
+            .await;
+        match asked.map(|r| match r {
+            MeshResponse::Node(bytes) => wire::decode::<NodeReply>(&bytes),
+            _ => None,
+        }) {
+            Ok(Some(NodeReply::Replicated)) => return Ok(()),
+            Ok(Some(NodeReply::Refused(why))) => last = why,
+            Ok(_) => last = format!("{peer} gave an unexpected answer"),
+            Err(e) => last = e.to_string(),
+        }
+    }
+    Err(format!("no second copy of blob {blob}: {last}"))
 }
 
 /// Dials members this node has no connection to, learning their addresses from

@@ -13,6 +13,8 @@ pub enum NodeRequest {
     Leave,
     /// Which peers do you know, and where do they listen?
     Peers,
+    /// Keep a copy of this blob, pulled from me, before I report it done.
+    Replicate { blob: gpumesh_protocol::BlobId },
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -26,6 +28,8 @@ pub enum NodeReply {
     Left,
     /// Peer ids with their listen addresses, as text.
     Peers(Vec<(String, Vec<String>)>),
+    /// The blob is stored here (fsync'd).
+    Replicated,
     Refused(String),
 }
 

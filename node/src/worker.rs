@@ -257,6 +257,8 @@ impl Worker {
         let out = self.gpu.run(job, shard).await.map_err(|e| e.to_string())?;
         let bytes = encode_outputs(&out.outputs).map_err(|e| e.to_string())?;
         let id = self.shared.blobs.put(&bytes).map_err(|e| e.to_string())?;
+        // A result is recorded only once two nodes hold it.
+        crate::mesh::replicate(&self.shared, id, submitter.parse().ok()).await?;
         Ok((id, bytes.len() as u64))
     }
 
