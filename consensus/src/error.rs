@@ -71,11 +71,14 @@ pub enum ConsensusError {
         reason: String,
     },
 
-    /// A linearizable read could not be confirmed by a quorum in time.
+    /// A linearizable read could not be served before its deadline; `reason` says
+    /// which step did not happen (no leader known, the leader not confirmed by a
+    /// quorum, or this replica not caught up to the read index).
     #[error(
-        "linearizable read timed out: no quorum confirmed the leader (retry, or read locally)"
+        "linearizable read timed out: {reason}; retry later, or read locally for a possibly \
+         stale answer"
     )]
-    ReadTimeout,
+    ReadTimeout { reason: String },
 
     /// The request was invalid before reaching Raft.
     #[error("invalid request: {0}")]

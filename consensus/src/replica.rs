@@ -16,6 +16,16 @@
 //! commits at that index, the proposal certainly failed; if nothing can be told
 //! before the deadline, the proposer gets [`ConsensusError::OutcomeUnknown`] and a
 //! retry with the same request id is safe.
+//!
+//! Linearizable reads use Raft's ReadIndex, batched as in etcd: one request is in
+//! flight per replica and covers every read that arrived before it was sent. raft-rs
+//! drops a ReadIndex silently when no leader is known, when the leader has not yet
+//! committed an entry in its term, or when the message is lost, so a request is only
+//! sent once this replica has seen a commit in the current term, and is sent again
+//! (with a fresh context) when the leader changes or no answer came within a few
+//! heartbeats. Contexts carry the replica id and a never-reused sequence number:
+//! the leader ignores a context it already holds, and a restarted replica must not
+//! take an old answer for a new read.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -251,6 +261,8 @@ impl ConsensusHandle {
             placed_at: BTreeMap::new(),
             batch: Vec::new(),
             reads: BTreeMap::new(),
+            read_requests: BTreeMap::new(),
+            read_sent: None,
             confirmed_reads: Vec::new(),
             next_read: 0,
             ids: ids.clone(),
@@ -356,7 +368,13 @@ impl ConsensusHandle {
 
     /// Reads a state that includes every write committed before the call (Raft
     /// ReadIndex: the leader confirms its leadership with a quorum, and this
-    /// replica waits until it has applied up to the leader's commit index).
+    /// replica waits until it has applied up to the leader's commit index). Works
+    /// on the leader, followers and learners.
+    ///
+    /// While no leader is known (an election, or a replica that just started) the
+    /// read waits for one rather than failing at once; if none appears, or the
+    /// leader cannot confirm itself, within [`ReplicaConfig::read_timeout`], it
+    /// fails with [`ConsensusError::ReadTimeout`] saying which step was missing.
     pub async fn read_linearizable<R, F>(&self, f: F) -> Result<R>
     where
         R: Send + 'static,
@@ -459,6 +477,12 @@ struct Pending {
     next_retry: Instant,
 }
 
+/// A linearizable read waiting for its read index or for apply to reach it.
+struct PendingRead {
+    read: ReadFn,
+    deadline: Instant,
+}
+
 /// Where a batched proposal came from.
 enum Source {
     Local,
@@ -481,10 +505,17 @@ struct Actor {
     placed_at: BTreeMap<u64, Vec<RequestId>>,
     /// Normal proposals collected this round, proposed together as one message.
     batch: Vec<(LogEntry, Source)>,
-    /// ReadIndex requests in flight, by context.
-    reads: BTreeMap<u64, (ReadFn, Instant)>,
+    /// Linearizable reads still waiting for a read index, by arrival number.
+    reads: BTreeMap<u64, PendingRead>,
+    /// ReadIndex requests in flight: context sequence → the newest read (arrival
+    /// number) it covers. An answer to any of them serves the reads it covers.
+    read_requests: BTreeMap<u64, u64>,
+    /// The leader the newest ReadIndex request went to, and when to send again if
+    /// no answer came.
+    read_sent: Option<(u64, Instant)>,
     /// Reads whose index is known, waiting for apply to reach it.
-    confirmed_reads: Vec<(u64, ReadFn)>,
+    confirmed_reads: Vec<(u64, PendingRead)>,
+    /// Arrival number of the newest read.
     next_read: u64,
     ids: Arc<RequestIds>,
     ticks: u64,
@@ -493,6 +524,9 @@ struct Actor {
 /// Messages handled per round before the Ready is processed: large enough to batch
 /// many proposals into one fsync, small enough to keep ticks on time.
 const MAX_MSGS_PER_ROUND: usize = 4096;
+
+/// Unanswered ReadIndex requests remembered per replica (each retry adds one).
+const MAX_READ_REQUESTS: usize = 16;
 
 impl Actor {
     async fn run(mut self) {
@@ -558,11 +592,11 @@ impl Actor {
             Msg::Receive { from, frame } => self.on_frame(from, &frame),
             Msg::ReadLocal { read } => read(Ok(&self.state)),
             Msg::ReadLinearizable { read } => {
+                // Sent in `issue_reads`, batched with the other reads of this round.
                 self.next_read += 1;
-                let ctx = self.next_read;
                 let deadline = Instant::now() + self.cfg.read_timeout;
-                self.reads.insert(ctx, (read, deadline));
-                self.raw.read_index(ctx.to_le_bytes().to_vec());
+                self.reads
+                    .insert(self.next_read, PendingRead { read, deadline });
             }
             Msg::Status { respond_to } => {
                 let _ = respond_to.send(self.status());
@@ -965,18 +999,7 @@ impl Actor {
             self.place(id);
         }
 
-        // Reads that no quorum confirmed in time.
-        let late: Vec<u64> = self
-            .reads
-            .iter()
-            .filter(|(_, (_, deadline))| now >= *deadline)
-            .map(|(ctx, _)| *ctx)
-            .collect();
-        for ctx in late {
-            if let Some((read, _)) = self.reads.remove(&ctx) {
-                read(Err(ConsensusError::ReadTimeout));
-            }
-        }
+        self.expire_reads(now);
 
         if self.cfg.auto_promote && self.is_leader() && self.ticks % 5 == 0 {
             self.maybe_promote();
@@ -1017,7 +1040,13 @@ impl Actor {
 
     /// Handles every pending Ready (see the module docs for the order).
     fn drive(&mut self) -> Result<()> {
-        while self.raw.has_ready() {
+        loop {
+            // Before each Ready: a read answered in the last one may let the next
+            // batch go out at once.
+            self.issue_reads();
+            if !self.raw.has_ready() {
+                break;
+            }
             let mut ready = self.raw.ready();
             tracing::trace!(
                 raft_id = self.cfg.id,
@@ -1157,14 +1186,70 @@ impl Actor {
         }
     }
 
+    /// Sends a ReadIndex request covering every waiting read, when one is due: none
+    /// in flight, the leader changed since the last one, or it went unanswered
+    /// for a few heartbeats (raft-rs drops requests silently, see the module docs).
+    fn issue_reads(&mut self) {
+        let Some(&newest) = self.reads.keys().next_back() else {
+            return;
+        };
+        let leader = self.leader();
+        // Without a leader a follower drops the request, and a leader drops it until
+        // it has committed an entry in its term; a commit in the current term seen
+        // here means the leader has one. Wait for that instead of sending in vain.
+        if leader == 0 || !self.raw.raft.commit_to_current_term() {
+            return;
+        }
+        let now = Instant::now();
+        let due = match self.read_sent {
+            _ if self.read_requests.is_empty() => true,
+            Some((to, retry_at)) => to != leader || now >= retry_at,
+            None => true,
+        };
+        if !due {
+            return;
+        }
+        let ctx = self.ids.next_id();
+        self.read_requests.insert(ctx.seq, newest);
+        // Bound the answers we still wait for (older ones cover fewer reads).
+        while self.read_requests.len() > MAX_READ_REQUESTS {
+            self.read_requests.pop_first();
+        }
+        let retry_after = self.cfg.tick_interval * (2 * self.cfg.heartbeat_tick as u32).max(3);
+        self.read_sent = Some((leader, now + retry_after));
+        let mut bytes = Vec::with_capacity(16);
+        bytes.extend_from_slice(&ctx.client.to_le_bytes());
+        bytes.extend_from_slice(&ctx.seq.to_le_bytes());
+        self.raw.read_index(bytes);
+    }
+
     fn on_read_states(&mut self, states: Vec<raft::ReadState>) {
         for rs in states {
-            let Ok(ctx) = <[u8; 8]>::try_from(rs.request_ctx.as_slice()) else {
+            let ctx = rs.request_ctx.as_slice();
+            if ctx.len() != 16 {
+                continue;
+            }
+            let (client, seq) = ctx.split_at(8);
+            let (Ok(client), Ok(seq)) = (<[u8; 8]>::try_from(client), <[u8; 8]>::try_from(seq))
+            else {
                 continue;
             };
-            if let Some((read, _)) = self.reads.remove(&u64::from_le_bytes(ctx)) {
-                self.confirmed_reads.push((rs.index, read));
+            if u64::from_le_bytes(client) != self.cfg.id {
+                continue;
             }
+            let Some(covers) = self.read_requests.get(&u64::from_le_bytes(seq)).copied() else {
+                // Answered already through a later request, or expired.
+                continue;
+            };
+            // Earlier requests cover fewer reads: they are settled too.
+            self.read_requests.retain(|_, c| *c > covers);
+            let later = self.reads.split_off(&(covers + 1));
+            let served = std::mem::replace(&mut self.reads, later);
+            self.confirmed_reads
+                .extend(served.into_values().map(|r| (rs.index, r)));
+        }
+        if self.read_requests.is_empty() {
+            self.read_sent = None;
         }
     }
 
@@ -1177,8 +1262,74 @@ impl Actor {
             .into_iter()
             .partition(|(index, _)| *index <= applied);
         self.confirmed_reads = waiting;
-        for (_, read) in ready {
-            read(Ok(&self.state));
+        for (_, r) in ready {
+            (r.read)(Ok(&self.state));
+        }
+    }
+
+    /// Answers the reads whose deadline passed, saying which step was missing.
+    fn expire_reads(&mut self, now: Instant) {
+        let late: Vec<u64> = self
+            .reads
+            .iter()
+            .filter(|(_, r)| now >= r.deadline)
+            .map(|(n, _)| *n)
+            .collect();
+        if !late.is_empty() {
+            let reason = self.unconfirmed_read_reason();
+            for n in late {
+                if let Some(r) = self.reads.remove(&n) {
+                    (r.read)(Err(ConsensusError::ReadTimeout {
+                        reason: reason.clone(),
+                    }));
+                }
+            }
+            // Requests that cover no waiting read any more.
+            match self.reads.keys().next() {
+                Some(&oldest) => self.read_requests.retain(|_, c| *c >= oldest),
+                None => self.read_requests.clear(),
+            }
+            if self.read_requests.is_empty() {
+                self.read_sent = None;
+            }
+        }
+        if self.confirmed_reads.iter().any(|(_, r)| now >= r.deadline) {
+            let applied = self.state.applied_index();
+            let (late, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.confirmed_reads)
+                .into_iter()
+                .partition(|(_, r)| now >= r.deadline);
+            self.confirmed_reads = waiting;
+            for (index, r) in late {
+                (r.read)(Err(ConsensusError::ReadTimeout {
+                    reason: format!(
+                        "the leader confirmed read index {index}, but this replica has \
+                         applied only up to {applied} (it is catching up)"
+                    ),
+                }));
+            }
+        }
+    }
+
+    /// Why a read still has no read index.
+    fn unconfirmed_read_reason(&self) -> String {
+        let leader = self.leader();
+        if leader == 0 {
+            "no Raft leader is known to this replica (an election is under way, or it \
+             cannot reach a quorum of the mesh)"
+                .into()
+        } else if !self.raw.raft.commit_to_current_term() {
+            if self.is_leader() {
+                "this replica was just elected leader and has not yet committed an entry \
+                 in its term, which a quorum must acknowledge first"
+                    .into()
+            } else {
+                format!(
+                    "this replica has not yet seen leader {leader} commit an entry in its \
+                     term (it may be catching up, or the leader lacks a quorum)"
+                )
+            }
+        } else {
+            format!("leader {leader} did not confirm its leadership with a quorum in time")
         }
     }
 
@@ -1383,11 +1534,11 @@ impl Actor {
                 }));
             }
         }
-        for (_, (read, _)) in std::mem::take(&mut self.reads) {
-            read(Err(ConsensusError::Stopped));
+        for (_, r) in std::mem::take(&mut self.reads) {
+            (r.read)(Err(ConsensusError::Stopped));
         }
-        for (_, read) in self.confirmed_reads.drain(..) {
-            read(Err(ConsensusError::Stopped));
+        for (_, r) in self.confirmed_reads.drain(..) {
+            (r.read)(Err(ConsensusError::Stopped));
         }
     }
 }

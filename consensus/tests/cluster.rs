@@ -292,7 +292,10 @@ async fn linearizable_read_on_a_follower_sees_the_latest_commit() {
         .node(follower)
         .read_linearizable(|s| s.applied_index())
         .await;
-    assert!(matches!(r, Err(ConsensusError::ReadTimeout)), "{r:?}");
+    assert!(
+        matches!(r, Err(ConsensusError::ReadTimeout { .. })),
+        "{r:?}"
+    );
     // A local read still answers, with stated staleness.
     c.node(follower)
         .read_local(|s| s.applied_index())
