@@ -1201,11 +1201,10 @@ impl Actor {
             return;
         }
         let now = Instant::now();
-        let due = match self.read_sent {
-            _ if self.read_requests.is_empty() => true,
-            Some((to, retry_at)) => to != leader || now >= retry_at,
-            None => true,
-        };
+        let due = self.read_requests.is_empty()
+            || self
+                .read_sent
+                .is_none_or(|(to, retry_at)| to != leader || now >= retry_at);
         if !due {
             return;
         }
