@@ -156,6 +156,27 @@ impl Client {
             .await
     }
 
+    /// The bytes of a blob the node holds or can pull from the mesh (for example a
+    /// merged output named by [`Client::outputs`]).
+    pub async fn outputs_of_blob(&self, id: BlobId) -> ClientResult<Vec<u8>> {
+        let bytes = self
+            .send(self.http.get(self.url(&format!("/v1/blobs/{id}"))))
+            .await?
+            .bytes()
+            .await
+            .map_err(|e| ClientError::Protocol {
+                addr: self.addr.clone(),
+                reason: e.to_string(),
+            })?;
+        if !id.matches(&bytes) {
+            return Err(ClientError::Protocol {
+                addr: self.addr.clone(),
+                reason: format!("blob {id} does not match its hash"),
+            });
+        }
+        Ok(bytes.to_vec())
+    }
+
     /// Every merged output's bytes, checked against the hash the node reports.
     pub async fn results(&self, id: u64) -> ClientResult<BTreeMap<u32, Vec<u8>>> {
         let mut out = BTreeMap::new();

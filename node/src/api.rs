@@ -5,6 +5,7 @@
 //! | method | path | what |
 //! |---|---|---|
 //! | POST | /v1/blobs | store the body as a blob, answer its id |
+//! | GET | /v1/blobs/{id} | a blob's bytes (pulled from the mesh if needed) |
 //! | POST | /v1/tasks | submit a task (validated here first), answer its id |
 //! | GET | /v1/tasks | all tasks |
 //! | GET | /v1/tasks/{id} | one task with its shards |
@@ -152,6 +153,7 @@ pub(crate) async fn serve(
 ) -> Result<(SocketAddr, JoinHandle<()>)> {
     let app = Router::new()
         .route("/v1/blobs", post(put_blob))
+        .route("/v1/blobs/{id}", get(get_blob))
         .route("/v1/tasks", post(submit).get(list_tasks))
         .route("/v1/tasks/{id}", get(get_task))
         .route("/v1/tasks/{id}/wait", get(wait_task))
@@ -216,6 +218,19 @@ async fn put_blob(State(shared): State<Arc<Shared>>, body: Bytes) -> ApiResult<J
         id: id.to_hex(),
         size,
     }))
+}
+
+async fn get_blob(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> ApiResult<Vec<u8>> {
+    let id: BlobId = id.parse().map_err(bad)?;
+    crate::mesh::fetch_blob(&shared, id, None)
+        .await
+        .map_err(|e| ApiError(StatusCode::NOT_FOUND, e))?;
+    shared.blobs.get(&id).map_err(unavailable)?.ok_or_else(|| {
+        ApiError(
+            StatusCode::NOT_FOUND,
+            format!("blob {id} is not on this node"),
+        )
+    })
 }
 
 async fn submit(State(shared): State<Arc<Shared>>, body: Bytes) -> ApiResult<Json<SubmitReply>> {
