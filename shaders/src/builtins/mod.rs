@@ -16,6 +16,10 @@ mod counting;
 mod dense;
 mod image;
 
+pub use counting::montecarlo_reference;
+pub use dense::{jacobi_system, linreg_reference, matmul_reference};
+pub use image::{blur_reference, mandelbrot_reference, test_image};
+
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
