@@ -159,8 +159,14 @@ impl Client {
     /// The bytes of a blob the node holds or can pull from the mesh (for example a
     /// merged output named by [`Client::outputs`]).
     pub async fn outputs_of_blob(&self, id: BlobId) -> ClientResult<Vec<u8>> {
+        self.checked_bytes(&format!("/v1/blobs/{id}"), id, &format!("blob {id}"))
+            .await
+    }
+
+    /// GETs `path` and checks the body against `id`, so a wrong byte is an error.
+    async fn checked_bytes(&self, path: &str, id: BlobId, what: &str) -> ClientResult<Vec<u8>> {
         let bytes = self
-            .send(self.http.get(self.url(&format!("/v1/blobs/{id}"))))
+            .send(self.http.get(self.url(path)))
             .await?
             .bytes()
             .await
@@ -171,7 +177,7 @@ impl Client {
         if !id.matches(&bytes) {
             return Err(ClientError::Protocol {
                 addr: self.addr.clone(),
-                reason: format!("blob {id} does not match its hash"),
+                reason: format!("{what} does not match its hash"),
             });
         }
         Ok(bytes.to_vec())
@@ -181,25 +187,15 @@ impl Client {
     pub async fn results(&self, id: u64) -> ClientResult<BTreeMap<u32, Vec<u8>>> {
         let mut out = BTreeMap::new();
         for o in self.outputs(id).await? {
+            let hash: BlobId = o.blake3.parse().map_err(|e| ClientError::Protocol {
+                addr: self.addr.clone(),
+                reason: format!("{e}"),
+            })?;
+            let path = format!("/v1/tasks/{id}/outputs/{}", o.binding);
             let bytes = self
-                .send(
-                    self.http
-                        .get(self.url(&format!("/v1/tasks/{id}/outputs/{}", o.binding))),
-                )
-                .await?
-                .bytes()
-                .await
-                .map_err(|e| ClientError::Protocol {
-                    addr: self.addr.clone(),
-                    reason: e.to_string(),
-                })?;
-            if blake3::hash(&bytes).to_hex().as_str() != o.blake3 {
-                return Err(ClientError::Protocol {
-                    addr: self.addr.clone(),
-                    reason: format!("output {} does not match its hash", o.binding),
-                });
-            }
-            out.insert(o.binding, bytes.to_vec());
+                .checked_bytes(&path, hash, &format!("output {}", o.binding))
+                .await?;
+            out.insert(o.binding, bytes);
         }
         Ok(out)
     }

@@ -642,29 +642,32 @@ async fn answer(shared: &Arc<Shared>, from: PeerId, request: MeshRequest) -> Mes
     MeshResponse::Node(wire::encode(&reply))
 }
 
+/// The peer ids in this replica's membership table.
+async fn member_peers(consensus: &ConsensusHandle) -> Option<Vec<PeerId>> {
+    consensus
+        .read_local(|s| {
+            s.members()
+                .values()
+                .filter_map(|m| m.peer_id.parse::<PeerId>().ok())
+                .collect()
+        })
+        .await
+        .ok()
+}
+
 /// Keeps the peer book in step with the membership table.
 async fn learn_members(shared: Arc<Shared>, cancel: CancellationToken) {
     let Some(consensus) = shared.consensus.get().cloned() else {
         return;
     };
     loop {
-        if let Ok(peers) = consensus
-            .read_local(|s| {
-                s.members()
-                    .values()
-                    .map(|m| m.peer_id.clone())
-                    .collect::<Vec<_>>()
-            })
-            .await
-        {
+        if let Some(peers) = member_peers(&consensus).await {
             let connected = shared.net.connected_peers().await.unwrap_or_default();
             let mut missing = Vec::new();
-            for p in peers {
-                if let Ok(peer) = p.parse::<PeerId>() {
-                    shared.peers.insert(peer);
-                    if peer != shared.peer_id && !connected.contains(&peer) {
-                        missing.push(peer);
-                    }
+            for peer in peers {
+                shared.peers.insert(peer);
+                if peer != shared.peer_id && !connected.contains(&peer) {
+                    missing.push(peer);
                 }
             }
             if !missing.is_empty() {
@@ -693,18 +696,8 @@ pub(crate) async fn fetch_blob(
         // Every member is a possible holder; a node that just joined learns them
         // from the replicated membership, not only from its connections.
         if let Some(c) = shared.consensus.get() {
-            if let Ok(members) = c
-                .read_local(|s| {
-                    s.members()
-                        .values()
-                        .map(|m| m.peer_id.clone())
-                        .collect::<Vec<_>>()
-                })
-                .await
-            {
-                for p in members.iter().filter_map(|p| p.parse::<PeerId>().ok()) {
-                    shared.peers.insert(p);
-                }
+            for p in member_peers(c).await.unwrap_or_default() {
+                shared.peers.insert(p);
             }
         }
         let mut sources: Vec<PeerId> = preferred.into_iter().collect();
