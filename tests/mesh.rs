@@ -403,3 +403,58 @@ async fn a_data_dir_of_another_mesh_is_refused() {
     .await
     .expect("bounded");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bootstrap_expect_forms_one_mesh_of_all_founders() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let ports: Vec<u16> = (0..3)
+            .map(|_| {
+                std::net::TcpListener::bind("127.0.0.1:0")
+                    .unwrap()
+                    .local_addr()
+                    .unwrap()
+                    .port()
+            })
+            .collect();
+        let addr = |p: u16| -> Multiaddr { format!("/ip4/127.0.0.1/tcp/{p}").parse().unwrap() };
+        let configs: Vec<NodeConfig> = (0..3)
+            .map(|i| {
+                let others: Vec<Multiaddr> =
+                    (0..3).filter(|&j| j != i).map(|j| addr(ports[j])).collect();
+                let mut c = config(
+                    &dir.path().join(format!("f{i}")),
+                    Formation::BootstrapExpect(3),
+                    &others,
+                );
+                c.listen = vec![addr(ports[i])];
+                c
+            })
+            .collect();
+        let mut starts = configs.into_iter().map(MeshNode::start);
+        let (a, b, c) = tokio::join!(
+            starts.next().unwrap(),
+            starts.next().unwrap(),
+            starts.next().unwrap()
+        );
+        let nodes = vec![a.unwrap(), b.unwrap(), c.unwrap()];
+        let status = client(&nodes[1]).status().await.unwrap();
+        assert_eq!(status.members.len(), 3, "{status:?}");
+        assert!(
+            status.members.iter().all(|m| m.role == "voter"),
+            "all founders vote: {status:?}"
+        );
+        let problem = builtins::get("vector_add").unwrap().problem(4096).unwrap();
+        let task = submit(&client(&nodes[2]), &problem, 3).await;
+        client(&nodes[2]).wait(task, |_, _| {}).await.unwrap();
+        problem
+            .verify(&client(&nodes[0]).results(task).await.unwrap())
+            .unwrap();
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}

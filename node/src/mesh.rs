@@ -226,20 +226,28 @@ impl MeshNode {
             if let Some(peer) = joined_through {
                 join_through(&shared, peer, config.join_timeout).await?;
             }
-            // Serve nothing until this node knows a leader: reads and proposals
-            // before that would only time out.
-            let mut status = consensus.watch_status();
-            let known = tokio::time::timeout(config.join_timeout, async {
-                while status.borrow_and_update().leader_id == 0 {
-                    if status.changed().await.is_err() {
+            // Serve nothing until this node knows a leader and sees itself in the
+            // membership it has applied (a joiner has caught up): reads and
+            // proposals before that would only time out or look empty.
+            let me = raft_id;
+            let ready = tokio::time::timeout(config.join_timeout, async {
+                loop {
+                    let leader = consensus.watch_status().borrow().leader_id;
+                    let member = consensus
+                        .read_local(move |s| s.member(me).is_some())
+                        .await
+                        .unwrap_or(false);
+                    if leader != 0 && member {
                         break;
                     }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             })
             .await;
-            if known.is_err() {
+            if ready.is_err() {
                 return Err(NodeError::Config(format!(
-                    "no Raft leader emerged within {:?}; a majority of the mesh's voters must be running",
+                    "no Raft leader accepted this node within {:?}; a majority of the mesh's \
+                     voters must be running",
                     config.join_timeout
                 )));
             }
