@@ -282,6 +282,7 @@ impl MeshNode {
                     consensus: consensus.clone(),
                     shared: shared.clone(),
                     gpu,
+                    post: Arc::new(tokio::sync::Semaphore::new(16)),
                 }
                 .run(cancel.clone()),
             ));

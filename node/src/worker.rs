@@ -103,6 +103,8 @@ pub(crate) struct Worker {
     pub consensus: ConsensusHandle,
     pub shared: Arc<crate::mesh::Shared>,
     pub gpu: GpuHandle,
+    /// Bounds the shard results being stored and reported at once.
+    pub post: Arc<tokio::sync::Semaphore>,
 }
 
 impl Worker {
@@ -195,39 +197,65 @@ impl Worker {
         tokio::spawn(async move {
             let _ = consensus.propose(started).await;
         });
-        let command = match self.run_shard(&spec, &submitter, a.shard, kernels).await {
-            Ok((blob, size)) => Command::ShardResult {
-                task: a.task,
-                shard: a.shard,
-                epoch: a.epoch,
-                node: self.me,
-                blob,
-                size,
-            },
+        let failed = |reason: String| Command::ShardFailed {
+            task: a.task,
+            shard: a.shard,
+            epoch: a.epoch,
+            node: self.me,
+            reason,
+        };
+        let outputs = match self.run_shard(&spec, &submitter, a.shard, kernels).await {
+            Ok(outputs) => outputs,
             Err(reason) => {
                 tracing::warn!(%reason, "shard failed");
-                Command::ShardFailed {
+                if let Err(e) = self.consensus.propose(failed(reason)).await {
+                    tracing::warn!(error = %e, "could not report the shard's failure");
+                }
+                return;
+            }
+        };
+        // Storing, copying to a second node and recording the result overlap with
+        // the next shard on the GPU; the permit bounds how many are in flight.
+        let permit = self.post.clone().acquire_owned().await;
+        let shared = self.shared.clone();
+        let consensus = self.consensus.clone();
+        let me = self.me;
+        tokio::spawn(async move {
+            let _permit = permit;
+            let command = match store_and_copy(&shared, outputs, &submitter).await {
+                Ok((blob, size)) => Command::ShardResult {
                     task: a.task,
                     shard: a.shard,
                     epoch: a.epoch,
-                    node: self.me,
-                    reason,
+                    node: me,
+                    blob,
+                    size,
+                },
+                Err(reason) => {
+                    tracing::warn!(%reason, "shard output could not be kept");
+                    Command::ShardFailed {
+                        task: a.task,
+                        shard: a.shard,
+                        epoch: a.epoch,
+                        node: me,
+                        reason,
+                    }
                 }
+            };
+            if let Err(e) = consensus.propose(command).await {
+                tracing::warn!(error = %e, "could not report the shard's outcome");
             }
-        };
-        if let Err(e) = self.consensus.propose(command).await {
-            tracing::warn!(error = %e, "could not report the shard's outcome");
-        }
+        });
     }
 
-    /// Runs one shard; returns the blob holding its outputs.
+    /// Runs one shard; returns its outputs.
     async fn run_shard(
         &self,
         spec: &TaskSpec,
         submitter: &str,
         shard: u32,
         kernels: &mut HashMap<[u8; 32], Arc<Kernel>>,
-    ) -> Result<(BlobId, u64), String> {
+    ) -> Result<Outputs, String> {
         for b in &spec.bindings {
             if let BindingRole::Input { blob, .. } = &b.role {
                 self.ensure_blob(*blob, submitter).await?;
@@ -255,11 +283,7 @@ impl Worker {
         })
         .map_err(|e| e.to_string())?;
         let out = self.gpu.run(job, shard).await.map_err(|e| e.to_string())?;
-        let bytes = encode_outputs(&out.outputs).map_err(|e| e.to_string())?;
-        let id = self.shared.blobs.put(&bytes).map_err(|e| e.to_string())?;
-        // A result is recorded only once two nodes hold it.
-        crate::mesh::replicate(&self.shared, id, submitter.parse().ok()).await?;
-        Ok((id, bytes.len() as u64))
+        Ok(out.outputs)
     }
 
     /// Makes blob `id` local: from the submitter first, then from any peer.
@@ -268,6 +292,24 @@ impl Worker {
             .await
             .map_err(|e| format!("input {e}"))
     }
+}
+
+/// Stores a shard's outputs as one blob and has a second node keep a copy: a result
+/// is recorded only once two nodes hold it.
+async fn store_and_copy(
+    shared: &Arc<crate::mesh::Shared>,
+    outputs: Outputs,
+    submitter: &str,
+) -> Result<(BlobId, u64), String> {
+    let bytes = encode_outputs(&outputs).map_err(|e| e.to_string())?;
+    let size = bytes.len() as u64;
+    let blobs = shared.blobs.clone();
+    let id = tokio::task::spawn_blocking(move || blobs.put(&bytes))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+    crate::mesh::replicate(shared, id, submitter.parse().ok()).await?;
+    Ok((id, size))
 }
 
 /// A shard's outputs as one blob.
