@@ -283,6 +283,7 @@ impl Worker {
         })
         .map_err(|e| e.to_string())?;
         let out = self.gpu.run(job, shard).await.map_err(|e| e.to_string())?;
+        tracing::debug!(gpu_ms = out.elapsed.as_secs_f64() * 1e3, "shard ran");
         Ok(out.outputs)
     }
 
