@@ -161,3 +161,164 @@ pub fn plan(s: &StateMachine, now_ms: u64) -> Plan {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use gpumesh_consensus::{ClusterSettings, Command, LogEntry, RequestId, StateMachine};
+    use gpumesh_protocol::{AdapterLimits, BackendKind, DeviceKind, NodeCapability};
+    use gpumesh_shaders::builtins;
+
+    use super::*;
+
+    fn capability(gflops: f64, max_binding: u32) -> NodeCapability {
+        NodeCapability {
+            adapter_name: "test".into(),
+            vendor: 0,
+            backend: BackendKind::Vulkan,
+            device_kind: DeviceKind::Cpu,
+            driver: String::new(),
+            limits: AdapterLimits {
+                max_buffer_size: 1 << 30,
+                max_storage_buffer_binding_size: max_binding,
+                max_uniform_buffer_binding_size: 1 << 16,
+                max_storage_buffers_per_shader_stage: 8,
+                max_compute_workgroups_per_dimension: 65535,
+                max_compute_invocations_per_workgroup: 256,
+                max_compute_workgroup_size: [256, 256, 64],
+                max_compute_workgroup_storage_size: 16384,
+            },
+            gflops,
+            gbps: 1.0,
+        }
+    }
+
+    /// A mesh of nodes 1..=n with the given capabilities (None: no adapter).
+    fn state(caps: &[Option<NodeCapability>], shards: u32) -> StateMachine {
+        let founders: Vec<(u64, String)> = (1..=caps.len() as u64)
+            .map(|i| (i, format!("peer-{i}")))
+            .collect();
+        let mut s = StateMachine::bootstrap(&founders, ClusterSettings { max_voters: 5 });
+        let mut index = 10;
+        let mut apply = |s: &mut StateMachine, command| {
+            index += 1;
+            s.apply(
+                index,
+                1,
+                &LogEntry {
+                    origin: 1,
+                    request_id: RequestId::new(1, index),
+                    command,
+                },
+            );
+        };
+        for (i, cap) in caps.iter().enumerate() {
+            if let Some(c) = cap {
+                apply(
+                    &mut s,
+                    Command::NodeCapabilities {
+                        raft_id: i as u64 + 1,
+                        capability: c.clone(),
+                    },
+                );
+            }
+        }
+        let problem = builtins::get("vector_add")
+            .unwrap()
+            .problem(256 * 64)
+            .unwrap();
+        apply(
+            &mut s,
+            Command::SubmitTask {
+                spec: problem.spec(shards),
+                submitter: "peer-1".into(),
+            },
+        );
+        s
+    }
+
+    fn per_node(plan: &Plan) -> BTreeMap<u64, usize> {
+        let mut m = BTreeMap::new();
+        for (_, _, node) in &plan.assign {
+            *m.entry(*node).or_default() += 1;
+        }
+        m
+    }
+
+    #[test]
+    fn shards_are_placed_in_proportion_to_measured_speed() {
+        let s = state(
+            &[
+                Some(capability(10.0, 1 << 27)),
+                Some(capability(30.0, 1 << 27)),
+            ],
+            8,
+        );
+        let plan = plan(&s, now_ms());
+        assert_eq!(plan.assign.len(), 8);
+        assert_eq!(per_node(&plan), BTreeMap::from([(1, 2), (2, 6)]));
+    }
+
+    #[test]
+    fn nodes_without_an_adapter_or_room_get_nothing() {
+        // Node 2 has no adapter; node 3's buffers are too small for the 64 KiB inputs.
+        let s = state(
+            &[
+                Some(capability(5.0, 1 << 27)),
+                None,
+                Some(capability(500.0, 1024)),
+            ],
+            6,
+        );
+        let plan = plan(&s, now_ms());
+        assert_eq!(per_node(&plan), BTreeMap::from([(1, 6)]));
+    }
+
+    #[test]
+    fn a_shard_that_keeps_failing_cancels_its_task() {
+        let mut s = state(&[Some(capability(10.0, 1 << 27))], 2);
+        let task = *s.tasks().keys().next().unwrap();
+        let mut index = 100;
+        for _ in 0..MAX_FAILURES {
+            for command in [
+                Command::AssignShard {
+                    task,
+                    shard: 0,
+                    node: 1,
+                },
+                Command::ShardFailed {
+                    task,
+                    shard: 0,
+                    epoch: s.task(task).unwrap().shards[0].epoch + 1,
+                    node: 1,
+                    reason: "device lost".into(),
+                },
+            ] {
+                index += 1;
+                s.apply(
+                    index,
+                    1,
+                    &LogEntry {
+                        origin: 1,
+                        request_id: RequestId::new(2, index),
+                        command,
+                    },
+                );
+            }
+        }
+        // Either the record already failed the task, or this pass cancels it;
+        // either way the last error is what the user sees.
+        let status = s.task(task).unwrap().status.clone();
+        let plan = plan(&s, now_ms());
+        match status {
+            gpumesh_consensus::TaskStatus::Failed(reason) => {
+                assert!(reason.contains("device lost"), "{reason}");
+                assert!(plan.assign.is_empty() && plan.cancel.is_empty(), "{plan:?}");
+            }
+            other => {
+                assert!(!other.is_terminal(), "{other:?}");
+                assert_eq!(plan.cancel.len(), 1, "{plan:?}");
+                assert!(plan.cancel[0].1.contains("device lost"), "{plan:?}");
+            }
+        }
+    }
+}
