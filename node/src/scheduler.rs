@@ -3,7 +3,7 @@
 //! Each pending shard goes to the member that minimises (shards queued + 1) / measured
 //! GFLOP/s among those whose adapter limits fit the task's buffers, so placement is
 //! proportional to capability and current queue. Members without an adapter stay in
-//! the mesh and get nothing. A shard that failed `MAX_FAILURES` times cancels its task
+//! the mesh and get nothing; shards of a node that left are placed again. A shard that failed `MAX_FAILURES` times cancels its task
 //! with the last error. Talks to: raft (reads state, proposes).
 
 use std::collections::{BTreeMap, HashSet};
@@ -141,7 +141,11 @@ pub fn plan(s: &StateMachine, now_ms: u64) -> Plan {
                 ));
                 break;
             }
-            if sh.state != ShardState::Pending {
+            // Pending shards, and shards held by a node that has left the mesh (their
+            // new epoch makes any late report from it stale).
+            let orphaned = matches!(sh.state, ShardState::Assigned | ShardState::Running)
+                && sh.assigned_to.is_some_and(|n| s.member(n).is_none());
+            if sh.state != ShardState::Pending && !orphaned {
                 continue;
             }
             let best = workers
@@ -271,6 +275,48 @@ mod tests {
         );
         let plan = plan(&s, now_ms());
         assert_eq!(per_node(&plan), BTreeMap::from([(1, 6)]));
+    }
+
+    #[test]
+    fn shards_of_a_node_that_left_are_placed_again() {
+        let mut s = state(
+            &[
+                Some(capability(10.0, 1 << 27)),
+                Some(capability(10.0, 1 << 27)),
+            ],
+            4,
+        );
+        let task = *s.tasks().keys().next().unwrap();
+        let mut index = 100;
+        let mut apply = |s: &mut StateMachine, command| {
+            index += 1;
+            s.apply(
+                index,
+                1,
+                &LogEntry {
+                    origin: 1,
+                    request_id: RequestId::new(3, index),
+                    command,
+                },
+            );
+        };
+        for shard in 0..4 {
+            apply(
+                &mut s,
+                Command::AssignShard {
+                    task,
+                    shard,
+                    node: 2,
+                },
+            );
+        }
+        assert!(
+            plan(&s, now_ms()).assign.is_empty(),
+            "nothing to place while node 2 works"
+        );
+        apply(&mut s, Command::NodeLeft { raft_id: 2 });
+        let again = plan(&s, now_ms());
+        assert_eq!(per_node(&again), BTreeMap::from([(1, 4)]), "{again:?}");
     }
 
     #[test]
