@@ -196,25 +196,23 @@ mod tests {
         }
     }
 
+    /// Applies `command` as the next log entry.
+    fn apply(s: &mut StateMachine, command: Command) {
+        let index = s.applied_index() + 1;
+        let entry = LogEntry {
+            origin: 1,
+            request_id: RequestId::new(1, index),
+            command,
+        };
+        s.apply(index, 1, &entry);
+    }
+
     /// A mesh of nodes 1..=n with the given capabilities (None: no adapter).
     fn state(caps: &[Option<NodeCapability>], shards: u32) -> StateMachine {
         let founders: Vec<(u64, String)> = (1..=caps.len() as u64)
             .map(|i| (i, format!("peer-{i}")))
             .collect();
         let mut s = StateMachine::bootstrap(&founders, ClusterSettings { max_voters: 5 });
-        let mut index = 10;
-        let mut apply = |s: &mut StateMachine, command| {
-            index += 1;
-            s.apply(
-                index,
-                1,
-                &LogEntry {
-                    origin: 1,
-                    request_id: RequestId::new(1, index),
-                    command,
-                },
-            );
-        };
         for (i, cap) in caps.iter().enumerate() {
             if let Some(c) = cap {
                 apply(
@@ -287,19 +285,6 @@ mod tests {
             4,
         );
         let task = *s.tasks().keys().next().unwrap();
-        let mut index = 100;
-        let mut apply = |s: &mut StateMachine, command| {
-            index += 1;
-            s.apply(
-                index,
-                1,
-                &LogEntry {
-                    origin: 1,
-                    request_id: RequestId::new(3, index),
-                    command,
-                },
-            );
-        };
         for shard in 0..4 {
             apply(
                 &mut s,
@@ -323,7 +308,6 @@ mod tests {
     fn a_shard_that_keeps_failing_cancels_its_task() {
         let mut s = state(&[Some(capability(10.0, 1 << 27))], 2);
         let task = *s.tasks().keys().next().unwrap();
-        let mut index = 100;
         for _ in 0..MAX_FAILURES {
             for command in [
                 Command::AssignShard {
@@ -339,16 +323,7 @@ mod tests {
                     reason: "device lost".into(),
                 },
             ] {
-                index += 1;
-                s.apply(
-                    index,
-                    1,
-                    &LogEntry {
-                        origin: 1,
-                        request_id: RequestId::new(2, index),
-                        command,
-                    },
-                );
+                apply(&mut s, command);
             }
         }
         // Either the record already failed the task, or this pass cancels it;
