@@ -123,7 +123,9 @@ impl Client {
         self.json(self.http.get(self.url("/v1/status"))).await
     }
 
-    /// Polls until the task finishes, calling `progress(done, total)` on each change.
+    /// Waits until the task finishes, calling `progress(done, total)` on each change.
+    /// Each request is a long poll the node answers when the task's shard count
+    /// changes, so waiting costs the node nothing between changes.
     pub async fn wait(
         &self,
         id: u64,
@@ -131,7 +133,11 @@ impl Client {
     ) -> ClientResult<TaskView> {
         let mut last = usize::MAX;
         loop {
-            let t = self.task(id).await?;
+            let t: TaskView = self
+                .json(self.http.get(self.url(&format!(
+                    "/v1/tasks/{id}/wait?done={last}&timeout_ms=30000"
+                ))))
+                .await?;
             if t.shards_done != last {
                 last = t.shards_done;
                 progress(t.shards_done, t.shards.len());
