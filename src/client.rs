@@ -134,9 +134,11 @@ impl Client {
         let mut last = usize::MAX;
         loop {
             let t: TaskView = self
-                .json(self.http.get(self.url(&format!(
-                    "/v1/tasks/{id}/wait?done={last}&timeout_ms=30000"
-                ))))
+                .json(
+                    self.http.get(
+                        self.url(&format!("/v1/tasks/{id}/wait?done={last}&timeout_ms=30000")),
+                    ),
+                )
                 .await?;
             if t.shards_done != last {
                 last = t.shards_done;

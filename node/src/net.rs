@@ -1,8 +1,9 @@
 //! The network actor: the one owner of the libp2p [`Swarm`].
 //!
 //! It owns the transport (TCP + Noise + Yamux, optionally behind a `pnet` cluster
-//! key), one [`NetworkBehaviour`] (request-response for everything gpumesh says,
-//! identify to learn peers' listen addresses, mDNS when it can start), and the maps of
+//! key), one [`NetworkBehaviour`] (request-response for joins, node calls and blob
+//! chunks; long-lived streams for Raft, see [`raft_lane`]; identify to learn peers'
+//! listen addresses; mDNS when it can start), and the maps of
 //! requests and dials still waiting for an answer. Everything else reaches the network
 //! through a cloneable [`NetHandle`]; what arrives from peers leaves as [`NetEvent`]s
 //! on one bounded channel to the node.
@@ -19,6 +20,7 @@
 
 mod bench;
 mod codec;
+mod raft_lane;
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -54,7 +56,7 @@ pub use codec::MESH_PROTOCOL;
 const IDENTIFY_PROTOCOL: &str = "/gpumesh/id/1";
 /// Room for the envelope and the response's own fields around a chunk's bytes.
 const FRAME_OVERHEAD: usize = 64;
-/// Commands waiting for the actor; `send_raft` fails fast (Raft retries) beyond this.
+/// Commands waiting for the actor.
 const COMMAND_QUEUE: usize = 1024;
 /// Events the node has not taken yet; beyond this, events are dropped and logged.
 const OUTBOX_LIMIT: usize = 4096;
@@ -159,7 +161,7 @@ impl fmt::Debug for NetConfig {
 /// What the network tells the node.
 #[derive(Debug)]
 pub enum NetEvent {
-    /// A Raft frame from `from` (already acknowledged to the sender).
+    /// A Raft frame from `from`, read off its Raft stream.
     Raft { from: PeerId, frame: Vec<u8> },
     /// A `Join` or `Node` request; send the answer on `reply` within the request
     /// timeout. Dropping `reply` answers the peer with an error.
@@ -183,10 +185,6 @@ enum Command {
         addr: Multiaddr,
         reply: oneshot::Sender<Result<PeerId>>,
     },
-    Raft {
-        to: PeerId,
-        frame: Vec<u8>,
-    },
     Request {
         to: PeerId,
         request: MeshRequest,
@@ -203,11 +201,11 @@ enum Command {
 #[derive(Clone)]
 pub struct NetHandle {
     commands: mpsc::Sender<Command>,
+    raft: std::sync::Arc<raft_lane::RaftLane>,
     local_peer_id: PeerId,
     blobs: BlobStore,
     chunk_bytes: u32,
     fetch_window: usize,
-    max_frame_bytes: usize,
     request_timeout: Duration,
     dial_timeout: Duration,
 }
@@ -235,6 +233,12 @@ impl NetHandle {
         let mut swarm = build_swarm(&config)?;
         listen(&mut swarm, &config.listen).await?;
         let local_peer_id = *swarm.local_peer_id();
+        let raft = raft_lane::RaftLane::start(
+            swarm.behaviour().raft.new_control(),
+            events.clone(),
+            config.max_frame_bytes,
+            cancel.clone(),
+        )?;
         let (commands_tx, commands) = mpsc::channel(COMMAND_QUEUE);
         let (replies_tx, replies) = mpsc::channel(REPLY_QUEUE);
         let bootstrap = config
@@ -267,11 +271,11 @@ impl NetHandle {
         let task = tokio::spawn(actor.run(cancel));
         let handle = NetHandle {
             commands: commands_tx,
+            raft,
             local_peer_id,
             blobs,
             chunk_bytes: config.chunk_bytes,
             fetch_window: config.fetch_window,
-            max_frame_bytes: config.max_frame_bytes,
             request_timeout: config.request_timeout,
             dial_timeout: config.dial_timeout,
         };
@@ -310,22 +314,10 @@ impl NetHandle {
     }
 
     /// Queues one Raft frame for `to` without waiting: fire and forget, since Raft
-    /// retries what gets lost. Fails at once if the actor is full or stopped, or the
-    /// frame is over the frame limit.
+    /// retries what gets lost. Fails at once if the peer's queue is full, the network
+    /// has stopped, or the frame is over the frame limit.
     pub fn send_raft(&self, to: PeerId, frame: Vec<u8>) -> Result<()> {
-        if frame.len() + FRAME_OVERHEAD > self.max_frame_bytes {
-            return Err(NodeError::Limit {
-                what: "raft frame in bytes",
-                value: frame.len() as u64,
-                limit: (self.max_frame_bytes - FRAME_OVERHEAD) as u64,
-            });
-        }
-        self.commands
-            .try_send(Command::Raft { to, frame })
-            .map_err(|e| match e {
-                mpsc::error::TrySendError::Full(_) => NodeError::NetBusy("outbound queue full"),
-                mpsc::error::TrySendError::Closed(_) => NodeError::NetStopped,
-            })
+        self.raft.send(to, frame)
     }
 
     /// Sends `request` to `to` (dialling it through known addresses if needed) and
@@ -483,6 +475,7 @@ fn place(out: &mut [u8], piece: Piece, again: &mut Vec<(u64, u64)>, from: PeerId
 #[derive(NetworkBehaviour)]
 struct MeshBehaviour {
     rpc: request_response::Behaviour<codec::MeshCodec>,
+    raft: libp2p_stream::Behaviour,
     identify: identify::Behaviour,
     mdns: Toggle<mdns::tokio::Behaviour>,
 }
@@ -518,7 +511,7 @@ fn build_swarm(config: &NetConfig) -> Result<Swarm<MeshBehaviour>> {
     let psk = config.psk;
     let rpc_config = request_response::Config::default()
         .with_request_timeout(config.request_timeout)
-        // Raft to every peer plus pipelined blob chunks plus forwarded calls.
+        // Pipelined blob chunks plus forwarded calls.
         .with_max_concurrent_streams(256);
     let codec = codec::MeshCodec::new(config.max_frame_bytes);
     let want_mdns = config.mdns;
@@ -547,6 +540,7 @@ fn build_swarm(config: &NetConfig) -> Result<Swarm<MeshBehaviour>> {
                     [(MESH_PROTOCOL, ProtocolSupport::Full)],
                     rpc_config,
                 ),
+                raft: libp2p_stream::Behaviour::new(),
                 identify: identify::Behaviour::new(
                     identify::Config::new(IDENTIFY_PROTOCOL.into(), key.public())
                         .with_agent_version(format!("gpumesh/{}", env!("CARGO_PKG_VERSION"))),
@@ -649,8 +643,6 @@ struct PendingDial {
 
 enum PendingRequest {
     Reply(oneshot::Sender<Result<MeshResponse>>),
-    /// Fire-and-forget: the answer is only an Ack, a failure is only logged.
-    Raft,
 }
 
 /// A `--peer` address the node keeps trying to be connected to.
@@ -772,14 +764,6 @@ impl NetActor {
                 let _ = reply.send(self.swarm.listeners().cloned().collect());
             }
             Command::Dial { addr, reply } => self.dial(addr, Some(reply), None),
-            Command::Raft { to, frame } => {
-                let id = self
-                    .swarm
-                    .behaviour_mut()
-                    .rpc
-                    .send_request(&to, MeshRequest::Raft(frame));
-                self.pending_requests.insert(id, PendingRequest::Raft);
-            }
             Command::Request { to, request, reply } => {
                 let id = self.swarm.behaviour_mut().rpc.send_request(&to, request);
                 self.pending_requests
@@ -995,7 +979,6 @@ impl NetActor {
                 ..
             } => self.on_request(peer, request, channel),
             Event::Message {
-                peer,
                 message:
                     Message::Response {
                         request_id,
@@ -1006,10 +989,7 @@ impl NetActor {
                 Some(PendingRequest::Reply(reply)) => {
                     let _ = reply.send(Ok(response));
                 }
-                Some(PendingRequest::Raft) if response != MeshResponse::Ack => {
-                    tracing::debug!(%peer, ?response, "raft frame not acknowledged");
-                }
-                Some(PendingRequest::Raft) | None => {}
+                None => {}
             },
             Event::OutboundFailure {
                 peer,
@@ -1022,9 +1002,6 @@ impl NetActor {
                         peer: peer.to_string(),
                         reason: error.to_string(),
                     }));
-                }
-                Some(PendingRequest::Raft) => {
-                    tracing::debug!(%peer, "raft frame lost: {error}");
                 }
                 None => {}
             },
@@ -1045,14 +1022,6 @@ impl NetActor {
         channel: ResponseChannel<MeshResponse>,
     ) {
         match request {
-            MeshRequest::Raft(frame) => {
-                let response = if self.emit(NetEvent::Raft { from, frame }) {
-                    MeshResponse::Ack
-                } else {
-                    MeshResponse::Error("node busy; raft frame dropped".into())
-                };
-                self.respond(channel, response);
-            }
             MeshRequest::BlobChunk { id, offset, len } => {
                 let blobs = self.blobs.clone();
                 let replies = self.replies_tx.clone();

@@ -459,7 +459,7 @@ async fn garbage_on_the_wire_does_not_stop_the_node_from_serving() {
         u32::MAX.to_le_bytes().to_vec(),        // a length over the limit
         framed(&[0xAB; 100]),                   // bad magic
         framed(&seal(&"a string, not a request").unwrap()), // right envelope, wrong type
-        [framed(&seal(&MeshRequest::Raft(vec![1; 64])).unwrap())[..40].to_vec()].concat(), // cut short
+        [framed(&seal(&MeshRequest::Node(vec![1; 64])).unwrap())[..40].to_vec()].concat(), // cut short
         vec![],                     // nothing
         pseudo_random(1 << 20, 11), // a megabyte of noise
     ];
@@ -524,6 +524,75 @@ async fn garbage_on_the_wire_does_not_stop_the_node_from_serving() {
 
     victim.stop().await;
     client.stop().await;
+}
+
+#[tokio::test]
+async fn garbage_on_a_raft_stream_closes_that_stream_and_nothing_else() {
+    let mut victim = Node::start(|c| {
+        c.max_frame_bytes = 1 << 20;
+        c.chunk_bytes = 64 << 10;
+    })
+    .await;
+    let victim_id = victim.id();
+    let mut rogue = SwarmBuilder::with_new_identity()
+        .with_tokio()
+        .with_tcp(
+            tcp::Config::default(),
+            noise::Config::new,
+            yamux::Config::default,
+        )
+        .unwrap()
+        .with_behaviour(|_| libp2p_stream::Behaviour::new())
+        .unwrap()
+        .build();
+    let mut control = rogue.behaviour().new_control();
+    rogue.dial(victim.addr.clone()).unwrap();
+    // The swarm must be polled for streams to open.
+    let driver = tokio::spawn(async move {
+        loop {
+            rogue.select_next_some().await;
+        }
+    });
+    let raft = StreamProtocol::new("/gpumesh/raft/1");
+    let framed_raft =
+        |body: &[u8]| [(body.len() as u32).to_le_bytes().to_vec(), body.to_vec()].concat();
+    let junk: Vec<Vec<u8>> = vec![
+        u32::MAX.to_le_bytes().to_vec(),       // a length far over the limit
+        (2u32 << 20).to_le_bytes().to_vec(),   // just over it
+        framed_raft(&[7; 100])[..50].to_vec(), // cut short
+        vec![1, 2],                            // not even a length
+    ];
+    for bytes in &junk {
+        let mut stream = tokio::time::timeout(WAIT, control.open_stream(victim_id, raft.clone()))
+            .await
+            .unwrap()
+            .unwrap();
+        let _ = stream.write_all(bytes).await;
+        let _ = stream.close().await;
+        // The victim closes an over-limit stream from its end: reading ends.
+        let mut rest = Vec::new();
+        let _ = tokio::time::timeout(WAIT, stream.read_to_end(&mut rest))
+            .await
+            .unwrap();
+    }
+    // A well-formed frame from the same peer, on a fresh stream, still arrives;
+    // the first junk stream's frames never did.
+    let mut stream = control.open_stream(victim_id, raft).await.unwrap();
+    stream
+        .write_all(&framed_raft(b"hello after junk"))
+        .await
+        .unwrap();
+    stream.flush().await.unwrap();
+    let frame = victim
+        .expect("Raft", |e| match e {
+            NetEvent::Raft { frame, .. } => Ok(frame),
+            other => Err(other),
+        })
+        .await;
+    assert_eq!(frame, b"hello after junk");
+    assert!(!victim.task.is_finished(), "the net actor died");
+    driver.abort();
+    victim.stop().await;
 }
 
 #[tokio::test]

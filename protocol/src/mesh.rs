@@ -16,10 +16,6 @@ use crate::ids::BlobId;
 /// A request from one peer to another.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum MeshRequest {
-    /// One encoded Raft message (`raft::eraftpb::Message` bytes). The receiver hands it
-    /// to its consensus actor and answers [`MeshResponse::Ack`] at once: Raft does its
-    /// own retries, so the answer only says the frame arrived, not that it was applied.
-    Raft(#[serde(with = "bytes")] Vec<u8>),
     /// Up to `len` bytes of blob `id` starting at `offset`. Answered with
     /// [`MeshResponse::BlobChunk`] (fewer bytes at the end of the blob) or
     /// [`MeshResponse::NotFound`]. The fetcher checks the assembled blob against `id`,
@@ -45,7 +41,6 @@ impl MeshRequest {
     /// A short name for logs, without the (possibly large) payload.
     pub fn kind(&self) -> &'static str {
         match self {
-            MeshRequest::Raft(_) => "raft",
             MeshRequest::BlobChunk { .. } => "blob-chunk",
             MeshRequest::Join { .. } => "join",
             MeshRequest::Node(_) => "node",
@@ -56,7 +51,7 @@ impl MeshRequest {
 /// The answer to one [`MeshRequest`].
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
 pub enum MeshResponse {
-    /// The request was received (the answer to [`MeshRequest::Raft`]).
+    /// The request was received and needs no other answer.
     Ack,
     /// Bytes of a blob; `total` is the whole blob's size, so the first chunk tells the
     /// fetcher how many more to ask for.
@@ -152,7 +147,7 @@ mod tests {
     #[test]
     fn every_message_survives_the_envelope() {
         let requests = [
-            MeshRequest::Raft(vec![1, 2, 3]),
+            MeshRequest::Node(vec![1, 2, 3]),
             MeshRequest::BlobChunk {
                 id: BlobId::of(b"x"),
                 offset: 1 << 40,

@@ -50,14 +50,14 @@ trait Bulk {
 impl Bulk for MeshRequest {
     fn detach(&mut self) -> Vec<u8> {
         match self {
-            MeshRequest::Raft(bytes) | MeshRequest::Node(bytes) => std::mem::take(bytes),
+            MeshRequest::Node(bytes) => std::mem::take(bytes),
             MeshRequest::BlobChunk { .. } | MeshRequest::Join { .. } => Vec::new(),
         }
     }
 
     fn attach(&mut self, body: Vec<u8>) -> Result<(), Vec<u8>> {
         match self {
-            MeshRequest::Raft(bytes) | MeshRequest::Node(bytes) if bytes.is_empty() => {
+            MeshRequest::Node(bytes) if bytes.is_empty() => {
                 *bytes = body;
                 Ok(())
             }
@@ -246,8 +246,8 @@ mod tests {
     async fn every_message_round_trips_with_its_bulk_bytes_beside_the_envelope() {
         let mut codec = MeshCodec::new(1 << 20);
         let requests = [
-            MeshRequest::Raft(vec![9; 1000]),
-            MeshRequest::Raft(vec![]),
+            MeshRequest::Node(vec![9; 1000]),
+            MeshRequest::Node(vec![]),
             MeshRequest::Node(b"call".to_vec()),
             MeshRequest::BlobChunk {
                 id: BlobId::of(b"x"),
@@ -305,7 +305,7 @@ mod tests {
             capability: None,
         })
         .unwrap();
-        let raft = seal(&MeshRequest::Raft(vec![])).unwrap();
+        let node = seal(&MeshRequest::Node(vec![])).unwrap();
         let cases: Vec<(Vec<u8>, &str)> = vec![
             (framed(b"hello there, not an envelope"), "magic"),
             (u32::MAX.to_le_bytes().to_vec(), "exceeds the limit"),
@@ -314,15 +314,15 @@ mod tests {
             (vec![1, 2], "end of file"),
             // A good header, then a body over the limit, cut short, or misplaced.
             (
-                [framed(&raft), 5000u32.to_le_bytes().to_vec()].concat(),
+                [framed(&node), 5000u32.to_le_bytes().to_vec()].concat(),
                 "exceeds the limit",
             ),
             (
-                [framed(&raft), framed(&[1; 100])[..50].to_vec()].concat(),
+                [framed(&node), framed(&[1; 100])[..50].to_vec()].concat(),
                 "cut short",
             ),
             ([framed(&join), framed(&[1; 10])].concat(), "bulk bytes"),
-            (framed(&raft), "end of file"),
+            (framed(&node), "end of file"),
         ];
         for (bytes, expect) in cases {
             let err = codec
@@ -341,7 +341,7 @@ mod tests {
         let mut codec = MeshCodec::new(100);
         let mut wire = Cursor::new(Vec::new());
         let err = codec
-            .write_request(&MESH_PROTOCOL, &mut wire, MeshRequest::Raft(vec![0; 200]))
+            .write_request(&MESH_PROTOCOL, &mut wire, MeshRequest::Node(vec![0; 200]))
             .await
             .unwrap_err();
         assert!(err.to_string().contains("frame limit"), "{err}");

@@ -1,0 +1,235 @@
+//! The Raft lane: one long-lived libp2p stream per peer and direction, carrying
+//! length-prefixed Raft frames.
+//!
+//! Raft sends many small messages to the same few peers, and each must go out at
+//! once. A request-response exchange per message costs a new Yamux stream, a
+//! protocol negotiation and an answer; here a frame costs one write on a stream that
+//! is already open, and the frames queued while a write was under way go out
+//! together in the next one. The lane gives no receipt: Raft retries what is lost.
+//!
+//! Outbound, a writer task per peer owns the stream and reopens it (dialling if
+//! needed) after a failure, dropping what was queued meanwhile. Inbound, a reader
+//! task per stream hands frames to the node; a frame over the limit closes that
+//! stream and is logged, and the node carries on.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use libp2p::{PeerId, Stream, StreamProtocol};
+use libp2p_stream::{Control, IncomingStreams};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::NetEvent;
+use crate::error::{NodeError, Result};
+
+pub const RAFT_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpumesh/raft/1");
+
+/// Frames queued for one peer; beyond this `send` fails fast and Raft retries.
+const QUEUE: usize = 1024;
+/// Frames are gathered into one write up to about this many bytes.
+const BATCH_BYTES: usize = 1 << 20;
+/// How long opening a stream (and dialling) may take.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
+/// After a failed open, frames for the peer are dropped for this long.
+const RETRY_AFTER: Duration = Duration::from_millis(500);
+/// A writer with nothing to send for this long ends; the next frame starts another.
+const IDLE: Duration = Duration::from_secs(300);
+
+/// The sending side, shared by every [`super::NetHandle`] clone.
+pub(super) struct RaftLane {
+    control: Control,
+    writers: Mutex<HashMap<PeerId, mpsc::Sender<Vec<u8>>>>,
+    max_frame: usize,
+    cancel: CancellationToken,
+}
+
+impl RaftLane {
+    /// Starts accepting inbound Raft streams (each frame becomes a
+    /// [`NetEvent::Raft`] on `events`) and returns the sending side.
+    pub(super) fn start(
+        mut control: Control,
+        events: mpsc::Sender<NetEvent>,
+        max_frame: usize,
+        cancel: CancellationToken,
+    ) -> Result<Arc<RaftLane>> {
+        let incoming = control
+            .accept(RAFT_PROTOCOL)
+            .map_err(|e| NodeError::NetSetup(format!("raft protocol: {e}")))?;
+        tokio::spawn(accept(incoming, events, max_frame, cancel.clone()));
+        Ok(Arc::new(RaftLane {
+            control,
+            writers: Mutex::new(HashMap::new()),
+            max_frame,
+            cancel,
+        }))
+    }
+
+    /// Queues `frame` for `to` without waiting.
+    pub(super) fn send(&self, to: PeerId, frame: Vec<u8>) -> Result<()> {
+        if frame.len() > self.max_frame {
+            return Err(NodeError::Limit {
+                what: "raft frame in bytes",
+                value: frame.len() as u64,
+                limit: self.max_frame as u64,
+            });
+        }
+        if self.cancel.is_cancelled() {
+            return Err(NodeError::NetStopped);
+        }
+        let mut writers = self.writers.lock().map_err(|_| NodeError::NetStopped)?;
+        let frame = match writers.get(&to) {
+            None => frame,
+            Some(writer) => match writer.try_send(frame) {
+                Ok(()) => return Ok(()),
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    return Err(NodeError::NetBusy("raft queue to the peer is full"))
+                }
+                // The writer went idle and ended: start another below.
+                Err(mpsc::error::TrySendError::Closed(frame)) => frame,
+            },
+        };
+        let (tx, rx) = mpsc::channel(QUEUE);
+        tokio::spawn(write(self.control.clone(), to, rx, self.cancel.clone()));
+        let _ = tx.try_send(frame);
+        writers.insert(to, tx);
+        Ok(())
+    }
+}
+
+/// Appends `frame` to `out` behind its little-endian u32 length.
+fn put_frame(out: &mut Vec<u8>, frame: &[u8]) {
+    out.extend_from_slice(&(frame.len() as u32).to_le_bytes());
+    out.extend_from_slice(frame);
+}
+
+/// Owns the outbound stream to `peer`; writes what is queued, batching whatever
+/// arrived while the previous write was under way.
+async fn write(
+    mut control: Control,
+    peer: PeerId,
+    mut frames: mpsc::Receiver<Vec<u8>>,
+    cancel: CancellationToken,
+) {
+    let mut stream: Option<Stream> = None;
+    let mut batch = Vec::new();
+    let mut quiet_until = tokio::time::Instant::now();
+    loop {
+        let first = tokio::select! {
+            _ = cancel.cancelled() => return,
+            next = tokio::time::timeout(IDLE, frames.recv()) => match next {
+                Ok(Some(frame)) => frame,
+                Ok(None) | Err(_) => return,
+            },
+        };
+        if tokio::time::Instant::now() < quiet_until {
+            continue; // the peer was unreachable a moment ago; Raft will retry
+        }
+        batch.clear();
+        put_frame(&mut batch, &first);
+        while batch.len() < BATCH_BYTES {
+            match frames.try_recv() {
+                Ok(frame) => put_frame(&mut batch, &frame),
+                Err(_) => break,
+            }
+        }
+        if stream.is_none() {
+            match tokio::time::timeout(OPEN_TIMEOUT, control.open_stream(peer, RAFT_PROTOCOL)).await
+            {
+                Ok(Ok(s)) => stream = Some(s),
+                Ok(Err(e)) => {
+                    tracing::debug!(%peer, "raft stream: {e}");
+                    quiet_until = tokio::time::Instant::now() + RETRY_AFTER;
+                    continue;
+                }
+                Err(_) => {
+                    tracing::debug!(%peer, "raft stream did not open in time");
+                    quiet_until = tokio::time::Instant::now() + RETRY_AFTER;
+                    continue;
+                }
+            }
+        }
+        if let Some(s) = stream.as_mut() {
+            let written = async {
+                s.write_all(&batch).await?;
+                s.flush().await
+            };
+            if let Err(e) = written.await {
+                tracing::debug!(%peer, "raft stream closed: {e}");
+                stream = None;
+            }
+        }
+    }
+}
+
+async fn accept(
+    mut incoming: IncomingStreams,
+    events: mpsc::Sender<NetEvent>,
+    max_frame: usize,
+    cancel: CancellationToken,
+) {
+    loop {
+        let (peer, stream) = tokio::select! {
+            _ = cancel.cancelled() => return,
+            next = incoming.next() => match next {
+                Some(s) => s,
+                None => return,
+            },
+        };
+        tokio::spawn(read(
+            peer,
+            stream,
+            events.clone(),
+            max_frame,
+            cancel.clone(),
+        ));
+    }
+}
+
+/// Hands each frame on one inbound stream to the node, waiting while the node is
+/// busy (which slows the sender through the stream's flow control).
+async fn read(
+    peer: PeerId,
+    mut stream: Stream,
+    events: mpsc::Sender<NetEvent>,
+    max_frame: usize,
+    cancel: CancellationToken,
+) {
+    let frames = async {
+        loop {
+            let mut len = [0u8; 4];
+            if stream.read_exact(&mut len).await.is_err() {
+                return; // the peer closed the stream or went away
+            }
+            let len = u32::from_le_bytes(len) as usize;
+            if len > max_frame {
+                tracing::warn!(
+                    %peer,
+                    len,
+                    limit = max_frame,
+                    "raft frame over the limit; closing the peer's stream"
+                );
+                return;
+            }
+            let mut frame = vec![0u8; len];
+            if let Err(e) = stream.read_exact(&mut frame).await {
+                tracing::debug!(%peer, "raft stream cut short: {e}");
+                return;
+            }
+            if events
+                .send(NetEvent::Raft { from: peer, frame })
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = cancel.cancelled() => {}
+        _ = frames => {}
+    }
+    let _ = stream.close().await;
+}
