@@ -126,6 +126,18 @@ pub enum Command {
 }
 
 impl Command {
+    /// The existing task this command changes, if any.
+    pub fn task(&self) -> Option<TaskId> {
+        match self {
+            Command::AssignShard { task, .. }
+            | Command::ShardStarted { task, .. }
+            | Command::ShardResult { task, .. }
+            | Command::ShardFailed { task, .. }
+            | Command::TaskCancelled { task, .. } => Some(*task),
+            _ => None,
+        }
+    }
+
     /// Whether this command is a Raft membership change (proposed as a ConfChange).
     pub fn is_membership_change(&self) -> bool {
         matches!(

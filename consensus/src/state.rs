@@ -4,7 +4,7 @@
 //! randomness, no I/O, so every replica that applies the same log reaches the same
 //! state, and a replica restored from a snapshot equals one that replayed the log.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use gpumesh_protocol::{codec, BlobId, NodeCapability, TaskSpec};
 use serde::{Deserialize, Serialize};
@@ -147,6 +147,10 @@ pub struct StateMachine {
     requests: BTreeMap<RequestId, Committed>,
     /// Insertion order of `requests`, oldest first, to forget deterministically.
     request_order: VecDeque<RequestId>,
+    /// Tasks not yet finished: derived from `tasks` (rebuilt on restore, not
+    /// stored), so a scheduling pass costs the live tasks, not the whole history.
+    #[serde(skip)]
+    active: BTreeSet<TaskId>,
 }
 
 impl StateMachine {
@@ -177,6 +181,7 @@ impl StateMachine {
             task_by_request: BTreeMap::new(),
             requests: BTreeMap::new(),
             request_order: VecDeque::new(),
+            active: BTreeSet::new(),
         }
     }
 
@@ -195,7 +200,14 @@ impl StateMachine {
     }
 
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
-        Ok(codec::from_bytes(bytes)?)
+        let mut state: StateMachine = codec::from_bytes(bytes)?;
+        state.active = state
+            .tasks
+            .values()
+            .filter(|t| !t.status.is_terminal())
+            .map(|t| t.id)
+            .collect();
+        Ok(state)
     }
 
     pub fn applied_index(&self) -> u64 {
@@ -231,6 +243,11 @@ impl StateMachine {
 
     pub fn task(&self, id: TaskId) -> Option<&Task> {
         self.tasks.get(&id)
+    }
+
+    /// Tasks still pending or running, oldest first.
+    pub fn active_tasks(&self) -> impl Iterator<Item = &Task> {
+        self.active.iter().filter_map(|id| self.tasks.get(id))
     }
 
     /// The task a submit with this idempotency key created, if any.
@@ -362,6 +379,15 @@ impl StateMachine {
         self.applied_index = index;
         self.applied_term = term;
         let outcome = self.run(index, entry);
+        if let Some(task) = entry.command.task().or(match outcome {
+            Outcome::TaskSubmitted { task } => Some(task),
+            _ => None,
+        }) {
+            match self.tasks.get(&task) {
+                Some(t) if !t.status.is_terminal() => self.active.insert(task),
+                _ => self.active.remove(&task),
+            };
+        }
         let committed = Committed { index, outcome };
         // Submits are remembered through their task instead (see `task_by_request`).
         if !matches!(committed.outcome, Outcome::TaskSubmitted { .. }) {

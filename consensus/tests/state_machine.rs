@@ -357,6 +357,16 @@ fn a_state_restored_from_a_snapshot_equals_one_that_replayed_the_log() {
             if i % 50 == 25 {
                 snapshots.push((log.index, log.sm.to_bytes().expect("snapshot")));
             }
+            // The index of live tasks the scheduler uses agrees with a full scan.
+            let live: Vec<TaskId> = log.sm.active_tasks().map(|t| t.id).collect();
+            let scanned: Vec<TaskId> = log
+                .sm
+                .tasks()
+                .values()
+                .filter(|t| !t.status.is_terminal())
+                .map(|t| t.id)
+                .collect();
+            assert_eq!(live, scanned, "seed {seed}, step {i}: active tasks");
         }
         for (at, bytes) in snapshots {
             let mut restored = StateMachine::from_bytes(&bytes).expect("restore");

@@ -380,14 +380,7 @@ async fn wait_task(
 
 /// Whether applying `command` can change task `id`.
 fn concerns(command: &Command, id: TaskId) -> bool {
-    match command {
-        Command::AssignShard { task, .. }
-        | Command::ShardStarted { task, .. }
-        | Command::ShardResult { task, .. }
-        | Command::ShardFailed { task, .. }
-        | Command::TaskCancelled { task, .. } => *task == id,
-        _ => false,
-    }
+    command.task() == Some(id)
 }
 
 /// Merges a completed task's shard outputs here (pulling them from their nodes),
@@ -505,7 +498,7 @@ async fn status(State(shared): State<Arc<Shared>>) -> ApiResult<Json<StatusView>
     let members = c
         .read_local(move |s| {
             let mut queue: HashMap<u64, u32> = HashMap::new();
-            for t in s.tasks().values().filter(|t| !t.status.is_terminal()) {
+            for t in s.active_tasks() {
                 for sh in &t.shards {
                     if let (Some(n), ShardState::Assigned | ShardState::Running) =
                         (sh.assigned_to, sh.state)

@@ -104,7 +104,7 @@ fn largest_binding(spec: &TaskSpec) -> u64 {
 /// One scheduling pass over the replicated state (pure, so it is tested directly).
 pub fn plan(s: &StateMachine, now_ms: u64) -> Plan {
     let mut load: BTreeMap<u64, u32> = BTreeMap::new();
-    for t in s.tasks().values().filter(|t| !t.status.is_terminal()) {
+    for t in s.active_tasks() {
         for sh in &t.shards {
             if let (Some(n), ShardState::Assigned | ShardState::Running) =
                 (sh.assigned_to, sh.state)
@@ -127,7 +127,7 @@ pub fn plan(s: &StateMachine, now_ms: u64) -> Plan {
         })
         .collect();
     let mut out = Plan::default();
-    for t in s.tasks().values().filter(|t| !t.status.is_terminal()) {
+    for t in s.active_tasks() {
         let need = largest_binding(&t.spec);
         for (i, sh) in t.shards.iter().enumerate() {
             if sh.failures >= MAX_FAILURES {

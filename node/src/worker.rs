@@ -149,7 +149,7 @@ impl Worker {
         self.consensus
             .read_local(move |s| {
                 let mut out = Vec::new();
-                for t in s.tasks().values().filter(|t| !t.status.is_terminal()) {
+                for t in s.active_tasks() {
                     for (i, sh) in t.shards.iter().enumerate() {
                         if sh.assigned_to == Some(me)
                             && matches!(sh.state, ShardState::Assigned | ShardState::Running)
