@@ -57,6 +57,7 @@ async fn main() -> anyhow::Result<()> {
             grid: Grid([(N / 64) as u32, 1, 1]),
             shards: 4,
             merge: MergeRule::Concat,
+            options: Default::default(),
         };
         let task = client.submit(spec, None).await?;
         client.wait(task, |_, _| {}).await?;

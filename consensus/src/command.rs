@@ -76,8 +76,18 @@ pub enum Command {
     /// A new task. Acknowledged only once committed; retried submits with the same
     /// request id return the same task.
     SubmitTask { spec: TaskSpec, submitter: String },
-    /// Gives shard `shard` of `task` to `node`, starting a new attempt (epoch + 1).
+    /// Gives shard `shard` of `task` to `node`, starting a new attempt (epoch + 1)
+    /// beside any still in flight (a replica, or a speculative copy of a straggler).
     AssignShard { task: TaskId, shard: u32, node: u64 },
+    /// Moves attempt `epoch` (its node is down or gone) to `node` under a new epoch:
+    /// a late report from the old attempt is stale.
+    ReassignShard {
+        task: TaskId,
+        shard: u32,
+        epoch: u32,
+        node: u64,
+        reason: String,
+    },
     /// The assigned node began running the shard's current attempt.
     ShardStarted {
         task: TaskId,
@@ -85,8 +95,10 @@ pub enum Command {
         epoch: u32,
         node: u64,
     },
-    /// The shard's output is blob `blob` of `size` bytes. The first valid result of the
-    /// current epoch wins; later and stale ones are ignored.
+    /// The shard's output is blob `blob` of `size` bytes, from a live attempt. With one
+    /// replica the first such result wins; with more, results are kept until enough
+    /// agree (compared bit for bit here, or by a [`Command::ShardVerdict`] under a
+    /// float tolerance). Results from attempts no longer live are ignored.
     ShardResult {
         task: TaskId,
         shard: u32,
@@ -95,8 +107,25 @@ pub enum Command {
         blob: BlobId,
         size: u64,
     },
-    /// The current attempt failed; the shard goes back to pending.
+    /// A live attempt failed; the scheduler places the shard again.
     ShardFailed {
+        task: TaskId,
+        shard: u32,
+        epoch: u32,
+        node: u64,
+        reason: String,
+    },
+    /// The outputs reported for a shard were compared under its float tolerance:
+    /// `agreeing` lists the epochs of the largest group of outputs that agree (fewer
+    /// than two means a mismatch).
+    ShardVerdict {
+        task: TaskId,
+        shard: u32,
+        agreeing: Vec<u32>,
+    },
+    /// A live attempt hit something a retry cannot fix (a shader that runs past its
+    /// deadline): the task fails with `reason`.
+    TaskFailed {
         task: TaskId,
         shard: u32,
         epoch: u32,
@@ -130,6 +159,9 @@ impl Command {
     pub fn task(&self) -> Option<TaskId> {
         match self {
             Command::AssignShard { task, .. }
+            | Command::ReassignShard { task, .. }
+            | Command::ShardVerdict { task, .. }
+            | Command::TaskFailed { task, .. }
             | Command::ShardStarted { task, .. }
             | Command::ShardResult { task, .. }
             | Command::ShardFailed { task, .. }
@@ -151,6 +183,9 @@ impl Command {
         match self {
             Command::SubmitTask { .. } => "submit-task",
             Command::AssignShard { .. } => "assign-shard",
+            Command::ReassignShard { .. } => "reassign-shard",
+            Command::ShardVerdict { .. } => "shard-verdict",
+            Command::TaskFailed { .. } => "task-failed",
             Command::ShardStarted { .. } => "shard-started",
             Command::ShardResult { .. } => "shard-result",
             Command::ShardFailed { .. } => "shard-failed",

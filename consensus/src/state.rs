@@ -80,11 +80,17 @@ impl TaskStatus {
 }
 
 /// Where one shard stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ShardState {
+    /// Needs (another) attempt.
+    #[default]
     Pending,
+    /// Has attempts placed, none started yet.
     Assigned,
+    /// Some attempt is running.
     Running,
+    /// Enough results are in; their float comparison is awaited.
+    Verifying,
     Done,
 }
 
@@ -100,17 +106,86 @@ pub struct ShardOutput {
     pub index: u64,
 }
 
-/// One shard of a task.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Shard {
-    /// The current attempt; bumped by every assignment, so reports from an earlier
-    /// attempt are recognisably stale.
+/// One node's try at a shard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attempt {
     pub epoch: u32,
-    pub assigned_to: Option<u64>,
+    pub node: u64,
+    pub running: bool,
+    /// Placed while another attempt for the same result was already in flight.
+    pub speculative: bool,
+}
+
+/// A result reported by an attempt, kept until enough results agree.
+pub type Report = ShardOutput;
+
+/// One shard of a task.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shard {
+    /// The latest attempt's epoch; every assignment takes the next one, so a report
+    /// from an attempt that was replaced is recognisably stale.
+    pub epoch: u32,
+    /// Attempts in flight.
+    pub attempts: Vec<Attempt>,
+    /// Results reported and not yet accepted (only with replicas ≥ 2).
+    pub reports: Vec<Report>,
+    /// Agreeing results wanted before one is accepted: the task's replicas, one more
+    /// after each mismatch (up to [`gpumesh_protocol::MAX_REPLICAS`]).
+    pub needed: u32,
     pub state: ShardState,
     pub failures: u32,
     pub last_error: Option<String>,
     pub output: Option<ShardOutput>,
+}
+
+impl Shard {
+    /// The node of the most recent attempt in flight, if any.
+    pub fn assigned_to(&self) -> Option<u64> {
+        self.attempts.last().map(|a| a.node)
+    }
+
+    /// The live attempt `epoch` by `node`, if there is one.
+    pub fn attempt(&self, epoch: u32, node: u64) -> Option<&Attempt> {
+        self.attempts
+            .iter()
+            .find(|a| a.epoch == epoch && a.node == node)
+    }
+
+    /// Results still missing: how many more attempts the shard wants in flight.
+    pub fn wanted(&self) -> u32 {
+        if self.state == ShardState::Done || self.state == ShardState::Verifying {
+            return 0;
+        }
+        self.needed
+            .saturating_sub(self.reports.len() as u32)
+            .saturating_sub(self.attempts.len() as u32)
+    }
+
+    fn settle(&mut self) {
+        self.state = if self.output.is_some() {
+            ShardState::Done
+        } else if self.needed > 1 && self.reports.len() as u32 >= self.needed {
+            ShardState::Verifying
+        } else if self.attempts.iter().any(|a| a.running) {
+            ShardState::Running
+        } else if self.attempts.is_empty() {
+            ShardState::Pending
+        } else {
+            ShardState::Assigned
+        };
+    }
+}
+
+/// Entries kept in a task's history; older ones are dropped first.
+pub const MAX_HISTORY: usize = 64;
+
+/// Something that happened to a task, for `gpumesh tasks` and the dashboard.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskEvent {
+    /// Log index of the entry that caused it.
+    pub index: u64,
+    pub shard: Option<u32>,
+    pub what: String,
 }
 
 /// A submitted task.
@@ -124,6 +199,18 @@ pub struct Task {
     pub request_id: RequestId,
     pub status: TaskStatus,
     pub shards: Vec<Shard>,
+    pub history: VecDeque<TaskEvent>,
+    /// Replica outputs that disagreed, over the task's life.
+    pub mismatches: u32,
+}
+
+impl Task {
+    fn record(&mut self, index: u64, shard: Option<u32>, what: String) {
+        if self.history.len() >= MAX_HISTORY {
+            self.history.pop_front();
+        }
+        self.history.push_back(TaskEvent { index, shard, what });
+    }
 }
 
 /// What one `apply` call produced.
@@ -414,18 +501,29 @@ impl StateMachine {
             Command::SubmitTask { spec, submitter } => {
                 self.submit(index, entry.request_id, spec, submitter)
             }
-            Command::AssignShard { task, shard, node } => self.assign(*task, *shard, *node),
+            Command::AssignShard { task, shard, node } => {
+                self.assign(index, *task, *shard, *node, None)
+            }
+            Command::ReassignShard {
+                task,
+                shard,
+                epoch,
+                node,
+                reason,
+            } => self.assign(index, *task, *shard, *node, Some((*epoch, reason))),
             Command::ShardStarted {
                 task,
                 shard,
                 epoch,
                 node,
-            } => self.with_current_attempt(*task, *shard, *epoch, *node, |_, s| {
-                if s.state != ShardState::Assigned {
-                    return Outcome::Ignored(format!("shard is {:?}, not assigned", s.state));
+            } => self.with_attempt(*task, *shard, *epoch, *node, |_, s| {
+                match s.attempts.iter_mut().find(|a| a.epoch == *epoch) {
+                    Some(a) if !a.running => {
+                        a.running = true;
+                        Outcome::Applied
+                    }
+                    _ => Outcome::Ignored("attempt already running".into()),
                 }
-                s.state = ShardState::Running;
-                Outcome::Applied
             }),
             Command::ShardResult {
                 task,
@@ -435,44 +533,79 @@ impl StateMachine {
                 blob,
                 size,
             } => {
-                let output = ShardOutput {
+                let report = ShardOutput {
                     blob: *blob,
                     size: *size,
                     node: *node,
                     epoch: *epoch,
                     index,
                 };
-                let outcome = self.with_current_attempt(*task, *shard, *epoch, *node, |_, s| {
-                    s.state = ShardState::Done;
-                    s.output = Some(output);
+                self.with_attempt(*task, *shard, *epoch, *node, |t, s| {
+                    s.attempts.retain(|a| a.epoch != *epoch);
+                    s.reports.push(report);
+                    if t.spec.options.replicas <= 1 {
+                        accept(t, s, *shard, index, report, None);
+                    } else if t.spec.options.tolerance.is_none()
+                        && s.reports.len() as u32 >= s.needed
+                    {
+                        // Bit-for-bit comparison: equal outputs have equal hashes.
+                        let mut groups: BTreeMap<BlobId, Vec<u32>> = BTreeMap::new();
+                        for r in &s.reports {
+                            groups.entry(r.blob).or_default().push(r.epoch);
+                        }
+                        let largest = groups.into_values().max_by_key(|g| g.len());
+                        judge(t, s, *shard, index, largest.unwrap_or_default());
+                    }
                     Outcome::Applied
-                });
-                self.refresh_status(*task);
-                outcome
+                })
             }
+            Command::ShardVerdict {
+                task,
+                shard,
+                agreeing,
+            } => self.with_shard(*task, *shard, |t, s| {
+                if s.state != ShardState::Verifying {
+                    return Outcome::Ignored("shard is not awaiting a verdict".into());
+                }
+                judge(t, s, *shard, index, agreeing.clone());
+                Outcome::Applied
+            }),
             Command::ShardFailed {
                 task,
                 shard,
                 epoch,
                 node,
                 reason,
-            } => {
-                let outcome = self.with_current_attempt(*task, *shard, *epoch, *node, |t, s| {
-                    s.failures += 1;
-                    s.last_error = Some(reason.clone());
-                    s.state = ShardState::Pending;
-                    s.assigned_to = None;
-                    if s.failures >= MAX_SHARD_ATTEMPTS {
-                        *t.status = TaskStatus::Failed(format!(
-                            "shard failed {} times; last error: {reason}",
-                            s.failures
-                        ));
-                    }
-                    Outcome::Applied
-                });
-                self.refresh_status(*task);
-                outcome
-            }
+            } => self.with_attempt(*task, *shard, *epoch, *node, |t, s| {
+                s.attempts.retain(|a| a.epoch != *epoch);
+                s.failures += 1;
+                s.last_error = Some(reason.clone());
+                t.record(
+                    index,
+                    Some(*shard),
+                    format!("attempt {epoch} on node {node:x} failed: {reason}"),
+                );
+                if s.failures >= MAX_SHARD_ATTEMPTS {
+                    t.status = TaskStatus::Failed(format!(
+                        "shard {shard} failed {} times; last error: {reason}",
+                        s.failures
+                    ));
+                }
+                Outcome::Applied
+            }),
+            Command::TaskFailed {
+                task,
+                shard,
+                epoch,
+                node,
+                reason,
+            } => self.with_attempt(*task, *shard, *epoch, *node, |t, s| {
+                s.attempts.retain(|a| a.epoch != *epoch);
+                s.last_error = Some(reason.clone());
+                t.record(index, Some(*shard), format!("node {node:x}: {reason}"));
+                t.status = TaskStatus::Failed(format!("shard {shard}: {reason}"));
+                Outcome::Applied
+            }),
             Command::TaskCancelled { task, reason } => match self.tasks.get_mut(task) {
                 None => Outcome::Rejected(format!("no task {task}")),
                 Some(t) if t.status.is_terminal() => {
@@ -480,6 +613,7 @@ impl StateMachine {
                 }
                 Some(t) => {
                     t.status = TaskStatus::Cancelled(reason.clone());
+                    t.record(index, None, format!("cancelled: {reason}"));
                     Outcome::Applied
                 }
             },
@@ -558,7 +692,9 @@ impl StateMachine {
         let id = TaskId(index);
         let shard = Shard {
             epoch: 0,
-            assigned_to: None,
+            attempts: Vec::new(),
+            reports: Vec::new(),
+            needed: spec.options.replicas.max(1),
             state: ShardState::Pending,
             failures: 0,
             last_error: None,
@@ -574,45 +710,76 @@ impl StateMachine {
                 request_id,
                 status: TaskStatus::Pending,
                 shards: vec![shard; spec.shards as usize],
+                history: VecDeque::new(),
+                mismatches: 0,
             },
         );
         self.task_by_request.insert(request_id, id);
         Outcome::TaskSubmitted { task: id }
     }
 
-    fn assign(&mut self, task: TaskId, shard: u32, node: u64) -> Outcome {
+    fn assign(
+        &mut self,
+        index: u64,
+        task: TaskId,
+        shard: u32,
+        node: u64,
+        replaces: Option<(u32, &String)>,
+    ) -> Outcome {
         if !self.members.contains_key(&node) {
             return Outcome::Rejected(format!("node {node} is not a member"));
         }
-        let Some(t) = self.tasks.get_mut(&task) else {
-            return Outcome::Rejected(format!("no task {task}"));
-        };
-        if t.status.is_terminal() {
-            return Outcome::Ignored(format!("task {task} already finished: {:?}", t.status));
-        }
-        let Some(s) = t.shards.get_mut(shard as usize) else {
-            return Outcome::Rejected(format!("task {task} has no shard {shard}"));
-        };
-        if s.state == ShardState::Done {
-            return Outcome::Ignored(format!("shard {shard} of {task} already has a result"));
-        }
-        s.epoch += 1;
-        s.assigned_to = Some(node);
-        s.state = ShardState::Assigned;
-        let epoch = s.epoch;
-        t.status = TaskStatus::Running;
-        Outcome::ShardAssigned { task, shard, epoch }
+        self.with_shard(task, shard, |t, s| {
+            if let Some((old, reason)) = replaces {
+                let Some(pos) = s.attempts.iter().position(|a| a.epoch == old) else {
+                    return Outcome::Ignored(format!(
+                        "attempt {old} of shard {shard} of {task} is no longer in flight"
+                    ));
+                };
+                let gone = s.attempts.remove(pos);
+                t.record(
+                    index,
+                    Some(shard),
+                    format!("attempt {old} on node {:x} given up: {reason}", gone.node),
+                );
+            } else if s.state == ShardState::Verifying {
+                return Outcome::Ignored(format!("shard {shard} of {task} is being verified"));
+            }
+            if s.attempts.iter().any(|a| a.node == node) || s.reports.iter().any(|r| r.node == node)
+            {
+                return Outcome::Ignored(format!(
+                    "node {node:x} already has shard {shard} of {task}"
+                ));
+            }
+            let speculative = s.wanted() == 0;
+            s.epoch += 1;
+            let epoch = s.epoch;
+            s.attempts.push(Attempt {
+                epoch,
+                node,
+                running: false,
+                speculative,
+            });
+            t.record(
+                index,
+                Some(shard),
+                format!(
+                    "attempt {epoch} on node {node:x}{}",
+                    if speculative { " (speculative)" } else { "" }
+                ),
+            );
+            t.status = TaskStatus::Running;
+            Outcome::ShardAssigned { task, shard, epoch }
+        })
     }
 
-    /// Runs `f` on the shard if the report is for its current attempt by the node it
-    /// is assigned to, and the task is still live; otherwise the report is stale.
-    fn with_current_attempt(
+    /// Runs `f` on a live task's shard that has no accepted result yet, then brings
+    /// the shard's and the task's status up to date.
+    fn with_shard(
         &mut self,
         task: TaskId,
         shard: u32,
-        epoch: u32,
-        node: u64,
-        f: impl FnOnce(&mut TaskStatusRef<'_>, &mut Shard) -> Outcome,
+        f: impl FnOnce(&mut Task, &mut Shard) -> Outcome,
     ) -> Outcome {
         let Some(t) = self.tasks.get_mut(&task) else {
             return Outcome::Rejected(format!("no task {task}"));
@@ -620,23 +787,41 @@ impl StateMachine {
         if t.status.is_terminal() {
             return Outcome::Ignored(format!("task {task} already finished: {:?}", t.status));
         }
-        let Some(s) = t.shards.get_mut(shard as usize) else {
+        let Some(slot) = t.shards.get_mut(shard as usize) else {
             return Outcome::Rejected(format!("task {task} has no shard {shard}"));
         };
-        if s.state == ShardState::Done {
+        if slot.state == ShardState::Done {
             return Outcome::Ignored(format!("shard {shard} of {task} already has a result"));
         }
-        if epoch != s.epoch || s.assigned_to != Some(node) {
-            return Outcome::Ignored(format!(
-                "stale report for shard {shard} of {task}: attempt {epoch} by node {node}, \
-                 current attempt {} by {:?}",
-                s.epoch, s.assigned_to
-            ));
-        }
-        let mut status = TaskStatusRef {
-            status: &mut t.status,
-        };
-        f(&mut status, s)
+        // Out of the task while `f` runs, so both can be changed.
+        let mut s = std::mem::take(slot);
+        let outcome = f(t, &mut s);
+        s.settle();
+        t.shards[shard as usize] = s;
+        self.refresh_status(task);
+        outcome
+    }
+
+    /// [`Self::with_shard`] for a report from attempt `epoch` by `node`, which must
+    /// still be in flight; otherwise the report is stale.
+    fn with_attempt(
+        &mut self,
+        task: TaskId,
+        shard: u32,
+        epoch: u32,
+        node: u64,
+        f: impl FnOnce(&mut Task, &mut Shard) -> Outcome,
+    ) -> Outcome {
+        self.with_shard(task, shard, |t, s| {
+            if s.attempt(epoch, node).is_none() {
+                return Outcome::Ignored(format!(
+                    "stale report for shard {shard} of {task}: attempt {epoch} by node {node} \
+                     is not in flight (latest attempt {})",
+                    s.epoch
+                ));
+            }
+            f(t, s)
+        })
     }
 
     fn refresh_status(&mut self, task: TaskId) {
@@ -648,7 +833,77 @@ impl StateMachine {
     }
 }
 
-/// Lets a shard closure change its task's status while the shard is borrowed.
-struct TaskStatusRef<'a> {
-    status: &'a mut TaskStatus,
+/// Accepts `report` as the shard's output; attempts still in flight lose (their
+/// nodes see the shard done and drop them).
+fn accept(
+    t: &mut Task,
+    s: &mut Shard,
+    shard: u32,
+    index: u64,
+    report: Report,
+    note: Option<String>,
+) {
+    s.output = Some(report);
+    for loser in s.attempts.drain(..) {
+        t.record(
+            index,
+            Some(shard),
+            format!(
+                "attempt {} on node {:x} cancelled: a result won",
+                loser.epoch, loser.node
+            ),
+        );
+    }
+    t.record(
+        index,
+        Some(shard),
+        match note {
+            Some(n) => format!(
+                "result of attempt {} on node {:x} accepted: {n}",
+                report.epoch, report.node
+            ),
+            None => format!(
+                "result of attempt {} on node {:x} accepted",
+                report.epoch, report.node
+            ),
+        },
+    );
+}
+
+/// Settles a shard's replica results: `agreeing` lists the epochs of the largest
+/// group that agree. Two or more win; otherwise the disagreement is recorded and one
+/// more node is asked, or the task fails once every replica slot has answered.
+fn judge(t: &mut Task, s: &mut Shard, shard: u32, index: u64, agreeing: Vec<u32>) {
+    let total = s.reports.len();
+    let nodes: Vec<String> = s.reports.iter().map(|r| format!("{:x}", r.node)).collect();
+    if agreeing.len() >= 2 {
+        if let Some(&winner) = s.reports.iter().find(|r| r.epoch == agreeing[0]) {
+            accept(
+                t,
+                s,
+                shard,
+                index,
+                winner,
+                Some(format!(
+                    "{} of {total} replica results agree",
+                    agreeing.len()
+                )),
+            );
+            return;
+        }
+    }
+    t.mismatches += 1;
+    t.record(
+        index,
+        Some(shard),
+        format!("replica results disagree (nodes {})", nodes.join(", ")),
+    );
+    if (total as u32) < gpumesh_protocol::MAX_REPLICAS {
+        s.needed = total as u32 + 1;
+    } else {
+        t.status = TaskStatus::Failed(format!(
+            "the {total} replica results of a shard all disagree (nodes {})",
+            nodes.join(", ")
+        ));
+    }
 }

@@ -99,7 +99,13 @@ fn first_valid_result_of_the_current_epoch_wins() {
     );
     // Reassigned (e.g. node 2 looked dead): epoch 2 to node 3.
     assert_eq!(
-        log.apply(assign(3)),
+        log.apply(Command::ReassignShard {
+            task,
+            shard: 0,
+            epoch: 1,
+            node: 3,
+            reason: "down".into(),
+        }),
         Outcome::ShardAssigned {
             task,
             shard: 0,
@@ -148,6 +154,208 @@ fn first_valid_result_of_the_current_epoch_wins() {
     );
     // Assigning a shard that is done is ignored.
     assert!(matches!(log.apply(assign(1)), Outcome::Ignored(_)));
+}
+
+fn submit_with(replicas: u32, tolerance: Option<f32>) -> Command {
+    let mut spec = spec(2);
+    spec.options.replicas = replicas;
+    spec.options.tolerance = tolerance;
+    Command::SubmitTask {
+        spec,
+        submitter: "p1".into(),
+    }
+}
+
+#[test]
+fn a_speculative_copy_races_the_straggler_and_the_first_result_wins() {
+    let mut log = Log::new();
+    let Outcome::TaskSubmitted { task } = log.apply(submit_with(1, None)) else {
+        panic!()
+    };
+    log.apply(Command::AssignShard {
+        task,
+        shard: 0,
+        node: 1,
+    });
+    // The copy goes beside the straggler, not instead of it.
+    assert_eq!(
+        log.apply(Command::AssignShard {
+            task,
+            shard: 0,
+            node: 2
+        }),
+        Outcome::ShardAssigned {
+            task,
+            shard: 0,
+            epoch: 2
+        }
+    );
+    let sh = &log.sm.task(task).unwrap().shards[0];
+    assert_eq!(sh.attempts.len(), 2);
+    assert!(sh.attempts[1].speculative && !sh.attempts[0].speculative);
+    // The same node cannot hold two attempts of one shard.
+    assert!(matches!(
+        log.apply(Command::AssignShard {
+            task,
+            shard: 0,
+            node: 2
+        }),
+        Outcome::Ignored(_)
+    ));
+    assert_eq!(log.apply(result(task, 0, 2, 2, b"fast")), Outcome::Applied);
+    let sh = &log.sm.task(task).unwrap().shards[0];
+    assert_eq!(sh.output.unwrap().node, 2);
+    assert!(
+        sh.attempts.is_empty(),
+        "the straggler's attempt is cancelled"
+    );
+    // The straggler's result, arriving later, is ignored.
+    assert!(matches!(
+        log.apply(result(task, 0, 1, 1, b"slow")),
+        Outcome::Ignored(_)
+    ));
+    assert_eq!(
+        log.sm.task(task).unwrap().shards[0].output.unwrap().blob,
+        BlobId::of(b"fast")
+    );
+}
+
+#[test]
+fn replicas_that_agree_bit_for_bit_are_accepted_and_a_mismatch_asks_a_third_node() {
+    let mut log = Log::new();
+    let Outcome::TaskSubmitted { task } = log.apply(submit_with(2, None)) else {
+        panic!()
+    };
+    let sh = |log: &Log, i: usize| log.sm.task(task).unwrap().shards[i].clone();
+    assert_eq!(sh(&log, 0).wanted(), 2);
+    // Shard 0: two nodes agree.
+    log.apply(Command::AssignShard {
+        task,
+        shard: 0,
+        node: 1,
+    });
+    log.apply(Command::AssignShard {
+        task,
+        shard: 0,
+        node: 2,
+    });
+    assert_eq!(sh(&log, 0).wanted(), 0);
+    assert!(
+        !sh(&log, 0).attempts[1].speculative,
+        "a replica is not speculative"
+    );
+    log.apply(result(task, 0, 1, 1, b"same"));
+    assert_eq!(
+        sh(&log, 0).state,
+        ShardState::Assigned,
+        "one result is not enough"
+    );
+    log.apply(result(task, 0, 2, 2, b"same"));
+    assert_eq!(sh(&log, 0).state, ShardState::Done);
+    // Shard 1: the two disagree; a third node breaks the tie.
+    log.apply(Command::AssignShard {
+        task,
+        shard: 1,
+        node: 1,
+    });
+    log.apply(Command::AssignShard {
+        task,
+        shard: 1,
+        node: 2,
+    });
+    log.apply(result(task, 1, 1, 1, b"right"));
+    log.apply(result(task, 1, 2, 2, b"wrong"));
+    let t = log.sm.task(task).unwrap();
+    assert_eq!(t.mismatches, 1);
+    assert!(
+        t.history.iter().any(|e| e.what.contains("disagree")),
+        "{:?}",
+        t.history
+    );
+    assert_eq!(sh(&log, 1).wanted(), 1);
+    // Nodes that already answered are not asked again.
+    assert!(matches!(
+        log.apply(Command::AssignShard {
+            task,
+            shard: 1,
+            node: 2
+        }),
+        Outcome::Ignored(_)
+    ));
+    log.apply(Command::AssignShard {
+        task,
+        shard: 1,
+        node: 3,
+    });
+    log.apply(result(task, 1, 3, 3, b"right"));
+    let t = log.sm.task(task).unwrap();
+    assert_eq!(t.shards[1].output.unwrap().blob, BlobId::of(b"right"));
+    assert_eq!(t.status, TaskStatus::Completed);
+}
+
+#[test]
+fn float_replicas_wait_for_a_verdict_and_three_disagreeing_fail_the_task() {
+    let mut log = Log::new();
+    let Outcome::TaskSubmitted { task } = log.apply(submit_with(2, Some(1e-5))) else {
+        panic!()
+    };
+    log.apply(Command::AssignShard {
+        task,
+        shard: 0,
+        node: 1,
+    });
+    log.apply(Command::AssignShard {
+        task,
+        shard: 0,
+        node: 2,
+    });
+    log.apply(result(task, 0, 1, 1, b"a"));
+    log.apply(result(task, 0, 2, 2, b"b"));
+    // Different bytes may still agree within the tolerance: the leader compares.
+    assert_eq!(
+        log.sm.task(task).unwrap().shards[0].state,
+        ShardState::Verifying
+    );
+    log.apply(Command::ShardVerdict {
+        task,
+        shard: 0,
+        agreeing: vec![1, 2],
+    });
+    let t = log.sm.task(task).unwrap();
+    assert_eq!(t.shards[0].state, ShardState::Done);
+    assert_eq!(t.mismatches, 0);
+    // Shard 1: every replica disagrees with every other.
+    for (node, epoch) in [(1, 1), (2, 2)] {
+        log.apply(Command::AssignShard {
+            task,
+            shard: 1,
+            node,
+        });
+        log.apply(result(task, 1, epoch, node, &[node as u8]));
+    }
+    log.apply(Command::ShardVerdict {
+        task,
+        shard: 1,
+        agreeing: vec![1],
+    });
+    log.apply(Command::AssignShard {
+        task,
+        shard: 1,
+        node: 3,
+    });
+    log.apply(result(task, 1, 3, 3, b"c"));
+    log.apply(Command::ShardVerdict {
+        task,
+        shard: 1,
+        agreeing: vec![3],
+    });
+    let t = log.sm.task(task).unwrap();
+    assert_eq!(t.mismatches, 2);
+    assert!(
+        matches!(&t.status, TaskStatus::Failed(r) if r.contains("disagree")),
+        "{:?}",
+        t.status
+    );
 }
 
 #[test]

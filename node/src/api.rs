@@ -64,8 +64,16 @@ pub struct BlobReply {
 pub struct ShardView {
     pub index: u32,
     pub state: String,
+    /// The node of the latest attempt in flight, or of the accepted result.
     pub node: Option<u64>,
     pub epoch: u32,
+    /// Attempts in flight as (node, epoch); more than one for replicas and
+    /// speculative copies of stragglers.
+    #[serde(default)]
+    pub attempts: Vec<(u64, u32)>,
+    /// Nodes whose results are in, awaiting comparison with other replicas.
+    #[serde(default)]
+    pub reported_by: Vec<u64>,
     pub failures: u32,
     pub last_error: Option<String>,
     pub output: Option<String>,
@@ -82,6 +90,26 @@ pub struct TaskView {
     pub grid: String,
     pub shards_done: usize,
     pub shards: Vec<ShardView>,
+    /// Nodes each shard runs on for verification.
+    #[serde(default = "one")]
+    pub replicas: u32,
+    /// Replica results that disagreed.
+    #[serde(default)]
+    pub mismatches: u32,
+    /// Assignments, retries, replica comparisons, newest last.
+    #[serde(default)]
+    pub history: Vec<HistoryView>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct HistoryView {
+    pub index: u64,
+    pub shard: Option<u32>,
+    pub what: String,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -301,11 +329,24 @@ fn view(t: &gpumesh_consensus::Task) -> TaskView {
             .map(|(i, s)| ShardView {
                 index: i as u32,
                 state: format!("{:?}", s.state).to_lowercase(),
-                node: s.assigned_to,
+                node: s.assigned_to().or(s.output.map(|o| o.node)),
                 epoch: s.epoch,
+                attempts: s.attempts.iter().map(|a| (a.node, a.epoch)).collect(),
+                reported_by: s.reports.iter().map(|r| r.node).collect(),
                 failures: s.failures,
                 last_error: s.last_error.clone(),
                 output: s.output.map(|o| o.blob.to_hex()),
+            })
+            .collect(),
+        replicas: t.spec.options.replicas,
+        mismatches: t.mismatches,
+        history: t
+            .history
+            .iter()
+            .map(|e| HistoryView {
+                index: e.index,
+                shard: e.shard,
+                what: e.what.clone(),
             })
             .collect(),
     }
@@ -500,10 +541,8 @@ async fn status(State(shared): State<Arc<Shared>>) -> ApiResult<Json<StatusView>
             let mut queue: HashMap<u64, u32> = HashMap::new();
             for t in s.active_tasks() {
                 for sh in &t.shards {
-                    if let (Some(n), ShardState::Assigned | ShardState::Running) =
-                        (sh.assigned_to, sh.state)
-                    {
-                        *queue.entry(n).or_default() += 1;
+                    for a in &sh.attempts {
+                        *queue.entry(a.node).or_default() += 1;
                     }
                 }
             }

@@ -23,4 +23,4 @@ pub mod worker;
 
 pub use error::{NodeError, Result};
 pub use libp2p::{Multiaddr, PeerId};
-pub use mesh::{Formation, MeshNode, NodeConfig};
+pub use mesh::{Faults, Formation, MeshNode, NodeConfig};

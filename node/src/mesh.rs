@@ -29,7 +29,7 @@ use crate::blob::BlobStore;
 use crate::error::{NodeError, Result};
 use crate::identity;
 use crate::net::{NetConfig, NetEvent, NetHandle};
-use crate::scheduler::{self, Scheduler};
+use crate::scheduler::{self, Scheduler, SchedulerConfig};
 use crate::wire::{self, NodeReply, NodeRequest};
 use crate::worker::{GpuHandle, Worker};
 
@@ -63,6 +63,21 @@ pub struct NodeConfig {
     pub raft_tick: Duration,
     pub max_blob_bytes: u64,
     pub max_voters: u32,
+    /// When the leader declares a node down and an attempt a straggler.
+    pub scheduler: SchedulerConfig,
+    /// How long a shard may run on the GPU unless its task says otherwise.
+    pub default_deadline: Duration,
+    /// Faults to inject, for tests and `gpumesh bench faults`; none by default.
+    pub faults: Faults,
+}
+
+/// Faults a node can be told to inject into its own work.
+#[derive(Clone, Debug, Default)]
+pub struct Faults {
+    /// Sleep this long before each shard (a slow or overloaded GPU).
+    pub gpu_delay: Option<Duration>,
+    /// Flip a bit in every shard output before reporting it (a faulty GPU).
+    pub corrupt_outputs: bool,
 }
 
 impl NodeConfig {
@@ -81,6 +96,9 @@ impl NodeConfig {
             raft_tick: Duration::from_millis(100),
             max_blob_bytes: 1 << 30,
             max_voters: 5,
+            scheduler: SchedulerConfig::default(),
+            default_deadline: Duration::from_secs(60),
+            faults: Faults::default(),
         }
     }
 }
@@ -271,7 +289,8 @@ impl MeshNode {
         tasks.push(tokio::spawn(
             Scheduler {
                 consensus: consensus.clone(),
-                interval: Duration::from_millis(250),
+                shared: shared.clone(),
+                config: config.scheduler,
             }
             .run(cancel.clone()),
         ));
@@ -283,6 +302,8 @@ impl MeshNode {
                     shared: shared.clone(),
                     gpu,
                     post: Arc::new(tokio::sync::Semaphore::new(16)),
+                    default_deadline: config.default_deadline,
+                    faults: config.faults.clone(),
                 }
                 .run(cancel.clone()),
             ));

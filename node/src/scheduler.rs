@@ -1,85 +1,329 @@
-//! The scheduler: on the Raft leader only, turns pending shards into assignments.
+//! The scheduler: on the Raft leader only, turns the replicated record into
+//! placements, and settles replica results that need a float comparison.
 //!
-//! Each pending shard goes to the member that minimises (shards queued + 1) / measured
-//! GFLOP/s among those whose adapter limits fit the task's buffers, so placement is
-//! proportional to capability and current queue. Members without an adapter stay in
-//! the mesh and get nothing; shards of a node that left are placed again. A shard that failed `MAX_FAILURES` times cancels its task
-//! with the last error. Talks to: raft (reads state, proposes).
+//! Each shard that wants an attempt goes to the member that minimises (shards
+//! queued + 1) / measured GFLOP/s among those whose adapter limits fit the task's
+//! buffers, so placement is proportional to capability and current queue; replicas
+//! of one shard go to distinct nodes, different adapters or backends first. Members
+//! without an adapter stay in the mesh and get nothing. The leader watches liveness
+//! itself (when it last applied a heartbeat from each member, with a grace period
+//! after it takes over): the attempts of a node that is down or gone move to another
+//! node under a new epoch. An attempt running far past its expected time gets a
+//! speculative copy elsewhere; the first valid result wins. Talks to: raft (reads
+//! state, proposes), the mesh (pulls replica outputs to compare them).
 
-use std::collections::{BTreeMap, HashSet};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use gpumesh_consensus::{Command, ConsensusHandle, RaftRole, ShardState, StateMachine, TaskId};
+use gpumesh_consensus::{
+    AppliedEvent, Command, ConsensusHandle, RaftRole, Shard, ShardState, StateMachine, TaskId,
+};
 use gpumesh_protocol::{BindingRole, TaskSpec};
 use tokio_util::sync::CancellationToken;
 
 /// Failures of one shard before its task is cancelled.
 pub const MAX_FAILURES: u32 = 3;
-/// A member whose last heartbeat is older than this gets no new shards.
+/// A member whose last heartbeat is older than this shows as not alive.
 pub const STALE_AFTER: Duration = Duration::from_secs(15);
 
-pub struct Scheduler {
-    pub consensus: ConsensusHandle,
+/// When the leader gives up on a node and on a slow attempt.
+#[derive(Clone, Copy, Debug)]
+pub struct SchedulerConfig {
     pub interval: Duration,
+    /// A member the leader has heard nothing from for this long is down: its
+    /// attempts are placed elsewhere.
+    pub down_after: Duration,
+    /// An attempt is a straggler once it has run this many times its expected time…
+    pub straggler_factor: f64,
+    /// …and at least this long.
+    pub straggler_min: Duration,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            interval: Duration::from_millis(250),
+            down_after: Duration::from_secs(8),
+            straggler_factor: 4.0,
+            straggler_min: Duration::from_secs(30),
+        }
+    }
+}
+
+pub(crate) struct Scheduler {
+    pub consensus: ConsensusHandle,
+    pub shared: Arc<crate::mesh::Shared>,
+    pub config: SchedulerConfig,
+}
+
+/// What the leader has seen for itself; not replicated, rebuilt after a leader change.
+#[derive(Debug, Default)]
+pub struct Observed {
+    /// Members the leader considers down.
+    pub down: BTreeSet<u64>,
+    /// Attempts (task, shard, epoch) running past their expected time.
+    pub slow: BTreeSet<(TaskId, u32, u32)>,
 }
 
 /// What the scheduler decided in one pass.
 #[derive(Debug, Default, PartialEq)]
 pub struct Plan {
+    /// (task, shard, node): a new attempt.
     pub assign: Vec<(TaskId, u32, u64)>,
+    /// (task, shard, old epoch, node, why): an attempt moved off a lost node.
+    pub reassign: Vec<(TaskId, u32, u32, u64, String)>,
     pub cancel: Vec<(TaskId, String)>,
+    /// Shards whose replica outputs wait for a float comparison.
+    pub verify: Vec<(TaskId, u32)>,
 }
 
 impl Scheduler {
     pub async fn run(self, cancel: CancellationToken) {
         let mut events = self.consensus.subscribe();
-        let mut tick = tokio::time::interval(self.interval);
+        let mut tick = tokio::time::interval(self.config.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Assignments proposed but not yet applied, so a pass does not repeat them.
+        // Proposals not yet applied, so a pass does not repeat them.
         let mut in_flight: HashSet<(TaskId, u32)> = HashSet::new();
         let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut was_leader = false;
+        // Leader-local clocks: last word from each member, start of each attempt,
+        // and how long finished attempts of each task took.
+        let mut heard: HashMap<u64, Instant> = HashMap::new();
+        let mut started: HashMap<(TaskId, u32, u32), Instant> = HashMap::new();
+        let mut took: HashMap<TaskId, Vec<Duration>> = HashMap::new();
         loop {
             tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return,
                 Some(key) = done_rx.recv() => { in_flight.remove(&key); continue; }
-                _ = events.recv() => {}
+                event = events.recv() => {
+                    if let Ok(AppliedEvent::Entry { entry, .. }) = event {
+                        let now = Instant::now();
+                        heard.insert(entry.origin, now);
+                        match &entry.command {
+                            Command::ShardStarted { task, shard, epoch, .. } => {
+                                started.insert((*task, *shard, *epoch), now);
+                            }
+                            Command::ShardResult { task, shard, epoch, .. } => {
+                                if let Some(t0) = started.remove(&(*task, *shard, *epoch)) {
+                                    took.entry(*task).or_default().push(now - t0);
+                                }
+                            }
+                            _ => {}
+                        }
+                    }
+                }
                 _ = tick.tick() => {}
             }
             if self.consensus.watch_status().borrow().role != RaftRole::Leader {
                 in_flight.clear();
+                was_leader = false;
                 continue;
             }
-            let now = now_ms();
-            let Ok(plan) = self.consensus.read_local(move |s| plan(s, now)).await else {
+            let now = Instant::now();
+            if !was_leader {
+                // A new leader knows nothing first-hand yet: everyone gets the full
+                // grace period, and running attempts start their clocks now.
+                was_leader = true;
+                heard.clear();
+                started.clear();
+            }
+            let config = self.config;
+            let snapshot = self
+                .consensus
+                .read_local(|s| {
+                    let members: Vec<u64> = s.members().keys().copied().collect();
+                    let running: Vec<(TaskId, u32, u32, u64)> = s
+                        .active_tasks()
+                        .flat_map(|t| {
+                            t.shards.iter().enumerate().flat_map(move |(i, sh)| {
+                                sh.attempts
+                                    .iter()
+                                    .map(move |a| (t.id, i as u32, a.epoch, a.node))
+                            })
+                        })
+                        .collect();
+                    (members, running)
+                })
+                .await;
+            let Ok((members, running)) = snapshot else {
                 continue;
             };
-            for (task, shard, node) in plan.assign {
-                if !in_flight.insert((task, shard)) {
-                    continue;
+            let mut observed = Observed::default();
+            for m in members {
+                let last = *heard.entry(m).or_insert(now);
+                if now - last > config.down_after {
+                    observed.down.insert(m);
                 }
-                let consensus = self.consensus.clone();
-                let done = done_tx.clone();
-                tokio::spawn(async move {
-                    if let Err(e) = consensus
-                        .propose(Command::AssignShard { task, shard, node })
-                        .await
-                    {
-                        tracing::debug!(error = %e, %task, shard, "assignment not committed");
-                    }
-                    let _ = done.send((task, shard));
-                });
             }
-            for (task, reason) in plan.cancel {
-                let consensus = self.consensus.clone();
-                tokio::spawn(async move {
-                    let _ = consensus
-                        .propose(Command::TaskCancelled { task, reason })
-                        .await;
-                });
+            let live: HashSet<(TaskId, u32, u32)> =
+                running.iter().map(|(t, s, e, _)| (*t, *s, *e)).collect();
+            started.retain(|k, _| live.contains(k));
+            took.retain(|t, _| live.iter().any(|(lt, _, _)| lt == t));
+            for (task, shard, epoch, _) in &running {
+                let t0 = *started.entry((*task, *shard, *epoch)).or_insert(now);
+                let expected = took
+                    .get(task)
+                    .and_then(|d| median(d))
+                    .map(|m| m.mul_f64(config.straggler_factor))
+                    .unwrap_or(Duration::ZERO)
+                    .max(config.straggler_min);
+                if now - t0 > expected {
+                    observed.slow.insert((*task, *shard, *epoch));
+                }
             }
+            let now_ms = now_ms();
+            let Ok(plan) = self
+                .consensus
+                .read_local(move |s| plan(s, now_ms, &observed))
+                .await
+            else {
+                continue;
+            };
+            self.carry_out(plan, &mut in_flight, &done_tx);
         }
     }
+
+    fn carry_out(
+        &self,
+        plan: Plan,
+        in_flight: &mut HashSet<(TaskId, u32)>,
+        done_tx: &tokio::sync::mpsc::UnboundedSender<(TaskId, u32)>,
+    ) {
+        let mut commands: Vec<((TaskId, u32), Command)> = Vec::new();
+        for (task, shard, node) in plan.assign {
+            commands.push(((task, shard), Command::AssignShard { task, shard, node }));
+        }
+        for (task, shard, epoch, node, reason) in plan.reassign {
+            commands.push((
+                (task, shard),
+                Command::ReassignShard {
+                    task,
+                    shard,
+                    epoch,
+                    node,
+                    reason,
+                },
+            ));
+        }
+        // One proposal per shard at a time; the rest wait for the next pass.
+        for (key, command) in commands {
+            if !in_flight.insert(key) {
+                continue;
+            }
+            let consensus = self.consensus.clone();
+            let done = done_tx.clone();
+            tokio::spawn(async move {
+                if let Err(e) = consensus.propose(command).await {
+                    tracing::debug!(error = %e, "placement not committed");
+                }
+                let _ = done.send(key);
+            });
+        }
+        for (task, shard) in plan.verify {
+            if !in_flight.insert((task, shard)) {
+                continue;
+            }
+            let consensus = self.consensus.clone();
+            let shared = self.shared.clone();
+            let done = done_tx.clone();
+            tokio::spawn(async move {
+                match verdict(&consensus, &shared, task, shard).await {
+                    Ok(agreeing) => {
+                        let _ = consensus
+                            .propose(Command::ShardVerdict {
+                                task,
+                                shard,
+                                agreeing,
+                            })
+                            .await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(%task, shard, "could not compare replica outputs: {e}")
+                    }
+                }
+                let _ = done.send((task, shard));
+            });
+        }
+        for (task, reason) in plan.cancel {
+            let consensus = self.consensus.clone();
+            tokio::spawn(async move {
+                let _ = consensus
+                    .propose(Command::TaskCancelled { task, reason })
+                    .await;
+            });
+        }
+    }
+}
+
+fn median(d: &[Duration]) -> Option<Duration> {
+    let mut v = d.to_vec();
+    v.sort();
+    v.get(v.len() / 2).copied()
+}
+
+/// Pulls the outputs reported for a shard and returns the epochs of the largest
+/// group that agree under the task's tolerance.
+async fn verdict(
+    consensus: &ConsensusHandle,
+    shared: &Arc<crate::mesh::Shared>,
+    task: TaskId,
+    shard: u32,
+) -> Result<Vec<u32>, String> {
+    let found = consensus
+        .read_local(move |s| {
+            s.task(task).and_then(|t| {
+                Some((
+                    t.spec.options.clone(),
+                    t.shards.get(shard as usize)?.reports.clone(),
+                ))
+            })
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    let Some((options, reports)) = found else {
+        return Err("the shard is gone".into());
+    };
+    let mut outputs = Vec::new();
+    for r in &reports {
+        let holder = s_peer(shared, r.node);
+        crate::mesh::fetch_blob(shared, r.blob, holder)
+            .await
+            .map_err(|e| e.to_string())?;
+        let bytes = shared
+            .blobs
+            .get(&r.blob)
+            .map_err(|e| e.to_string())?
+            .ok_or("blob vanished")?;
+        outputs.push((
+            r.epoch,
+            crate::worker::decode_outputs(&bytes).map_err(|e| e.to_string())?,
+        ));
+    }
+    let agree = |a: &BTreeMap<u32, Vec<u8>>, b: &BTreeMap<u32, Vec<u8>>| {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|((ka, va), (kb, vb))| ka == kb && options.agree(va, vb))
+    };
+    let mut best: Vec<u32> = Vec::new();
+    for (i, (_, a)) in outputs.iter().enumerate() {
+        let group: Vec<u32> = outputs
+            .iter()
+            .enumerate()
+            .filter(|(j, (_, b))| *j == i || agree(a, b))
+            .map(|(_, (e, _))| *e)
+            .collect();
+        if group.len() > best.len() {
+            best = group;
+        }
+    }
+    Ok(best)
+}
+
+fn s_peer(shared: &Arc<crate::mesh::Shared>, raft_id: u64) -> Option<libp2p::PeerId> {
+    shared.peers.get(raft_id)
 }
 
 pub fn now_ms() -> u64 {
@@ -101,21 +345,46 @@ fn largest_binding(spec: &TaskSpec) -> u64 {
         .unwrap_or(0)
 }
 
-/// One scheduling pass over the replicated state (pure, so it is tested directly).
-pub fn plan(s: &StateMachine, now_ms: u64) -> Plan {
+/// A worker the scheduler may place on.
+struct Worker {
+    node: u64,
+    gflops: f64,
+    fits: u64,
+    /// Adapter and backend, so replicas can go to different hardware.
+    kind: (String, String),
+}
+
+/// Nodes already holding or having reported the shard, and their hardware.
+fn taken(s: &StateMachine, sh: &Shard) -> (BTreeSet<u64>, Vec<(String, String)>) {
+    let nodes: BTreeSet<u64> = sh
+        .attempts
+        .iter()
+        .map(|a| a.node)
+        .chain(sh.reports.iter().map(|r| r.node))
+        .collect();
+    let kinds = nodes
+        .iter()
+        .filter_map(|n| s.member(*n)?.capability.as_ref())
+        .map(|c| (c.adapter_name.clone(), c.backend.name().to_string()))
+        .collect();
+    (nodes, kinds)
+}
+
+/// One scheduling pass over the replicated state and what the leader observed
+/// (pure, so it is tested directly).
+pub fn plan(s: &StateMachine, now_ms: u64, observed: &Observed) -> Plan {
     let mut load: BTreeMap<u64, u32> = BTreeMap::new();
     for t in s.active_tasks() {
         for sh in &t.shards {
-            if let (Some(n), ShardState::Assigned | ShardState::Running) =
-                (sh.assigned_to, sh.state)
-            {
-                *load.entry(n).or_default() += 1;
+            for a in &sh.attempts {
+                *load.entry(a.node).or_default() += 1;
             }
         }
     }
-    let workers: Vec<(u64, f64, u64)> = s
+    let workers: Vec<Worker> = s
         .members()
         .values()
+        .filter(|m| !observed.down.contains(&m.raft_id))
         .filter_map(|m| {
             let cap = m.capability.as_ref()?;
             let fresh = m
@@ -123,13 +392,19 @@ pub fn plan(s: &StateMachine, now_ms: u64) -> Plan {
                 .is_none_or(|h| now_ms.saturating_sub(h.at_ms) < STALE_AFTER.as_millis() as u64);
             let fits = u64::from(cap.limits.max_storage_buffer_binding_size)
                 .min(cap.limits.max_buffer_size);
-            fresh.then_some((m.raft_id, cap.gflops.max(0.1), fits))
+            fresh.then(|| Worker {
+                node: m.raft_id,
+                gflops: cap.gflops.max(0.1),
+                fits,
+                kind: (cap.adapter_name.clone(), cap.backend.name().to_string()),
+            })
         })
         .collect();
     let mut out = Plan::default();
     for t in s.active_tasks() {
         let need = largest_binding(&t.spec);
         for (i, sh) in t.shards.iter().enumerate() {
+            let i = i as u32;
             if sh.failures >= MAX_FAILURES {
                 out.cancel.push((
                     t.id,
@@ -141,25 +416,64 @@ pub fn plan(s: &StateMachine, now_ms: u64) -> Plan {
                 ));
                 break;
             }
-            // Pending shards, and shards held by a node that has left the mesh (their
-            // new epoch makes any late report from it stale).
-            let orphaned = matches!(sh.state, ShardState::Assigned | ShardState::Running)
-                && sh.assigned_to.is_some_and(|n| s.member(n).is_none());
-            if sh.state != ShardState::Pending && !orphaned {
-                continue;
+            match sh.state {
+                ShardState::Done => continue,
+                ShardState::Verifying => {
+                    if t.spec.options.tolerance.is_some() {
+                        out.verify.push((t.id, i));
+                    }
+                    continue;
+                }
+                _ => {}
             }
-            let best = workers
+            let (mut holders, mut kinds) = taken(s, sh);
+            let mut pick = |holders: &BTreeSet<u64>, kinds: &[(String, String)]| {
+                let best = workers
+                    .iter()
+                    .filter(|w| w.fits >= need && !holders.contains(&w.node))
+                    .min_by(|a, b| {
+                        let score = |w: &Worker| {
+                            // Same hardware as an existing replica counts as busier.
+                            let same = kinds.contains(&w.kind) as u32 * 1000;
+                            f64::from(load.get(&w.node).copied().unwrap_or(0) + 1 + same) / w.gflops
+                        };
+                        score(a).total_cmp(&score(b))
+                    })?;
+                *load.entry(best.node).or_default() += 1;
+                Some((best.node, best.kind.clone()))
+            };
+            // Attempts on nodes that are gone or down move elsewhere.
+            for a in &sh.attempts {
+                let why = if s.member(a.node).is_none() {
+                    "the node left the mesh"
+                } else if observed.down.contains(&a.node) {
+                    "the node stopped answering"
+                } else {
+                    continue;
+                };
+                if let Some((node, kind)) = pick(&holders, &kinds) {
+                    holders.insert(node);
+                    kinds.push(kind);
+                    out.reassign.push((t.id, i, a.epoch, node, why.into()));
+                }
+            }
+            for _ in 0..sh.wanted() {
+                if let Some((node, kind)) = pick(&holders, &kinds) {
+                    holders.insert(node);
+                    kinds.push(kind);
+                    out.assign.push((t.id, i, node));
+                }
+            }
+            // A straggler gets one speculative copy on another node.
+            let slow = sh
+                .attempts
                 .iter()
-                .filter(|(_, _, fits)| *fits >= need)
-                .min_by(|a, b| {
-                    let score = |w: &(u64, f64, u64)| {
-                        f64::from(load.get(&w.0).copied().unwrap_or(0) + 1) / w.1
-                    };
-                    score(a).total_cmp(&score(b))
-                });
-            if let Some(&(node, _, _)) = best {
-                *load.entry(node).or_default() += 1;
-                out.assign.push((t.id, i as u32, node));
+                .any(|a| observed.slow.contains(&(t.id, i, a.epoch)));
+            let copies = sh.attempts.iter().filter(|a| a.speculative).count();
+            if slow && copies == 0 && sh.wanted() == 0 {
+                if let Some((node, _)) = pick(&holders, &kinds) {
+                    out.assign.push((t.id, i, node));
+                }
             }
         }
     }
@@ -255,7 +569,7 @@ mod tests {
             ],
             8,
         );
-        let plan = plan(&s, now_ms());
+        let plan = plan(&s, now_ms(), &Observed::default());
         assert_eq!(plan.assign.len(), 8);
         assert_eq!(per_node(&plan), BTreeMap::from([(1, 2), (2, 6)]));
     }
@@ -271,7 +585,7 @@ mod tests {
             ],
             6,
         );
-        let plan = plan(&s, now_ms());
+        let plan = plan(&s, now_ms(), &Observed::default());
         assert_eq!(per_node(&plan), BTreeMap::from([(1, 6)]));
     }
 
@@ -296,12 +610,97 @@ mod tests {
             );
         }
         assert!(
-            plan(&s, now_ms()).assign.is_empty(),
+            plan(&s, now_ms(), &Observed::default()).assign.is_empty(),
             "nothing to place while node 2 works"
         );
+        // Declared down by the leader: its attempts move, under new epochs.
+        let down = Observed {
+            down: BTreeSet::from([2]),
+            ..Observed::default()
+        };
+        let moved = plan(&s, now_ms(), &down);
+        assert!(moved.assign.is_empty(), "{moved:?}");
+        assert_eq!(moved.reassign.len(), 4, "{moved:?}");
+        assert!(moved
+            .reassign
+            .iter()
+            .all(|(_, _, epoch, node, why)| *epoch == 1
+                && *node == 1
+                && why.contains("answering")));
         apply(&mut s, Command::NodeLeft { raft_id: 2 });
-        let again = plan(&s, now_ms());
-        assert_eq!(per_node(&again), BTreeMap::from([(1, 4)]), "{again:?}");
+        let again = plan(&s, now_ms(), &Observed::default());
+        assert_eq!(again.reassign.len(), 4, "{again:?}");
+        assert!(again
+            .reassign
+            .iter()
+            .all(|r| r.3 == 1 && r.4.contains("left")));
+    }
+
+    #[test]
+    fn a_straggler_gets_one_speculative_copy_on_another_node() {
+        let mut s = state(
+            &[
+                Some(capability(10.0, 1 << 27)),
+                Some(capability(10.0, 1 << 27)),
+            ],
+            1,
+        );
+        let task = *s.tasks().keys().next().unwrap();
+        apply(
+            &mut s,
+            Command::AssignShard {
+                task,
+                shard: 0,
+                node: 1,
+            },
+        );
+        let slow = Observed {
+            slow: BTreeSet::from([(task, 0, 1)]),
+            ..Observed::default()
+        };
+        let p = plan(&s, now_ms(), &slow);
+        assert_eq!(p.assign, vec![(task, 0, 2)]);
+        apply(
+            &mut s,
+            Command::AssignShard {
+                task,
+                shard: 0,
+                node: 2,
+            },
+        );
+        assert!(plan(&s, now_ms(), &slow).assign.is_empty(), "only one copy");
+    }
+
+    #[test]
+    fn replicas_go_to_different_hardware_first() {
+        let mut gl = capability(10.0, 1 << 27);
+        gl.backend = BackendKind::Gl;
+        gl.adapter_name = "other".into();
+        let mut s = state(
+            &[
+                Some(capability(50.0, 1 << 27)),
+                Some(capability(50.0, 1 << 27)),
+                Some(gl),
+            ],
+            0,
+        );
+        let mut spec = builtins::get("vector_add")
+            .unwrap()
+            .problem(256 * 64)
+            .unwrap()
+            .spec(1);
+        spec.options.replicas = 2;
+        apply(
+            &mut s,
+            Command::SubmitTask {
+                spec,
+                submitter: "peer-1".into(),
+            },
+        );
+        let p = plan(&s, now_ms(), &Observed::default());
+        let nodes: BTreeSet<u64> = p.assign.iter().map(|a| a.2).collect();
+        assert_eq!(p.assign.len(), 2, "{p:?}");
+        assert!(nodes.contains(&3), "the GL node gets one replica: {p:?}");
     }
 
     #[test]
@@ -329,7 +728,7 @@ mod tests {
         // Either the record already failed the task, or this pass cancels it;
         // either way the last error is what the user sees.
         let status = s.task(task).unwrap().status.clone();
-        let plan = plan(&s, now_ms());
+        let plan = plan(&s, now_ms(), &Observed::default());
         match status {
             gpumesh_consensus::TaskStatus::Failed(reason) => {
                 assert!(reason.contains("device lost"), "{reason}");

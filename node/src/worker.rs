@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpumesh_consensus::{AppliedEvent, Command, ConsensusHandle, Outcome, ShardState, TaskId};
+use gpumesh_consensus::{AppliedEvent, Command, ConsensusHandle, Outcome, TaskId};
 use gpumesh_protocol::{BindingRole, BlobId, NodeCapability, TaskSpec};
 use gpumesh_shaders::{calibrate, BackendChoice, ExecError, Executor, Job, Kernel, ShardOutput};
 use tokio::sync::{mpsc, oneshot};
@@ -21,6 +21,7 @@ type Outputs = BTreeMap<u32, Vec<u8>>;
 struct GpuRequest {
     job: Job,
     shard: u32,
+    deadline: Option<Duration>,
     reply: oneshot::Sender<Result<ShardOutput, ExecError>>,
 }
 
@@ -59,7 +60,7 @@ impl GpuHandle {
                 while let Some(req) = rx.blocking_recv() {
                     let result = job_shard(&req.job, req.shard).and_then(|range| {
                         executor
-                            .run_shards(&req.job, &[range], None)
+                            .run_shards(&req.job, &[range], req.deadline)
                             .map(|mut v| v.remove(0))
                     });
                     let _ = req.reply.send(result);
@@ -72,10 +73,20 @@ impl GpuHandle {
         Some((GpuHandle { tx }, capability))
     }
 
-    pub async fn run(&self, job: Job, shard: u32) -> Result<ShardOutput, ExecError> {
+    pub async fn run(
+        &self,
+        job: Job,
+        shard: u32,
+        deadline: Option<Duration>,
+    ) -> Result<ShardOutput, ExecError> {
         let (reply, rx) = oneshot::channel();
         self.tx
-            .send(GpuRequest { job, shard, reply })
+            .send(GpuRequest {
+                job,
+                shard,
+                deadline,
+                reply,
+            })
             .await
             .map_err(|_| ExecError::Gpu("the GPU thread has stopped".into()))?;
         rx.await
@@ -88,6 +99,14 @@ fn job_shard(job: &Job, shard: u32) -> Result<gpumesh_shaders::shard::ShardRange
         .get(shard as usize)
         .copied()
         .ok_or_else(|| ExecError::Task(format!("shard {shard} is not in the task's plan")))
+}
+
+/// Why a shard did not produce outputs.
+enum ShardError {
+    /// Worth another attempt (perhaps elsewhere).
+    Retry(String),
+    /// Will fail again anywhere: the task fails.
+    Fatal(String),
 }
 
 /// One shard this node was asked to run.
@@ -105,6 +124,8 @@ pub(crate) struct Worker {
     pub gpu: GpuHandle,
     /// Bounds the shard results being stored and reported at once.
     pub post: Arc<tokio::sync::Semaphore>,
+    pub default_deadline: Duration,
+    pub faults: crate::mesh::Faults,
 }
 
 impl Worker {
@@ -151,13 +172,11 @@ impl Worker {
                 let mut out = Vec::new();
                 for t in s.active_tasks() {
                     for (i, sh) in t.shards.iter().enumerate() {
-                        if sh.assigned_to == Some(me)
-                            && matches!(sh.state, ShardState::Assigned | ShardState::Running)
-                        {
+                        for a in sh.attempts.iter().filter(|a| a.node == me) {
                             out.push(Assignment {
                                 task: t.id,
                                 shard: i as u32,
-                                epoch: sh.epoch,
+                                epoch: a.epoch,
                             });
                         }
                     }
@@ -171,12 +190,13 @@ impl Worker {
     async fn execute(&self, a: Assignment, kernels: &mut HashMap<[u8; 32], Arc<Kernel>>) {
         let span = tracing::info_span!("shard", task = %a.task, shard = a.shard, epoch = a.epoch);
         let _enter = span.enter();
+        let me = self.me;
         let current = self
             .consensus
             .read_local(move |s| {
                 s.task(a.task).and_then(|t| {
                     let sh = t.shards.get(a.shard as usize)?;
-                    (!t.status.is_terminal() && sh.epoch == a.epoch && sh.state != ShardState::Done)
+                    (!t.status.is_terminal() && sh.attempt(a.epoch, me).is_some())
                         .then(|| (t.spec.clone(), t.submitter.clone()))
                 })
             })
@@ -184,7 +204,7 @@ impl Worker {
             .ok()
             .flatten();
         let Some((spec, submitter)) = current else {
-            return; // superseded, finished or cancelled meanwhile
+            return; // superseded, won by another attempt, finished or cancelled
         };
         // Recorded for status and stragglers; the shard does not wait for it.
         let consensus = self.consensus.clone();
@@ -206,7 +226,21 @@ impl Worker {
         };
         let outputs = match self.run_shard(&spec, &submitter, a.shard, kernels).await {
             Ok(outputs) => outputs,
-            Err(reason) => {
+            Err(ShardError::Fatal(reason)) => {
+                tracing::warn!(%reason, "shard cannot succeed; failing its task");
+                let command = Command::TaskFailed {
+                    task: a.task,
+                    shard: a.shard,
+                    epoch: a.epoch,
+                    node: self.me,
+                    reason,
+                };
+                if let Err(e) = self.consensus.propose(command).await {
+                    tracing::warn!(error = %e, "could not report the task's failure");
+                }
+                return;
+            }
+            Err(ShardError::Retry(reason)) => {
                 tracing::warn!(%reason, "shard failed");
                 if let Err(e) = self.consensus.propose(failed(reason)).await {
                     tracing::warn!(error = %e, "could not report the shard's failure");
@@ -255,11 +289,16 @@ impl Worker {
         submitter: &str,
         shard: u32,
         kernels: &mut HashMap<[u8; 32], Arc<Kernel>>,
-    ) -> Result<Outputs, String> {
+    ) -> Result<Outputs, ShardError> {
         for b in &spec.bindings {
             if let BindingRole::Input { blob, .. } = &b.role {
-                self.ensure_blob(*blob, submitter).await?;
+                self.ensure_blob(*blob, submitter)
+                    .await
+                    .map_err(ShardError::Retry)?;
             }
+        }
+        if let Some(delay) = self.faults.gpu_delay {
+            tokio::time::sleep(delay).await;
         }
         let key =
             *blake3::hash(format!("{:?}\0{}", spec.shader, spec.entry_point).as_bytes()).as_bytes();
@@ -268,7 +307,7 @@ impl Worker {
             None => {
                 let k = Arc::new(
                     Kernel::for_source(&spec.shader, &spec.entry_point)
-                        .map_err(|e| e.to_string())?,
+                        .map_err(|e| ShardError::Retry(e.to_string()))?,
                 );
                 if kernels.len() > 64 {
                     kernels.clear();
@@ -281,9 +320,28 @@ impl Worker {
         let job = Job::new(spec.clone(), kernel, |id| {
             blobs.get(id).ok().flatten().map(Arc::from)
         })
-        .map_err(|e| e.to_string())?;
-        let out = self.gpu.run(job, shard).await.map_err(|e| e.to_string())?;
+        .map_err(|e| ShardError::Retry(e.to_string()))?;
+        let deadline = spec
+            .options
+            .deadline_ms
+            .map_or(self.default_deadline, Duration::from_millis);
+        let mut out = self
+            .gpu
+            .run(job, shard, Some(deadline))
+            .await
+            .map_err(|e| match e {
+                // Runs past its deadline again anywhere: not worth two more tries.
+                ExecError::Deadline { .. } => ShardError::Fatal(format!(
+                    "{e} (does the shader ever finish? the GPU was recovered)"
+                )),
+                other => ShardError::Retry(other.to_string()),
+            })?;
         tracing::debug!(gpu_ms = out.elapsed.as_secs_f64() * 1e3, "shard ran");
+        if self.faults.corrupt_outputs {
+            if let Some(byte) = out.outputs.values_mut().flat_map(|v| v.iter_mut()).next() {
+                *byte ^= 1;
+            }
+        }
         Ok(out.outputs)
     }
 

@@ -25,4 +25,7 @@ pub use envelope::{open, seal, WIRE_VERSION};
 pub use error::{ProtocolError, Result};
 pub use ids::BlobId;
 pub use mesh::{MeshRequest, MeshResponse};
-pub use task::{BindingRole, BindingSpec, ElemType, Grid, MergeRule, ShaderSource, TaskSpec};
+pub use task::{
+    BindingRole, BindingSpec, ElemType, Grid, MergeRule, ShaderSource, TaskOptions, TaskSpec,
+    MAX_REPLICAS,
+};

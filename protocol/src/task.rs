@@ -169,7 +169,7 @@ impl FromStr for Grid {
 }
 
 /// Everything needed to run one task, apart from the input blobs themselves.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TaskSpec {
     pub shader: ShaderSource,
     pub entry_point: String,
@@ -178,6 +178,56 @@ pub struct TaskSpec {
     /// How many shards the grid is split into (1 = unsharded).
     pub shards: u32,
     pub merge: MergeRule,
+    #[serde(default)]
+    pub options: TaskOptions,
+}
+
+/// The most nodes one shard may run on for verification.
+pub const MAX_REPLICAS: u32 = 3;
+
+/// How a task is run and checked, beyond what it computes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TaskOptions {
+    /// Nodes each shard runs on (1 to [`MAX_REPLICAS`]). With 2 or more, the outputs
+    /// are compared before a result is accepted; a disagreement brings in one more
+    /// node and the majority wins.
+    pub replicas: u32,
+    /// How replica outputs are compared: `None` bit for bit (integer outputs),
+    /// `Some(r)` as f32 values equal within relative tolerance `r`
+    /// (|a − b| ≤ r · max(|a|, |b|, 1e-30)).
+    pub tolerance: Option<f32>,
+    /// How long one shard may run on a GPU before it is stopped and the task fails
+    /// (a shader that never ends); `None` uses the node's default.
+    pub deadline_ms: Option<u64>,
+}
+
+impl Default for TaskOptions {
+    fn default() -> Self {
+        TaskOptions {
+            replicas: 1,
+            tolerance: None,
+            deadline_ms: None,
+        }
+    }
+}
+
+impl TaskOptions {
+    /// Whether two outputs of the same shard agree under these options.
+    pub fn agree(&self, a: &[u8], b: &[u8]) -> bool {
+        match self.tolerance {
+            None => a == b,
+            Some(tol) => {
+                a.len() == b.len()
+                    && a.len() % 4 == 0
+                    && a.chunks_exact(4).zip(b.chunks_exact(4)).all(|(x, y)| {
+                        let x = f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
+                        let y = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+                        x.to_bits() == y.to_bits()
+                            || (x - y).abs() <= tol * x.abs().max(y.abs()).max(1e-30)
+                    })
+            }
+        }
+    }
 }
 
 impl TaskSpec {
@@ -198,6 +248,22 @@ impl TaskSpec {
         }
         if self.shards == 0 {
             return Err(invalid("shard count must be at least 1".into()));
+        }
+        if !(1..=MAX_REPLICAS).contains(&self.options.replicas) {
+            return Err(invalid(format!(
+                "replicas {} is outside 1..={MAX_REPLICAS}",
+                self.options.replicas
+            )));
+        }
+        if let Some(t) = self.options.tolerance {
+            if !(t.is_finite() && (0.0..1.0).contains(&t)) {
+                return Err(invalid(format!(
+                    "tolerance {t} must be a relative error in [0, 1)"
+                )));
+            }
+        }
+        if self.options.deadline_ms == Some(0) {
+            return Err(invalid("deadline must be more than 0 ms".into()));
         }
         if self.entry_point.is_empty() {
             return Err(invalid("entry point name is empty".into()));

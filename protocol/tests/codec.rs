@@ -59,6 +59,7 @@ fn task() -> impl Strategy<Value = TaskSpec> {
                 grid: Grid(grid),
                 shards,
                 merge,
+                options: Default::default(),
             },
         )
 }

@@ -66,6 +66,7 @@ fn spin_job(groups: u32) -> anyhow::Result<Job> {
         grid: Grid([groups, 1, 1]),
         shards: 1,
         merge: MergeRule::Concat,
+        options: Default::default(),
     };
     Ok(Job::new(
         spec,

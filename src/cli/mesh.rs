@@ -96,6 +96,18 @@ pub struct SubmitArgs {
     /// Wait for the task, showing shard progress, then print its output hashes.
     #[arg(long)]
     pub wait: bool,
+    /// Run each shard on this many nodes (different adapters or backends first) and
+    /// accept a result only when two agree; a disagreement brings in a third node.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub replicas: u32,
+    /// Compare replica outputs as f32 values within this relative tolerance instead
+    /// of bit for bit (default: bit for bit, or 1e-5 for a float merge rule).
+    #[arg(long, value_name = "R")]
+    pub tolerance: Option<f32>,
+    /// Stop a shard that runs longer than this many seconds on a GPU and fail the
+    /// task (default: the node's, 60 s).
+    #[arg(long, value_name = "SECONDS")]
+    pub deadline: Option<f64>,
     /// With --wait: also fetch the outputs into DIR/<binding>.bin.
     #[arg(long, value_name = "DIR", requires = "wait")]
     pub out_dir: Option<PathBuf>,
@@ -111,7 +123,21 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
         bail!("--verify needs a CPU reference, which only built-in kernels have (use --builtin)");
     }
     // Validated here first, with the same messages as `gpumesh run`.
-    let prepared = super::run::prepare(&args.task)?;
+    let mut prepared = super::run::prepare(&args.task)?;
+    let options = &mut prepared.spec.options;
+    options.replicas = args.replicas;
+    options.tolerance = args.tolerance.or_else(|| {
+        // Float sums and extremes from different hardware differ in the last bits.
+        let float = prepared.spec.merge.elem() == Some(gpumesh::protocol::ElemType::F32);
+        (args.replicas > 1 && float).then_some(1e-5)
+    });
+    if let Some(secs) = args.deadline {
+        if !(secs.is_finite() && secs > 0.0) {
+            bail!("--deadline must be a positive number of seconds");
+        }
+        options.deadline_ms = Some((secs * 1000.0).ceil() as u64);
+    }
+    prepared.spec.check_shape()?;
     let client = Client::new(args.api.api.clone());
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
@@ -279,18 +305,20 @@ pub fn tasks(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "{:<8} {:<10} {:<18} {:<9} {:>7}  reason",
-        "task", "status", "kernel", "merge", "shards"
+        "{:<8} {:<10} {:<18} {:<9} {:>7} {:>8} {:>10}  reason",
+        "task", "status", "kernel", "merge", "shards", "replicas", "mismatches"
     );
     for t in &tasks {
         println!(
-            "{:<8} {:<10} {:<18} {:<9} {:>3}/{:<3}  {}",
+            "{:<8} {:<10} {:<18} {:<9} {:>3}/{:<3} {:>8} {:>10}  {}",
             format!("t{}", t.id),
             t.status,
             t.kernel,
             t.merge,
             t.shards_done,
             t.shards.len(),
+            t.replicas,
+            t.mismatches,
             t.reason.as_deref().unwrap_or("")
         );
     }

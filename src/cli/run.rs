@@ -279,6 +279,7 @@ pub fn prepare(args: &TaskArgs) -> anyhow::Result<Prepared> {
         grid,
         shards: args.shards,
         merge: args.merge.unwrap_or(MergeRule::Concat),
+        options: Default::default(),
     };
     kernel.check(&spec)?;
     Ok(Prepared {

@@ -216,6 +216,7 @@ impl Problem {
             grid: self.grid,
             shards,
             merge: self.merge,
+            options: Default::default(),
         }
     }
 
