@@ -148,7 +148,7 @@ impl Worker {
                 event = events.recv() => match event {
                     Ok(AppliedEvent::Entry { entry, committed, duplicate: false, .. }) => {
                         if let (
-                            Command::AssignShard { node, .. },
+                            Command::AssignShard { node, .. } | Command::ReassignShard { node, .. },
                             Outcome::ShardAssigned { task, shard, epoch },
                         ) = (&entry.command, &committed.outcome)
                         {

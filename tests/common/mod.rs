@@ -1,0 +1,116 @@
+//! Helpers shared by the mesh test files: real nodes in one process on loopback.
+
+#![allow(dead_code)] // each test file uses its own subset
+
+use std::path::Path;
+use std::time::Duration;
+
+use gpumesh::node::{Formation, MeshNode, Multiaddr, NodeConfig};
+use gpumesh::protocol::BackendKind;
+use gpumesh::shaders::builtins::Problem;
+use gpumesh::shaders::BackendChoice;
+use gpumesh::Client;
+
+pub const LIMIT: Duration = Duration::from_secs(120);
+
+pub fn config(dir: &Path, formation: Formation, peers: &[Multiaddr]) -> NodeConfig {
+    let mut c = NodeConfig::new(dir);
+    c.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
+    c.api = "127.0.0.1:0".parse().unwrap();
+    c.mdns = false;
+    c.calibrate = false;
+    c.formation = formation;
+    c.peers = peers.to_vec();
+    c.raft_tick = Duration::from_millis(50);
+    c.join_timeout = Duration::from_secs(20);
+    c
+}
+
+pub fn seed(node: &MeshNode) -> Multiaddr {
+    format!("{}/p2p/{}", node.listen_addrs[0], node.peer_id)
+        .parse()
+        .unwrap()
+}
+
+/// Whether a backend is present; a missing required one fails, others are reported.
+pub fn have(backend: BackendKind) -> bool {
+    let found = !gpumesh::shaders::adapter::adapters(BackendChoice::Only(backend)).is_empty();
+    let required = std::env::var("GPUMESH_REQUIRE_BACKENDS").unwrap_or_default();
+    if !found {
+        assert!(
+            !required.split(',').any(|r| r.trim() == backend.name()),
+            "GPUMESH_REQUIRE_BACKENDS names {} but it is unavailable",
+            backend.name()
+        );
+        eprintln!(
+            "\n!!!!! NO {} ADAPTER: mesh cases needing it are SKIPPED !!!!!\n",
+            backend.name()
+        );
+    }
+    found
+}
+
+pub fn have_any() -> bool {
+    have(BackendKind::Vulkan) | have(BackendKind::Gl)
+}
+
+pub async fn mesh(root: &Path, n: usize) -> Vec<MeshNode> {
+    mesh_with(root, n, |_, _| {}).await
+}
+
+/// A mesh of `n` nodes, node `i` configured by `tune(i, config)` before it starts.
+pub async fn mesh_with(
+    root: &Path,
+    n: usize,
+    tune: impl Fn(usize, &mut NodeConfig),
+) -> Vec<MeshNode> {
+    let mut c = config(&root.join("n0"), Formation::Init, &[]);
+    tune(0, &mut c);
+    let first = MeshNode::start(c).await.unwrap();
+    let s = seed(&first);
+    let mut nodes = vec![first];
+    for i in 1..n {
+        let mut c = config(
+            &root.join(format!("n{i}")),
+            Formation::Join,
+            std::slice::from_ref(&s),
+        );
+        tune(i, &mut c);
+        nodes.push(MeshNode::start(c).await.unwrap());
+    }
+    wait_ready(&nodes).await;
+    nodes
+}
+
+/// Waits until every node's adapter is in the replicated membership, so shards can
+/// be placed on all of them.
+pub async fn wait_ready(nodes: &[MeshNode]) {
+    let c = client(&nodes[0]);
+    for _ in 0..200 {
+        if let Ok(st) = c.status().await {
+            if st.members.len() == nodes.len() && st.members.iter().all(|m| m.adapter.is_some()) {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the nodes' adapters never all appeared in the membership");
+}
+
+pub fn client(node: &MeshNode) -> Client {
+    Client::new(node.api_addr.to_string())
+}
+
+/// Uploads the problem's inputs through `via` and submits it in `shards` shards.
+pub async fn submit(via: &Client, problem: &Problem, shards: u32) -> u64 {
+    for (id, bytes) in &problem.blobs {
+        assert_eq!(via.upload(bytes.to_vec()).await.unwrap(), *id);
+    }
+    via.submit(problem.spec(shards), None).await.unwrap()
+}
+
+pub async fn stop(nodes: Vec<MeshNode>) {
+    for n in nodes {
+        n.stop().await;
+    }
+}

@@ -1,0 +1,292 @@
+//! Faults with real nodes in one process: a node or the leader dying mid-task, a
+//! straggler, replicas that disagree, a shader that never ends. Every acknowledged
+//! task must still finish with the CPU reference's result, and nothing twice.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::*;
+use gpumesh::node::api::TaskView;
+use gpumesh::node::{Faults, MeshNode};
+use gpumesh::protocol::{
+    BackendKind, BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec,
+};
+use gpumesh::shaders::builtins;
+use gpumesh::shaders::BackendChoice;
+
+/// Every shard has exactly one accepted result in the task's history.
+fn accepted_once(view: &TaskView) {
+    let mut accepted: BTreeMap<u32, usize> = BTreeMap::new();
+    for e in &view.history {
+        if e.what.contains("accepted") {
+            *accepted.entry(e.shard.unwrap()).or_default() += 1;
+        }
+    }
+    for s in &view.shards {
+        assert_eq!(
+            accepted.get(&s.index),
+            Some(&1),
+            "shard {} accepted once: {:#?}",
+            s.index,
+            view.history
+        );
+    }
+}
+
+async fn leader(nodes: &[MeshNode]) -> usize {
+    let st = client(&nodes[0]).status().await.unwrap();
+    nodes.iter().position(|n| n.raft_id == st.leader).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_that_dies_mid_task_has_its_shards_moved_and_the_task_completes() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let mut nodes = mesh_with(dir.path(), 3, |i, c| {
+            c.scheduler.down_after = Duration::from_secs(2);
+            c.scheduler.straggler_min = Duration::from_secs(600);
+            if i == 2 {
+                // Holds its shards until it dies.
+                c.faults.gpu_delay = Some(Duration::from_secs(600));
+            }
+        })
+        .await;
+        let b = builtins::get("histogram").unwrap();
+        let problem = b.problem(b.test_size).unwrap();
+        let task = submit(&client(&nodes[0]), &problem, 6).await;
+        // Wait until node 2 holds some shard, then kill it (no goodbye).
+        let victim = nodes[2].raft_id;
+        loop {
+            let v = client(&nodes[0]).task(task).await.unwrap();
+            if v.shards
+                .iter()
+                .any(|s| s.attempts.iter().any(|a| a.0 == victim))
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        nodes.pop().unwrap().stop().await;
+        let view = client(&nodes[1]).wait(task, |_, _| {}).await.unwrap();
+        assert_eq!(view.status, "completed", "{view:#?}");
+        assert!(
+            view.history
+                .iter()
+                .any(|e| e.what.contains("stopped answering")),
+            "{:#?}",
+            view.history
+        );
+        accepted_once(&view);
+        for n in &nodes {
+            problem
+                .verify(&client(n).results(task).await.unwrap())
+                .unwrap();
+        }
+        stop(nodes).await;
+    })
+    .await
+    .expect("test exceeded its time limit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_leader_dies_mid_task_and_the_new_leader_finishes_it() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let mut nodes = mesh_with(dir.path(), 3, |_, c| {
+            c.scheduler.down_after = Duration::from_secs(2);
+            c.faults.gpu_delay = Some(Duration::from_millis(700));
+        })
+        .await;
+        let b = builtins::get("vector_add").unwrap();
+        let problem = b.problem(b.test_size).unwrap();
+        let l = leader(&nodes).await;
+        let via = (l + 1) % 3;
+        let task = submit(&client(&nodes[via]), &problem, 6).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        nodes.remove(l).stop().await;
+        let view = client(&nodes[0]).wait(task, |_, _| {}).await.unwrap();
+        assert_eq!(view.status, "completed", "{view:#?}");
+        accepted_once(&view);
+        let st = client(&nodes[0]).status().await.unwrap();
+        assert!(nodes.iter().any(|n| n.raft_id == st.leader), "a new leader");
+        for n in &nodes {
+            problem
+                .verify(&client(n).results(task).await.unwrap())
+                .unwrap();
+        }
+        stop(nodes).await;
+    })
+    .await
+    .expect("test exceeded its time limit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_straggler_is_copied_elsewhere_and_the_first_result_wins() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = mesh_with(dir.path(), 2, |i, c| {
+            c.scheduler.straggler_min = Duration::from_secs(1);
+            if i == 1 {
+                c.faults.gpu_delay = Some(Duration::from_secs(40));
+            }
+        })
+        .await;
+        let b = builtins::get("vector_add").unwrap();
+        let problem = b.problem(b.test_size).unwrap();
+        let t0 = Instant::now();
+        let task = submit(&client(&nodes[0]), &problem, 2).await;
+        let view = client(&nodes[0]).wait(task, |_, _| {}).await.unwrap();
+        assert_eq!(view.status, "completed");
+        assert!(
+            t0.elapsed() < Duration::from_secs(40),
+            "did not wait for the straggler"
+        );
+        let said = |s: &str| view.history.iter().any(|e| e.what.contains(s));
+        assert!(said("(speculative)"), "{:#?}", view.history);
+        assert!(said("cancelled: a result won"), "{:#?}", view.history);
+        accepted_once(&view);
+        problem
+            .verify(&client(&nodes[1]).results(task).await.unwrap())
+            .unwrap();
+        stop(nodes).await;
+    })
+    .await
+    .expect("test exceeded its time limit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replicas_on_vulkan_and_gl_outvote_a_faulty_node() {
+    if !(have(BackendKind::Vulkan) && have(BackendKind::Gl)) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        // Node 1 is the only GL node, so every shard has a replica there; it flips
+        // a bit in everything it computes.
+        let nodes = mesh_with(dir.path(), 3, |i, c| {
+            c.backend = BackendChoice::Only(if i == 1 {
+                BackendKind::Gl
+            } else {
+                BackendKind::Vulkan
+            });
+            c.faults = Faults {
+                corrupt_outputs: i == 1,
+                ..Faults::default()
+            };
+        })
+        .await;
+        let b = builtins::get("histogram").unwrap();
+        let problem = b.problem(b.test_size).unwrap();
+        for (id, bytes) in &problem.blobs {
+            client(&nodes[0]).upload(bytes.to_vec()).await.unwrap();
+            let _ = id;
+        }
+        let mut spec = problem.spec(2);
+        spec.options.replicas = 2;
+        let task = client(&nodes[0]).submit(spec, None).await.unwrap();
+        let view = client(&nodes[2]).wait(task, |_, _| {}).await.unwrap();
+        assert_eq!(view.status, "completed", "{view:#?}");
+        assert_eq!(view.mismatches, 2, "{:#?}", view.history);
+        accepted_once(&view);
+        problem
+            .verify(&client(&nodes[1]).results(task).await.unwrap())
+            .unwrap();
+        let tasks = client(&nodes[1]).tasks().await.unwrap();
+        assert_eq!(tasks.iter().find(|t| t.id == task).unwrap().mismatches, 2);
+
+        // Floats from two backends agree within a tolerance, compared by the leader.
+        let b = builtins::get("linreg_grad").unwrap();
+        let problem = b.problem(b.test_size).unwrap();
+        for (_, bytes) in &problem.blobs {
+            client(&nodes[0]).upload(bytes.to_vec()).await.unwrap();
+        }
+        let mut spec = problem.spec(2);
+        spec.options.replicas = 2;
+        spec.options.tolerance = Some(1e-4);
+        let task = client(&nodes[0]).submit(spec, None).await.unwrap();
+        let view = client(&nodes[0]).wait(task, |_, _| {}).await.unwrap();
+        // The faulty GL node's flipped bit is far outside the tolerance.
+        assert_eq!(view.status, "completed", "{view:#?}");
+        assert!(
+            view.history.iter().any(|e| e.what.contains("agree")),
+            "{:#?}",
+            view.history
+        );
+        problem
+            .verify(&client(&nodes[0]).results(task).await.unwrap())
+            .unwrap();
+        stop(nodes).await;
+    })
+    .await
+    .expect("test exceeded its time limit");
+}
+
+/// About three seconds of work on lavapipe: "never ends" as far as a 1 s deadline goes.
+const RUNAWAY: &str = r#"
+@group(0) @binding(0) var<storage, read_write> out: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var x = gid.x;
+    for (var i = 0u; i < 60000u; i++) {
+        x = (x ^ (x >> 13u)) * 1664525u + i;
+    }
+    out[gid.x] = x;
+}
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_shader_that_never_ends_fails_its_task_and_the_node_keeps_serving() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = mesh_with(dir.path(), 1, |_, _| {}).await;
+        let groups = 4_000u32;
+        let spec = TaskSpec {
+            shader: ShaderSource::Wgsl(RUNAWAY.into()),
+            entry_point: "main".into(),
+            bindings: vec![BindingSpec {
+                binding: 0,
+                role: BindingRole::Output {
+                    size: u64::from(groups) * 256,
+                },
+            }],
+            grid: Grid([groups, 1, 1]),
+            shards: 1,
+            merge: MergeRule::Concat,
+            options: gpumesh::protocol::TaskOptions {
+                deadline_ms: Some(1000),
+                ..Default::default()
+            },
+        };
+        let c = client(&nodes[0]);
+        let task = c.submit(spec, None).await.unwrap();
+        let err = c.wait(task, |_, _| {}).await.unwrap_err().to_string();
+        assert!(err.contains("failed") && err.contains("deadline"), "{err}");
+        let view = c.task(task).await.unwrap();
+        assert_eq!(view.shards[0].failures, 0, "not retried: {view:#?}");
+        // The same node runs the next task.
+        let b = builtins::get("vector_add").unwrap();
+        let problem = b.problem(b.test_size).unwrap();
+        let next = submit(&c, &problem, 1).await;
+        c.wait(next, |_, _| {}).await.unwrap();
+        problem.verify(&c.results(next).await.unwrap()).unwrap();
+        stop(nodes).await;
+    })
+    .await
+    .expect("test exceeded its time limit");
+}
