@@ -210,7 +210,7 @@ async fn replicas_on_vulkan_and_gl_outvote_a_faulty_node() {
         // Floats from two backends agree within a tolerance, compared by the leader.
         let b = builtins::get("linreg_grad").unwrap();
         let problem = b.problem(b.test_size).unwrap();
-        for (_, bytes) in &problem.blobs {
+        for bytes in problem.blobs.values() {
             client(&nodes[0]).upload(bytes.to_vec()).await.unwrap();
         }
         let mut spec = problem.spec(2);
