@@ -4,95 +4,16 @@
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
 
-use std::path::Path;
+mod common;
+
 use std::time::Duration;
 
+use common::{client, config, have, have_any, mesh, seed, stop, submit, LIMIT};
 use gpumesh::node::{Formation, MeshNode, Multiaddr, NodeConfig};
 use gpumesh::protocol::{BackendKind, ShaderSource};
-use gpumesh::shaders::builtins::{self, Problem};
+use gpumesh::shaders::builtins;
 use gpumesh::shaders::BackendChoice;
 use gpumesh::{Client, ClientError};
-
-const LIMIT: Duration = Duration::from_secs(120);
-
-fn config(dir: &Path, formation: Formation, peers: &[Multiaddr]) -> NodeConfig {
-    let mut c = NodeConfig::new(dir);
-    c.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
-    c.api = "127.0.0.1:0".parse().unwrap();
-    c.mdns = false;
-    c.calibrate = false;
-    c.formation = formation;
-    c.peers = peers.to_vec();
-    c.raft_tick = Duration::from_millis(50);
-    c.join_timeout = Duration::from_secs(20);
-    c
-}
-
-fn seed(node: &MeshNode) -> Multiaddr {
-    format!("{}/p2p/{}", node.listen_addrs[0], node.peer_id)
-        .parse()
-        .unwrap()
-}
-
-/// Whether a backend is present; a missing required one fails, others are reported.
-fn have(backend: BackendKind) -> bool {
-    let found = !gpumesh::shaders::adapter::adapters(BackendChoice::Only(backend)).is_empty();
-    let required = std::env::var("GPUMESH_REQUIRE_BACKENDS").unwrap_or_default();
-    if !found {
-        assert!(
-            !required.split(',').any(|r| r.trim() == backend.name()),
-            "GPUMESH_REQUIRE_BACKENDS names {} but it is unavailable",
-            backend.name()
-        );
-        eprintln!(
-            "\n!!!!! NO {} ADAPTER: mesh cases needing it are SKIPPED !!!!!\n",
-            backend.name()
-        );
-    }
-    found
-}
-
-fn have_any() -> bool {
-    have(BackendKind::Vulkan) | have(BackendKind::Gl)
-}
-
-async fn mesh(root: &Path, n: usize) -> Vec<MeshNode> {
-    let first = MeshNode::start(config(&root.join("n0"), Formation::Init, &[]))
-        .await
-        .unwrap();
-    let s = seed(&first);
-    let mut nodes = vec![first];
-    for i in 1..n {
-        nodes.push(
-            MeshNode::start(config(
-                &root.join(format!("n{i}")),
-                Formation::Join,
-                std::slice::from_ref(&s),
-            ))
-            .await
-            .unwrap(),
-        );
-    }
-    nodes
-}
-
-fn client(node: &MeshNode) -> Client {
-    Client::new(node.api_addr.to_string())
-}
-
-/// Uploads the problem's inputs through `via` and submits it in `shards` shards.
-async fn submit(via: &Client, problem: &Problem, shards: u32) -> u64 {
-    for (id, bytes) in &problem.blobs {
-        assert_eq!(via.upload(bytes.to_vec()).await.unwrap(), *id);
-    }
-    via.submit(problem.spec(shards), None).await.unwrap()
-}
-
-async fn stop(nodes: Vec<MeshNode>) {
-    for n in nodes {
-        n.stop().await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_nodes_submit_from_each_and_fetch_from_each() {
