@@ -317,3 +317,108 @@ fn adapters_lists_each_backend_with_measured_speed() {
         assert!(c["gbps"].as_f64().unwrap() > 0.0, "{c}");
     }
 }
+
+#[test]
+fn keygen_writes_a_private_key_file_once_and_prints_its_fingerprint() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mesh.key");
+    let o = gpumesh(&["keygen", "--out", path.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&path).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text:?}");
+    assert_eq!(lines[0], "/key/swarm/psk/1.0.0/");
+    assert_eq!(lines[1], "/base16/");
+    assert!(
+        lines[2].len() == 64 && lines[2].chars().all(|c| c.is_ascii_hexdigit()),
+        "{text:?}"
+    );
+    // What libp2p itself reads, and the fingerprint printed is this key's.
+    let key: gpumesh::node::ClusterKey = text.parse().unwrap();
+    assert!(stdout(&o).contains(&key.fingerprint()), "{}", stdout(&o));
+    assert!(
+        !stdout(&o).contains(lines[2]),
+        "the key itself is not printed"
+    );
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "mode {mode:o}");
+    }
+
+    // A second run refuses to replace it.
+    let again = gpumesh(&["keygen", "--out", path.to_str().unwrap()]);
+    assert!(!again.status.success());
+    assert!(
+        stderr(&again).contains(path.to_str().unwrap())
+            && stderr(&again).contains("already exists"),
+        "{}",
+        stderr(&again)
+    );
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), text, "unchanged");
+
+    // Without --out the key goes to stdout, ready to redirect, and differs each time.
+    let a = gpumesh(&["keygen"]);
+    let b = gpumesh(&["keygen"]);
+    assert!(a.status.success() && b.status.success());
+    let key_a: gpumesh::node::ClusterKey = stdout(&a).parse().unwrap();
+    let key_b: gpumesh::node::ClusterKey = stdout(&b).parse().unwrap();
+    assert_ne!(key_a, key_b);
+    assert!(stderr(&a).contains(&key_a.fingerprint()), "{}", stderr(&a));
+}
+
+#[test]
+fn a_node_with_a_bad_cluster_key_file_stops_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write(
+        dir.path(),
+        "bad.key",
+        b"/key/swarm/psk/1.0.0/\n/base16/\nnot-hex\n",
+    );
+    let missing = dir.path().join("missing.key");
+    let missing = missing.to_str().unwrap();
+    let data = dir.path().join("data");
+    let node_args = [
+        "node",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        "--api",
+        "127.0.0.1:0",
+        "--no-mdns",
+        "--init",
+    ];
+    let flagged = |key: &str| {
+        let mut args = node_args.to_vec();
+        args.extend(["--cluster-key", key]);
+        gpumesh(&args)
+    };
+    for (o, file, why) in [
+        (flagged(&bad), bad.as_str(), "is not a cluster key"),
+        (
+            flagged(missing),
+            missing,
+            "cannot read the cluster key file",
+        ),
+    ] {
+        assert!(!o.status.success(), "started: {}", stdout(&o));
+        let err = stderr(&o);
+        assert!(err.contains(file) && err.contains(why), "{err}");
+        assert!(
+            err.contains("gpumesh keygen"),
+            "says how to make one: {err}"
+        );
+    }
+    // The same through GPUMESH_CLUSTER_KEY.
+    let o = Command::new(env!("CARGO_BIN_EXE_gpumesh"))
+        .args(node_args)
+        .env("GPUMESH_CLUSTER_KEY", &bad)
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "started: {}", stdout(&o));
+    assert!(stderr(&o).contains(&bad), "{}", stderr(&o));
+    assert!(!data.exists(), "nothing started: no data dir was made");
+}

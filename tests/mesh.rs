@@ -4,17 +4,16 @@
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
 
+mod common;
+
 use std::time::Duration;
 
+use common::{client, config, have, have_any, mesh, seed, stop, submit, LIMIT};
 use gpumesh::node::{Formation, MeshNode, Multiaddr, NodeConfig};
 use gpumesh::protocol::{BackendKind, ShaderSource};
 use gpumesh::shaders::builtins;
 use gpumesh::shaders::BackendChoice;
 use gpumesh::{Client, ClientError};
-
-mod common;
-
-use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_nodes_submit_from_each_and_fetch_from_each() {

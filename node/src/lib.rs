@@ -3,16 +3,19 @@
 //!
 //! - [`mesh`]: [`MeshNode`], one node with every actor wired together; forming,
 //!   joining and leaving a mesh.
-//! - [`net`]: the libp2p swarm actor (TCP + Noise + Yamux, mDNS, identify,
-//!   request-response for Raft frames, node requests and blob chunks).
+//! - [`net`]: the libp2p swarm actor (TCP + optional cluster key + Noise + Yamux,
+//!   allow-list and connection caps, mDNS, identify, request-response for node
+//!   requests and blob chunks, streams for Raft frames).
 //! - [`worker`]: runs assigned shards on the GPU thread and reports results.
 //! - [`scheduler`]: on the leader, places pending shards by capability and queue.
 //! - [`api`]: the local HTTP+JSON API for the CLI, the client and the dashboard.
 //! - [`blob`]: the content-addressed blob store on disk.
+//! - [`cluster_key`]: the pnet pre-shared key that closes a mesh to strangers.
 //! - [`identity`]: the node key and the raft id derived from it.
 
 pub mod api;
 pub mod blob;
+pub mod cluster_key;
 mod error;
 pub mod identity;
 pub mod mesh;
@@ -21,6 +24,8 @@ pub mod scheduler;
 mod wire;
 pub mod worker;
 
+pub use cluster_key::ClusterKey;
 pub use error::{NodeError, Result};
 pub use libp2p::{Multiaddr, PeerId};
 pub use mesh::{Faults, Formation, MeshNode, NodeConfig};
+pub use net::ConnectionCaps;

@@ -1,9 +1,10 @@
 //! `MeshNode`: one gpumesh node, every actor wired together.
 //!
 //! Start-up: identity and blob store from the data dir, the GPU thread (calibrated),
-//! the libp2p net actor, then the Raft record — reopened from the data dir, or formed
-//! (`--init`, `--bootstrap-expect N`), or joined through any member reached by
-//! `--peer` or mDNS — and finally the worker, the scheduler, heartbeats and the
+//! the libp2p net actor (behind the cluster key and allow-list, if any), then the
+//! Raft record — reopened from the data dir, or formed (`--init`,
+//! `--bootstrap-expect N`), or joined through any member reached by `--peer` or
+//! mDNS — and finally the worker, the scheduler, heartbeats and the
 //! local HTTP API. Raft frames travel over libp2p; a peer's raft id is derived from
 //! its Noise-authenticated peer id, so no frame can claim another sender.
 
@@ -26,9 +27,10 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::blob::BlobStore;
+use crate::cluster_key::ClusterKey;
 use crate::error::{NodeError, Result};
 use crate::identity;
-use crate::net::{NetConfig, NetEvent, NetHandle};
+use crate::net::{ConnectionCaps, NetConfig, NetEvent, NetHandle};
 use crate::scheduler::{self, Scheduler, SchedulerConfig};
 use crate::wire::{self, NodeReply, NodeRequest};
 use crate::worker::{GpuHandle, Worker};
@@ -63,6 +65,13 @@ pub struct NodeConfig {
     pub raft_tick: Duration,
     pub max_blob_bytes: u64,
     pub max_voters: u32,
+    /// The mesh's shared secret; `None` leaves the transport open to anyone who
+    /// reaches the listen addresses. `Debug` shows only its fingerprint.
+    pub cluster_key: Option<ClusterKey>,
+    /// When not empty, the only peers this node keeps connections with.
+    pub allow_peers: Vec<PeerId>,
+    /// Caps on connections per peer, in total, and half-open.
+    pub connections: ConnectionCaps,
     /// When the leader declares a node down and an attempt a straggler.
     pub scheduler: SchedulerConfig,
     /// How long a shard may run on the GPU unless its task says otherwise.
@@ -99,6 +108,9 @@ impl NodeConfig {
             scheduler: SchedulerConfig::default(),
             default_deadline: Duration::from_secs(60),
             faults: Faults::default(),
+            cluster_key: None,
+            allow_peers: Vec::new(),
+            connections: ConnectionCaps::default(),
         }
     }
 }
@@ -207,6 +219,18 @@ impl MeshNode {
         net_config.listen = config.listen.clone();
         net_config.peers = config.peers.clone();
         net_config.mdns = config.mdns;
+        net_config.psk = config.cluster_key.map(|k| k.psk());
+        net_config.allow_peers = config.allow_peers.clone();
+        net_config.connections = config.connections;
+        match &config.cluster_key {
+            Some(key) => tracing::info!(fingerprint = %key.fingerprint(), "cluster key loaded"),
+            None => tracing::info!(
+                "no cluster key: anyone who reaches the listen addresses can connect"
+            ),
+        }
+        if !config.allow_peers.is_empty() {
+            tracing::info!(peers = ?config.allow_peers, "only these peers are admitted");
+        }
         let (net, net_task) =
             NetHandle::start(net_config, blobs.clone(), events_tx, cancel.clone()).await?;
         let listen_addrs = net.listen_addrs().await?;
@@ -500,20 +524,77 @@ async fn find_mesh(
             }
         }
         if Instant::now() > deadline {
-            let tried: Vec<String> = config.peers.iter().map(|p| p.to_string()).collect();
-            return Err(NodeError::Config(if tried.is_empty() && seen.is_empty() {
-                "found no mesh to join: give --peer ADDRESS of a member, or --init to start a new mesh".into()
+            if config.peers.is_empty() && seen.is_empty() {
+                return Err(NodeError::Config(
+                    "found no mesh to join: give --peer ADDRESS of a member, or --init to start a new mesh".into(),
+                ));
+            }
+            // Say why, peer by peer, when there are peers to ask.
+            let mut why = Vec::new();
+            for addr in &config.peers {
+                why.push(probe(shared, addr).await);
+            }
+            return Err(NodeError::Config(if why.is_empty() {
+                format!(
+                    "no mesh member answered within {:?}; check that a member runs and is \
+                     reachable, or --init to start a new mesh",
+                    config.join_timeout
+                )
             } else {
                 format!(
-                    "no mesh member answered within {:?} (tried --peer {}); check the address and that a \
-                     node runs there, or --init to start a new mesh",
+                    "no mesh member answered within {:?}: {}",
                     config.join_timeout,
-                    if tried.is_empty() { "none".into() } else { tried.join(", ") }
+                    why.join("; ")
                 )
             }));
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
+}
+
+/// How long the last look at a `--peer` that never let this node join may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One more attempt at a `--peer`, to say why joining through it failed: a refused or
+/// failed handshake (wrong cluster key, nothing there), or a connection that the other
+/// side closes as soon as it opens (this node is not on its allow-list).
+async fn probe(shared: &Arc<Shared>, addr: &Multiaddr) -> String {
+    let me = shared.peer_id;
+    let attempt = async {
+        let peer = match shared.net.dial(addr.clone()).await {
+            Ok(peer) => peer,
+            // Names the address and hints at the cluster key itself.
+            Err(e) => return e.to_string(),
+        };
+        let hello = MeshRequest::Node(wire::encode(&NodeRequest::Hello));
+        match shared.net.request(peer, hello).await {
+            Ok(MeshResponse::Node(bytes)) => match wire::decode(&bytes) {
+                Some(NodeReply::Hello { cluster: None, .. }) => {
+                    format!("{addr} answered but is not in a mesh yet (start one node with --init)")
+                }
+                Some(NodeReply::Hello {
+                    cluster: Some(_), ..
+                }) => {
+                    format!("{addr} is a mesh member and answers now; try again")
+                }
+                _ => format!("{addr} gave an unexpected answer; is it the same gpumesh version?"),
+            },
+            Ok(other) => format!("{addr} answered {other:?}; is it the same gpumesh version?"),
+            Err(e) => format!(
+                "{addr} accepted the connection, then closed it or did not answer ({e}); if \
+                 that mesh admits only listed peers, add this node's peer id {me} to its \
+                 members' --allow-peer"
+            ),
+        }
+    };
+    tokio::time::timeout(PROBE_TIMEOUT, attempt)
+        .await
+        .unwrap_or_else(|_| {
+            format!(
+                "{addr} did not complete a handshake within {PROBE_TIMEOUT:?}; check that it \
+                 uses the same cluster key"
+            )
+        })
 }
 
 /// Asks `peer` to add us as a learner, retrying until it is committed.

@@ -1,7 +1,8 @@
 //! The network actor: the one owner of the libp2p [`Swarm`].
 //!
 //! It owns the transport (TCP + Noise + Yamux, optionally behind a `pnet` cluster
-//! key), one [`NetworkBehaviour`] (request-response for joins, node calls and blob
+//! key), one [`NetworkBehaviour`] (admission first: an optional allow-list of peer ids
+//! and [`ConnectionCaps`]; then request-response for joins, node calls and blob
 //! chunks; long-lived streams for Raft, see [`raft_lane`]; identify to learn peers'
 //! listen addresses; mDNS when it can start), and the maps of
 //! requests and dials still waiting for an answer. Everything else reaches the network
@@ -28,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use gpumesh_protocol::{BlobId, MeshRequest, MeshResponse};
+use libp2p::connection_limits::{self, ConnectionLimits};
 use libp2p::core::muxing::StreamMuxerBox;
 use libp2p::core::transport::{Boxed, ListenerId};
 use libp2p::core::upgrade::Version;
@@ -37,9 +39,12 @@ use libp2p::pnet::{PnetConfig, PreSharedKey};
 use libp2p::request_response::{self, OutboundRequestId, ProtocolSupport, ResponseChannel};
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
-use libp2p::swarm::{ConnectionId, DialError, NetworkBehaviour, SwarmEvent};
+use libp2p::swarm::{
+    ConnectionDenied, ConnectionId, DialError, ListenError, NetworkBehaviour, SwarmEvent,
+};
 use libp2p::{
-    identify, mdns, noise, tcp, yamux, Multiaddr, PeerId, Swarm, SwarmBuilder, Transport,
+    allow_block_list, identify, mdns, noise, tcp, yamux, Multiaddr, PeerId, Swarm, SwarmBuilder,
+    Transport,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -80,6 +85,11 @@ pub struct NetConfig {
     pub mdns: bool,
     /// The cluster key: only nodes holding the same key can connect at all.
     pub psk: Option<PreSharedKey>,
+    /// When not empty, the only peers this node keeps connections with, both ways:
+    /// any other peer is disconnected as soon as Noise has authenticated its id.
+    pub allow_peers: Vec<PeerId>,
+    /// How many connections peers may hold open or half-open.
+    pub connections: ConnectionCaps,
     /// The largest frame (one request or response) accepted or sent.
     pub max_frame_bytes: usize,
     /// Bytes asked for per blob chunk request.
@@ -107,6 +117,8 @@ impl NetConfig {
             peers: Vec::new(),
             mdns: true,
             psk: None,
+            allow_peers: Vec::new(),
+            connections: ConnectionCaps::default(),
             max_frame_bytes: 32 << 20,
             chunk_bytes: 1 << 20,
             fetch_window: 8,
@@ -122,6 +134,7 @@ impl NetConfig {
         if self.chunk_bytes == 0 || self.fetch_window == 0 {
             return fail("chunk_bytes and fetch_window must be at least 1".into());
         }
+        self.connections.check()?;
         if self.max_frame_bytes > gpumesh_protocol::codec::MAX_MESSAGE_BYTES {
             return fail(format!(
                 "max_frame_bytes {} is over the codec limit of {}",
@@ -148,6 +161,8 @@ impl fmt::Debug for NetConfig {
             .field("peers", &self.peers)
             .field("mdns", &self.mdns)
             .field("psk", &self.psk.map(|k| k.fingerprint().to_string()))
+            .field("allow_peers", &self.allow_peers)
+            .field("connections", &self.connections)
             .field("max_frame_bytes", &self.max_frame_bytes)
             .field("chunk_bytes", &self.chunk_bytes)
             .field("fetch_window", &self.fetch_window)
@@ -155,6 +170,50 @@ impl fmt::Debug for NetConfig {
             .field("dial_timeout", &self.dial_timeout)
             .field("idle_timeout", &self.idle_timeout)
             .finish()
+    }
+}
+
+/// Caps on connections, enforced by libp2p's `connection_limits` behaviour: a
+/// connection over a cap is closed as soon as it is counted, and the node carries on
+/// with the ones it has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConnectionCaps {
+    /// Established connections with any one peer. Two nodes need one, sometimes two
+    /// (both dialled at once); more is a misbehaving or looping peer.
+    pub per_peer: u32,
+    /// Established connections in all, with every peer.
+    pub total: u32,
+    /// Incoming connections still in their handshakes (pnet, Noise, Yamux): bounds
+    /// what a flood of half-open connections can cost.
+    pub pending_incoming: u32,
+}
+
+impl Default for ConnectionCaps {
+    fn default() -> Self {
+        ConnectionCaps {
+            per_peer: 8,
+            total: 256,
+            pending_incoming: 64,
+        }
+    }
+}
+
+impl ConnectionCaps {
+    fn check(&self) -> Result<()> {
+        if self.per_peer == 0 || self.total == 0 || self.pending_incoming == 0 {
+            return Err(NodeError::NetSetup(format!(
+                "connection limits must be at least 1 (got {self:?}): a node that \
+                 accepts no connection cannot be in a mesh"
+            )));
+        }
+        Ok(())
+    }
+
+    fn limits(&self) -> ConnectionLimits {
+        ConnectionLimits::default()
+            .with_max_established_per_peer(Some(self.per_peer))
+            .with_max_established(Some(self.total))
+            .with_max_pending_incoming(Some(self.pending_incoming))
     }
 }
 
@@ -472,8 +531,12 @@ fn place(out: &mut [u8], piece: Piece, again: &mut Vec<(u64, u64)>, from: PeerId
     Ok(())
 }
 
+// Admission comes first: a connection the allow-list or the caps refuse is denied
+// before any other behaviour sets up a handler for it.
 #[derive(NetworkBehaviour)]
 struct MeshBehaviour {
+    allow: Toggle<allow_block_list::Behaviour<allow_block_list::AllowedPeers>>,
+    caps: connection_limits::Behaviour,
     rpc: request_response::Behaviour<codec::MeshCodec>,
     raft: libp2p_stream::Behaviour,
     identify: identify::Behaviour,
@@ -515,6 +578,14 @@ fn build_swarm(config: &NetConfig) -> Result<Swarm<MeshBehaviour>> {
         .with_max_concurrent_streams(256);
     let codec = codec::MeshCodec::new(config.max_frame_bytes);
     let want_mdns = config.mdns;
+    let allow = (!config.allow_peers.is_empty()).then(|| {
+        let mut allow = allow_block_list::Behaviour::<allow_block_list::AllowedPeers>::default();
+        for peer in &config.allow_peers {
+            allow.allow_peer(*peer);
+        }
+        allow
+    });
+    let caps = config.connections.limits();
     let swarm = SwarmBuilder::with_existing_identity(config.keypair.clone())
         .with_tokio()
         .with_other_transport(|key| build_transport(key, psk))
@@ -535,6 +606,8 @@ fn build_swarm(config: &NetConfig) -> Result<Swarm<MeshBehaviour>> {
                 None
             };
             MeshBehaviour {
+                allow: Toggle::from(allow),
+                caps: connection_limits::Behaviour::new(caps),
                 rpc: request_response::Behaviour::with_codec(
                     codec,
                     [(MESH_PROTOCOL, ProtocolSupport::Full)],
@@ -631,7 +704,21 @@ fn dial_reason(error: &DialError) -> String {
         DialError::WrongPeerId { obtained, .. } => {
             format!("the node there is {obtained}, not the peer id in the address")
         }
+        DialError::Denied { cause } => denial(cause),
         other => other.to_string(),
+    }
+}
+
+/// Why this node's admission refused a connection, naming the setting involved.
+fn denial(cause: &ConnectionDenied) -> String {
+    if let Some(not_allowed) = cause.downcast_ref::<allow_block_list::NotAllowed>() {
+        format!("{not_allowed} of this node (--allow-peer)")
+    } else if let Some(exceeded) = cause.downcast_ref::<connection_limits::Exceeded>() {
+        format!(
+            "{exceeded} (--max-connections-per-peer, --max-connections, --max-pending-incoming)"
+        )
+    } else {
+        format!("refused by this node: {cause}")
     }
 }
 
@@ -952,10 +1039,23 @@ impl NetActor {
             SwarmEvent::IncomingConnectionError {
                 send_back_addr,
                 error,
+                peer_id,
                 ..
             } => {
-                // Strangers, port scanners, or nodes with another cluster key.
-                tracing::info!(from = %send_back_addr, "refused an incoming connection: {error}");
+                // Strangers, port scanners, nodes with another cluster key, peers off
+                // the allow-list or over a connection limit.
+                let reason = match &error {
+                    ListenError::Denied { cause } => denial(cause),
+                    other => other.to_string(),
+                };
+                match peer_id {
+                    Some(peer) => tracing::info!(
+                        from = %send_back_addr, %peer, "refused an incoming connection: {reason}"
+                    ),
+                    None => tracing::info!(
+                        from = %send_back_addr, "refused an incoming connection: {reason}"
+                    ),
+                }
             }
             SwarmEvent::NewListenAddr { address, .. } => {
                 tracing::info!(%address, "listening");

@@ -13,15 +13,18 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, StreamExt};
 use gpumesh_node::blob::BlobStore;
-use gpumesh_node::net::{bench_blob_transfer_with, NetConfig, NetEvent, NetHandle, MESH_PROTOCOL};
+use gpumesh_node::net::{
+    bench_blob_transfer_with, ConnectionCaps, NetConfig, NetEvent, NetHandle, MESH_PROTOCOL,
+};
 use gpumesh_node::NodeError;
 use gpumesh_protocol::{seal, BlobId, MeshRequest, MeshResponse};
 use libp2p::identity::Keypair;
 use libp2p::multiaddr::Protocol;
 use libp2p::pnet::PreSharedKey;
 use libp2p::request_response::{self, ProtocolSupport};
-use libp2p::swarm::SwarmEvent;
-use libp2p::{noise, tcp, yamux, Multiaddr, PeerId, StreamProtocol, SwarmBuilder};
+use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
+use libp2p::swarm::{dummy, SwarmEvent};
+use libp2p::{noise, tcp, yamux, Multiaddr, PeerId, StreamProtocol, Swarm, SwarmBuilder};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -774,4 +777,180 @@ async fn a_peer_with_a_smaller_frame_limit_serves_a_blob_in_smaller_pieces() {
     );
     server.stop().await;
     client.stop().await;
+}
+
+/// A bare libp2p peer (TCP + Noise + Yamux, no protocols) that keeps idle connections,
+/// to open as many as it likes.
+fn bare_peer() -> Swarm<dummy::Behaviour> {
+    SwarmBuilder::with_new_identity()
+        .with_tokio()
+        .with_tcp(
+            tcp::Config::default(),
+            noise::Config::new,
+            yamux::Config::default,
+        )
+        .unwrap()
+        .with_behaviour(|_| dummy::Behaviour)
+        .unwrap()
+        .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
+        .build()
+}
+
+/// Dials `to` `times` times, each a connection of its own, and drives the swarm until
+/// every dial has ended up open or closed and nothing has changed for a moment;
+/// returns how many stay open.
+async fn open_connections(
+    swarm: &mut Swarm<dummy::Behaviour>,
+    to: &Multiaddr,
+    times: usize,
+) -> u32 {
+    let peer = match to.iter().last() {
+        Some(Protocol::P2p(peer)) => peer,
+        _ => panic!("{to} has no /p2p/"),
+    };
+    for _ in 0..times {
+        swarm
+            .dial(
+                DialOpts::peer_id(peer)
+                    .addresses(vec![to.clone()])
+                    .condition(PeerCondition::Always)
+                    .build(),
+            )
+            .unwrap();
+    }
+    let mut ended = 0;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let quiet = tokio::time::Instant::now() + Duration::from_millis(700);
+        match tokio::time::timeout_at(quiet.min(deadline), swarm.select_next_some()).await {
+            Ok(
+                SwarmEvent::ConnectionEstablished { .. }
+                | SwarmEvent::OutgoingConnectionError { .. },
+            ) => ended += 1,
+            Ok(_) => {}
+            Err(_) if ended >= times => break,
+            Err(_) => assert!(
+                tokio::time::Instant::now() < deadline,
+                "only {ended} of {times} dials ended within {WAIT:?}"
+            ),
+        }
+    }
+    swarm.network_info().connection_counters().num_established()
+}
+
+#[tokio::test]
+async fn connections_over_the_caps_are_refused_and_the_node_keeps_serving() {
+    let mut victim = Node::start(|c| {
+        c.connections = ConnectionCaps {
+            per_peer: 2,
+            total: 3,
+            pending_incoming: 16,
+        }
+    })
+    .await;
+    let data = pseudo_random(200_000, 17);
+    let id = victim.blobs.put(&data).unwrap();
+
+    // One peer asks for five connections: it keeps two.
+    let mut greedy = bare_peer();
+    assert_eq!(open_connections(&mut greedy, &victim.addr, 5).await, 2);
+    // Another asks for two: the node holds three in all, so it keeps one.
+    let mut second = bare_peer();
+    assert_eq!(open_connections(&mut second, &victim.addr, 2).await, 1);
+
+    // The node's own dials count too, and its refusal names the limit and the flag.
+    let spare = Node::start(|_| {}).await;
+    let without_id: Multiaddr = spare
+        .addr
+        .iter()
+        .filter(|p| !matches!(p, Protocol::P2p(_)))
+        .collect();
+    let err = victim.net.dial(without_id).await.unwrap_err().to_string();
+    assert!(
+        err.contains("at most 3 established connections") && err.contains("--max-connections"),
+        "{err}"
+    );
+
+    // Room again once a peer goes: a well-behaved node gets in and is served.
+    drop(second);
+    let client = Node::start(|c| c.chunk_bytes = 64 << 10).await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let peer = loop {
+        // The node notices the closed connection a moment after it closes.
+        let peer = client.net.dial(victim.addr.clone()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if client.net.connected_peers().await.unwrap().contains(&peer) {
+            break peer;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never admitted");
+    };
+    client.net.fetch_blob(peer, id).await.unwrap();
+    assert_eq!(client.blobs.get(&id).unwrap().unwrap(), data);
+    client.net.send_raft(peer, b"served".to_vec()).unwrap();
+    let frame = victim
+        .expect("Raft", |e| match e {
+            NetEvent::Raft { frame, .. } => Ok(frame),
+            other => Err(other),
+        })
+        .await;
+    assert_eq!(frame, b"served");
+    // The greedy peer's two connections were never dropped.
+    assert_eq!(open_connections(&mut greedy, &victim.addr, 0).await, 2);
+    assert!(!victim.task.is_finished(), "the net actor died");
+
+    for node in [victim, spare, client] {
+        node.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn an_allow_list_admits_only_its_peers_both_ways() {
+    let friend_key = Keypair::generate_ed25519();
+    let friend_id = friend_key.public().to_peer_id();
+    let guarded = Node::start(|c| c.allow_peers = vec![friend_id]).await;
+    let friend = Node::start(|c| c.keypair = friend_key).await;
+    let stranger = Node::start(|_| {}).await;
+
+    assert_eq!(
+        friend.net.dial(guarded.addr.clone()).await.unwrap(),
+        guarded.id()
+    );
+    // The stranger completes its handshake, and then the guarded node hangs up.
+    let _ = stranger.net.dial(guarded.addr.clone()).await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while stranger
+        .net
+        .connected_peers()
+        .await
+        .unwrap()
+        .contains(&guarded.id())
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "stranger still connected"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let stranger_id = stranger.id();
+    let err = stranger
+        .net
+        .request(guarded.id(), MeshRequest::Node(b"hello?".to_vec()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, NodeError::Request { .. }), "{err:?}");
+    // Nor does the guarded node connect out to anyone unlisted.
+    let err = guarded.net.dial(stranger.addr.clone()).await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains(&format!("peer {stranger_id} is not in the allow list")),
+        "{err}"
+    );
+    assert_eq!(
+        guarded.net.connected_peers().await.unwrap(),
+        vec![friend_id]
+    );
+
+    for node in [guarded, friend, stranger] {
+        node.stop().await;
+    }
 }

@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
-use gpumesh::node::{Formation, MeshNode, Multiaddr, NodeConfig};
+use gpumesh::node::{
+    ClusterKey, ConnectionCaps, Formation, MeshNode, Multiaddr, NodeConfig, PeerId,
+};
 use gpumesh::Client;
 use gpumesh_shaders::BackendChoice;
 
@@ -41,10 +43,40 @@ pub struct NodeArgs {
     /// Seconds to wait for a mesh to join or form.
     #[arg(long, default_value_t = 30)]
     pub join_timeout: u64,
+    /// The mesh's cluster key file (`gpumesh keygen --out FILE`): only nodes holding
+    /// the same key can connect. Without one, anyone who reaches --listen can.
+    #[arg(long, env = "GPUMESH_CLUSTER_KEY", value_name = "FILE")]
+    pub cluster_key: Option<PathBuf>,
+    /// Admit only this peer id (repeatable; the node's own id is printed at start).
+    /// Without any, every peer holding the cluster key is admitted.
+    #[arg(long = "allow-peer", value_name = "PEER_ID")]
+    pub allow_peers: Vec<PeerId>,
+    /// Most connections one peer may hold open with this node.
+    #[arg(long, value_name = "N", default_value_t = ConnectionCaps::default().per_peer)]
+    pub max_connections_per_peer: u32,
+    /// Most connections open with all peers together.
+    #[arg(long, value_name = "N", default_value_t = ConnectionCaps::default().total)]
+    pub max_connections: u32,
+    /// Most incoming connections still in their handshakes at once.
+    #[arg(long, value_name = "N", default_value_t = ConnectionCaps::default().pending_incoming)]
+    pub max_pending_incoming: u32,
 }
 
 pub fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
+    // Before anything starts: a bad key file stops the node with the file's name.
+    let cluster_key = args
+        .cluster_key
+        .as_deref()
+        .map(ClusterKey::load)
+        .transpose()?;
     let mut config = NodeConfig::new(&args.data_dir);
+    config.cluster_key = cluster_key;
+    config.allow_peers = args.allow_peers;
+    config.connections = ConnectionCaps {
+        per_peer: args.max_connections_per_peer,
+        total: args.max_connections,
+        pending_incoming: args.max_pending_incoming,
+    };
     config.listen = vec![args.listen];
     config.api = args.api;
     config.peers = args.peers;
@@ -63,6 +95,13 @@ pub fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
         println!("gpumesh node {} (raft id {:x})", node.peer_id, node.raft_id);
         for a in &node.listen_addrs {
             println!("  listening on {a}/p2p/{}", node.peer_id);
+        }
+        match &cluster_key {
+            Some(key) => println!("  cluster key: fingerprint {}", key.fingerprint()),
+            None => println!(
+                "  cluster key: none (anyone who reaches the listen address can connect; \
+                 see `gpumesh keygen`)"
+            ),
         }
         match &node.capability {
             Some(c) => println!(

@@ -1,6 +1,8 @@
-//! The command line: `gpumesh adapters`, `gpumesh run`, `gpumesh bench`.
+//! The command line: `gpumesh adapters`, `gpumesh run`, `gpumesh bench`, `gpumesh
+//! keygen`, and the mesh commands.
 
 mod adapters;
+mod keygen;
 pub mod mesh;
 pub mod run;
 
@@ -35,6 +37,9 @@ pub enum Command {
     },
     /// Run a WGSL kernel (or a built-in one) here, once, without a mesh.
     Run(RunArgs),
+    /// Make a cluster key: the shared secret without which no node can connect to a
+    /// mesh started with `--cluster-key`.
+    Keygen(keygen::KeygenArgs),
     /// Run a mesh node until Ctrl-C (then leave the mesh gracefully).
     Node(Box<crate::cli::mesh::NodeArgs>),
     /// Submit a task to the mesh through a node's API.
@@ -181,6 +186,7 @@ pub fn execute(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Adapters { json, no_calibrate } => adapters::run(json, !no_calibrate),
         Command::Run(args) => run::run(args),
+        Command::Keygen(args) => keygen::keygen(args),
         Command::Node(args) => mesh::node(*args),
         Command::Submit(args) => mesh::submit(args),
         Command::Result(args) => mesh::result(args),

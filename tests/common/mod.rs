@@ -1,6 +1,8 @@
-//! Helpers shared by the mesh test files: real nodes in one process on loopback.
+//! What the multi-node test files share: node configs for loopback, seeds, adapter
+//! checks, and starting and stopping small meshes.
 
-#![allow(dead_code)] // each test file uses its own subset
+// Each test file uses its own subset of these.
+#![allow(dead_code)]
 
 use std::path::Path;
 use std::time::Duration;
@@ -11,8 +13,11 @@ use gpumesh::shaders::builtins::Problem;
 use gpumesh::shaders::BackendChoice;
 use gpumesh::Client;
 
+/// The longest any one test may take.
 pub const LIMIT: Duration = Duration::from_secs(120);
 
+/// A node on loopback with an ephemeral API port, no mDNS, no calibration and a quick
+/// Raft tick.
 pub fn config(dir: &Path, formation: Formation, peers: &[Multiaddr]) -> NodeConfig {
     let mut c = NodeConfig::new(dir);
     c.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
@@ -26,6 +31,7 @@ pub fn config(dir: &Path, formation: Formation, peers: &[Multiaddr]) -> NodeConf
     c
 }
 
+/// The node's first listen address with its peer id, as `--peer` takes it.
 pub fn seed(node: &MeshNode) -> Multiaddr {
     format!("{}/p2p/{}", node.listen_addrs[0], node.peer_id)
         .parse()
