@@ -8,6 +8,7 @@
 use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use gpumesh_protocol::BlobId;
 
@@ -78,9 +79,15 @@ impl BlobStore {
         if path.exists() {
             return Ok(());
         }
-        let tmp = self
-            .root
-            .join(format!("{}.{}.tmp", id.to_hex(), std::process::id()));
+        // One temporary file per writer: the API, a fetch from a peer and the worker
+        // may store the same blob at once, and each must rename only its own file.
+        static WRITES: AtomicU64 = AtomicU64::new(0);
+        let tmp = self.root.join(format!(
+            "{}.{}.{}.tmp",
+            id.to_hex(),
+            std::process::id(),
+            WRITES.fetch_add(1, Ordering::Relaxed)
+        ));
         let write = || -> std::io::Result<()> {
             let mut f = File::create(&tmp)?;
             f.write_all(bytes)?;
@@ -176,6 +183,28 @@ mod tests {
         assert!(store.put_verified(id, b"hello MESH").is_err());
         assert_eq!(store.get(&BlobId::of(b"other")).unwrap(), None);
         assert_eq!(store.stats(), (1, 10));
+    }
+
+    #[test]
+    fn the_same_blob_stored_by_many_writers_at_once_is_stored_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes: Vec<u8> = (0..1 << 20).map(|i| (i * 7) as u8).collect();
+        let id = BlobId::of(&bytes);
+        // Fresh stores, so every writer finds the blob missing and writes it.
+        for round in 0..10 {
+            let store = BlobStore::open(dir.path().join(round.to_string()), 2 << 20).unwrap();
+            let start = std::sync::Barrier::new(8);
+            std::thread::scope(|s| {
+                for _ in 0..8 {
+                    s.spawn(|| {
+                        start.wait();
+                        store.put_verified(id, &bytes).unwrap();
+                    });
+                }
+            });
+            assert_eq!(store.get(&id).unwrap().unwrap(), bytes);
+            assert_eq!(store.stats(), (1, bytes.len() as u64), "no leftovers");
+        }
     }
 
     #[test]
