@@ -73,6 +73,7 @@ impl BlobStore {
                 what: "blob size in bytes",
                 value: bytes.len() as u64,
                 limit: self.max_blob_bytes,
+                setting: "--max-blob-bytes",
             });
         }
         let path = self.path(&id);
@@ -224,7 +225,10 @@ mod tests {
     fn oversized_blobs_are_refused_naming_the_limit() {
         let dir = tempfile::tempdir().unwrap();
         let store = BlobStore::open(dir.path(), 8).unwrap();
-        let err = store.put(b"nine bytes").unwrap_err();
-        assert!(err.to_string().contains("limit"), "{err}");
+        let err = store.put(b"nine bytes").unwrap_err().to_string();
+        assert!(
+            err.contains("limit of 8") && err.contains("--max-blob-bytes"),
+            "{err}"
+        );
     }
 }
