@@ -131,8 +131,13 @@ impl FromStr for MergeRule {
 pub struct Grid(pub [u32; 3]);
 
 impl Grid {
+    /// Workgroups in all, x·y·z; `u64::MAX` when that does not fit (three large
+    /// dimensions reach 2^96), so a huge grid stays huge and over any limit instead
+    /// of wrapping around to a small one.
     pub fn total(&self) -> u64 {
-        self.0.iter().map(|&d| u64::from(d)).product()
+        self.0
+            .iter()
+            .fold(1u64, |n, &d| n.saturating_mul(u64::from(d)))
     }
 }
 

@@ -177,6 +177,17 @@ fn merge_rules_and_grids_parse() {
     }
     assert!("avg-f32".parse::<MergeRule>().is_err());
     assert!("sum-f64".parse::<MergeRule>().is_err());
+    assert_eq!(Grid([4, 5, 6]).total(), 120);
+    assert_eq!(
+        Grid([u32::MAX, u32::MAX, 1]).total(),
+        u64::from(u32::MAX).pow(2)
+    );
+    assert_eq!(
+        Grid([u32::MAX, u32::MAX, 2]).total(),
+        u64::MAX,
+        "saturates, never wraps"
+    );
+    assert_eq!(Grid([u32::MAX; 3]).total(), u64::MAX);
     assert_eq!("4".parse::<Grid>().unwrap(), Grid([4, 1, 1]));
     assert_eq!("4,5,6".parse::<Grid>().unwrap(), Grid([4, 5, 6]));
     assert!("4,0".parse::<Grid>().is_err());
