@@ -208,6 +208,35 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// Bytes offered as a blob they are not (another blob's id, or any 32 bytes)
+        /// are refused and nothing is stored; the right id stores them.
+        #[test]
+        fn bytes_that_do_not_hash_to_their_id_are_refused(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..4096),
+            other in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+            raw in proptest::prelude::any::<[u8; 32]>(),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let store = BlobStore::open(dir.path(), 1 << 20).unwrap();
+            let real = BlobId::of(&bytes);
+            for claimed in [BlobId::of(&other), BlobId(raw)] {
+                if claimed == real {
+                    continue;
+                }
+                let refused = store.put_verified(claimed, &bytes);
+                proptest::prop_assert!(
+                    matches!(refused, Err(NodeError::BlobMismatch { id, got }) if id == claimed && got == real),
+                    "{:?}", refused
+                );
+                proptest::prop_assert!(!store.has(&claimed));
+                proptest::prop_assert_eq!(store.stats(), (0, 0));
+            }
+            store.put_verified(real, &bytes).unwrap();
+            proptest::prop_assert_eq!(store.get(&real).unwrap(), Some(bytes));
+        }
+    }
+
     #[test]
     fn a_corrupted_file_is_reported_and_removed() {
         let dir = tempfile::tempdir().unwrap();
