@@ -25,6 +25,22 @@ pub enum ClientError {
 
 pub type ClientResult<T> = Result<T, ClientError>;
 
+/// Whether the connection broke under a request that had reached the node: reset or
+/// closed while the body was still being written.
+fn cut_off(e: &reqwest::Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(c) = cause {
+        if let Some(io) = c.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+            );
+        }
+        cause = c.source();
+    }
+    false
+}
+
 /// A client of one node's API.
 #[derive(Clone, Debug)]
 pub struct Client {
@@ -55,9 +71,23 @@ impl Client {
     }
 
     async fn send(&self, req: reqwest::RequestBuilder) -> ClientResult<reqwest::Response> {
-        let resp = req.send().await.map_err(|e| ClientError::Unreachable {
-            addr: self.addr.clone(),
-            reason: e.to_string(),
+        let resp = req.send().await.map_err(|e| {
+            if cut_off(&e) {
+                // A node refusing a body over its limits answers 413 and hangs up;
+                // a client still sending finds the connection gone before it reads
+                // the answer.
+                ClientError::Refused(format!(
+                    "the node at {} closed the connection while the request was being \
+                     sent: the body is probably over one of its limits (--max-blob-bytes \
+                     for uploads, --max-request-bytes otherwise), or the node stopped",
+                    self.addr
+                ))
+            } else {
+                ClientError::Unreachable {
+                    addr: self.addr.clone(),
+                    reason: e.to_string(),
+                }
+            }
         })?;
         if resp.status().is_success() {
             return Ok(resp);

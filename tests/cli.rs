@@ -422,3 +422,82 @@ fn a_node_with_a_bad_cluster_key_file_stops_naming_the_file() {
     assert!(stderr(&o).contains(&bad), "{}", stderr(&o));
     assert!(!data.exists(), "nothing started: no data dir was made");
 }
+
+#[test]
+fn a_node_shows_its_cluster_key_fingerprint_and_never_the_key() {
+    use std::io::{BufRead, Read};
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir().unwrap();
+    let key_path = dir.path().join("mesh.key");
+    assert!(gpumesh(&["keygen", "--out", key_path.to_str().unwrap()])
+        .status
+        .success());
+    let text = std::fs::read_to_string(&key_path).unwrap();
+    let key: gpumesh::node::ClusterKey = text.parse().unwrap();
+    let secret = text.lines().nth(2).unwrap().to_string();
+
+    let data = dir.path().join("data");
+    let mut node = Command::new(env!("CARGO_BIN_EXE_gpumesh"))
+        .args([
+            "node",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--api",
+            "127.0.0.1:0",
+            "--no-mdns",
+            "--init",
+            // No adapter: starts at once, without calibrating.
+            "--backend",
+            "metal",
+            "--cluster-key",
+            key_path.to_str().unwrap(),
+        ])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, lines) = std::sync::mpsc::channel();
+    let out = node.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut stdout = String::new();
+    while !stdout.contains("API on") {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) => stdout.push_str(&(line + "\n")),
+            Err(_) => break,
+        }
+    }
+    node.kill().unwrap();
+    node.wait().unwrap();
+    let mut stderr = String::new();
+    node.stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+
+    assert!(
+        stdout.contains("API on"),
+        "the node started: {stdout}\n{stderr}"
+    );
+    let fingerprint = key.fingerprint();
+    assert!(
+        stdout.contains(&format!("cluster key: fingerprint {fingerprint}")),
+        "{stdout}"
+    );
+    assert!(stderr.contains(&fingerprint), "logged: {stderr}");
+    assert!(
+        !stdout.contains(&secret) && !stderr.contains(&secret),
+        "the key itself never shows"
+    );
+}

@@ -2,6 +2,11 @@
 //! and, later, the dashboard. Talks to: raft (proposes submits, reads state), the
 //! blob store and net (outputs are merged from shard blobs pulled from their nodes).
 //!
+//! It enforces the node's [`Limits`] before anything is stored or committed: request
+//! bodies (blob uploads against `max_blob_bytes`, everything else against
+//! `max_request_bytes`) and shader size answer 413, grid and output size 400, a
+//! submitter's full queue 429; each error names the limit, its value and its flag.
+//!
 //! | method | path | what |
 //! |---|---|---|
 //! | POST | /v1/blobs | store the body as a blob, answer its id |
@@ -16,11 +21,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Path, State};
-use axum::http::StatusCode;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -34,13 +42,11 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{NodeError, Result};
+use crate::limits::Limits;
 use crate::mesh::Shared;
 
 /// Merged outputs already computed on this node: task → binding → blob.
 pub type ResultCache = Mutex<HashMap<TaskId, BTreeMap<u32, BlobId>>>;
-
-/// Largest request body the API accepts (blob uploads included).
-pub const MAX_BODY_BYTES: usize = 512 << 20;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct SubmitRequest {
@@ -160,6 +166,10 @@ fn bad(e: impl std::fmt::Display) -> ApiError {
     ApiError(StatusCode::BAD_REQUEST, e.to_string())
 }
 
+fn too_large(e: impl std::fmt::Display) -> ApiError {
+    ApiError(StatusCode::PAYLOAD_TOO_LARGE, e.to_string())
+}
+
 fn unavailable(e: impl std::fmt::Display) -> ApiError {
     ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
 }
@@ -179,8 +189,12 @@ pub(crate) async fn serve(
     shared: Arc<Shared>,
     cancel: CancellationToken,
 ) -> Result<(SocketAddr, JoinHandle<()>)> {
+    let caps = BodyCaps::of(&shared.limits);
     let app = Router::new()
-        .route("/v1/blobs", post(put_blob))
+        .route(
+            "/v1/blobs",
+            post(put_blob).layer(DefaultBodyLimit::max(caps.blob.max())),
+        )
         .route("/v1/blobs/{id}", get(get_blob))
         .route("/v1/tasks", post(submit).get(list_tasks))
         .route("/v1/tasks/{id}", get(get_task))
@@ -188,7 +202,9 @@ pub(crate) async fn serve(
         .route("/v1/tasks/{id}/outputs", get(outputs))
         .route("/v1/tasks/{id}/outputs/{binding}", get(output_bytes))
         .route("/v1/status", get(status))
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        // Every route but the blob upload above, which sets its own.
+        .layer(DefaultBodyLimit::max(caps.request.max()))
+        .layer(middleware::from_fn_with_state(caps, announced_within))
         .with_state(shared);
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
         NodeError::Config(format!(
@@ -235,13 +251,107 @@ async fn read_current<R: Send + 'static>(
     }
 }
 
-async fn put_blob(State(shared): State<Arc<Shared>>, body: Bytes) -> ApiResult<Json<BlobReply>> {
-    let blobs = shared.blobs.clone();
+/// The most bytes a request body may have, and how to name it when it has more.
+#[derive(Clone, Copy, Debug)]
+struct BodyCap {
+    what: &'static str,
+    limit: u64,
+    setting: &'static str,
+}
+
+impl BodyCap {
+    /// For axum's `DefaultBodyLimit`, which stops reading one byte past it.
+    fn max(&self) -> usize {
+        usize::try_from(self.limit).unwrap_or(usize::MAX)
+    }
+
+    fn refuse(&self, size: Option<u64>) -> ApiError {
+        too_large(match size {
+            Some(size) => NodeError::Limit {
+                what: self.what,
+                value: size,
+                limit: self.limit,
+                setting: self.setting,
+            }
+            .to_string(),
+            None => format!(
+                "{} is over the limit of {} (the node's {})",
+                self.what, self.limit, self.setting
+            ),
+        })
+    }
+
+    /// The body, or a refusal naming the limit it went over while it was read.
+    fn within(&self, body: std::result::Result<Bytes, BytesRejection>) -> ApiResult<Bytes> {
+        body.map_err(|rejection| match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => self.refuse(None),
+            status => ApiError(status, rejection.body_text()),
+        })
+    }
+}
+
+/// Blob uploads answer to the blob limit; every other body to the request limit.
+#[derive(Clone, Copy, Debug)]
+struct BodyCaps {
+    blob: BodyCap,
+    request: BodyCap,
+}
+
+impl BodyCaps {
+    fn of(limits: &Limits) -> Self {
+        BodyCaps {
+            blob: BodyCap {
+                what: "the blob's size in bytes",
+                limit: limits.max_blob_bytes,
+                setting: "--max-blob-bytes",
+            },
+            request: BodyCap {
+                what: "the request body's size in bytes",
+                limit: limits.max_request_bytes,
+                setting: "--max-request-bytes",
+            },
+        }
+    }
+
+    fn for_path(&self, path: &str) -> BodyCap {
+        if path == "/v1/blobs" {
+            self.blob
+        } else {
+            self.request
+        }
+    }
+}
+
+/// Refuses a body whose announced length is over its cap before reading any of it,
+/// so a client waiting for `100 Continue` is answered at once and sends nothing.
+/// Bodies without a length are cut off by `DefaultBodyLimit` as they are read.
+async fn announced_within(State(caps): State<BodyCaps>, request: Request, next: Next) -> Response {
+    let cap = caps.for_path(request.uri().path());
+    let announced = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    match announced {
+        Some(size) if size > cap.limit => cap.refuse(Some(size)).into_response(),
+        _ => next.run(request).await,
+    }
+}
+
+async fn put_blob(
+    State(shared): State<Arc<Shared>>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<BlobReply>> {
+    let body = BodyCaps::of(&shared.limits).blob.within(body)?;
     let size = body.len() as u64;
+    let blobs = shared.blobs.clone();
     let id = tokio::task::spawn_blocking(move || blobs.put(&body))
         .await
         .map_err(unavailable)?
-        .map_err(bad)?;
+        .map_err(|e| match e {
+            NodeError::Limit { .. } => too_large(e),
+            e => unavailable(format!("could not store the blob: {e}")),
+        })?;
     Ok(Json(BlobReply {
         id: id.to_hex(),
         size,
@@ -261,10 +371,66 @@ async fn get_blob(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> 
     })
 }
 
-async fn submit(State(shared): State<Arc<Shared>>, body: Bytes) -> ApiResult<Json<SubmitReply>> {
+/// A place in this node's queue, held from the limit check until the submit is
+/// answered (by then a committed task is in the replicated queue it counts).
+struct QueueSlot<'a>(&'a AtomicUsize);
+
+impl Drop for QueueSlot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Refuses a submit when the tasks submitted through this node and still pending or
+/// running, plus the submits under way here, reach the limit. A retried submit of a
+/// task already created passes: it creates nothing.
+async fn queue_slot<'a>(
+    shared: &'a Shared,
+    c: &gpumesh_consensus::ConsensusHandle,
+    request_id: RequestId,
+    limits: &Limits,
+) -> ApiResult<QueueSlot<'a>> {
+    // Counted before the state is read, so a submit applied between the two reads is
+    // counted twice (refusing a moment early) but never missed.
+    let under_way = shared.submits_in_flight.fetch_add(1, Ordering::SeqCst);
+    let slot = QueueSlot(&shared.submits_in_flight);
+    let me = shared.peer_id.to_string();
+    let (queued, retry) = c
+        .read_local(move |s| {
+            let queued = s.active_tasks().filter(|t| t.submitter == me).count();
+            (queued, s.task_by_request(&request_id).is_some())
+        })
+        .await
+        .map_err(unavailable)?;
+    let limit = limits.max_queued_per_submitter;
+    if !retry && queued + under_way >= limit {
+        return Err(ApiError(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!(
+                "{} tasks submitted through this node are pending or running, at the limit \
+                 of {limit} (the node's --max-queued-per-submitter); wait for some to \
+                 finish (`gpumesh tasks`) and submit again",
+                queued + under_way
+            ),
+        ));
+    }
+    Ok(slot)
+}
+
+async fn submit(
+    State(shared): State<Arc<Shared>>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<SubmitReply>> {
+    let limits = shared.limits;
+    let body = BodyCaps::of(&limits).request.within(body)?;
     let req: SubmitRequest =
         serde_json::from_slice(&body).map_err(|e| bad(format!("malformed submit request: {e}")))?;
     let c = consensus(&shared)?;
+    // The cheap limits first: a huge shader is not parsed, a huge grid not planned.
+    limits.check_shader(&req.spec).map_err(too_large)?;
+    limits.check_work(&req.spec).map_err(bad)?;
+    let request_id = req.request_id.unwrap_or_else(|| c.new_request_id());
+    let _slot = queue_slot(&shared, &c, request_id, &limits).await?;
     // The same checks `gpumesh run` makes, before anything is committed.
     let kernel = Kernel::for_source(&req.spec.shader, &req.spec.entry_point).map_err(bad)?;
     kernel.check(&req.spec).map_err(bad)?;
@@ -280,7 +446,6 @@ async fn submit(State(shared): State<Arc<Shared>>, body: Bytes) -> ApiResult<Jso
             }
         }
     }
-    let request_id = req.request_id.unwrap_or_else(|| c.new_request_id());
     let committed = c
         .propose_with_id(
             request_id,

@@ -8,6 +8,7 @@
 use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use gpumesh_protocol::BlobId;
 
@@ -72,15 +73,22 @@ impl BlobStore {
                 what: "blob size in bytes",
                 value: bytes.len() as u64,
                 limit: self.max_blob_bytes,
+                setting: "--max-blob-bytes",
             });
         }
         let path = self.path(&id);
         if path.exists() {
             return Ok(());
         }
-        let tmp = self
-            .root
-            .join(format!("{}.{}.tmp", id.to_hex(), std::process::id()));
+        // One temporary file per writer: the API, a fetch from a peer and the worker
+        // may store the same blob at once, and each must rename only its own file.
+        static WRITES: AtomicU64 = AtomicU64::new(0);
+        let tmp = self.root.join(format!(
+            "{}.{}.{}.tmp",
+            id.to_hex(),
+            std::process::id(),
+            WRITES.fetch_add(1, Ordering::Relaxed)
+        ));
         let write = || -> std::io::Result<()> {
             let mut f = File::create(&tmp)?;
             f.write_all(bytes)?;
@@ -179,6 +187,57 @@ mod tests {
     }
 
     #[test]
+    fn the_same_blob_stored_by_many_writers_at_once_is_stored_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes: Vec<u8> = (0..1 << 20).map(|i| (i * 7) as u8).collect();
+        let id = BlobId::of(&bytes);
+        // Fresh stores, so every writer finds the blob missing and writes it.
+        for round in 0..10 {
+            let store = BlobStore::open(dir.path().join(round.to_string()), 2 << 20).unwrap();
+            let start = std::sync::Barrier::new(8);
+            std::thread::scope(|s| {
+                for _ in 0..8 {
+                    s.spawn(|| {
+                        start.wait();
+                        store.put_verified(id, &bytes).unwrap();
+                    });
+                }
+            });
+            assert_eq!(store.get(&id).unwrap().unwrap(), bytes);
+            assert_eq!(store.stats(), (1, bytes.len() as u64), "no leftovers");
+        }
+    }
+
+    proptest::proptest! {
+        /// Bytes offered as a blob they are not (another blob's id, or any 32 bytes)
+        /// are refused and nothing is stored; the right id stores them.
+        #[test]
+        fn bytes_that_do_not_hash_to_their_id_are_refused(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..4096),
+            other in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+            raw in proptest::prelude::any::<[u8; 32]>(),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let store = BlobStore::open(dir.path(), 1 << 20).unwrap();
+            let real = BlobId::of(&bytes);
+            for claimed in [BlobId::of(&other), BlobId(raw)] {
+                if claimed == real {
+                    continue;
+                }
+                let refused = store.put_verified(claimed, &bytes);
+                proptest::prop_assert!(
+                    matches!(refused, Err(NodeError::BlobMismatch { id, got }) if id == claimed && got == real),
+                    "{:?}", refused
+                );
+                proptest::prop_assert!(!store.has(&claimed));
+                proptest::prop_assert_eq!(store.stats(), (0, 0));
+            }
+            store.put_verified(real, &bytes).unwrap();
+            proptest::prop_assert_eq!(store.get(&real).unwrap(), Some(bytes));
+        }
+    }
+
+    #[test]
     fn a_corrupted_file_is_reported_and_removed() {
         let dir = tempfile::tempdir().unwrap();
         let store = BlobStore::open(dir.path(), 1 << 20).unwrap();
@@ -195,7 +254,10 @@ mod tests {
     fn oversized_blobs_are_refused_naming_the_limit() {
         let dir = tempfile::tempdir().unwrap();
         let store = BlobStore::open(dir.path(), 8).unwrap();
-        let err = store.put(b"nine bytes").unwrap_err();
-        assert!(err.to_string().contains("limit"), "{err}");
+        let err = store.put(b"nine bytes").unwrap_err().to_string();
+        assert!(
+            err.contains("limit of 8") && err.contains("--max-blob-bytes"),
+            "{err}"
+        );
     }
 }

@@ -14,11 +14,13 @@ pub enum NodeError {
     },
     #[error("blob {id} does not match its content (hashes to {got})")]
     BlobMismatch { id: BlobId, got: BlobId },
-    #[error("{what} is {value}, over the limit of {limit}")]
+    #[error("{what} is {value}, over the limit of {limit} (the node's {setting})")]
     Limit {
         what: &'static str,
         value: u64,
         limit: u64,
+        /// The `gpumesh node` flag that sets the limit.
+        setting: &'static str,
     },
     #[error("{0}")]
     Config(String),

@@ -10,6 +10,7 @@
 //! - [`scheduler`]: on the leader, places pending shards by capability and queue.
 //! - [`api`]: the local HTTP+JSON API for the CLI, the client and the dashboard.
 //! - [`blob`]: the content-addressed blob store on disk.
+//! - [`limits`]: what one request may ask of a node, with defaults and flags.
 //! - [`cluster_key`]: the pnet pre-shared key that closes a mesh to strangers.
 //! - [`identity`]: the node key and the raft id derived from it.
 
@@ -18,6 +19,7 @@ pub mod blob;
 pub mod cluster_key;
 mod error;
 pub mod identity;
+pub mod limits;
 pub mod mesh;
 pub mod net;
 pub mod scheduler;
@@ -27,5 +29,6 @@ pub mod worker;
 pub use cluster_key::ClusterKey;
 pub use error::{NodeError, Result};
 pub use libp2p::{Multiaddr, PeerId};
+pub use limits::Limits;
 pub use mesh::{Faults, Formation, MeshNode, NodeConfig};
 pub use net::ConnectionCaps;

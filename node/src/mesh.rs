@@ -11,6 +11,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -30,6 +31,7 @@ use crate::blob::BlobStore;
 use crate::cluster_key::ClusterKey;
 use crate::error::{NodeError, Result};
 use crate::identity;
+use crate::limits::Limits;
 use crate::net::{ConnectionCaps, NetConfig, NetEvent, NetHandle};
 use crate::scheduler::{self, Scheduler, SchedulerConfig};
 use crate::wire::{self, NodeReply, NodeRequest};
@@ -63,8 +65,9 @@ pub struct NodeConfig {
     pub heartbeat_interval: Duration,
     /// Raft tick; elections happen after 10 ticks without a leader.
     pub raft_tick: Duration,
-    pub max_blob_bytes: u64,
     pub max_voters: u32,
+    /// What one request may ask of this node (sizes, grid, queue).
+    pub limits: Limits,
     /// The mesh's shared secret; `None` leaves the transport open to anyone who
     /// reaches the listen addresses. `Debug` shows only its fingerprint.
     pub cluster_key: Option<ClusterKey>,
@@ -103,11 +106,11 @@ impl NodeConfig {
             join_timeout: Duration::from_secs(30),
             heartbeat_interval: Duration::from_secs(2),
             raft_tick: Duration::from_millis(100),
-            max_blob_bytes: 1 << 30,
             max_voters: 5,
             scheduler: SchedulerConfig::default(),
             default_deadline: Duration::from_secs(60),
             faults: Faults::default(),
+            limits: Limits::default(),
             cluster_key: None,
             allow_peers: Vec::new(),
             connections: ConnectionCaps::default(),
@@ -177,6 +180,10 @@ pub(crate) struct Shared {
     pub cluster: tokio::sync::OnceCell<ClusterId>,
     pub capability: Option<NodeCapability>,
     pub results: crate::api::ResultCache,
+    pub limits: Limits,
+    /// Submits through this node's API not yet applied here: counted with the
+    /// replicated queue so that concurrent submits cannot pass the queue limit.
+    pub submits_in_flight: AtomicUsize,
     /// Where peers listen, from identify, mDNS and other nodes' address books.
     pub addrs: RwLock<HashMap<PeerId, Vec<Multiaddr>>>,
 }
@@ -199,13 +206,14 @@ const CLUSTER_FILE: &str = "cluster-id";
 impl MeshNode {
     /// Starts a node; returns once it is a member of a mesh and serving its API.
     pub async fn start(config: NodeConfig) -> Result<MeshNode> {
+        config.limits.check()?;
         let cancel = CancellationToken::new();
         let dir = &config.data_dir;
         std::fs::create_dir_all(dir).map_err(|e| NodeError::io(dir, e))?;
         let keypair = identity::load_or_create(dir)?;
         let peer_id = keypair.public().to_peer_id();
         let raft_id = identity::raft_id(&peer_id);
-        let blobs = BlobStore::open(dir.join("blobs"), config.max_blob_bytes)?;
+        let blobs = BlobStore::open(dir.join("blobs"), config.limits.max_blob_bytes)?;
 
         let backend = config.backend;
         let calibrate = config.calibrate;
@@ -245,6 +253,8 @@ impl MeshNode {
             cluster: tokio::sync::OnceCell::new(),
             capability: capability.clone(),
             results: Default::default(),
+            limits: config.limits,
+            submits_in_flight: AtomicUsize::new(0),
             addrs: RwLock::new(HashMap::new()),
         });
         shared.peers.insert(peer_id);

@@ -424,6 +424,7 @@ impl NetHandle {
                 what: "blob size in bytes (as announced by the peer)",
                 value: total,
                 limit,
+                setting: "--max-blob-bytes",
             });
         }
         let mut out = vec![0u8; total as usize];

@@ -27,5 +27,5 @@ pub use ids::BlobId;
 pub use mesh::{MeshRequest, MeshResponse};
 pub use task::{
     BindingRole, BindingSpec, ElemType, Grid, MergeRule, ShaderSource, TaskOptions, TaskSpec,
-    MAX_REPLICAS,
+    MAX_DEADLINE_MS, MAX_REPLICAS,
 };

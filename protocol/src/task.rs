@@ -131,8 +131,13 @@ impl FromStr for MergeRule {
 pub struct Grid(pub [u32; 3]);
 
 impl Grid {
+    /// Workgroups in all, x·y·z; `u64::MAX` when that does not fit (three large
+    /// dimensions reach 2^96), so a huge grid stays huge and over any limit instead
+    /// of wrapping around to a small one.
     pub fn total(&self) -> u64 {
-        self.0.iter().map(|&d| u64::from(d)).product()
+        self.0
+            .iter()
+            .fold(1u64, |n, &d| n.saturating_mul(u64::from(d)))
     }
 }
 
@@ -184,6 +189,9 @@ pub struct TaskSpec {
 
 /// The most nodes one shard may run on for verification.
 pub const MAX_REPLICAS: u32 = 3;
+
+/// The longest deadline a task may ask for: one day.
+pub const MAX_DEADLINE_MS: u64 = 24 * 60 * 60 * 1000;
 
 /// How a task is run and checked, beyond what it computes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -262,8 +270,14 @@ impl TaskSpec {
                 )));
             }
         }
-        if self.options.deadline_ms == Some(0) {
-            return Err(invalid("deadline must be more than 0 ms".into()));
+        match self.options.deadline_ms {
+            Some(0) => return Err(invalid("deadline must be more than 0 ms".into())),
+            Some(ms) if ms > MAX_DEADLINE_MS => {
+                return Err(invalid(format!(
+                    "deadline {ms} ms is over the maximum of {MAX_DEADLINE_MS} ms (24 h)"
+                )))
+            }
+            _ => {}
         }
         if self.entry_point.is_empty() {
             return Err(invalid("entry point name is empty".into()));

@@ -1,10 +1,13 @@
-//! Round trips and hostile bytes through the codec and the envelope.
+//! Round trips and hostile bytes through the codec and the envelope: arbitrary bytes
+//! and arbitrary mutations of valid messages of every wire type decode to a value or
+//! an error, never a panic. `PROPTEST_CASES=N` runs more cases.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
 
 use gpumesh_protocol::{
     codec, open, seal, AdapterLimits, BackendKind, BindingRole, BindingSpec, BlobId, DeviceKind,
-    ElemType, Grid, MergeRule, NodeCapability, ProtocolError, ShaderSource, TaskSpec, WIRE_VERSION,
+    ElemType, Grid, MergeRule, MeshRequest, MeshResponse, NodeCapability, ProtocolError,
+    ShaderSource, TaskSpec, WIRE_VERSION,
 };
 use proptest::prelude::*;
 
@@ -93,6 +96,180 @@ fn capability() -> impl Strategy<Value = NodeCapability> {
         })
 }
 
+fn bytes(max: usize) -> impl Strategy<Value = Vec<u8>> {
+    proptest::collection::vec(any::<u8>(), 0..max)
+}
+
+fn request() -> impl Strategy<Value = MeshRequest> {
+    prop_oneof![
+        (any::<[u8; 32]>(), any::<u64>(), any::<u32>()).prop_map(|(h, offset, len)| {
+            MeshRequest::BlobChunk {
+                id: BlobId(h),
+                offset,
+                len,
+            }
+        }),
+        (
+            any::<u64>(),
+            ".{0,60}",
+            proptest::collection::vec(".{0,40}", 0..4),
+            proptest::option::of(capability()),
+        )
+            .prop_map(|(raft_id, peer_id, addrs, capability)| MeshRequest::Join {
+                raft_id,
+                peer_id,
+                addrs,
+                capability,
+            }),
+        bytes(256).prop_map(MeshRequest::Node),
+    ]
+}
+
+fn response() -> impl Strategy<Value = MeshResponse> {
+    prop_oneof![
+        Just(MeshResponse::Ack),
+        (any::<u64>(), bytes(256))
+            .prop_map(|(total, data)| MeshResponse::BlobChunk { total, data }),
+        Just(MeshResponse::NotFound),
+        proptest::option::of(any::<u64>())
+            .prop_map(|leader_hint| MeshResponse::Joined { leader_hint }),
+        bytes(256).prop_map(MeshResponse::Node),
+        ".{0,80}".prop_map(MeshResponse::Error),
+    ]
+}
+
+/// One edit of a valid frame. Positions are taken modulo the frame's length.
+#[derive(Clone, Debug)]
+enum Mutation {
+    /// XOR one byte with a non-zero value, so it always changes.
+    Flip(usize, u8),
+    Insert(usize, Vec<u8>),
+    Remove(usize, usize),
+    Truncate(usize),
+    /// Overwrite four bytes with a little-endian u32 (a length or a count).
+    Plant(usize, u32),
+}
+
+fn mutation() -> impl Strategy<Value = Mutation> {
+    prop_oneof![
+        (any::<usize>(), 1u8..).prop_map(|(at, x)| Mutation::Flip(at, x)),
+        (
+            any::<usize>(),
+            proptest::collection::vec(any::<u8>(), 1..16)
+        )
+            .prop_map(|(at, b)| Mutation::Insert(at, b)),
+        (any::<usize>(), 1usize..16).prop_map(|(at, n)| Mutation::Remove(at, n)),
+        any::<usize>().prop_map(Mutation::Truncate),
+        (any::<usize>(), any::<u32>()).prop_map(|(at, v)| Mutation::Plant(at, v)),
+    ]
+}
+
+fn mutate(mut frame: Vec<u8>, edits: &[Mutation]) -> Vec<u8> {
+    for edit in edits {
+        let len = frame.len().max(1);
+        match edit {
+            Mutation::Flip(at, x) => {
+                if let Some(b) = frame.get_mut(at % len) {
+                    *b ^= x;
+                }
+            }
+            Mutation::Insert(at, b) => {
+                let at = at % (frame.len() + 1);
+                frame.splice(at..at, b.iter().copied());
+            }
+            Mutation::Remove(at, n) => {
+                let at = at % len;
+                let end = (at + n).min(frame.len());
+                if at < end {
+                    frame.drain(at..end);
+                }
+            }
+            Mutation::Truncate(at) => frame.truncate(at % len),
+            Mutation::Plant(at, v) => {
+                let at = at % len;
+                for (i, b) in v.to_le_bytes().into_iter().enumerate() {
+                    if let Some(slot) = frame.get_mut(at + i) {
+                        *slot = b;
+                    }
+                }
+            }
+        }
+    }
+    frame
+}
+
+/// Decodes `bytes` as every wire type, through the envelope and through the bare
+/// codec. Whatever decodes must encode again: a decoded value is a real value.
+fn decode_everything(bytes: &[u8]) {
+    fn both<T: serde::de::DeserializeOwned + serde::Serialize>(bytes: &[u8]) {
+        if let Ok(value) = open::<T>(bytes) {
+            seal(&value).expect("a decoded value seals again");
+        }
+        if let Ok(value) = codec::from_bytes::<T>(bytes) {
+            codec::to_bytes(&value).expect("a decoded value encodes again");
+        }
+    }
+    both::<TaskSpec>(bytes);
+    both::<NodeCapability>(bytes);
+    both::<MeshRequest>(bytes);
+    both::<MeshResponse>(bytes);
+    both::<Vec<u8>>(bytes);
+    both::<String>(bytes);
+}
+
+/// Any valid frame of any wire type.
+fn valid_frame() -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        task().prop_map(|t| seal(&t).unwrap()),
+        capability().prop_map(|c| seal(&c).unwrap()),
+        request().prop_map(|r| seal(&r).unwrap()),
+        response().prop_map(|r| seal(&r).unwrap()),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn mesh_messages_round_trip(req in request(), resp in response()) {
+        prop_assert_eq!(open::<MeshRequest>(&seal(&req).unwrap()).unwrap(), req);
+        prop_assert_eq!(open::<MeshResponse>(&seal(&resp).unwrap()).unwrap(), resp);
+    }
+
+    #[test]
+    fn arbitrary_bytes_decode_as_any_type_without_panicking(
+        raw in bytes(1024),
+        with_header in any::<bool>(),
+    ) {
+        let mut frame = Vec::new();
+        if with_header {
+            frame.extend_from_slice(b"GPMH");
+            frame.extend_from_slice(&WIRE_VERSION.to_le_bytes());
+        }
+        frame.extend_from_slice(&raw);
+        decode_everything(&frame);
+    }
+
+    #[test]
+    fn mutated_valid_messages_decode_without_panicking(
+        frame in valid_frame(),
+        edits in proptest::collection::vec(mutation(), 1..6),
+    ) {
+        decode_everything(&mutate(frame, &edits));
+    }
+
+    #[test]
+    fn a_changed_magic_or_version_byte_is_always_an_error(
+        frame in valid_frame(),
+        at in 0usize..6,
+        x in 1u8..,
+    ) {
+        let bad = mutate(frame, &[Mutation::Flip(at, x)]);
+        prop_assert!(open::<TaskSpec>(&bad).is_err());
+        prop_assert!(open::<MeshRequest>(&bad).is_err());
+        prop_assert!(open::<MeshResponse>(&bad).is_err());
+        prop_assert!(open::<NodeCapability>(&bad).is_err());
+    }
+}
+
 proptest! {
     #[test]
     fn task_round_trips(spec in task()) {
@@ -178,6 +355,17 @@ fn merge_rules_and_grids_parse() {
     }
     assert!("avg-f32".parse::<MergeRule>().is_err());
     assert!("sum-f64".parse::<MergeRule>().is_err());
+    assert_eq!(Grid([4, 5, 6]).total(), 120);
+    assert_eq!(
+        Grid([u32::MAX, u32::MAX, 1]).total(),
+        u64::from(u32::MAX).pow(2)
+    );
+    assert_eq!(
+        Grid([u32::MAX, u32::MAX, 2]).total(),
+        u64::MAX,
+        "saturates, never wraps"
+    );
+    assert_eq!(Grid([u32::MAX; 3]).total(), u64::MAX);
     assert_eq!("4".parse::<Grid>().unwrap(), Grid([4, 1, 1]));
     assert_eq!("4,5,6".parse::<Grid>().unwrap(), Grid([4, 5, 6]));
     assert!("4,0".parse::<Grid>().is_err());

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context};
 use gpumesh::node::{
-    ClusterKey, ConnectionCaps, Formation, MeshNode, Multiaddr, NodeConfig, PeerId,
+    ClusterKey, ConnectionCaps, Formation, Limits, MeshNode, Multiaddr, NodeConfig, PeerId,
 };
 use gpumesh::Client;
 use gpumesh_shaders::BackendChoice;
@@ -60,6 +60,21 @@ pub struct NodeArgs {
     /// Most incoming connections still in their handshakes at once.
     #[arg(long, value_name = "N", default_value_t = ConnectionCaps::default().pending_incoming)]
     pub max_pending_incoming: u32,
+    /// Largest WGSL source of one task, in bytes.
+    #[arg(long, value_name = "BYTES", default_value_t = Limits::default().max_shader_bytes)]
+    pub max_shader_bytes: u64,
+    /// Largest blob, in bytes: an upload, a blob from a peer, a task's outputs together.
+    #[arg(long, value_name = "BYTES", default_value_t = Limits::default().max_blob_bytes)]
+    pub max_blob_bytes: u64,
+    /// Most workgroups (x·y·z) in one task's grid.
+    #[arg(long, value_name = "N", default_value_t = Limits::default().max_grid)]
+    pub max_grid: u64,
+    /// Most tasks submitted through this node that may be pending or running at once.
+    #[arg(long, value_name = "N", default_value_t = Limits::default().max_queued_per_submitter)]
+    pub max_queued_per_submitter: usize,
+    /// Largest API request body in bytes, blob uploads excepted (--max-blob-bytes).
+    #[arg(long, value_name = "BYTES", default_value_t = Limits::default().max_request_bytes)]
+    pub max_request_bytes: u64,
 }
 
 pub fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
@@ -76,6 +91,13 @@ pub fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
         per_peer: args.max_connections_per_peer,
         total: args.max_connections,
         pending_incoming: args.max_pending_incoming,
+    };
+    config.limits = Limits {
+        max_shader_bytes: args.max_shader_bytes,
+        max_blob_bytes: args.max_blob_bytes,
+        max_grid: args.max_grid,
+        max_queued_per_submitter: args.max_queued_per_submitter,
+        max_request_bytes: args.max_request_bytes,
     };
     config.listen = vec![args.listen];
     config.api = args.api;

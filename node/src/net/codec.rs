@@ -336,6 +336,139 @@ mod tests {
         }
     }
 
+    mod fuzz {
+        //! Arbitrary byte streams, and valid frames with arbitrary edits, read as
+        //! requests and responses: an answer or an error, never a panic, and never
+        //! more than the frame limit kept. `PROPTEST_CASES=N` runs more.
+
+        use futures::executor::block_on;
+        use proptest::prelude::*;
+
+        use super::*;
+
+        const LIMIT: usize = 4096;
+
+        fn read_both(bytes: &[u8]) -> (io::Result<MeshRequest>, io::Result<MeshResponse>) {
+            let mut codec = MeshCodec::new(LIMIT);
+            block_on(async {
+                let request = codec
+                    .read_request(&MESH_PROTOCOL, &mut Cursor::new(bytes))
+                    .await;
+                let response = codec
+                    .read_response(&MESH_PROTOCOL, &mut Cursor::new(bytes))
+                    .await;
+                (request, response)
+            })
+        }
+
+        /// What was read goes out again as a frame within the limit that reads back
+        /// the same: a message that decodes is a real message.
+        fn check_decoded(bytes: &[u8]) -> Result<(), TestCaseError> {
+            let (request, response) = read_both(bytes);
+            let mut codec = MeshCodec::new(LIMIT);
+            if let Ok(request) = request {
+                let mut wire = Cursor::new(Vec::new());
+                block_on(codec.write_request(&MESH_PROTOCOL, &mut wire, request.clone()))?;
+                prop_assert!(wire.get_ref().len() <= LIMIT + 8);
+                prop_assert_eq!(read_both(&wire.into_inner()).0?, request);
+            }
+            if let Ok(response) = response {
+                let mut wire = Cursor::new(Vec::new());
+                block_on(codec.write_response(&MESH_PROTOCOL, &mut wire, response.clone()))?;
+                prop_assert!(wire.get_ref().len() <= LIMIT + 8);
+                prop_assert_eq!(read_both(&wire.into_inner()).1?, response);
+            }
+            Ok(())
+        }
+
+        fn valid_frame() -> impl Strategy<Value = Vec<u8>> {
+            let data = proptest::collection::vec(any::<u8>(), 0..600);
+            let message = prop_oneof![
+                data.clone()
+                    .prop_map(|d| (Some(MeshRequest::Node(d)), None)),
+                (any::<[u8; 32]>(), any::<u64>(), any::<u32>()).prop_map(|(h, offset, len)| {
+                    (
+                        Some(MeshRequest::BlobChunk {
+                            id: gpumesh_protocol::BlobId(h),
+                            offset,
+                            len,
+                        }),
+                        None,
+                    )
+                }),
+                (any::<u64>(), data.clone()).prop_map(|(total, data)| (
+                    None,
+                    Some(MeshResponse::BlobChunk { total, data })
+                )),
+                data.prop_map(|d| (None, Some(MeshResponse::Node(d)))),
+                ".{0,40}".prop_map(|e| (None, Some(MeshResponse::Error(e)))),
+                Just((None, Some(MeshResponse::NotFound))),
+            ];
+            message.prop_map(|(request, response)| {
+                let mut codec = MeshCodec::new(LIMIT);
+                let mut wire = Cursor::new(Vec::new());
+                block_on(async {
+                    match (request, response) {
+                        (Some(r), _) => codec.write_request(&MESH_PROTOCOL, &mut wire, r).await,
+                        (_, Some(r)) => codec.write_response(&MESH_PROTOCOL, &mut wire, r).await,
+                        (None, None) => Ok(()),
+                    }
+                })
+                .unwrap();
+                wire.into_inner()
+            })
+        }
+
+        /// (position, bytes to write there, bytes to cut there); positions wrap.
+        fn edits() -> impl Strategy<Value = Vec<(usize, Vec<u8>, usize)>> {
+            proptest::collection::vec(
+                (
+                    any::<usize>(),
+                    proptest::collection::vec(any::<u8>(), 0..6),
+                    0usize..8,
+                ),
+                1..5,
+            )
+        }
+
+        proptest! {
+            #[test]
+            fn arbitrary_streams_are_read_or_refused(
+                bytes in proptest::collection::vec(any::<u8>(), 0..2048),
+            ) {
+                check_decoded(&bytes)?;
+            }
+
+            #[test]
+            fn streams_with_plausible_lengths_are_read_or_refused(
+                header_len in 0u32..(LIMIT as u32 * 2),
+                body_len in prop_oneof![0u32..(LIMIT as u32 * 2), any::<u32>()],
+                header in proptest::collection::vec(any::<u8>(), 0..256),
+                tail in proptest::collection::vec(any::<u8>(), 0..512),
+            ) {
+                // A header that may even open as an envelope, then a body length.
+                let mut bytes = header_len.to_le_bytes().to_vec();
+                bytes.extend_from_slice(b"GPMH");
+                bytes.extend_from_slice(&gpumesh_protocol::WIRE_VERSION.to_le_bytes());
+                bytes.extend_from_slice(&header);
+                bytes.extend_from_slice(&body_len.to_le_bytes());
+                bytes.extend_from_slice(&tail);
+                check_decoded(&bytes)?;
+            }
+
+            #[test]
+            fn edited_valid_frames_are_read_or_refused(frame in valid_frame(), edits in edits()) {
+                let mut bytes = frame;
+                for (at, write, cut) in edits {
+                    let at = at % (bytes.len() + 1);
+                    let end = (at + cut).min(bytes.len());
+                    bytes.splice(at..end, write);
+                }
+                check_decoded(&bytes)?;
+            }
+        }
+    }
+
     #[tokio::test]
     async fn an_oversize_message_is_refused_before_it_is_sent() {
         let mut codec = MeshCodec::new(100);

@@ -74,6 +74,7 @@ impl RaftLane {
                 what: "raft frame in bytes",
                 value: frame.len() as u64,
                 limit: self.max_frame as u64,
+                setting: "NetConfig::max_frame_bytes",
             });
         }
         if self.cancel.is_cancelled() {
