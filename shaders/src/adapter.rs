@@ -72,6 +72,7 @@ pub fn instance(choice: BackendChoice) -> wgpu::Instance {
 /// Every adapter `choice` allows, best first.
 pub fn adapters(choice: BackendChoice) -> Vec<wgpu::Adapter> {
     let mut all = instance(choice).enumerate_adapters(choice.backends());
+    crate::pin::keep_drivers_loaded();
     all.sort_by_key(|a| rank(&a.get_info()));
     all
 }

@@ -20,6 +20,7 @@ pub mod executor;
 pub mod job;
 pub mod kernel;
 pub mod merge;
+mod pin;
 pub mod shard;
 
 pub use adapter::BackendChoice;
