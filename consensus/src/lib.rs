@@ -77,7 +77,7 @@ pub use error::{ConsensusError, Result};
 pub use replica::{AppliedEvent, ConsensusHandle, RaftRole, ReplicaConfig, Status};
 pub use state::{
     ClusterSettings, Liveness, Member, Role, Shard, ShardOutput, ShardState, StateMachine, Task,
-    TaskStatus,
+    TaskStatus, MAX_HISTORY,
 };
 pub use storage::RedbStorage;
 pub use tracing_drain::{raft_logger, TracingDrain};

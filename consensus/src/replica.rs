@@ -200,6 +200,9 @@ enum Msg {
     TransferLeader {
         to: u64,
     },
+    PeerUnreachable {
+        id: u64,
+    },
     Shutdown {
         respond_to: oneshot::Sender<()>,
     },
@@ -267,6 +270,7 @@ impl ConsensusHandle {
             next_read: 0,
             ids: ids.clone(),
             ticks: 0,
+            last_leader: 0,
             cfg: config.clone(),
         };
         let (status_tx, status) = watch::channel(actor.status());
@@ -428,6 +432,17 @@ impl ConsensusHandle {
         self.send(Msg::TransferLeader { to }).await
     }
 
+    /// Tells the replica that the transport has lost replica `id` (its connections
+    /// closed and a redial failed). Raft stops streaming to it until it answers again;
+    /// and if `id` is this follower's leader, the follower stops waiting out the
+    /// leader's lease and campaigns within a few ticks (staggered by replica id so
+    /// that followers rarely split the vote). Only liveness changes: an election
+    /// still needs a majority, and pre-vote keeps a healthy leader in place when
+    /// other followers still hear it.
+    pub async fn peer_unreachable(&self, id: u64) -> Result<()> {
+        self.send(Msg::PeerUnreachable { id }).await
+    }
+
     /// Stops the actor and waits until its storage is closed. Everything already
     /// acknowledged is durable; nothing needs flushing.
     pub async fn shutdown(&self) {
@@ -519,6 +534,8 @@ struct Actor {
     next_read: u64,
     ids: Arc<RequestIds>,
     ticks: u64,
+    /// The leader as of the last tick; a change re-sends unplaced proposals at once.
+    last_leader: u64,
 }
 
 /// Messages handled per round before the Ready is processed: large enough to batch
@@ -605,9 +622,32 @@ impl Actor {
                 let _ = respond_to.send(self.raw.campaign().map_err(Into::into));
             }
             Msg::TransferLeader { to } => self.raw.transfer_leader(to),
+            Msg::PeerUnreachable { id } => self.on_peer_unreachable(id),
             Msg::Shutdown { respond_to } => return Some(respond_to),
         }
         None
+    }
+
+    fn on_peer_unreachable(&mut self, id: u64) {
+        if id == self.cfg.id {
+            return;
+        }
+        self.raw.report_unreachable(id);
+        let raft = &mut self.raw.raft;
+        if raft.state == StateRole::Follower && raft.leader_id == id {
+            let stagger = 1 + (self.cfg.id % 3) as usize;
+            let elapsed = raft
+                .randomized_election_timeout()
+                .saturating_sub(stagger)
+                .max(raft.election_timeout());
+            if elapsed > raft.election_elapsed {
+                tracing::info!(
+                    leader = id,
+                    "lost the connection to the leader; campaigning without waiting out its lease"
+                );
+                raft.election_elapsed = elapsed;
+            }
+        }
     }
 
     fn on_propose(&mut self, entry: LogEntry, respond_to: Reply<Committed>) {
@@ -967,6 +1007,18 @@ impl Actor {
         self.raw.tick();
         self.ticks += 1;
         let now = Instant::now();
+
+        // A new leader: proposals forwarded to the old one (now lost) go to it at
+        // once rather than after the retry interval.
+        let leader = self.leader();
+        if leader != self.last_leader {
+            self.last_leader = leader;
+            if leader != 0 {
+                for p in self.pending.values_mut() {
+                    p.next_retry = now;
+                }
+            }
+        }
 
         // Proposals: answer the expired, retry the unplaced.
         let mut expired = Vec::new();

@@ -8,7 +8,7 @@
 //! local HTTP API. Raft frames travel over libp2p; a peer's raft id is derived from
 //! its Noise-authenticated peer id, so no frame can claim another sender.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicUsize;
@@ -167,6 +167,7 @@ pub struct MeshNode {
     pub capability: Option<NodeCapability>,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
+    gpu_thread: Option<std::thread::JoinHandle<()>>,
 }
 
 /// What the dispatcher and the API share.
@@ -186,6 +187,11 @@ pub(crate) struct Shared {
     pub submits_in_flight: AtomicUsize,
     /// Where peers listen, from identify, mDNS and other nodes' address books.
     pub addrs: RwLock<HashMap<PeerId, Vec<Multiaddr>>>,
+    /// Raft ids of peers whose connections closed and could not be reopened; cleared
+    /// when the peer connects again. The scheduler treats them as down at once.
+    pub unreachable: RwLock<HashSet<u64>>,
+    /// Wakes the scheduler when a peer becomes unreachable.
+    pub lost: tokio::sync::Notify,
 }
 
 impl Shared {
@@ -202,6 +208,8 @@ impl Shared {
 }
 
 const CLUSTER_FILE: &str = "cluster-id";
+/// How long [`MeshNode::stop`] waits for a dispatch under way to end.
+const GPU_STOP_WAIT: Duration = Duration::from_secs(30);
 
 impl MeshNode {
     /// Starts a node; returns once it is a member of a mesh and serving its API.
@@ -220,7 +228,7 @@ impl MeshNode {
         let gpu = tokio::task::spawn_blocking(move || GpuHandle::start(backend, calibrate))
             .await
             .map_err(|e| NodeError::Config(format!("GPU start-up panicked: {e}")))?;
-        let capability = gpu.as_ref().map(|(_, c)| c.clone());
+        let capability = gpu.as_ref().map(|(_, c, _)| c.clone());
 
         let (events_tx, events_rx) = mpsc::channel(1024);
         let mut net_config = NetConfig::new(keypair);
@@ -256,6 +264,8 @@ impl MeshNode {
             limits: config.limits,
             submits_in_flight: AtomicUsize::new(0),
             addrs: RwLock::new(HashMap::new()),
+            unreachable: RwLock::new(HashSet::new()),
+            lost: tokio::sync::Notify::new(),
         });
         shared.peers.insert(peer_id);
         let mut tasks = vec![net_task];
@@ -328,7 +338,9 @@ impl MeshNode {
             }
             .run(cancel.clone()),
         ));
-        if let Some((gpu, _)) = gpu {
+        let mut gpu_thread = None;
+        if let Some((gpu, _, thread)) = gpu {
+            gpu_thread = Some(thread);
             tasks.push(tokio::spawn(
                 Worker {
                     me: raft_id,
@@ -357,6 +369,7 @@ impl MeshNode {
             capability,
             cancel,
             tasks,
+            gpu_thread,
         })
     }
 
@@ -387,9 +400,37 @@ impl MeshNode {
     /// Stops without leaving (as a crash would, minus the crash).
     pub async fn stop(self) {
         self.consensus.shutdown().await;
+        self.halt().await;
+    }
+
+    /// Stops as abruptly as a process can stop itself: the Raft replica is aborted
+    /// wherever it is between two steps (what it had made durable stays; nothing
+    /// else is flushed), then everything else stops. For chaos tests; a real crash
+    /// is `kill -9` of a `gpumesh node` process.
+    pub async fn kill(self) {
+        self.consensus.kill().await;
+        self.halt().await;
+    }
+
+    async fn halt(self) {
         self.cancel.cancel();
         for t in self.tasks {
             let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+        }
+        // The device is destroyed on the GPU thread once its last dispatch ends; a
+        // process that exits before then can crash in the driver's exit handlers.
+        if let Some(thread) = self.gpu_thread {
+            let limit = tokio::time::Instant::now() + GPU_STOP_WAIT;
+            while !thread.is_finished() && tokio::time::Instant::now() < limit {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            if thread.is_finished() {
+                let _ = thread.join();
+            } else {
+                tracing::warn!(
+                    "the GPU is still busy with a dispatch after {GPU_STOP_WAIT:?}; not waiting for it"
+                );
+            }
         }
     }
 }
@@ -644,6 +685,51 @@ async fn join_through(shared: &Arc<Shared>, peer: PeerId, timeout: Duration) -> 
     }
 }
 
+/// How long a peer whose connections closed may take to come back by itself before
+/// this node tries to reach it.
+const RECONNECT_GRACE: Duration = Duration::from_millis(100);
+/// How long that one attempt to reach it may take.
+const REACH_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// After the last connection to `peer` closed: if it does not come back and cannot
+/// be dialled at any address known for it, it is unreachable. A process that died
+/// refuses the dial at once, so the mesh learns of it in well under a second instead
+/// of waiting for missed heartbeats; a peer that merely went quiet still is found by
+/// the scheduler's heartbeat timeout.
+async fn confirm_lost(shared: Arc<Shared>, peer: PeerId) {
+    tokio::time::sleep(RECONNECT_GRACE).await;
+    let connected = |list: &[PeerId]| list.contains(&peer);
+    if connected(&shared.net.connected_peers().await.unwrap_or_default()) {
+        return;
+    }
+    let addrs = shared
+        .addrs
+        .read()
+        .ok()
+        .and_then(|book| book.get(&peer).cloned())
+        .unwrap_or_default();
+    for addr in addrs {
+        let Ok(addr) = addr.with_p2p(peer) else {
+            continue;
+        };
+        if let Ok(Ok(_)) = tokio::time::timeout(REACH_TIMEOUT, shared.net.dial(addr)).await {
+            return;
+        }
+    }
+    if connected(&shared.net.connected_peers().await.unwrap_or_default()) {
+        return;
+    }
+    let id = shared.peers.insert(peer);
+    tracing::info!(%peer, raft_id = id, "peer unreachable: its connections closed and it cannot be dialled");
+    if let Ok(mut lost) = shared.unreachable.write() {
+        lost.insert(id);
+    }
+    shared.lost.notify_one();
+    if let Some(c) = shared.consensus.get() {
+        let _ = c.peer_unreachable(id).await;
+    }
+}
+
 /// Routes network events: Raft frames to the replica, node requests to handlers.
 async fn dispatch(
     shared: Arc<Shared>,
@@ -666,7 +752,10 @@ async fn dispatch(
                 }
             }
             NetEvent::PeerConnected { peer, .. } => {
-                shared.peers.insert(peer);
+                let id = shared.peers.insert(peer);
+                if let Ok(mut lost) = shared.unreachable.write() {
+                    lost.remove(&id);
+                }
             }
             NetEvent::PeerDiscovered { peer, addrs } => {
                 shared.learn_addrs(peer, &addrs);
@@ -684,7 +773,9 @@ async fn dispatch(
                     }
                 }
             }
-            NetEvent::PeerDisconnected(_) => {}
+            NetEvent::PeerDisconnected(peer) => {
+                tokio::spawn(confirm_lost(shared.clone(), peer));
+            }
             NetEvent::Request {
                 from,
                 request,

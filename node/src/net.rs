@@ -9,6 +9,12 @@
 //! through a cloneable [`NetHandle`]; what arrives from peers leaves as [`NetEvent`]s
 //! on one bounded channel to the node.
 //!
+//! Fault injection for tests of partitions: [`NetHandle::cut`] closes every
+//! connection to a peer and refuses new ones both ways (a block list in the
+//! behaviour, so the peer sees a real disconnect), [`NetHandle::mend`] undoes it, and
+//! [`NetHandle::set_delay`] holds every outgoing Raft write and request back by a
+//! fixed time.
+//!
 //! Whom it talks to:
 //! - the node (raft, api): [`NetEvent::Raft`] frames and [`NetEvent::Request`]s for
 //!   `Join` / `Node` requests, which the node answers through a oneshot;
@@ -25,6 +31,8 @@ mod raft_lane;
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::stream::{FuturesUnordered, StreamExt};
@@ -254,6 +262,10 @@ enum Command {
         peer: PeerId,
         addr: Multiaddr,
     },
+    Cut {
+        peer: PeerId,
+        cut: bool,
+    },
 }
 
 /// The node's way into the network; cheap to clone.
@@ -267,6 +279,8 @@ pub struct NetHandle {
     fetch_window: usize,
     request_timeout: Duration,
     dial_timeout: Duration,
+    /// Injected delay of every outgoing Raft write and request, in microseconds.
+    delay_us: Arc<AtomicU64>,
 }
 
 impl fmt::Debug for NetHandle {
@@ -292,10 +306,12 @@ impl NetHandle {
         let mut swarm = build_swarm(&config)?;
         listen(&mut swarm, &config.listen).await?;
         let local_peer_id = *swarm.local_peer_id();
+        let delay_us = Arc::new(AtomicU64::new(0));
         let raft = raft_lane::RaftLane::start(
             swarm.behaviour().raft.new_control(),
             events.clone(),
             config.max_frame_bytes,
+            delay_us.clone(),
             cancel.clone(),
         )?;
         let (commands_tx, commands) = mpsc::channel(COMMAND_QUEUE);
@@ -337,6 +353,7 @@ impl NetHandle {
             fetch_window: config.fetch_window,
             request_timeout: config.request_timeout,
             dial_timeout: config.dial_timeout,
+            delay_us,
         };
         Ok((handle, task))
     }
@@ -382,6 +399,10 @@ impl NetHandle {
     /// Sends `request` to `to` (dialling it through known addresses if needed) and
     /// waits for the answer.
     pub async fn request(&self, to: PeerId, request: MeshRequest) -> Result<MeshResponse> {
+        let delay = self.delay_us.load(Ordering::Relaxed);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_micros(delay)).await;
+        }
         let (reply, rx) = oneshot::channel();
         self.command(Command::Request { to, request, reply })
             .await?;
@@ -487,6 +508,26 @@ impl NetHandle {
     }
 
     /// Remembers an address of `peer` for later dials (e.g. from the membership table).
+    /// Fault injection: closes every connection to `peer` and refuses new ones in
+    /// both directions until [`NetHandle::mend`], as a network partition would.
+    pub async fn cut(&self, peer: PeerId) -> Result<()> {
+        self.command(Command::Cut { peer, cut: true }).await
+    }
+
+    /// Undoes [`NetHandle::cut`]: connections to `peer` are allowed again.
+    pub async fn mend(&self, peer: PeerId) -> Result<()> {
+        self.command(Command::Cut { peer, cut: false }).await
+    }
+
+    /// Fault injection: every outgoing Raft write and request waits `delay` first
+    /// (zero, the default, for none), as a slow link would.
+    pub fn set_delay(&self, delay: Duration) {
+        self.delay_us.store(
+            delay.as_micros().min(u64::MAX as u128) as u64,
+            Ordering::Relaxed,
+        );
+    }
+
     pub async fn add_address(&self, peer: PeerId, addr: Multiaddr) -> Result<()> {
         self.command(Command::AddAddress { peer, addr }).await
     }
@@ -537,6 +578,7 @@ fn place(out: &mut [u8], piece: Piece, again: &mut Vec<(u64, u64)>, from: PeerId
 #[derive(NetworkBehaviour)]
 struct MeshBehaviour {
     allow: Toggle<allow_block_list::Behaviour<allow_block_list::AllowedPeers>>,
+    cut: allow_block_list::Behaviour<allow_block_list::BlockedPeers>,
     caps: connection_limits::Behaviour,
     rpc: request_response::Behaviour<codec::MeshCodec>,
     raft: libp2p_stream::Behaviour,
@@ -608,6 +650,7 @@ fn build_swarm(config: &NetConfig) -> Result<Swarm<MeshBehaviour>> {
             };
             MeshBehaviour {
                 allow: Toggle::from(allow),
+                cut: allow_block_list::Behaviour::default(),
                 caps: connection_limits::Behaviour::new(caps),
                 rpc: request_response::Behaviour::with_codec(
                     codec,
@@ -861,6 +904,14 @@ impl NetActor {
                 let _ = reply.send(self.swarm.connected_peers().copied().collect());
             }
             Command::AddAddress { peer, addr } => self.swarm.add_peer_address(peer, addr),
+            Command::Cut { peer, cut: true } => {
+                tracing::warn!(%peer, "fault injection: cutting every connection to the peer");
+                self.swarm.behaviour_mut().cut.block_peer(peer);
+            }
+            Command::Cut { peer, cut: false } => {
+                tracing::warn!(%peer, "fault injection: connections to the peer allowed again");
+                self.swarm.behaviour_mut().cut.unblock_peer(peer);
+            }
         }
     }
 

@@ -115,6 +115,7 @@ impl Scheduler {
                     }
                 }
                 _ = tick.tick() => {}
+                _ = self.shared.lost.notified() => {}
             }
             if self.consensus.watch_status().borrow().role != RaftRole::Leader {
                 in_flight.clear();
@@ -151,9 +152,15 @@ impl Scheduler {
                 continue;
             };
             let mut observed = Observed::default();
+            let unreachable = self
+                .shared
+                .unreachable
+                .read()
+                .map(|u| u.clone())
+                .unwrap_or_default();
             for m in members {
                 let last = *heard.entry(m).or_insert(now);
-                if now - last > config.down_after {
+                if now - last > config.down_after || unreachable.contains(&m) {
                     observed.down.insert(m);
                 }
             }

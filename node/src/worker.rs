@@ -15,6 +15,7 @@ use gpumesh_protocol::{BindingRole, BlobId, NodeCapability, TaskSpec};
 use gpumesh_shaders::{calibrate, BackendChoice, ExecError, Executor, Job, Kernel, ShardOutput};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 type Outputs = BTreeMap<u32, Vec<u8>>;
 
@@ -33,11 +34,14 @@ pub struct GpuHandle {
 
 impl GpuHandle {
     /// Opens and calibrates the adapter `choice` allows; `None` (logged) when this
-    /// machine has none: the node still joins the mesh, and gets no shards.
+    /// machine has none: the node still joins the mesh, and gets no shards. The
+    /// thread ends once every handle is dropped and its last dispatch is done; its
+    /// join handle lets the node wait for that (and so for the device to be
+    /// destroyed) before it says it has stopped.
     pub fn start(
         choice: BackendChoice,
         calibrate_speed: bool,
-    ) -> Option<(GpuHandle, NodeCapability)> {
+    ) -> Option<(GpuHandle, NodeCapability, std::thread::JoinHandle<()>)> {
         let (tx, mut rx) = mpsc::channel::<GpuRequest>(16);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let spawned = std::thread::Builder::new()
@@ -66,11 +70,9 @@ impl GpuHandle {
                     let _ = req.reply.send(result);
                 }
             });
-        if spawned.is_err() {
-            return None;
-        }
+        let thread = spawned.ok()?;
         let capability = ready_rx.recv().ok().flatten()?;
-        Some((GpuHandle { tx }, capability))
+        Some((GpuHandle { tx }, capability, thread))
     }
 
     pub async fn run(
@@ -189,7 +191,10 @@ impl Worker {
 
     async fn execute(&self, a: Assignment, kernels: &mut HashMap<[u8; 32], Arc<Kernel>>) {
         let span = tracing::info_span!("shard", task = %a.task, shard = a.shard, epoch = a.epoch);
-        let _enter = span.enter();
+        self.execute_in_span(a, kernels).instrument(span).await
+    }
+
+    async fn execute_in_span(&self, a: Assignment, kernels: &mut HashMap<[u8; 32], Arc<Kernel>>) {
         let me = self.me;
         let current = self
             .consensus
@@ -214,9 +219,12 @@ impl Worker {
             epoch: a.epoch,
             node: self.me,
         };
-        tokio::spawn(async move {
-            let _ = consensus.propose(started).await;
-        });
+        tokio::spawn(
+            async move {
+                let _ = consensus.propose(started).await;
+            }
+            .in_current_span(),
+        );
         let failed = |reason: String| Command::ShardFailed {
             task: a.task,
             shard: a.shard,
@@ -254,32 +262,35 @@ impl Worker {
         let shared = self.shared.clone();
         let consensus = self.consensus.clone();
         let me = self.me;
-        tokio::spawn(async move {
-            let _permit = permit;
-            let command = match store_and_copy(&shared, outputs, &submitter).await {
-                Ok((blob, size)) => Command::ShardResult {
-                    task: a.task,
-                    shard: a.shard,
-                    epoch: a.epoch,
-                    node: me,
-                    blob,
-                    size,
-                },
-                Err(reason) => {
-                    tracing::warn!(%reason, "shard output could not be kept");
-                    Command::ShardFailed {
+        tokio::spawn(
+            async move {
+                let _permit = permit;
+                let command = match store_and_copy(&shared, outputs, &submitter).await {
+                    Ok((blob, size)) => Command::ShardResult {
                         task: a.task,
                         shard: a.shard,
                         epoch: a.epoch,
                         node: me,
-                        reason,
+                        blob,
+                        size,
+                    },
+                    Err(reason) => {
+                        tracing::warn!(%reason, "shard output could not be kept");
+                        Command::ShardFailed {
+                            task: a.task,
+                            shard: a.shard,
+                            epoch: a.epoch,
+                            node: me,
+                            reason,
+                        }
                     }
+                };
+                if let Err(e) = consensus.propose(command).await {
+                    tracing::warn!(error = %e, "could not report the shard's outcome");
                 }
-            };
-            if let Err(e) = consensus.propose(command).await {
-                tracing::warn!(error = %e, "could not report the shard's outcome");
             }
-        });
+            .in_current_span(),
+        );
     }
 
     /// Runs one shard; returns its outputs.

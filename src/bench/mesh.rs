@@ -29,12 +29,12 @@ pub struct MeshBenchArgs {
 }
 
 /// Doubles 64 u32s: the smallest useful task.
-const TINY: &str = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;\n\
+pub(super) const TINY: &str = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;\n\
 @compute @workgroup_size(64)\n\
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) { out[gid.x] = gid.x * 2u; }\n";
 
 /// Each invocation hashes 60,000 times; the workgroup count sets the run time.
-const SPIN: &str = r#"
+pub(super) const SPIN: &str = r#"
 @group(0) @binding(0) var<storage, read_write> out: array<u32>;
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
@@ -46,7 +46,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
-fn spec(source: &str, groups: u32, shards: u32) -> TaskSpec {
+pub(super) fn spec(source: &str, groups: u32, shards: u32) -> TaskSpec {
     TaskSpec {
         shader: ShaderSource::Wgsl(source.into()),
         entry_point: "main".into(),

@@ -3,10 +3,12 @@
 mod consensus;
 mod direct;
 mod executor;
+mod faults;
 mod mesh;
 
 pub use consensus::{consensus, ConsensusBenchArgs};
 pub use executor::{executor, ExecutorBenchArgs};
+pub use faults::{faults, FaultsBenchArgs};
 pub use mesh::{mesh, MeshBenchArgs};
 
 use std::time::Duration;

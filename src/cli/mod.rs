@@ -76,6 +76,9 @@ pub enum BenchCommand {
     Consensus(crate::bench::ConsensusBenchArgs),
     /// The mesh: task latency and throughput, mesh vs direct, blob transfer vs TCP.
     Mesh(crate::bench::MeshBenchArgs),
+    /// Failover: leader and worker loss on a 3-node mesh with default timeouts, and
+    /// throughput with replicas=2 against replicas=1.
+    Faults(crate::bench::FaultsBenchArgs),
 }
 
 /// What to run: the flags `gpumesh run` and `gpumesh submit` share.
@@ -196,6 +199,7 @@ pub fn execute(cli: Cli) -> anyhow::Result<ExitCode> {
             BenchCommand::Executor(args) => crate::bench::executor(args),
             BenchCommand::Consensus(args) => crate::bench::consensus(args),
             BenchCommand::Mesh(args) => crate::bench::mesh(args),
+            BenchCommand::Faults(args) => crate::bench::faults(args),
         },
     }
 }

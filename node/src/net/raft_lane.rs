@@ -13,6 +13,7 @@
 //! stream and is logged, and the node carries on.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -43,6 +44,8 @@ pub(super) struct RaftLane {
     control: Control,
     writers: Mutex<HashMap<PeerId, mpsc::Sender<Vec<u8>>>>,
     max_frame: usize,
+    /// Injected delay before each write, in microseconds (fault injection).
+    delay_us: Arc<AtomicU64>,
     cancel: CancellationToken,
 }
 
@@ -53,6 +56,7 @@ impl RaftLane {
         mut control: Control,
         events: mpsc::Sender<NetEvent>,
         max_frame: usize,
+        delay_us: Arc<AtomicU64>,
         cancel: CancellationToken,
     ) -> Result<Arc<RaftLane>> {
         let incoming = control
@@ -63,6 +67,7 @@ impl RaftLane {
             control,
             writers: Mutex::new(HashMap::new()),
             max_frame,
+            delay_us,
             cancel,
         }))
     }
@@ -93,7 +98,13 @@ impl RaftLane {
             },
         };
         let (tx, rx) = mpsc::channel(QUEUE);
-        tokio::spawn(write(self.control.clone(), to, rx, self.cancel.clone()));
+        tokio::spawn(write(
+            self.control.clone(),
+            to,
+            rx,
+            self.delay_us.clone(),
+            self.cancel.clone(),
+        ));
         let _ = tx.try_send(frame);
         writers.insert(to, tx);
         Ok(())
@@ -112,6 +123,7 @@ async fn write(
     mut control: Control,
     peer: PeerId,
     mut frames: mpsc::Receiver<Vec<u8>>,
+    delay_us: Arc<AtomicU64>,
     cancel: CancellationToken,
 ) {
     let mut stream: Option<Stream> = None;
@@ -127,6 +139,10 @@ async fn write(
         };
         if tokio::time::Instant::now() < quiet_until {
             continue; // the peer was unreachable a moment ago; Raft will retry
+        }
+        let delay = delay_us.load(Ordering::Relaxed);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_micros(delay)).await;
         }
         batch.clear();
         put_frame(&mut batch, &first);
