@@ -1,0 +1,309 @@
+//! `kill -9` of real `gpumesh node` processes mid-task, the leader first and then a
+//! worker, each restarted from its data directory on the same ports: the mesh
+//! finishes every task with the CPU reference's result, and the restarted nodes
+//! serve the mesh's state and the results from their own disks.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::have_any;
+use gpumesh::node::api::StatusView;
+use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
+use gpumesh::Client;
+
+/// Each invocation steps a 32-bit LCG 60,000 times from its index: slow on a GPU,
+/// but the CPU gets the same answer in a few dozen steps (see [`expected`]).
+const LCG: &str = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var x = gid.x;
+    for (var i = 0u; i < 60000u; i++) {
+        x = x * 1664525u + 1013904223u;
+    }
+    out[gid.x] = x;
+}
+";
+const STEPS: u64 = 60_000;
+const GROUPS: u32 = 1200;
+
+/// The CPU reference: x ↦ a·x + c applied STEPS times is itself x ↦ A·x + C, found
+/// by composing the map with itself (square and multiply).
+fn expected(invocations: u32) -> Vec<u8> {
+    let (mut a, mut c) = (1u32, 0u32); // the identity
+    let (mut pa, mut pc) = (1_664_525u32, 1_013_904_223u32); // the map, squared as we go
+    let mut n = STEPS;
+    while n > 0 {
+        if n & 1 == 1 {
+            // (a, c) then (pa, pc)
+            c = pa.wrapping_mul(c).wrapping_add(pc);
+            a = pa.wrapping_mul(a);
+        }
+        pc = pa.wrapping_mul(pc).wrapping_add(pc);
+        pa = pa.wrapping_mul(pa);
+        n >>= 1;
+    }
+    (0..invocations)
+        .flat_map(|x| a.wrapping_mul(x).wrapping_add(c).to_le_bytes())
+        .collect()
+}
+
+fn spec(shards: u32) -> TaskSpec {
+    TaskSpec {
+        shader: ShaderSource::Wgsl(LCG.into()),
+        entry_point: "main".into(),
+        bindings: vec![BindingSpec {
+            binding: 0,
+            role: BindingRole::Output {
+                size: u64::from(GROUPS) * 64 * 4,
+            },
+        }],
+        grid: Grid([GROUPS, 1, 1]),
+        shards,
+        merge: MergeRule::Concat,
+        options: Default::default(),
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One `gpumesh node` process and what it needs to be started again.
+struct Proc {
+    name: String,
+    dir: PathBuf,
+    p2p: u16,
+    api: u16,
+    child: Option<Child>,
+    raft_id: u64,
+    seed: String,
+}
+
+impl Proc {
+    fn new(root: &Path, name: &str) -> Proc {
+        Proc {
+            name: name.into(),
+            dir: root.join(name),
+            p2p: free_port(),
+            api: free_port(),
+            child: None,
+            raft_id: 0,
+            seed: String::new(),
+        }
+    }
+
+    /// Starts the process and waits for "API on", reading its raft id and seed.
+    fn start(&mut self, extra: &[&str]) {
+        let listen = format!("/ip4/127.0.0.1/tcp/{}", self.p2p);
+        let api = format!("127.0.0.1:{}", self.api);
+        let log = std::fs::File::create(self.dir.with_extension("log")).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_gpumesh"))
+            .args([
+                "node",
+                "--data-dir",
+                self.dir.to_str().unwrap(),
+                "--listen",
+                &listen,
+            ])
+            .args(["--api", &api, "--no-mdns"])
+            .args(extra)
+            .env("RUST_LOG", "info,wgpu_hal=error,wgpu_core=error,naga=error")
+            .env("XDG_RUNTIME_DIR", std::env::temp_dir())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let (tx, lines) = mpsc::channel();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(90);
+        let mut seen = String::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = lines.recv_timeout(left).unwrap_or_else(|_| {
+                panic!(
+                    "node {} did not start: {seen}\n{}",
+                    self.name,
+                    std::fs::read_to_string(self.dir.with_extension("log")).unwrap_or_default()
+                )
+            });
+            if let Some(rest) = line.strip_prefix("gpumesh node ") {
+                let hex = rest.split("raft id ").nth(1).unwrap().trim_end_matches(')');
+                self.raft_id = u64::from_str_radix(hex, 16).unwrap();
+            }
+            if let Some(addr) = line.trim().strip_prefix("listening on ") {
+                self.seed = addr.to_string();
+            }
+            seen.push_str(&line);
+            seen.push('\n');
+            if line.contains("API on") {
+                break;
+            }
+        }
+        self.child = Some(child);
+    }
+
+    /// SIGKILL: no goodbye, no flush, no leadership hand-over.
+    fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+
+    fn client(&self) -> Client {
+        Client::new(format!("127.0.0.1:{}", self.api))
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Waits until one leader counts three voters with adapters.
+async fn ready(procs: &[Proc]) -> StatusView {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        for p in procs.iter().filter(|p| p.child.is_some()) {
+            if let Ok(st) = p.client().status().await {
+                let voters = st.members.iter().filter(|m| m.role == "voter").count();
+                if st.leader != 0
+                    && voters == 3
+                    && st.members.iter().all(|m| m.adapter.is_some() && m.alive)
+                {
+                    return st;
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the mesh never had three live voters"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Submits through `via`, waits until some shard runs on node `on` (any node if
+/// `None`), and returns the task.
+async fn submit_and_wait_running(via: &Client, on: Option<u64>) -> u64 {
+    let task = via.submit(spec(6), None).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let view = via.task(task).await.unwrap();
+        let running = view.shards.iter().any(|s| {
+            s.state == "running" && on.is_none_or(|n| s.attempts.iter().any(|a| a.0 == n))
+        });
+        if running {
+            return task;
+        }
+        assert!(Instant::now() < deadline, "t{task} never ran: {view:#?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn finished_and_right(via: &Client, task: u64) {
+    let view = tokio::time::timeout(Duration::from_secs(120), via.wait(task, |_, _| {}))
+        .await
+        .expect("the task finished")
+        .unwrap();
+    assert_eq!(view.status, "completed", "{view:#?}");
+    let mut accepted: BTreeMap<u32, usize> = BTreeMap::new();
+    for e in view.history.iter().filter(|e| e.what.contains("accepted")) {
+        *accepted.entry(e.shard.unwrap()).or_default() += 1;
+    }
+    assert!(accepted.values().all(|&n| n == 1), "{:#?}", view.history);
+    let out: Vec<u8> = via
+        .results(task)
+        .await
+        .unwrap()
+        .remove(&0)
+        .expect("output binding 0");
+    assert!(
+        out == expected(GROUPS * 64),
+        "t{task} differs from the CPU reference"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_the_leader_and_of_a_worker_mid_task_loses_nothing() {
+    if !have_any() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let mut procs: Vec<Proc> = ["a", "b", "c"]
+        .iter()
+        .map(|n| Proc::new(root.path(), n))
+        .collect();
+    procs[0].start(&["--init"]);
+    let seed = procs[0].seed.clone();
+    for p in &mut procs[1..] {
+        p.start(&["--peer", &seed]);
+    }
+    let st = ready(&procs).await;
+
+    // 1. The leader dies mid-task and comes back.
+    let leader = procs.iter().position(|p| p.raft_id == st.leader).unwrap();
+    let via = (leader + 1) % 3;
+    let t1 = submit_and_wait_running(&procs[via].client(), None).await;
+    procs[leader].kill9();
+    let others: Vec<String> = procs
+        .iter()
+        .filter(|p| p.child.is_some())
+        .map(|p| p.seed.clone())
+        .collect();
+    procs[leader].start(&["--peer", &others[0], "--peer", &others[1]]);
+    finished_and_right(&procs[via].client(), t1).await;
+    ready(&procs).await;
+
+    // 2. A worker (not the leader) dies while running a shard and comes back.
+    let st = ready(&procs).await;
+    let leader = procs.iter().position(|p| p.raft_id == st.leader).unwrap();
+    let worker = (leader + 1) % 3;
+    let t2 = submit_and_wait_running(&procs[leader].client(), Some(procs[worker].raft_id)).await;
+    procs[worker].kill9();
+    let others: Vec<String> = procs
+        .iter()
+        .filter(|p| p.child.is_some())
+        .map(|p| p.seed.clone())
+        .collect();
+    procs[worker].start(&["--peer", &others[0], "--peer", &others[1]]);
+    finished_and_right(&procs[leader].client(), t2).await;
+
+    // 3. Both restarted nodes serve both tasks from their own state and disks.
+    ready(&procs).await;
+    for p in &procs {
+        for t in [t1, t2] {
+            finished_and_right(&p.client(), t).await;
+        }
+    }
+}
+
+#[test]
+fn the_cpu_reference_matches_stepping_the_lcg() {
+    let got = expected(5);
+    for x in 0..5u32 {
+        let mut v = x;
+        for _ in 0..STEPS {
+            v = v.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        }
+        assert_eq!(got[x as usize * 4..x as usize * 4 + 4], v.to_le_bytes());
+    }
+}
