@@ -446,6 +446,15 @@ async fn submit(
             }
         }
     }
+    // Inputs live on this node until a worker pulls them: a second copy first, so
+    // that losing this node after the acknowledgement loses no task.
+    for b in &req.spec.bindings {
+        if let BindingRole::Input { blob, .. } = &b.role {
+            crate::mesh::replicate(&shared, *blob, None)
+                .await
+                .map_err(|e| unavailable(format!("input of binding {}: {e}", b.binding)))?;
+        }
+    }
     let committed = c
         .propose_with_id(
             request_id,
