@@ -156,6 +156,46 @@ fn first_valid_result_of_the_current_epoch_wins() {
     assert!(matches!(log.apply(assign(1)), Outcome::Ignored(_)));
 }
 
+#[test]
+fn results_for_shards_never_assigned_are_ignored_with_a_reason() {
+    let mut log = Log::new();
+    let Outcome::TaskSubmitted { task } = log.apply(submit(2)) else {
+        panic!()
+    };
+    let before = log.sm.to_bytes().unwrap();
+    let stray = [
+        // Shard 0 exists but was never assigned to anyone.
+        result(task, 0, 1, 2, b"unasked"),
+        result(task, 0, 0, 2, b"unasked"),
+        // Shard 7 of a 2-shard task.
+        result(task, 7, 1, 2, b"no such shard"),
+        // A task that does not exist.
+        result(TaskId(task.0 + 1000), 0, 1, 2, b"no such task"),
+        // A start for an attempt that was never made.
+        Command::ShardStarted {
+            task,
+            shard: 1,
+            epoch: 3,
+            node: 2,
+        },
+    ];
+    for command in stray {
+        match log.apply(command.clone()) {
+            Outcome::Ignored(why) | Outcome::Rejected(why) => {
+                assert!(!why.is_empty(), "{command:?} was dropped without a reason")
+            }
+            other => panic!("{command:?} should be ignored, got {other:?}"),
+        }
+    }
+    // Nothing changed but the applied index.
+    let before = StateMachine::from_bytes(&before).unwrap();
+    assert_eq!(
+        log.sm.task(task).unwrap().shards,
+        before.task(task).unwrap().shards
+    );
+    assert_eq!(log.sm.tasks().len(), before.tasks().len());
+}
+
 fn submit_with(replicas: u32, tolerance: Option<f32>) -> Command {
     let mut spec = spec(2);
     spec.options.replicas = replicas;
