@@ -154,7 +154,7 @@ pub struct ErrorBody {
     pub error: String,
 }
 
-struct ApiError(StatusCode, String);
+pub(crate) struct ApiError(StatusCode, String);
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
@@ -170,7 +170,7 @@ fn too_large(e: impl std::fmt::Display) -> ApiError {
     ApiError(StatusCode::PAYLOAD_TOO_LARGE, e.to_string())
 }
 
-fn unavailable(e: impl std::fmt::Display) -> ApiError {
+pub(crate) fn unavailable(e: impl std::fmt::Display) -> ApiError {
     ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
 }
 
@@ -181,7 +181,7 @@ fn not_found(id: u64) -> ApiError {
     )
 }
 
-type ApiResult<T> = std::result::Result<T, ApiError>;
+pub(crate) type ApiResult<T> = std::result::Result<T, ApiError>;
 
 /// Binds `addr` and serves until `cancel`; returns the bound address.
 pub(crate) async fn serve(
@@ -202,6 +202,8 @@ pub(crate) async fn serve(
         .route("/v1/tasks/{id}/outputs", get(outputs))
         .route("/v1/tasks/{id}/outputs/{binding}", get(output_bytes))
         .route("/v1/status", get(status))
+        .route("/", get(crate::dashboard::page))
+        .route("/v1/overview", get(crate::dashboard::overview))
         // Every route but the blob upload above, which sets its own.
         .layer(DefaultBodyLimit::max(caps.request.max()))
         .layer(middleware::from_fn_with_state(caps, announced_within))
@@ -222,7 +224,7 @@ pub(crate) async fn serve(
     Ok((bound, task))
 }
 
-fn consensus(shared: &Shared) -> ApiResult<gpumesh_consensus::ConsensusHandle> {
+pub(crate) fn consensus(shared: &Shared) -> ApiResult<gpumesh_consensus::ConsensusHandle> {
     shared
         .consensus
         .get()
@@ -472,6 +474,14 @@ async fn submit(
     }
 }
 
+/// A task's kernel as people know it: a built-in's name, or `wgsl:<entry point>`.
+pub(crate) fn kernel_name(spec: &gpumesh_protocol::TaskSpec) -> String {
+    match &spec.shader {
+        gpumesh_protocol::ShaderSource::Builtin(n) => n.clone(),
+        gpumesh_protocol::ShaderSource::Wgsl(_) => format!("wgsl:{}", spec.entry_point),
+    }
+}
+
 fn view(t: &gpumesh_consensus::Task) -> TaskView {
     let (status, reason) = match &t.status {
         TaskStatus::Pending => ("pending", None),
@@ -484,10 +494,7 @@ fn view(t: &gpumesh_consensus::Task) -> TaskView {
         id: t.id.0,
         status: status.into(),
         reason,
-        kernel: match &t.spec.shader {
-            gpumesh_protocol::ShaderSource::Builtin(n) => n.clone(),
-            gpumesh_protocol::ShaderSource::Wgsl(_) => format!("wgsl:{}", t.spec.entry_point),
-        },
+        kernel: kernel_name(&t.spec),
         submitter: t.submitter.clone(),
         merge: t.spec.merge.to_string(),
         grid: t.spec.grid.to_string(),

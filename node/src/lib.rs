@@ -17,6 +17,7 @@
 pub mod api;
 pub mod blob;
 pub mod cluster_key;
+pub mod dashboard;
 mod error;
 pub mod identity;
 pub mod limits;

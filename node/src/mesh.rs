@@ -192,6 +192,8 @@ pub(crate) struct Shared {
     pub unreachable: RwLock<HashSet<u64>>,
     /// Wakes the scheduler when a peer becomes unreachable.
     pub lost: tokio::sync::Notify,
+    /// Shard results per node per second, for the dashboard.
+    pub(crate) throughput: Arc<crate::dashboard::Throughput>,
 }
 
 impl Shared {
@@ -266,6 +268,7 @@ impl MeshNode {
             addrs: RwLock::new(HashMap::new()),
             unreachable: RwLock::new(HashSet::new()),
             lost: tokio::sync::Notify::new(),
+            throughput: Arc::default(),
         });
         shared.peers.insert(peer_id);
         let mut tasks = vec![net_task];
@@ -325,6 +328,12 @@ impl MeshNode {
         };
 
         tasks.push(tokio::spawn(learn_members(shared.clone(), cancel.clone())));
+        tasks.push(tokio::spawn(
+            shared
+                .throughput
+                .clone()
+                .track(consensus.clone(), cancel.clone()),
+        ));
         tasks.push(tokio::spawn(heartbeats(
             shared.clone(),
             config.heartbeat_interval,

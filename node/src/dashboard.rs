@@ -1,0 +1,335 @@
+//! The web dashboard every node serves on its API address: `GET /` is one
+//! self-contained page (no external scripts, fonts or styles: a mesh may have no
+//! internet), which polls `GET /v1/overview` once a second.
+//!
+//! The overview is shaped for the page: node ids as hex strings (JavaScript numbers
+//! lose precision past 2^53, and raft ids are 64-bit), members with what this node
+//! knows of their liveness, the newest tasks with their shard progress and history,
+//! and each member's count of accepted shards, which the page turns into a
+//! throughput plot.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{Html, IntoResponse};
+use axum::Json;
+use gpumesh_consensus::{
+    AppliedEvent, Command, ConsensusHandle, Outcome, ShardState, StateMachine, TaskStatus,
+};
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{consensus, unavailable, ApiResult};
+use crate::mesh::Shared;
+
+/// Tasks the overview lists in full, newest first; older ones are only counted.
+pub const OVERVIEW_TASKS: usize = 100;
+/// Throughput samples kept: one a second.
+pub const THROUGHPUT_SAMPLES: usize = 120;
+
+const PAGE: &str = include_str!("dashboard.html");
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Overview {
+    /// This node's raft id, hex.
+    pub node: String,
+    pub peer_id: String,
+    /// The leader's raft id, hex; empty when none is known.
+    pub leader: String,
+    pub term: u64,
+    pub commit_index: u64,
+    pub applied_index: u64,
+    pub members: Vec<OverviewMember>,
+    /// Tasks by status over the whole record.
+    pub counts: HashMap<String, usize>,
+    pub tasks: Vec<OverviewTask>,
+    /// Shard results per second, by node (hex), one point a second, oldest first.
+    pub throughput: Vec<ThroughputPoint>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ThroughputPoint {
+    /// Milliseconds since the Unix epoch at the end of the second.
+    pub at_ms: u64,
+    pub rates: BTreeMap<String, f64>,
+}
+
+/// Each member's count of shard results committed, sampled once a second from the
+/// applied log, so the plot has a history the moment the page opens.
+#[derive(Default)]
+pub(crate) struct Throughput {
+    samples: Mutex<VecDeque<(u64, BTreeMap<u64, u64>)>>,
+}
+
+impl Throughput {
+    /// Counts results as they are applied and samples the counts every second.
+    pub(crate) async fn track(
+        self: Arc<Self>,
+        consensus: ConsensusHandle,
+        cancel: CancellationToken,
+    ) {
+        let mut events = consensus.subscribe();
+        let mut counts: BTreeMap<u64, u64> = BTreeMap::new();
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                event = events.recv() => match event {
+                    Ok(AppliedEvent::Entry { entry, committed, duplicate: false, .. }) => {
+                        if let (Command::ShardResult { node, .. }, Outcome::Applied) =
+                            (&entry.command, &committed.outcome)
+                        {
+                            *counts.entry(*node).or_default() += 1;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                },
+                _ = tick.tick() => {
+                    if let Ok(mut samples) = self.samples.lock() {
+                        samples.push_back((crate::scheduler::now_ms(), counts.clone()));
+                        while samples.len() > THROUGHPUT_SAMPLES + 1 {
+                            samples.pop_front();
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn points(&self) -> Vec<ThroughputPoint> {
+        let Ok(samples) = self.samples.lock() else {
+            return Vec::new();
+        };
+        samples
+            .iter()
+            .zip(samples.iter().skip(1))
+            .map(|((t0, before), (t1, after))| {
+                let secs = (t1.saturating_sub(*t0) as f64 / 1e3).max(1e-3);
+                ThroughputPoint {
+                    at_ms: *t1,
+                    rates: after
+                        .iter()
+                        .map(|(node, n)| {
+                            let was = before.get(node).copied().unwrap_or(0);
+                            (hex(*node), n.saturating_sub(was) as f64 / secs)
+                        })
+                        .collect(),
+                }
+            })
+            .collect()
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct OverviewMember {
+    pub id: String,
+    pub peer_id: String,
+    pub role: String,
+    /// Heard from recently (its heartbeat is fresh) and reachable from this node.
+    pub alive: bool,
+    /// This node's transport has lost it (connections closed, redial refused).
+    pub unreachable: bool,
+    pub adapter: Option<String>,
+    pub backend: Option<String>,
+    pub gflops: Option<f64>,
+    pub gbps: Option<f64>,
+    /// Attempts placed on it and not finished.
+    pub queue: u32,
+    /// Shard results of this member accepted so far (all tasks the record holds).
+    pub shards_done: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct OverviewTask {
+    pub id: u64,
+    pub status: String,
+    pub reason: Option<String>,
+    pub kernel: String,
+    pub shards: usize,
+    pub done: usize,
+    pub running: usize,
+    pub replicas: u32,
+    pub mismatches: u32,
+    pub shard_list: Vec<OverviewShard>,
+    pub history: Vec<OverviewEvent>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct OverviewShard {
+    pub index: u32,
+    pub state: String,
+    /// Nodes (hex) of the attempts in flight, or of the accepted result.
+    pub nodes: Vec<String>,
+    pub epoch: u32,
+    pub failures: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct OverviewEvent {
+    pub index: u64,
+    pub shard: Option<u32>,
+    pub what: String,
+}
+
+pub(crate) async fn page() -> impl IntoResponse {
+    ([(header::CACHE_CONTROL, "no-cache")], Html(PAGE))
+}
+
+fn hex(id: u64) -> String {
+    format!("{id:x}")
+}
+
+pub(crate) async fn overview(State(shared): State<Arc<Shared>>) -> ApiResult<Json<Overview>> {
+    let c = consensus(&shared)?;
+    let st = c.status().await.map_err(unavailable)?;
+    let unreachable = shared
+        .unreachable
+        .read()
+        .map(|u| u.clone())
+        .unwrap_or_default();
+    let now = crate::scheduler::now_ms();
+    let (members, counts, tasks) = c
+        .read_local(move |s| summarize(s, now, &unreachable))
+        .await
+        .map_err(unavailable)?;
+    Ok(Json(Overview {
+        node: hex(shared.raft_id),
+        peer_id: shared.peer_id.to_string(),
+        leader: if st.leader_id == 0 {
+            String::new()
+        } else {
+            hex(st.leader_id)
+        },
+        term: st.term,
+        commit_index: st.commit_index,
+        applied_index: st.applied_index,
+        members,
+        counts,
+        tasks,
+        throughput: shared.throughput.points(),
+    }))
+}
+
+type Summary = (
+    Vec<OverviewMember>,
+    HashMap<String, usize>,
+    Vec<OverviewTask>,
+);
+
+fn summarize(
+    s: &StateMachine,
+    now_ms: u64,
+    unreachable: &std::collections::HashSet<u64>,
+) -> Summary {
+    let mut queue: HashMap<u64, u32> = HashMap::new();
+    let mut done: HashMap<u64, u64> = HashMap::new();
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for t in s.tasks().values() {
+        *counts
+            .entry(status_name(&t.status).to_string())
+            .or_default() += 1;
+        for sh in &t.shards {
+            if let Some(out) = &sh.output {
+                *done.entry(out.node).or_default() += 1;
+            }
+            for a in &sh.attempts {
+                if !t.status.is_terminal() {
+                    *queue.entry(a.node).or_default() += 1;
+                }
+            }
+        }
+    }
+    let stale = crate::scheduler::STALE_AFTER.as_millis() as u64;
+    let members = s
+        .members()
+        .values()
+        .map(|m| {
+            let lost = unreachable.contains(&m.raft_id);
+            let fresh = m
+                .last_heartbeat
+                .is_some_and(|h| now_ms.saturating_sub(h.at_ms) < stale);
+            OverviewMember {
+                id: hex(m.raft_id),
+                peer_id: m.peer_id.clone(),
+                role: format!("{:?}", m.role).to_lowercase(),
+                alive: fresh && !lost,
+                unreachable: lost,
+                adapter: m.capability.as_ref().map(|c| c.adapter_name.clone()),
+                backend: m.capability.as_ref().map(|c| c.backend.name().to_string()),
+                gflops: m.capability.as_ref().map(|c| c.gflops),
+                gbps: m.capability.as_ref().map(|c| c.gbps),
+                queue: queue.get(&m.raft_id).copied().unwrap_or(0),
+                shards_done: done.get(&m.raft_id).copied().unwrap_or(0),
+            }
+        })
+        .collect();
+    let tasks = s
+        .tasks()
+        .values()
+        .rev()
+        .take(OVERVIEW_TASKS)
+        .map(|t| OverviewTask {
+            id: t.id.0,
+            status: status_name(&t.status).to_string(),
+            reason: match &t.status {
+                TaskStatus::Failed(r) | TaskStatus::Cancelled(r) => Some(r.clone()),
+                _ => None,
+            },
+            kernel: crate::api::kernel_name(&t.spec),
+            shards: t.shards.len(),
+            done: t
+                .shards
+                .iter()
+                .filter(|sh| sh.state == ShardState::Done)
+                .count(),
+            running: t
+                .shards
+                .iter()
+                .filter(|sh| sh.state == ShardState::Running)
+                .count(),
+            replicas: t.spec.options.replicas,
+            mismatches: t.mismatches,
+            shard_list: t
+                .shards
+                .iter()
+                .enumerate()
+                .map(|(i, sh)| OverviewShard {
+                    index: i as u32,
+                    state: format!("{:?}", sh.state).to_lowercase(),
+                    nodes: match &sh.output {
+                        Some(out) => vec![hex(out.node)],
+                        None => sh.attempts.iter().map(|a| hex(a.node)).collect(),
+                    },
+                    epoch: sh.epoch,
+                    failures: sh.failures,
+                })
+                .collect(),
+            history: t
+                .history
+                .iter()
+                .map(|e| OverviewEvent {
+                    index: e.index,
+                    shard: e.shard,
+                    what: e.what.clone(),
+                })
+                .collect(),
+        })
+        .collect();
+    (members, counts, tasks)
+}
+
+fn status_name(s: &TaskStatus) -> &'static str {
+    match s {
+        TaskStatus::Pending => "pending",
+        TaskStatus::Running => "running",
+        TaskStatus::Completed => "completed",
+        TaskStatus::Failed(_) => "failed",
+        TaskStatus::Cancelled(_) => "cancelled",
+    }
+}
