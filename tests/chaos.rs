@@ -19,31 +19,16 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::*;
+use gpumesh::consensus::sim::SplitMix64;
 use gpumesh::consensus::{RaftRole, RequestId, MAX_HISTORY};
 use gpumesh::node::api::TaskView;
 use gpumesh::node::{Formation, MeshNode, Multiaddr, NodeConfig, PeerId};
 use gpumesh::protocol::TaskOptions;
 use gpumesh::shaders::builtins::{self, Problem};
 
-/// SplitMix64: small, seedable, and the same on every platform.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
+/// Uniform in 0..n.
+fn below(rng: &mut SplitMix64, n: usize) -> usize {
+    rng.range(0, n as u64 - 1) as usize
 }
 
 fn env_list(name: &str) -> Option<Vec<u64>> {
@@ -80,7 +65,7 @@ struct Acked {
 
 struct Chaos {
     seed: u64,
-    rng: Rng,
+    rng: SplitMix64,
     slots: Vec<Slot>,
     acked: Vec<Acked>,
     /// Request ids whose submit was never acknowledged: each may or may not exist.
@@ -116,7 +101,7 @@ impl Chaos {
             .collect();
         let chaos = Chaos {
             seed,
-            rng: Rng(seed),
+            rng: SplitMix64::new(seed),
             slots,
             acked: Vec::new(),
             unacked: Vec::new(),
@@ -263,12 +248,12 @@ impl Chaos {
         let n = self.n();
         let minority = (n - 1) / 2;
         for _ in 0..16 {
-            let i = self.rng.below(n);
-            match self.rng.below(6) {
+            let i = below(&mut self.rng, n);
+            match below(&mut self.rng, 6) {
                 0 | 1 if self.slots[i].node.is_some() && self.impaired() < minority => {
                     // Half the kills go to the leader, wherever it is.
                     let target = match self.leader() {
-                        Some(l) if self.rng.chance(50) && !self.slots[l].cut => l,
+                        Some(l) if self.rng.chance(0.5) && !self.slots[l].cut => l,
                         _ => i,
                     };
                     return self.kill(target).await;
@@ -285,7 +270,7 @@ impl Chaos {
                     if self.slots[i].slow {
                         return self.slow(i, None);
                     }
-                    let ms = 20 + self.rng.below(180) as u64;
+                    let ms = 20 + below(&mut self.rng, 180) as u64;
                     return self.slow(i, Some(Duration::from_millis(ms)));
                 }
                 _ => {}
@@ -297,11 +282,11 @@ impl Chaos {
     /// with the same request id (so it can be recorded only once) a few times.
     async fn submit_one(&mut self) {
         let names = ["vector_add", "histogram", "matmul"];
-        let name = names[self.rng.below(names.len())];
+        let name = names[below(&mut self.rng, names.len())];
         let b = builtins::get(name).unwrap();
         let problem = b.problem(b.test_size).unwrap();
-        let shards = 1 + self.rng.below(4) as u32;
-        let replicas = if self.rng.chance(25) { 2 } else { 1 };
+        let shards = 1 + below(&mut self.rng, 4) as u32;
+        let replicas = if self.rng.chance(0.25) { 2 } else { 1 };
         self.next_request += 1;
         let request = RequestId::new(0xC4A0_5000 + self.seed, self.next_request);
         let mut spec = problem.spec(shards);
@@ -311,7 +296,7 @@ impl Chaos {
         };
         for attempt in 0..4 {
             let healthy = self.healthy();
-            let via = healthy[self.rng.below(healthy.len())];
+            let via = healthy[below(&mut self.rng, healthy.len())];
             let c = client(self.slots[via].node.as_ref().unwrap());
             let submitted = tokio::time::timeout(Duration::from_secs(10), async {
                 for bytes in problem.blobs.values() {
@@ -502,11 +487,11 @@ async fn run(n: usize, seed: u64, steps: usize) {
     eprintln!("[seed {seed}] chaos on {n} nodes, {steps} steps");
     for _ in 0..steps {
         chaos.fault().await;
-        let tasks = 1 + chaos.rng.below(3);
+        let tasks = 1 + below(&mut chaos.rng, 3);
         for _ in 0..tasks {
             chaos.submit_one().await;
         }
-        let pause = 200 + chaos.rng.below(800) as u64;
+        let pause = 200 + below(&mut chaos.rng, 800) as u64;
         tokio::time::sleep(Duration::from_millis(pause)).await;
     }
     chaos.note("heal everything, restart every node that is down".into());

@@ -242,6 +242,18 @@ async fn finished_and_right(via: &Client, task: u64) {
     );
 }
 
+/// SIGKILLs node `i` and starts it again on its data dir, pointed at the others.
+fn kill9_and_restart(procs: &mut [Proc], i: usize) {
+    procs[i].kill9();
+    let mut args = Vec::new();
+    for p in procs.iter().filter(|p| p.child.is_some()) {
+        args.push("--peer".to_string());
+        args.push(p.seed.clone());
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    procs[i].start(&args);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_the_leader_and_of_a_worker_mid_task_loses_nothing() {
     if !have_any() {
@@ -263,13 +275,7 @@ async fn kill_9_of_the_leader_and_of_a_worker_mid_task_loses_nothing() {
     let leader = procs.iter().position(|p| p.raft_id == st.leader).unwrap();
     let via = (leader + 1) % 3;
     let t1 = submit_and_wait_running(&procs[via].client(), None).await;
-    procs[leader].kill9();
-    let others: Vec<String> = procs
-        .iter()
-        .filter(|p| p.child.is_some())
-        .map(|p| p.seed.clone())
-        .collect();
-    procs[leader].start(&["--peer", &others[0], "--peer", &others[1]]);
+    kill9_and_restart(&mut procs, leader);
     finished_and_right(&procs[via].client(), t1).await;
     ready(&procs).await;
 
@@ -278,13 +284,7 @@ async fn kill_9_of_the_leader_and_of_a_worker_mid_task_loses_nothing() {
     let leader = procs.iter().position(|p| p.raft_id == st.leader).unwrap();
     let worker = (leader + 1) % 3;
     let t2 = submit_and_wait_running(&procs[leader].client(), Some(procs[worker].raft_id)).await;
-    procs[worker].kill9();
-    let others: Vec<String> = procs
-        .iter()
-        .filter(|p| p.child.is_some())
-        .map(|p| p.seed.clone())
-        .collect();
-    procs[worker].start(&["--peer", &others[0], "--peer", &others[1]]);
+    kill9_and_restart(&mut procs, worker);
     finished_and_right(&procs[leader].client(), t2).await;
 
     // 3. Both restarted nodes serve both tasks from their own state and disks.
