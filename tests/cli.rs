@@ -501,3 +501,192 @@ fn a_node_shows_its_cluster_key_fingerprint_and_never_the_key() {
         "the key itself never shows"
     );
 }
+
+/// `gpumesh ARGS` in `dir`, with no `GPUMESH_*` setting inherited and `env` added.
+fn gpumesh_in(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpumesh"));
+    cmd.args(args).current_dir(dir).env("RUST_LOG", "error");
+    for (name, _) in std::env::vars() {
+        if name.starts_with("GPUMESH_") {
+            cmd.env_remove(name);
+        }
+    }
+    cmd.envs(env.iter().copied());
+    cmd.output().expect("the gpumesh binary runs")
+}
+
+/// `gpumesh node --print-config ...`, parsed.
+fn printed_config(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> toml::Table {
+    let mut argv = vec!["node", "--print-config"];
+    argv.extend(args);
+    let o = gpumesh_in(dir, &argv, env);
+    assert!(o.status.success(), "{}", stderr(&o));
+    stdout(&o)
+        .parse()
+        .unwrap_or_else(|e| panic!("not TOML: {e}\n{}", stdout(&o)))
+}
+
+#[test]
+fn print_config_without_a_file_shows_the_defaults_and_starts_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = printed_config(dir.path(), &[], &[]);
+    assert_eq!(c["listen"].as_str(), Some("/ip4/0.0.0.0/tcp/4070"));
+    assert_eq!(c["api"].as_str(), Some("127.0.0.1:7070"));
+    assert_eq!(c["init"].as_bool(), Some(false));
+    assert_eq!(c["mdns"].as_bool(), Some(true));
+    assert_eq!(c["backend"].as_str(), Some("auto"));
+    assert_eq!(c["peers"].as_array().map(Vec::len), Some(0));
+    assert_eq!(c["join_timeout"].as_float(), Some(30.0));
+    assert_eq!(c["max_connections_per_peer"].as_integer(), Some(8));
+    assert_eq!(c["max_grid"].as_integer(), Some(1 << 26));
+    assert_eq!(c["down_after"].as_float(), Some(8.0));
+    assert_eq!(c["straggler_factor"].as_float(), Some(4.0));
+    assert_eq!(c["straggler_min"].as_float(), Some(30.0));
+    assert_eq!(c["default_deadline"].as_float(), Some(60.0));
+    assert_eq!(c["log_format"].as_str(), Some("text"));
+    assert!(!c.contains_key("cluster_key") && !c.contains_key("bootstrap_expect"));
+    let data_dir = Path::new(c["data_dir"].as_str().unwrap());
+    assert!(
+        data_dir.is_absolute() && data_dir.ends_with("gpumesh-data"),
+        "{data_dir:?}"
+    );
+    assert!(!dir.path().join("gpumesh-data").exists(), "nothing started");
+}
+
+#[test]
+fn flags_override_the_environment_which_overrides_the_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "node.toml",
+        b"api = \"127.0.0.1:7001\"\n\
+          max_grid = 1001\n\
+          down_after = 11.5\n\
+          listen = \"/ip4/127.0.0.1/tcp/4001\"\n\
+          data_dir = \"state\"\n\
+          init = true\n\
+          peers = [\"/ip4/10.0.0.1/tcp/4070\"]\n",
+    );
+    let env = [
+        ("GPUMESH_CONFIG", file.as_str()),
+        ("GPUMESH_API", "127.0.0.1:7002"),
+        ("GPUMESH_MAX_GRID", "1002"),
+        (
+            "GPUMESH_PEERS",
+            "/ip4/10.0.0.2/tcp/4070,/ip4/10.0.0.3/tcp/4070",
+        ),
+    ];
+    let c = printed_config(
+        dir.path(),
+        &["--api", "127.0.0.1:7003", "--bootstrap-expect", "3"],
+        &env,
+    );
+    assert_eq!(c["api"].as_str(), Some("127.0.0.1:7003"), "flag over env");
+    assert_eq!(c["max_grid"].as_integer(), Some(1002), "env over file");
+    assert_eq!(
+        c["peers"].as_array().unwrap().len(),
+        2,
+        "env list over file"
+    );
+    assert_eq!(c["down_after"].as_float(), Some(11.5), "file over default");
+    assert_eq!(c["listen"].as_str(), Some("/ip4/127.0.0.1/tcp/4001"));
+    assert_eq!(
+        Path::new(c["data_dir"].as_str().unwrap()),
+        dir.path().join("state"),
+        "relative to the file"
+    );
+    // --bootstrap-expect replaces the file's init: how the mesh forms is one choice.
+    assert_eq!(c["bootstrap_expect"].as_integer(), Some(3));
+    assert_eq!(c["init"].as_bool(), Some(false));
+    // Without flags and environment, the file's values; --config names it too.
+    let c = printed_config(dir.path(), &["--config", &file], &[]);
+    assert_eq!(c["api"].as_str(), Some("127.0.0.1:7001"));
+    assert_eq!(c["max_grid"].as_integer(), Some(1001));
+    assert_eq!(c["init"].as_bool(), Some(true));
+
+    // What --print-config printed starts the same node when fed back.
+    let printed = gpumesh_in(dir.path(), &["node", "--print-config"], &env);
+    let again = write(dir.path(), "again.toml", &printed.stdout);
+    let back = gpumesh_in(
+        dir.path(),
+        &["node", "--print-config", "--config", &again],
+        &[],
+    );
+    assert_eq!(stdout(&back), stdout(&printed), "{}", stderr(&back));
+}
+
+#[test]
+fn an_unknown_key_in_the_config_file_is_named_with_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "node.toml",
+        b"api = \"127.0.0.1:7070\"\nmax_gird = 5\n",
+    );
+    let o = gpumesh_in(dir.path(), &["node", "--config", &file], &[]);
+    assert!(!o.status.success(), "started: {}", stdout(&o));
+    let err = stderr(&o);
+    assert!(err.contains("max_gird") && err.contains(&file), "{err}");
+    assert!(err.contains("max_grid"), "lists the keys there are: {err}");
+    assert!(!dir.path().join("gpumesh-data").exists(), "nothing started");
+}
+
+#[test]
+fn a_malformed_config_file_is_reported_with_line_and_column() {
+    let dir = tempfile::tempdir().unwrap();
+    for (text, line) in [
+        // Not TOML.
+        ("init = true\nlisten = \n", "line 2, column"),
+        // TOML, but a value that is not a multiaddr.
+        ("init = true\n\nlisten = \"tcp:4070\"\n", "line 3, column"),
+        // A number where a flag takes one, but not negative.
+        ("max_grid = -1\n", "line 1, column"),
+    ] {
+        let file = write(dir.path(), "node.toml", text.as_bytes());
+        let o = gpumesh_in(
+            dir.path(),
+            &["node", "--print-config", "--config", &file],
+            &[],
+        );
+        assert!(!o.status.success(), "accepted {text:?}: {}", stdout(&o));
+        let err = stderr(&o);
+        assert!(err.contains(line) && err.contains(&file), "{text:?}: {err}");
+    }
+    // A missing file is named, with where its name came from.
+    let o = gpumesh_in(
+        dir.path(),
+        &["node", "--print-config"],
+        &[("GPUMESH_CONFIG", "/nonexistent/node.toml")],
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("/nonexistent/node.toml") && stderr(&o).contains("GPUMESH_CONFIG"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn settings_no_node_could_run_with_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    for (args, env, named) in [
+        (vec!["--down-after", "0"], vec![], "down_after"),
+        (
+            vec![],
+            vec![("GPUMESH_STRAGGLER_FACTOR", "0.5")],
+            "GPUMESH_STRAGGLER_FACTOR",
+        ),
+        (
+            vec!["--init", "--bootstrap-expect", "2"],
+            vec![],
+            "bootstrap_expect",
+        ),
+        (vec!["--max-grid", "0"], vec![], "--max-grid"),
+    ] {
+        let mut argv = vec!["node", "--print-config"];
+        argv.extend(&args);
+        let o = gpumesh_in(dir.path(), &argv, &env);
+        assert!(!o.status.success(), "{args:?} {env:?}: {}", stdout(&o));
+        assert!(stderr(&o).contains(named), "{args:?}: {}", stderr(&o));
+    }
+}
