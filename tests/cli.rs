@@ -690,3 +690,258 @@ fn settings_no_node_could_run_with_are_refused_by_name() {
         assert!(stderr(&o).contains(named), "{args:?}: {}", stderr(&o));
     }
 }
+
+#[test]
+fn completions_print_a_script_for_each_shell() {
+    let o = gpumesh(&["completions", "bash"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let script = stdout(&o);
+    assert!(
+        script.contains("gpumesh") && script.contains("complete"),
+        "{script}"
+    );
+    assert!(
+        script.contains("--print-config"),
+        "knows the subcommands' flags"
+    );
+    for shell in ["zsh", "fish", "elvish", "powershell"] {
+        let o = gpumesh(&["completions", shell]);
+        assert!(
+            o.status.success() && stdout(&o).contains("gpumesh"),
+            "{shell}"
+        );
+    }
+    assert!(!gpumesh(&["completions", "tcsh"]).status.success());
+}
+
+#[test]
+fn an_unreachable_api_names_the_address_and_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    // Port 9 (discard) on loopback: nothing listens there.
+    for args in [
+        vec!["status", "--api", "127.0.0.1:9"],
+        vec!["tasks"],
+        vec!["task", "t1"],
+    ] {
+        let o = gpumesh_in(dir.path(), &args, &[("GPUMESH_API", "127.0.0.1:9")]);
+        assert!(!o.status.success());
+        let err = stderr(&o);
+        assert!(err.contains("127.0.0.1:9"), "{args:?}: {err}");
+        assert!(
+            err.contains("gpumesh node") && err.contains("GPUMESH_API"),
+            "{err}"
+        );
+        assert!(err.contains("refused"), "says why: {err}");
+    }
+    // With JSON logs the error is a JSON line too.
+    let o = gpumesh_in(
+        dir.path(),
+        &["status", "--log-format", "json"],
+        &[("GPUMESH_API", "127.0.0.1:9")],
+    );
+    assert!(!o.status.success());
+    let line: serde_json::Value = serde_json::from_str(stderr(&o).trim()).unwrap();
+    assert_eq!(line["level"], "ERROR");
+    assert!(line["fields"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("127.0.0.1:9"));
+}
+
+#[test]
+fn adapters_prints_json_with_json_and_a_table_without() {
+    let o = gpumesh(&["adapters", "--json", "--no-calibrate"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let caps: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for c in caps.as_array().unwrap() {
+        assert!(
+            c["adapter_name"].is_string() && c["backend"].is_string(),
+            "{c}"
+        );
+    }
+    if caps.as_array().unwrap().is_empty() {
+        return;
+    }
+    let o = gpumesh(&["adapters", "--no-calibrate"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).starts_with("#   adapter"), "{}", stdout(&o));
+}
+
+/// A `gpumesh node` process on loopback, killed when dropped.
+struct RunningNode {
+    child: std::process::Child,
+    api: String,
+    stdout: String,
+    stderr: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl RunningNode {
+    /// Starts `gpumesh node` with `extra` flags and `env`; returns once it serves
+    /// its API.
+    fn start(dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> RunningNode {
+        use std::io::BufRead;
+        use std::process::Stdio;
+        use std::time::{Duration, Instant};
+
+        let data = dir.join("data");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpumesh"));
+        cmd.args([
+            "node",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--api",
+            "127.0.0.1:0",
+            "--no-mdns",
+            "--init",
+        ])
+        .args(extra)
+        .env("RUST_LOG", "info");
+        for (name, _) in std::env::vars() {
+            if name.starts_with("GPUMESH_") {
+                cmd.env_remove(name);
+            }
+        }
+        cmd.envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let stderr = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let err = child.stderr.take().unwrap();
+        let sink = stderr.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+                let mut s = sink.lock().unwrap();
+                s.push_str(&line);
+                s.push('\n');
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut stdout = String::new();
+        let mut api = None;
+        while api.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match lines.recv_timeout(left) {
+                Ok(line) => {
+                    api = line
+                        .split_once("API on http://")
+                        .and_then(|(_, rest)| rest.split_whitespace().next())
+                        .map(str::to_string);
+                    stdout.push_str(&(line + "\n"));
+                }
+                Err(_) => break,
+            }
+        }
+        let Some(api) = api else {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "the node did not start: {stdout}\n{}",
+                stderr.lock().unwrap()
+            );
+        };
+        RunningNode {
+            child,
+            api,
+            stdout,
+            stderr,
+        }
+    }
+
+    /// Stops the node; returns everything it wrote to stderr.
+    fn stop(mut self) -> String {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // The reader thread sees the pipe close; give it a moment to finish.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let s = self.stderr.lock().unwrap().clone();
+        s
+    }
+}
+
+impl Drop for RunningNode {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn a_running_node_answers_read_commands_in_json_and_logs_json_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = RunningNode::start(
+        dir.path(),
+        // No adapter: starts at once, without calibrating; tasks stay pending.
+        &["--backend", "metal", "--log-format", "json"],
+        &[("RUST_LOG", "info,gpumesh_node=debug")],
+    );
+    assert!(node.stdout.contains("adapter: none"), "{}", node.stdout);
+    let api = node.api.clone();
+    let read = |args: &[&str]| -> serde_json::Value {
+        let mut argv = args.to_vec();
+        argv.extend(["--api", &api, "--json"]);
+        let o = gpumesh(&argv);
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+        serde_json::from_slice(&o.stdout)
+            .unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {}", stdout(&o)))
+    };
+
+    let status = read(&["status"]);
+    assert_eq!(status["members"].as_array().unwrap().len(), 1, "{status}");
+    assert_eq!(status["leader"], status["node"], "{status}");
+    assert_eq!(read(&["tasks"]), serde_json::json!([]));
+
+    let submitted = read(&[
+        "submit",
+        "--builtin",
+        "vector_add",
+        "--size",
+        "1024",
+        "--shards",
+        "2",
+    ]);
+    let id = submitted["task"].as_u64().unwrap();
+    let tasks = read(&["tasks"]);
+    assert_eq!(tasks.as_array().unwrap().len(), 1, "{tasks}");
+    let task = read(&["task", &format!("t{id}")]);
+    assert_eq!(task["id"].as_u64(), Some(id), "{task}");
+    assert_eq!(task["shards"].as_array().unwrap().len(), 2, "{task}");
+    assert!(
+        task["history"].is_array() && task["replicas"].is_u64(),
+        "{task}"
+    );
+
+    // The same task for people: a headline and one row per shard.
+    let o = gpumesh(&["task", &id.to_string(), "--api", &api]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.starts_with(&format!("t{id} ")), "{text}");
+    assert!(
+        text.contains("vector_add") && text.contains("epoch"),
+        "{text}"
+    );
+    let o = gpumesh(&["task", "t999", "--api", &api]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("no task t999"), "{}", stderr(&o));
+
+    let logs = node.stop();
+    let mut submit_span = false;
+    for line in logs.lines() {
+        let event: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("a stderr line is not JSON ({e}): {line}"));
+        assert!(event["level"].is_string(), "{line}");
+        if event["span"]["name"] == "submit" && event["span"]["task"] == format!("t{id}") {
+            submit_span = true;
+        }
+    }
+    assert!(logs.contains("node started"), "{logs}");
+    assert!(submit_span, "the submit span carries the task id: {logs}");
+}

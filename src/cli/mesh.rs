@@ -1,10 +1,11 @@
-//! The mesh commands: `gpumesh node`, `submit`, `result`, `status`, `tasks`.
+//! The mesh commands: `gpumesh node`, `submit`, `result`, `status`, `tasks`, `task`.
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
+use gpumesh::node::api::TaskView;
 use gpumesh::node::{ClusterKey, MeshNode};
 use gpumesh::Client;
 
@@ -298,4 +299,79 @@ pub fn tasks(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+pub fn task(id: &str, api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
+    let id = task_id(id)?;
+    let client = Client::new(api.api);
+    let t = tokio::runtime::Runtime::new()?.block_on(client.task(id))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&t)?);
+    } else {
+        print_task(&t);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A raft id as `gpumesh status` shows it.
+fn node_name(id: u64) -> String {
+    format!("{id:x}")
+}
+
+fn print_task(t: &TaskView) {
+    println!(
+        "t{} {}: {}, grid {}, merge {}, {}/{} shards done, replicas {}, mismatches {}",
+        t.id,
+        t.status,
+        t.kernel,
+        t.grid,
+        t.merge,
+        t.shards_done,
+        t.shards.len(),
+        t.replicas,
+        t.mismatches
+    );
+    println!("  submitted through {}", t.submitter);
+    if let Some(reason) = &t.reason {
+        println!("  reason: {reason}");
+    }
+    println!();
+    println!(
+        "{:<6} {:<10} {:<17} {:>5}  {:<36} {:<36} {:>8}  last error",
+        "shard", "state", "node", "epoch", "running (node@epoch)", "reported by", "failures"
+    );
+    let list = |items: Vec<String>| {
+        if items.is_empty() {
+            "-".to_string()
+        } else {
+            items.join(" ")
+        }
+    };
+    for sh in &t.shards {
+        let running = sh
+            .attempts
+            .iter()
+            .map(|(node, epoch)| format!("{}@{epoch}", node_name(*node)))
+            .collect();
+        let row = format!(
+            "{:<6} {:<10} {:<17} {:>5}  {:<36} {:<36} {:>8}  {}",
+            sh.index,
+            sh.state,
+            sh.node.map(node_name).unwrap_or_else(|| "-".into()),
+            sh.epoch,
+            list(running),
+            list(sh.reported_by.iter().copied().map(node_name).collect()),
+            sh.failures,
+            sh.last_error.as_deref().unwrap_or("")
+        );
+        println!("{}", row.trim_end());
+    }
+    if !t.history.is_empty() {
+        println!();
+        println!("history (raft index, shard, what):");
+        for h in &t.history {
+            let shard = h.shard.map(|s| s.to_string()).unwrap_or_else(|| "-".into());
+            println!("  {:>8}  {:>5}  {}", h.index, shard, h.what);
+        }
+    }
 }

@@ -1,5 +1,5 @@
 //! The command line: `gpumesh adapters`, `gpumesh run`, `gpumesh bench`, `gpumesh
-//! keygen`, and the mesh commands.
+//! keygen`, `gpumesh completions`, and the mesh commands.
 //!
 //! - [`settings`]: `gpumesh node`'s flags, config file and environment, merged;
 //! - [`console`]: log lines and the progress line on stderr;
@@ -15,7 +15,7 @@ pub mod settings;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{ArgMatches, Parser, Subcommand};
+use clap::{ArgMatches, CommandFactory, Parser, Subcommand};
 use gpumesh_protocol::{Grid, MergeRule};
 use gpumesh_shaders::BackendChoice;
 
@@ -80,6 +80,24 @@ pub enum Command {
         api: ApiArgs,
         #[arg(long)]
         json: bool,
+    },
+    /// One task: its shards (state, node, epoch, attempts), replicas, mismatches
+    /// and history.
+    Task {
+        /// The task id (as `gpumesh tasks` shows it, e.g. t12 or 12).
+        task: String,
+        #[command(flatten)]
+        api: ApiArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print a shell completion script.
+    ///
+    /// For example `gpumesh completions bash >
+    /// ~/.local/share/bash-completion/completions/gpumesh`.
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
     },
     /// Measure gpumesh and print a table.
     Bench {
@@ -234,6 +252,16 @@ pub fn execute(cli: Cli, matches: &ArgMatches) -> anyhow::Result<ExitCode> {
         Command::Result(args) => mesh::result(args),
         Command::Status { api, json } => mesh::status(api, json),
         Command::Tasks { api, json } => mesh::tasks(api, json),
+        Command::Task { task, api, json } => mesh::task(&task, api, json),
+        Command::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "gpumesh",
+                &mut std::io::stdout(),
+            );
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Bench { which } => match which {
             BenchCommand::Executor(args) => crate::bench::executor(args),
             BenchCommand::Consensus(args) => crate::bench::consensus(args),
