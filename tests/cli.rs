@@ -682,6 +682,11 @@ fn settings_no_node_could_run_with_are_refused_by_name() {
             "bootstrap_expect",
         ),
         (vec!["--max-grid", "0"], vec![], "--max-grid"),
+        (
+            vec![],
+            vec![("GPUMESH_MAX_CONNECTIONS", "0")],
+            "max_connections",
+        ),
     ] {
         let mut argv = vec!["node", "--print-config"];
         argv.extend(&args);

@@ -376,6 +376,29 @@ impl NodeSettings {
                 self.down_after
             );
         }
+        for (key, value) in [
+            (
+                "max_connections_per_peer",
+                u64::from(self.max_connections_per_peer),
+            ),
+            ("max_connections", u64::from(self.max_connections)),
+            ("max_pending_incoming", u64::from(self.max_pending_incoming)),
+            ("max_shader_bytes", self.max_shader_bytes),
+            ("max_blob_bytes", self.max_blob_bytes),
+            ("max_grid", self.max_grid),
+            (
+                "max_queued_per_submitter",
+                self.max_queued_per_submitter as u64,
+            ),
+            ("max_request_bytes", self.max_request_bytes),
+        ] {
+            if value == 0 {
+                bail!(
+                    "{} must be at least 1: a node with a zero limit could serve nothing",
+                    names(key)
+                );
+            }
+        }
         self.limits().check()?;
         Ok(())
     }
