@@ -15,7 +15,11 @@ pub const DEFAULT_API: &str = "127.0.0.1:7070";
 /// Errors a client sees, each saying what to try.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    #[error("cannot reach the gpumesh API at {addr}: {reason}; is a node running there? (set --api or GPUMESH_API)")]
+    #[error(
+        "cannot reach the gpumesh API at {addr} ({reason}); is a node running there? \
+         Start one with `gpumesh node --api {addr}`, or point at a running node with \
+         --api HOST:PORT or GPUMESH_API=HOST:PORT"
+    )]
     Unreachable { addr: String, reason: String },
     #[error("{0}")]
     Refused(String),
@@ -39,6 +43,16 @@ fn cut_off(e: &reqwest::Error) -> bool {
         cause = c.source();
     }
     false
+}
+
+/// The innermost cause of a failed request ("Connection refused (os error 111)"),
+/// which says more than reqwest's own "error sending request for url".
+fn root_cause(e: &reqwest::Error) -> String {
+    let mut cause: &(dyn std::error::Error + 'static) = e;
+    while let Some(inner) = cause.source() {
+        cause = inner;
+    }
+    cause.to_string()
 }
 
 /// A client of one node's API.
@@ -85,7 +99,7 @@ impl Client {
             } else {
                 ClientError::Unreachable {
                     addr: self.addr.clone(),
-                    reason: e.to_string(),
+                    reason: root_cause(&e),
                 }
             }
         })?;

@@ -1,26 +1,23 @@
-//! The `gpumesh` command: parses flags, sets up logging, and hands off to a command.
+//! The `gpumesh` command: parses flags and hands off to a command, which sets up
+//! logging once it knows the format.
 
 mod bench;
 mod cli;
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 
 fn main() -> ExitCode {
-    let cli = cli::Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                tracing_subscriber::EnvFilter::new("warn,wgpu_hal=error,wgpu_core=error,naga=error")
-            }),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    match cli::execute(cli) {
+    // Parsed in two steps to keep the matches: they tell a flag from a default, which
+    // `gpumesh node` needs to put its config file in between.
+    let matches = cli::Cli::command().get_matches();
+    let cli = cli::Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let log_format = cli.log_format;
+    match cli::execute(cli, &matches) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            cli::console::report_error(&e, log_format);
             ExitCode::FAILURE
         }
     }

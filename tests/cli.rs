@@ -501,3 +501,452 @@ fn a_node_shows_its_cluster_key_fingerprint_and_never_the_key() {
         "the key itself never shows"
     );
 }
+
+/// `gpumesh ARGS` in `dir`, with no `GPUMESH_*` setting inherited and `env` added.
+fn gpumesh_in(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpumesh"));
+    cmd.args(args).current_dir(dir).env("RUST_LOG", "error");
+    for (name, _) in std::env::vars() {
+        if name.starts_with("GPUMESH_") {
+            cmd.env_remove(name);
+        }
+    }
+    cmd.envs(env.iter().copied());
+    cmd.output().expect("the gpumesh binary runs")
+}
+
+/// `gpumesh node --print-config ...`, parsed.
+fn printed_config(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> toml::Table {
+    let mut argv = vec!["node", "--print-config"];
+    argv.extend(args);
+    let o = gpumesh_in(dir, &argv, env);
+    assert!(o.status.success(), "{}", stderr(&o));
+    stdout(&o)
+        .parse()
+        .unwrap_or_else(|e| panic!("not TOML: {e}\n{}", stdout(&o)))
+}
+
+#[test]
+fn print_config_without_a_file_shows_the_defaults_and_starts_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = printed_config(dir.path(), &[], &[]);
+    assert_eq!(c["listen"].as_str(), Some("/ip4/0.0.0.0/tcp/4070"));
+    assert_eq!(c["api"].as_str(), Some("127.0.0.1:7070"));
+    assert_eq!(c["init"].as_bool(), Some(false));
+    assert_eq!(c["mdns"].as_bool(), Some(true));
+    assert_eq!(c["backend"].as_str(), Some("auto"));
+    assert_eq!(c["peers"].as_array().map(Vec::len), Some(0));
+    assert_eq!(c["join_timeout"].as_float(), Some(30.0));
+    assert_eq!(c["max_connections_per_peer"].as_integer(), Some(8));
+    assert_eq!(c["max_grid"].as_integer(), Some(1 << 26));
+    assert_eq!(c["down_after"].as_float(), Some(8.0));
+    assert_eq!(c["straggler_factor"].as_float(), Some(4.0));
+    assert_eq!(c["straggler_min"].as_float(), Some(30.0));
+    assert_eq!(c["default_deadline"].as_float(), Some(60.0));
+    assert_eq!(c["log_format"].as_str(), Some("text"));
+    assert!(!c.contains_key("cluster_key") && !c.contains_key("bootstrap_expect"));
+    let data_dir = Path::new(c["data_dir"].as_str().unwrap());
+    assert!(
+        data_dir.is_absolute() && data_dir.ends_with("gpumesh-data"),
+        "{data_dir:?}"
+    );
+    assert!(!dir.path().join("gpumesh-data").exists(), "nothing started");
+}
+
+#[test]
+fn flags_override_the_environment_which_overrides_the_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "node.toml",
+        b"api = \"127.0.0.1:7001\"\n\
+          max_grid = 1001\n\
+          down_after = 11.5\n\
+          listen = \"/ip4/127.0.0.1/tcp/4001\"\n\
+          data_dir = \"state\"\n\
+          init = true\n\
+          peers = [\"/ip4/10.0.0.1/tcp/4070\"]\n",
+    );
+    let env = [
+        ("GPUMESH_CONFIG", file.as_str()),
+        ("GPUMESH_API", "127.0.0.1:7002"),
+        ("GPUMESH_MAX_GRID", "1002"),
+        (
+            "GPUMESH_PEERS",
+            "/ip4/10.0.0.2/tcp/4070,/ip4/10.0.0.3/tcp/4070",
+        ),
+    ];
+    let c = printed_config(
+        dir.path(),
+        &["--api", "127.0.0.1:7003", "--bootstrap-expect", "3"],
+        &env,
+    );
+    assert_eq!(c["api"].as_str(), Some("127.0.0.1:7003"), "flag over env");
+    assert_eq!(c["max_grid"].as_integer(), Some(1002), "env over file");
+    assert_eq!(
+        c["peers"].as_array().unwrap().len(),
+        2,
+        "env list over file"
+    );
+    assert_eq!(c["down_after"].as_float(), Some(11.5), "file over default");
+    assert_eq!(c["listen"].as_str(), Some("/ip4/127.0.0.1/tcp/4001"));
+    assert_eq!(
+        Path::new(c["data_dir"].as_str().unwrap()),
+        dir.path().join("state"),
+        "relative to the file"
+    );
+    // --bootstrap-expect replaces the file's init: how the mesh forms is one choice.
+    assert_eq!(c["bootstrap_expect"].as_integer(), Some(3));
+    assert_eq!(c["init"].as_bool(), Some(false));
+    // Without flags and environment, the file's values; --config names it too.
+    let c = printed_config(dir.path(), &["--config", &file], &[]);
+    assert_eq!(c["api"].as_str(), Some("127.0.0.1:7001"));
+    assert_eq!(c["max_grid"].as_integer(), Some(1001));
+    assert_eq!(c["init"].as_bool(), Some(true));
+
+    // What --print-config printed starts the same node when fed back.
+    let printed = gpumesh_in(dir.path(), &["node", "--print-config"], &env);
+    let again = write(dir.path(), "again.toml", &printed.stdout);
+    let back = gpumesh_in(
+        dir.path(),
+        &["node", "--print-config", "--config", &again],
+        &[],
+    );
+    assert_eq!(stdout(&back), stdout(&printed), "{}", stderr(&back));
+}
+
+#[test]
+fn an_unknown_key_in_the_config_file_is_named_with_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        "node.toml",
+        b"api = \"127.0.0.1:7070\"\nmax_gird = 5\n",
+    );
+    let o = gpumesh_in(dir.path(), &["node", "--config", &file], &[]);
+    assert!(!o.status.success(), "started: {}", stdout(&o));
+    let err = stderr(&o);
+    assert!(err.contains("max_gird") && err.contains(&file), "{err}");
+    assert!(err.contains("max_grid"), "lists the keys there are: {err}");
+    assert!(!dir.path().join("gpumesh-data").exists(), "nothing started");
+}
+
+#[test]
+fn a_malformed_config_file_is_reported_with_line_and_column() {
+    let dir = tempfile::tempdir().unwrap();
+    for (text, line) in [
+        // Not TOML.
+        ("init = true\nlisten = \n", "line 2, column"),
+        // TOML, but a value that is not a multiaddr.
+        ("init = true\n\nlisten = \"tcp:4070\"\n", "line 3, column"),
+        // A number where a flag takes one, but not negative.
+        ("max_grid = -1\n", "line 1, column"),
+    ] {
+        let file = write(dir.path(), "node.toml", text.as_bytes());
+        let o = gpumesh_in(
+            dir.path(),
+            &["node", "--print-config", "--config", &file],
+            &[],
+        );
+        assert!(!o.status.success(), "accepted {text:?}: {}", stdout(&o));
+        let err = stderr(&o);
+        assert!(err.contains(line) && err.contains(&file), "{text:?}: {err}");
+    }
+    // A missing file is named, with where its name came from.
+    let o = gpumesh_in(
+        dir.path(),
+        &["node", "--print-config"],
+        &[("GPUMESH_CONFIG", "/nonexistent/node.toml")],
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("/nonexistent/node.toml") && stderr(&o).contains("GPUMESH_CONFIG"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn settings_no_node_could_run_with_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    for (args, env, named) in [
+        (vec!["--down-after", "0"], vec![], "down_after"),
+        (
+            vec![],
+            vec![("GPUMESH_STRAGGLER_FACTOR", "0.5")],
+            "GPUMESH_STRAGGLER_FACTOR",
+        ),
+        (
+            vec!["--init", "--bootstrap-expect", "2"],
+            vec![],
+            "bootstrap_expect",
+        ),
+        (vec!["--max-grid", "0"], vec![], "--max-grid"),
+        (
+            vec![],
+            vec![("GPUMESH_MAX_CONNECTIONS", "0")],
+            "max_connections",
+        ),
+    ] {
+        let mut argv = vec!["node", "--print-config"];
+        argv.extend(&args);
+        let o = gpumesh_in(dir.path(), &argv, &env);
+        assert!(!o.status.success(), "{args:?} {env:?}: {}", stdout(&o));
+        assert!(stderr(&o).contains(named), "{args:?}: {}", stderr(&o));
+    }
+}
+
+#[test]
+fn completions_print_a_script_for_each_shell() {
+    let o = gpumesh(&["completions", "bash"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let script = stdout(&o);
+    assert!(
+        script.contains("gpumesh") && script.contains("complete"),
+        "{script}"
+    );
+    assert!(
+        script.contains("--print-config"),
+        "knows the subcommands' flags"
+    );
+    for shell in ["zsh", "fish", "elvish", "powershell"] {
+        let o = gpumesh(&["completions", shell]);
+        assert!(
+            o.status.success() && stdout(&o).contains("gpumesh"),
+            "{shell}"
+        );
+    }
+    assert!(!gpumesh(&["completions", "tcsh"]).status.success());
+}
+
+#[test]
+fn an_unreachable_api_names_the_address_and_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    // Port 9 (discard) on loopback: nothing listens there.
+    for args in [
+        vec!["status", "--api", "127.0.0.1:9"],
+        vec!["tasks"],
+        vec!["task", "t1"],
+    ] {
+        let o = gpumesh_in(dir.path(), &args, &[("GPUMESH_API", "127.0.0.1:9")]);
+        assert!(!o.status.success());
+        let err = stderr(&o);
+        assert!(err.contains("127.0.0.1:9"), "{args:?}: {err}");
+        assert!(
+            err.contains("gpumesh node") && err.contains("GPUMESH_API"),
+            "{err}"
+        );
+        assert!(err.contains("refused"), "says why: {err}");
+    }
+    // With JSON logs the error is a JSON line too.
+    let o = gpumesh_in(
+        dir.path(),
+        &["status", "--log-format", "json"],
+        &[("GPUMESH_API", "127.0.0.1:9")],
+    );
+    assert!(!o.status.success());
+    let line: serde_json::Value = serde_json::from_str(stderr(&o).trim()).unwrap();
+    assert_eq!(line["level"], "ERROR");
+    assert!(line["fields"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("127.0.0.1:9"));
+}
+
+#[test]
+fn adapters_prints_json_with_json_and_a_table_without() {
+    let o = gpumesh(&["adapters", "--json", "--no-calibrate"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let caps: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for c in caps.as_array().unwrap() {
+        assert!(
+            c["adapter_name"].is_string() && c["backend"].is_string(),
+            "{c}"
+        );
+    }
+    if caps.as_array().unwrap().is_empty() {
+        return;
+    }
+    let o = gpumesh(&["adapters", "--no-calibrate"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).starts_with("#   adapter"), "{}", stdout(&o));
+}
+
+/// A `gpumesh node` process on loopback, killed when dropped.
+struct RunningNode {
+    child: std::process::Child,
+    api: String,
+    stdout: String,
+    stderr: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl RunningNode {
+    /// Starts `gpumesh node` with `extra` flags and `env`; returns once it serves
+    /// its API.
+    fn start(dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> RunningNode {
+        use std::io::BufRead;
+        use std::process::Stdio;
+        use std::time::{Duration, Instant};
+
+        let data = dir.join("data");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpumesh"));
+        cmd.args([
+            "node",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--api",
+            "127.0.0.1:0",
+            "--no-mdns",
+            "--init",
+        ])
+        .args(extra)
+        .env("RUST_LOG", "info");
+        for (name, _) in std::env::vars() {
+            if name.starts_with("GPUMESH_") {
+                cmd.env_remove(name);
+            }
+        }
+        cmd.envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let stderr = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let err = child.stderr.take().unwrap();
+        let sink = stderr.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+                let mut s = sink.lock().unwrap();
+                s.push_str(&line);
+                s.push('\n');
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut stdout = String::new();
+        let mut api = None;
+        while api.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match lines.recv_timeout(left) {
+                Ok(line) => {
+                    api = line
+                        .split_once("API on http://")
+                        .and_then(|(_, rest)| rest.split_whitespace().next())
+                        .map(str::to_string);
+                    stdout.push_str(&(line + "\n"));
+                }
+                Err(_) => break,
+            }
+        }
+        let Some(api) = api else {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "the node did not start: {stdout}\n{}",
+                stderr.lock().unwrap()
+            );
+        };
+        RunningNode {
+            child,
+            api,
+            stdout,
+            stderr,
+        }
+    }
+
+    /// Stops the node; returns everything it wrote to stderr.
+    fn stop(mut self) -> String {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // The reader thread sees the pipe close; give it a moment to finish.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let s = self.stderr.lock().unwrap().clone();
+        s
+    }
+}
+
+impl Drop for RunningNode {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn a_running_node_answers_read_commands_in_json_and_logs_json_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = RunningNode::start(
+        dir.path(),
+        // No adapter: starts at once, without calibrating; tasks stay pending.
+        &["--backend", "metal", "--log-format", "json"],
+        &[("RUST_LOG", "info,gpumesh_node=debug")],
+    );
+    assert!(node.stdout.contains("adapter: none"), "{}", node.stdout);
+    let api = node.api.clone();
+    let read = |args: &[&str]| -> serde_json::Value {
+        let mut argv = args.to_vec();
+        argv.extend(["--api", &api, "--json"]);
+        let o = gpumesh(&argv);
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+        serde_json::from_slice(&o.stdout)
+            .unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {}", stdout(&o)))
+    };
+
+    let status = read(&["status"]);
+    assert_eq!(status["members"].as_array().unwrap().len(), 1, "{status}");
+    assert_eq!(status["leader"], status["node"], "{status}");
+    assert_eq!(read(&["tasks"]), serde_json::json!([]));
+
+    let submitted = read(&[
+        "submit",
+        "--builtin",
+        "vector_add",
+        "--size",
+        "1024",
+        "--shards",
+        "2",
+    ]);
+    let id = submitted["task"].as_u64().unwrap();
+    let tasks = read(&["tasks"]);
+    assert_eq!(tasks.as_array().unwrap().len(), 1, "{tasks}");
+    let task = read(&["task", &format!("t{id}")]);
+    assert_eq!(task["id"].as_u64(), Some(id), "{task}");
+    assert_eq!(task["shards"].as_array().unwrap().len(), 2, "{task}");
+    assert!(
+        task["history"].is_array() && task["replicas"].is_u64(),
+        "{task}"
+    );
+
+    // The same task for people: a headline and one row per shard.
+    let o = gpumesh(&["task", &id.to_string(), "--api", &api]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.starts_with(&format!("t{id} ")), "{text}");
+    assert!(
+        text.contains("vector_add") && text.contains("epoch"),
+        "{text}"
+    );
+    let o = gpumesh(&["task", "t999", "--api", &api]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("no task t999"), "{}", stderr(&o));
+
+    let logs = node.stop();
+    let mut submit_span = false;
+    for line in logs.lines() {
+        let event: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("a stderr line is not JSON ({e}): {line}"));
+        assert!(event["level"].is_string(), "{line}");
+        if event["span"]["name"] == "submit" && event["span"]["task"] == format!("t{id}") {
+            submit_span = true;
+        }
+    }
+    assert!(logs.contains("node started"), "{logs}");
+    assert!(submit_span, "the submit span carries the task id: {logs}");
+}

@@ -419,6 +419,13 @@ async fn queue_slot<'a>(
     Ok(slot)
 }
 
+/// In a `submit{request task}` span: `task` is recorded once committed, so the
+/// task's lines here match the `shard{task ..}` lines of the workers that run it.
+#[tracing::instrument(
+    name = "submit",
+    skip_all,
+    fields(request = tracing::field::Empty, task = tracing::field::Empty)
+)]
 async fn submit(
     State(shared): State<Arc<Shared>>,
     body: std::result::Result<Bytes, BytesRejection>,
@@ -432,6 +439,11 @@ async fn submit(
     limits.check_shader(&req.spec).map_err(too_large)?;
     limits.check_work(&req.spec).map_err(bad)?;
     let request_id = req.request_id.unwrap_or_else(|| c.new_request_id());
+    let span = tracing::Span::current();
+    span.record(
+        "request",
+        tracing::field::display(format_args!("{:x}.{}", request_id.client, request_id.seq)),
+    );
     let _slot = queue_slot(&shared, &c, request_id, &limits).await?;
     // The same checks `gpumesh run` makes, before anything is committed.
     let kernel = Kernel::for_source(&req.spec.shader, &req.spec.entry_point).map_err(bad)?;
@@ -457,6 +469,7 @@ async fn submit(
                 .map_err(|e| unavailable(format!("input of binding {}: {e}", b.binding)))?;
         }
     }
+    let shards = req.spec.shards;
     let committed = c
         .propose_with_id(
             request_id,
@@ -468,7 +481,11 @@ async fn submit(
         .await
         .map_err(unavailable)?;
     match committed.outcome {
-        Outcome::TaskSubmitted { task } => Ok(Json(SubmitReply { task: task.0 })),
+        Outcome::TaskSubmitted { task } => {
+            span.record("task", tracing::field::display(task));
+            tracing::debug!(shards, "task committed");
+            Ok(Json(SubmitReply { task: task.0 }))
+        }
         Outcome::Rejected(why) => Err(bad(why)),
         other => Err(unavailable(format!("unexpected outcome {other:?}"))),
     }

@@ -21,6 +21,7 @@ use gpumesh_consensus::{
 };
 use gpumesh_protocol::{BindingRole, TaskSpec};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 /// Failures of one shard before its task is cancelled.
 pub const MAX_FAILURES: u32 = 3;
@@ -198,11 +199,20 @@ impl Scheduler {
         in_flight: &mut HashSet<(TaskId, u32)>,
         done_tx: &tokio::sync::mpsc::UnboundedSender<(TaskId, u32)>,
     ) {
-        let mut commands: Vec<((TaskId, u32), Command)> = Vec::new();
+        // Each proposal in a `place{task shard node}` span, matching the workers'
+        // `shard{task shard epoch}` spans.
+        let mut commands: Vec<((TaskId, u32), Command, tracing::Span)> = Vec::new();
         for (task, shard, node) in plan.assign {
-            commands.push(((task, shard), Command::AssignShard { task, shard, node }));
+            commands.push((
+                (task, shard),
+                Command::AssignShard { task, shard, node },
+                tracing::info_span!("place", %task, shard, node = %format_args!("{node:x}")),
+            ));
         }
         for (task, shard, epoch, node, reason) in plan.reassign {
+            let span = tracing::info_span!(
+                "place", %task, shard, node = %format_args!("{node:x}"), from_epoch = epoch, %reason
+            );
             commands.push((
                 (task, shard),
                 Command::ReassignShard {
@@ -212,21 +222,26 @@ impl Scheduler {
                     node,
                     reason,
                 },
+                span,
             ));
         }
         // One proposal per shard at a time; the rest wait for the next pass.
-        for (key, command) in commands {
+        for (key, command, span) in commands {
             if !in_flight.insert(key) {
                 continue;
             }
             let consensus = self.consensus.clone();
             let done = done_tx.clone();
-            tokio::spawn(async move {
-                if let Err(e) = consensus.propose(command).await {
-                    tracing::debug!(error = %e, "placement not committed");
+            tokio::spawn(
+                async move {
+                    match consensus.propose(command).await {
+                        Ok(_) => tracing::debug!("placement committed"),
+                        Err(e) => tracing::debug!(error = %e, "placement not committed"),
+                    }
+                    let _ = done.send(key);
                 }
-                let _ = done.send(key);
-            });
+                .instrument(span),
+            );
         }
         for (task, shard) in plan.verify {
             if !in_flight.insert((task, shard)) {

@@ -1,116 +1,26 @@
-//! The mesh commands: `gpumesh node`, `submit`, `result`, `status`, `tasks`.
+//! The mesh commands: `gpumesh node`, `submit`, `result`, `status`, `tasks`, `task`.
 
 use std::io::Write;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
-use gpumesh::node::{
-    ClusterKey, ConnectionCaps, Formation, Limits, MeshNode, Multiaddr, NodeConfig, PeerId,
-};
+use gpumesh::node::api::TaskView;
+use gpumesh::node::{ClusterKey, MeshNode};
 use gpumesh::Client;
-use gpumesh_shaders::BackendChoice;
 
-use super::{parse_backend, ApiArgs, TaskArgs};
+use super::console::Progress;
+use super::settings::NodeSettings;
+use super::{ApiArgs, TaskArgs};
 
-#[derive(clap::Args, Debug)]
-pub struct NodeArgs {
-    /// Where this node keeps its identity, Raft log and blobs.
-    #[arg(long, default_value = "gpumesh-data")]
-    pub data_dir: PathBuf,
-    /// libp2p listen address.
-    #[arg(long, default_value = "/ip4/0.0.0.0/tcp/4070")]
-    pub listen: Multiaddr,
-    /// Local API address (HTTP+JSON) for the CLI and clients.
-    #[arg(long, default_value = gpumesh::DEFAULT_API)]
-    pub api: SocketAddr,
-    /// Form a new mesh with this node as its first member.
-    #[arg(long, conflicts_with = "bootstrap_expect")]
-    pub init: bool,
-    /// Form a new mesh once this many nodes (this one included) see each other.
-    #[arg(long, value_name = "N")]
-    pub bootstrap_expect: Option<usize>,
-    /// A peer to reach (multiaddr; `/p2p/<peer id>` optional). Repeatable.
-    #[arg(long = "peer", value_name = "MULTIADDR")]
-    pub peers: Vec<Multiaddr>,
-    /// Backend: vulkan, gl, metal, dx12 (default: the best adapter available).
-    #[arg(long, default_value = "auto", value_parser = parse_backend)]
-    pub backend: BackendChoice,
-    /// Do not discover peers with mDNS.
-    #[arg(long)]
-    pub no_mdns: bool,
-    /// Seconds to wait for a mesh to join or form.
-    #[arg(long, default_value_t = 30)]
-    pub join_timeout: u64,
-    /// The mesh's cluster key file (`gpumesh keygen --out FILE`): only nodes holding
-    /// the same key can connect. Without one, anyone who reaches --listen can.
-    #[arg(long, env = "GPUMESH_CLUSTER_KEY", value_name = "FILE")]
-    pub cluster_key: Option<PathBuf>,
-    /// Admit only this peer id (repeatable; the node's own id is printed at start).
-    /// Without any, every peer holding the cluster key is admitted.
-    #[arg(long = "allow-peer", value_name = "PEER_ID")]
-    pub allow_peers: Vec<PeerId>,
-    /// Most connections one peer may hold open with this node.
-    #[arg(long, value_name = "N", default_value_t = ConnectionCaps::default().per_peer)]
-    pub max_connections_per_peer: u32,
-    /// Most connections open with all peers together.
-    #[arg(long, value_name = "N", default_value_t = ConnectionCaps::default().total)]
-    pub max_connections: u32,
-    /// Most incoming connections still in their handshakes at once.
-    #[arg(long, value_name = "N", default_value_t = ConnectionCaps::default().pending_incoming)]
-    pub max_pending_incoming: u32,
-    /// Largest WGSL source of one task, in bytes.
-    #[arg(long, value_name = "BYTES", default_value_t = Limits::default().max_shader_bytes)]
-    pub max_shader_bytes: u64,
-    /// Largest blob, in bytes: an upload, a blob from a peer, a task's outputs together.
-    #[arg(long, value_name = "BYTES", default_value_t = Limits::default().max_blob_bytes)]
-    pub max_blob_bytes: u64,
-    /// Most workgroups (x·y·z) in one task's grid.
-    #[arg(long, value_name = "N", default_value_t = Limits::default().max_grid)]
-    pub max_grid: u64,
-    /// Most tasks submitted through this node that may be pending or running at once.
-    #[arg(long, value_name = "N", default_value_t = Limits::default().max_queued_per_submitter)]
-    pub max_queued_per_submitter: usize,
-    /// Largest API request body in bytes, blob uploads excepted (--max-blob-bytes).
-    #[arg(long, value_name = "BYTES", default_value_t = Limits::default().max_request_bytes)]
-    pub max_request_bytes: u64,
-}
-
-pub fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
+pub fn node(settings: NodeSettings) -> anyhow::Result<ExitCode> {
     // Before anything starts: a bad key file stops the node with the file's name.
-    let cluster_key = args
+    let cluster_key = settings
         .cluster_key
         .as_deref()
         .map(ClusterKey::load)
         .transpose()?;
-    let mut config = NodeConfig::new(&args.data_dir);
-    config.cluster_key = cluster_key;
-    config.allow_peers = args.allow_peers;
-    config.connections = ConnectionCaps {
-        per_peer: args.max_connections_per_peer,
-        total: args.max_connections,
-        pending_incoming: args.max_pending_incoming,
-    };
-    config.limits = Limits {
-        max_shader_bytes: args.max_shader_bytes,
-        max_blob_bytes: args.max_blob_bytes,
-        max_grid: args.max_grid,
-        max_queued_per_submitter: args.max_queued_per_submitter,
-        max_request_bytes: args.max_request_bytes,
-    };
-    config.listen = vec![args.listen];
-    config.api = args.api;
-    config.peers = args.peers;
-    config.backend = args.backend;
-    config.mdns = !args.no_mdns;
-    config.join_timeout = std::time::Duration::from_secs(args.join_timeout);
-    config.formation = match (args.init, args.bootstrap_expect) {
-        (true, _) => Formation::Init,
-        (false, Some(0)) => bail!("--bootstrap-expect must be at least 1"),
-        (false, Some(n)) => Formation::BootstrapExpect(n),
-        (false, None) => Formation::Join,
-    };
+    let config = settings.node_config(cluster_key)?;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let node = MeshNode::start(config).await?;
@@ -166,7 +76,7 @@ pub struct SubmitArgs {
     #[arg(long, value_name = "R")]
     pub tolerance: Option<f32>,
     /// Stop a shard that runs longer than this many seconds on a GPU and fail the
-    /// task (default: the node's, 60 s).
+    /// task (default: the node's --default-deadline, 60 s unless set).
     #[arg(long, value_name = "SECONDS")]
     pub deadline: Option<f64>,
     /// With --wait: also fetch the outputs into DIR/<binding>.bin.
@@ -215,18 +125,23 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
             }
             return Ok(ExitCode::SUCCESS);
         }
-        let show = !args.json;
         let started = std::time::Instant::now();
-        let view = client
-            .wait(task, |done, total| {
-                if show {
-                    eprint!("\r  t{task} [{}{}] {done}/{total} shards", "#".repeat(done * 20 / total.max(1)), " ".repeat(20 - done * 20 / total.max(1)));
-                }
-            })
-            .await?;
-        if show {
-            eprintln!();
-        }
+        let view = {
+            // Drawn only on a terminal, and only for people: not with --json.
+            let progress = (!args.json).then(Progress::on_stderr);
+            client
+                .wait(task, |done, total| {
+                    if let Some(p) = &progress {
+                        let filled = done * 20 / total.max(1);
+                        p.show(format!(
+                            "  t{task} [{}{}] {done}/{total} shards",
+                            "#".repeat(filled),
+                            " ".repeat(20 - filled)
+                        ));
+                    }
+                })
+                .await?
+        };
         let outputs = client.outputs(task).await?;
         let mut verdict = None;
         if args.out_dir.is_some() || args.verify {
@@ -384,4 +299,79 @@ pub fn tasks(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+pub fn task(id: &str, api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
+    let id = task_id(id)?;
+    let client = Client::new(api.api);
+    let t = tokio::runtime::Runtime::new()?.block_on(client.task(id))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&t)?);
+    } else {
+        print_task(&t);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A raft id as `gpumesh status` shows it.
+fn node_name(id: u64) -> String {
+    format!("{id:x}")
+}
+
+fn print_task(t: &TaskView) {
+    println!(
+        "t{} {}: {}, grid {}, merge {}, {}/{} shards done, replicas {}, mismatches {}",
+        t.id,
+        t.status,
+        t.kernel,
+        t.grid,
+        t.merge,
+        t.shards_done,
+        t.shards.len(),
+        t.replicas,
+        t.mismatches
+    );
+    println!("  submitted through {}", t.submitter);
+    if let Some(reason) = &t.reason {
+        println!("  reason: {reason}");
+    }
+    println!();
+    println!(
+        "{:<6} {:<10} {:<17} {:>5}  {:<36} {:<36} {:>8}  last error",
+        "shard", "state", "node", "epoch", "running (node@epoch)", "reported by", "failures"
+    );
+    let list = |items: Vec<String>| {
+        if items.is_empty() {
+            "-".to_string()
+        } else {
+            items.join(" ")
+        }
+    };
+    for sh in &t.shards {
+        let running = sh
+            .attempts
+            .iter()
+            .map(|(node, epoch)| format!("{}@{epoch}", node_name(*node)))
+            .collect();
+        let row = format!(
+            "{:<6} {:<10} {:<17} {:>5}  {:<36} {:<36} {:>8}  {}",
+            sh.index,
+            sh.state,
+            sh.node.map(node_name).unwrap_or_else(|| "-".into()),
+            sh.epoch,
+            list(running),
+            list(sh.reported_by.iter().copied().map(node_name).collect()),
+            sh.failures,
+            sh.last_error.as_deref().unwrap_or("")
+        );
+        println!("{}", row.trim_end());
+    }
+    if !t.history.is_empty() {
+        println!();
+        println!("history (raft index, shard, what):");
+        for h in &t.history {
+            let shard = h.shard.map(|s| s.to_string()).unwrap_or_else(|| "-".into());
+            println!("  {:>8}  {:>5}  {}", h.index, shard, h.what);
+        }
+    }
 }

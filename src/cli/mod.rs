@@ -1,17 +1,25 @@
 //! The command line: `gpumesh adapters`, `gpumesh run`, `gpumesh bench`, `gpumesh
-//! keygen`, and the mesh commands.
+//! keygen`, `gpumesh completions`, and the mesh commands.
+//!
+//! - [`settings`]: `gpumesh node`'s flags, config file and environment, merged;
+//! - [`console`]: log lines and the progress line on stderr;
+//! - [`mesh`]: the node and the commands that talk to one through its API.
 
 mod adapters;
+pub mod console;
 mod keygen;
 pub mod mesh;
 pub mod run;
+pub mod settings;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{ArgMatches, CommandFactory, Parser, Subcommand};
 use gpumesh_protocol::{Grid, MergeRule};
 use gpumesh_shaders::BackendChoice;
+
+use console::LogFormat;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -20,6 +28,16 @@ use gpumesh_shaders::BackendChoice;
     about = "A peer-to-peer GPU compute mesh: WGSL on any adapter."
 )]
 pub struct Cli {
+    /// How log lines on stderr look: text, or one JSON object per line. RUST_LOG
+    /// picks what is logged (default: warnings).
+    #[arg(
+        long,
+        global = true,
+        env = "GPUMESH_LOG_FORMAT",
+        value_enum,
+        default_value_t = LogFormat::Text
+    )]
+    pub log_format: LogFormat,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -41,7 +59,10 @@ pub enum Command {
     /// mesh started with `--cluster-key`.
     Keygen(keygen::KeygenArgs),
     /// Run a mesh node until Ctrl-C (then leave the mesh gracefully).
-    Node(Box<crate::cli::mesh::NodeArgs>),
+    ///
+    /// Each setting comes from its flag, else its GPUMESH_* variable, else the
+    /// --config file, else the default shown.
+    Node(Box<settings::NodeArgs>),
     /// Submit a task to the mesh through a node's API.
     Submit(crate::cli::mesh::SubmitArgs),
     /// Fetch a finished task's outputs from any node into DIR/<binding>.bin.
@@ -59,6 +80,24 @@ pub enum Command {
         api: ApiArgs,
         #[arg(long)]
         json: bool,
+    },
+    /// One task: its shards (state, node, epoch, attempts), replicas, mismatches
+    /// and history.
+    Task {
+        /// The task id (as `gpumesh tasks` shows it, e.g. t12 or 12).
+        task: String,
+        #[command(flatten)]
+        api: ApiArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print a shell completion script.
+    ///
+    /// For example `gpumesh completions bash >
+    /// ~/.local/share/bash-completion/completions/gpumesh`.
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
     },
     /// Measure gpumesh and print a table.
     Bench {
@@ -185,16 +224,44 @@ pub fn parse_backend(s: &str) -> Result<BackendChoice, String> {
         .map_err(|e: gpumesh_shaders::ExecError| e.to_string())
 }
 
-pub fn execute(cli: Cli) -> anyhow::Result<ExitCode> {
+/// Runs the command; `matches` are what `cli` was parsed from, for where each of
+/// `gpumesh node`'s settings came from.
+pub fn execute(cli: Cli, matches: &ArgMatches) -> anyhow::Result<ExitCode> {
+    // A node's log format may come from its config file, read first.
+    if !matches!(cli.command, Command::Node(_)) {
+        console::init_logs(cli.log_format);
+    }
     match cli.command {
         Command::Adapters { json, no_calibrate } => adapters::run(json, !no_calibrate),
         Command::Run(args) => run::run(args),
         Command::Keygen(args) => keygen::keygen(args),
-        Command::Node(args) => mesh::node(*args),
+        Command::Node(args) => {
+            let settings = settings::NodeSettings::resolve(
+                &args,
+                matches.subcommand_matches("node"),
+                cli.log_format,
+            )?;
+            if args.print_config {
+                print!("{}", settings.to_toml()?);
+                return Ok(ExitCode::SUCCESS);
+            }
+            console::init_logs(settings.log_format);
+            mesh::node(settings)
+        }
         Command::Submit(args) => mesh::submit(args),
         Command::Result(args) => mesh::result(args),
         Command::Status { api, json } => mesh::status(api, json),
         Command::Tasks { api, json } => mesh::tasks(api, json),
+        Command::Task { task, api, json } => mesh::task(&task, api, json),
+        Command::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "gpumesh",
+                &mut std::io::stdout(),
+            );
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Bench { which } => match which {
             BenchCommand::Executor(args) => crate::bench::executor(args),
             BenchCommand::Consensus(args) => crate::bench::consensus(args),
