@@ -45,6 +45,7 @@ pub fn node(settings: NodeSettings) -> anyhow::Result<ExitCode> {
             ),
             None => println!("  adapter: none (this node joins the mesh but runs no shards)"),
         }
+        println!("  dashboard: http://{}/", node.api_addr);
         println!(
             "  API on http://{}  (Ctrl-C leaves the mesh)",
             node.api_addr
