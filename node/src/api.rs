@@ -18,6 +18,7 @@
 //! | GET | /v1/tasks/{id}/outputs | merged outputs: binding, size, blake3 |
 //! | GET | /v1/tasks/{id}/outputs/{binding} | one merged output's bytes |
 //! | GET | /v1/status | leader, term, members |
+//! | GET | /metrics | this node's Prometheus metrics, OpenMetrics text (see [`crate::metrics`]) |
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -202,6 +203,7 @@ pub(crate) async fn serve(
         .route("/v1/tasks/{id}/outputs", get(outputs))
         .route("/v1/tasks/{id}/outputs/{binding}", get(output_bytes))
         .route("/v1/status", get(status))
+        .route("/metrics", get(metrics))
         // Every route but the blob upload above, which sets its own.
         .layer(DefaultBodyLimit::max(caps.request.max()))
         .layer(middleware::from_fn_with_state(caps, announced_within))
@@ -373,11 +375,15 @@ async fn get_blob(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> 
 
 /// A place in this node's queue, held from the limit check until the submit is
 /// answered (by then a committed task is in the replicated queue it counts).
-struct QueueSlot<'a>(&'a AtomicUsize);
+struct QueueSlot<'a> {
+    under_way: &'a AtomicUsize,
+    /// A task with this submit's request id exists already: the submit is a retry.
+    retry: bool,
+}
 
 impl Drop for QueueSlot<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.under_way.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -393,7 +399,10 @@ async fn queue_slot<'a>(
     // Counted before the state is read, so a submit applied between the two reads is
     // counted twice (refusing a moment early) but never missed.
     let under_way = shared.submits_in_flight.fetch_add(1, Ordering::SeqCst);
-    let slot = QueueSlot(&shared.submits_in_flight);
+    let mut slot = QueueSlot {
+        under_way: &shared.submits_in_flight,
+        retry: false,
+    };
     let me = shared.peer_id.to_string();
     let (queued, retry) = c
         .read_local(move |s| {
@@ -414,6 +423,7 @@ async fn queue_slot<'a>(
             ),
         ));
     }
+    slot.retry = retry;
     Ok(slot)
 }
 
@@ -430,7 +440,7 @@ async fn submit(
     limits.check_shader(&req.spec).map_err(too_large)?;
     limits.check_work(&req.spec).map_err(bad)?;
     let request_id = req.request_id.unwrap_or_else(|| c.new_request_id());
-    let _slot = queue_slot(&shared, &c, request_id, &limits).await?;
+    let slot = queue_slot(&shared, &c, request_id, &limits).await?;
     // The same checks `gpumesh run` makes, before anything is committed.
     let kernel = Kernel::for_source(&req.spec.shader, &req.spec.entry_point).map_err(bad)?;
     kernel.check(&req.spec).map_err(bad)?;
@@ -466,7 +476,12 @@ async fn submit(
         .await
         .map_err(unavailable)?;
     match committed.outcome {
-        Outcome::TaskSubmitted { task } => Ok(Json(SubmitReply { task: task.0 })),
+        Outcome::TaskSubmitted { task } => {
+            if !slot.retry {
+                shared.metrics.tasks_submitted.inc();
+            }
+            Ok(Json(SubmitReply { task: task.0 }))
+        }
         Outcome::Rejected(why) => Err(bad(why)),
         other => Err(unavailable(format!("unexpected outcome {other:?}"))),
     }
@@ -749,4 +764,15 @@ async fn status(State(shared): State<Arc<Shared>>) -> ApiResult<Json<StatusView>
         applied_index: st.applied_index,
         members,
     }))
+}
+
+/// This node's metrics in the OpenMetrics text format; what is read rather than
+/// counted (tasks by status, the blob store) is refreshed first.
+async fn metrics(State(shared): State<Arc<Shared>>) -> ApiResult<Response> {
+    shared.metrics.refresh(&shared.blobs).await;
+    let text = shared
+        .metrics
+        .encode()
+        .map_err(|e| unavailable(format!("could not encode the metrics: {e}")))?;
+    Ok(([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response())
 }
