@@ -1,6 +1,6 @@
 //! `GET /metrics` on real nodes in one process: tasks run through a 3-node mesh move
-//! each node's own counters (and only its own), and the Raft gauges agree on one
-//! leader.
+//! each node's own counters (and only its own), the Raft gauges agree on one leader,
+//! and the API answers unknown paths and methods with a JSON 4xx.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
 
@@ -9,9 +9,9 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{client, have_any, mesh, stop, submit, LIMIT};
+use common::{client, config, have_any, mesh, stop, submit, LIMIT};
 use gpumesh::consensus::RequestId;
-use gpumesh::node::MeshNode;
+use gpumesh::node::{Formation, MeshNode};
 use gpumesh::shaders::builtins;
 
 /// One scrape: every sample line as `name{labels}` → value.
@@ -223,6 +223,44 @@ async fn tasks_move_each_nodes_own_counters_and_one_leader_is_reported() {
         assert!(sum(&scrapes, "gpumesh_net_sent_bytes_total{lane=\"blob\"}") >= inputs);
         assert!(sum(&scrapes, "gpumesh_net_received_bytes_total{lane=\"blob\"}") >= inputs);
         stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unknown_paths_and_methods_get_a_json_4xx_and_the_node_carries_on() {
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let node = MeshNode::start(config(dir.path(), Formation::Init, &[]))
+            .await
+            .unwrap();
+        let http = reqwest::Client::new();
+        let base = format!("http://{}", node.api_addr);
+        let cases = [
+            (reqwest::Method::GET, "/nope", 404),
+            (reqwest::Method::GET, "/v1/tasks/1/nope/deeper", 404),
+            (reqwest::Method::POST, "/metrics", 405),
+            (reqwest::Method::DELETE, "/v1/status", 405),
+            (reqwest::Method::PUT, "/v1/tasks", 405),
+        ];
+        for (method, path, code) in cases {
+            let answer = http
+                .request(method.clone(), format!("{base}{path}"))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(answer.status().as_u16(), code, "{method} {path}");
+            let body: serde_json::Value = answer.json().await.unwrap();
+            let error = body["error"].as_str().unwrap_or_default();
+            assert!(error.contains(path), "{method} {path}: {body}");
+        }
+        // Still serving, metrics included.
+        assert!(client(&node).status().await.is_ok());
+        let s = scrape(&node).await;
+        assert_eq!(s.get("gpumesh_raft_is_leader"), 1.0, "{s:#?}");
+        assert_eq!(s.get("gpumesh_net_connected_peers"), 0.0, "{s:#?}");
+        node.stop().await;
     })
     .await
     .expect("bounded");

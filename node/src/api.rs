@@ -19,6 +19,9 @@
 //! | GET | /v1/tasks/{id}/outputs/{binding} | one merged output's bytes |
 //! | GET | /v1/status | leader, term, members |
 //! | GET | /metrics | this node's Prometheus metrics, OpenMetrics text (see [`crate::metrics`]) |
+//!
+//! Any other path answers 404 and any other method on a known path 405, each with a
+//! JSON `error` like every other refusal.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -204,6 +207,8 @@ pub(crate) async fn serve(
         .route("/v1/tasks/{id}/outputs/{binding}", get(output_bytes))
         .route("/v1/status", get(status))
         .route("/metrics", get(metrics))
+        .fallback(no_such_path)
+        .method_not_allowed_fallback(no_such_method)
         // Every route but the blob upload above, which sets its own.
         .layer(DefaultBodyLimit::max(caps.request.max()))
         .layer(middleware::from_fn_with_state(caps, announced_within))
@@ -775,4 +780,21 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> ApiResult<Response> {
         .encode()
         .map_err(|e| unavailable(format!("could not encode the metrics: {e}")))?;
     Ok(([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response())
+}
+
+async fn no_such_path(uri: axum::http::Uri) -> ApiError {
+    ApiError(
+        StatusCode::NOT_FOUND,
+        format!(
+            "no such path {}; the API serves /v1/blobs, /v1/tasks, /v1/status and /metrics",
+            uri.path()
+        ),
+    )
+}
+
+async fn no_such_method(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{} does not take {method}", uri.path()),
+    )
 }
