@@ -34,8 +34,11 @@
 //!     `ClusterSettings::max_voters`; the leader auto-promotes caught-up learners).
 //!   - `read_linearizable(|&StateMachine| ..)` (ReadIndex) and
 //!     `read_local(|&StateMachine| ..)` (this replica's applied state, may be stale).
-//!   - `status() -> Status` (role, leader, term, commit/applied, voters/learners),
-//!     `watch_status()`, `subscribe() -> broadcast::Receiver<AppliedEvent>`.
+//!   - `status() -> Status` (role, leader, term, commit/applied, voters/learners,
+//!     leader changes seen), `watch_status()`,
+//!     `subscribe() -> broadcast::Receiver<AppliedEvent>`.
+//!   - `proposal_counts() -> ProposalCounts`: how this replica's proposals ended
+//!     (applied, ignored, rejected, dropped, unknown), for metrics.
 //!   - `receive(from_raft_id, bytes)` / `try_receive`: frames from the transport.
 //!   - `shutdown()`, `kill()` (crash simulation), `campaign()`, `transfer_leader()`.
 //! - [`Transport`]: `send(to_raft_id, bytes) -> Result<(), Unreachable>`, non-blocking,
@@ -74,7 +77,7 @@ pub mod wire;
 
 pub use command::{Command, Committed, LogEntry, Outcome, RequestId, RequestIds, TaskId};
 pub use error::{ConsensusError, Result};
-pub use replica::{AppliedEvent, ConsensusHandle, RaftRole, ReplicaConfig, Status};
+pub use replica::{AppliedEvent, ConsensusHandle, ProposalCounts, RaftRole, ReplicaConfig, Status};
 pub use state::{
     ClusterSettings, Liveness, Member, Role, Shard, ShardOutput, ShardState, StateMachine, Task,
     TaskStatus, MAX_HISTORY,

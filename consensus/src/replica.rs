@@ -28,6 +28,7 @@
 //! take an old answer for a new read.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -43,7 +44,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{self, Instant, MissedTickBehavior};
 use tracing::{debug, error, info, warn};
 
-use crate::command::{Command, Committed, LogEntry, RequestId, RequestIds};
+use crate::command::{Command, Committed, LogEntry, Outcome, RequestId, RequestIds};
 use crate::error::{ConsensusError, Result};
 use crate::state::{Applied, StateMachine};
 use crate::storage::RedbStorage;
@@ -155,6 +156,65 @@ pub struct Status {
     pub voters: Vec<u64>,
     pub learners: Vec<u64>,
     pub pending_proposals: usize,
+    /// How many times, since this replica started, the leader it knows became a
+    /// different node (the first leader it learns of counts; "no leader" during an
+    /// election does not).
+    pub leader_changes: u64,
+}
+
+/// How the proposals made through one replica's handles ended, counted as each
+/// proposer got its answer. A proposal forwarded to the leader counts on the replica
+/// whose client made it, not on the leader.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProposalCounts {
+    /// Committed and took effect ([`Outcome::Applied`], `TaskSubmitted`,
+    /// `ShardAssigned`).
+    pub applied: u64,
+    /// Committed without effect ([`Outcome::Ignored`]: a stale epoch, a late result).
+    pub ignored: u64,
+    /// Committed and refused by the state machine ([`Outcome::Rejected`]).
+    pub rejected: u64,
+    /// Certainly not committed: no leader, dropped by a new leader, the actor stopped.
+    pub dropped: u64,
+    /// Perhaps committed, perhaps not ([`ConsensusError::OutcomeUnknown`]).
+    pub unknown: u64,
+}
+
+/// The shared, atomically counted form of [`ProposalCounts`].
+#[derive(Debug, Default)]
+struct ProposalTally {
+    applied: AtomicU64,
+    ignored: AtomicU64,
+    rejected: AtomicU64,
+    dropped: AtomicU64,
+    unknown: AtomicU64,
+}
+
+impl ProposalTally {
+    fn count(&self, answer: &Result<Committed>) {
+        let counter = match answer {
+            Ok(c) => match c.outcome {
+                Outcome::Ignored(_) => &self.ignored,
+                Outcome::Rejected(_) => &self.rejected,
+                Outcome::Applied
+                | Outcome::TaskSubmitted { .. }
+                | Outcome::ShardAssigned { .. } => &self.applied,
+            },
+            Err(ConsensusError::OutcomeUnknown { .. }) => &self.unknown,
+            Err(_) => &self.dropped,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn counts(&self) -> ProposalCounts {
+        ProposalCounts {
+            applied: self.applied.load(Ordering::Relaxed),
+            ignored: self.ignored.load(Ordering::Relaxed),
+            rejected: self.rejected.load(Ordering::Relaxed),
+            dropped: self.dropped.load(Ordering::Relaxed),
+            unknown: self.unknown.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// Something the state machine did, in log order.
@@ -216,6 +276,7 @@ pub struct ConsensusHandle {
     events: broadcast::Sender<AppliedEvent>,
     status: watch::Receiver<Status>,
     ids: Arc<RequestIds>,
+    proposals: Arc<ProposalTally>,
     task: Arc<Mutex<Option<JoinHandle<()>>>>,
 }
 
@@ -271,6 +332,8 @@ impl ConsensusHandle {
             ids: ids.clone(),
             ticks: 0,
             last_leader: 0,
+            known_leader: 0,
+            leader_changes: 0,
             cfg: config.clone(),
         };
         let (status_tx, status) = watch::channel(actor.status());
@@ -289,6 +352,7 @@ impl ConsensusHandle {
             events,
             status,
             ids,
+            proposals: Arc::default(),
             task: Arc::new(Mutex::new(Some(task))),
         })
     }
@@ -322,11 +386,22 @@ impl ConsensusHandle {
             command,
         };
         let (respond_to, rx) = oneshot::channel();
-        self.send(Msg::Propose { entry, respond_to }).await?;
-        rx.await.map_err(|_| ConsensusError::OutcomeUnknown {
-            request_id,
-            reason: "the consensus actor stopped".into(),
-        })?
+        let answer = match self.send(Msg::Propose { entry, respond_to }).await {
+            Ok(()) => rx.await.unwrap_or_else(|_| {
+                Err(ConsensusError::OutcomeUnknown {
+                    request_id,
+                    reason: "the consensus actor stopped".into(),
+                })
+            }),
+            Err(e) => Err(e),
+        };
+        self.proposals.count(&answer);
+        answer
+    }
+
+    /// How the proposals made through this replica's handles have ended so far.
+    pub fn proposal_counts(&self) -> ProposalCounts {
+        self.proposals.counts()
     }
 
     /// Adds a node as a learner (it receives the log but does not vote).
@@ -536,6 +611,10 @@ struct Actor {
     ticks: u64,
     /// The leader as of the last tick; a change re-sends unplaced proposals at once.
     last_leader: u64,
+    /// The last non-zero leader seen when publishing the status, and how many
+    /// times it changed (see [`Status::leader_changes`]).
+    known_leader: u64,
+    leader_changes: u64,
 }
 
 /// Messages handled per round before the Ready is processed: large enough to batch
@@ -1458,7 +1537,7 @@ impl Actor {
                         index,
                         term,
                         &le,
-                        crate::command::Outcome::Rejected(format!("raft refused: {e}")),
+                        Outcome::Rejected(format!("raft refused: {e}")),
                     ),
                 },
                 Err(outcome) => self.state.conclude(index, term, &le, outcome),
@@ -1555,10 +1634,16 @@ impl Actor {
             voters,
             learners,
             pending_proposals: self.pending.len(),
+            leader_changes: self.leader_changes,
         }
     }
 
     fn publish_status(&mut self) {
+        let leader = self.leader();
+        if leader != 0 && leader != self.known_leader {
+            self.known_leader = leader;
+            self.leader_changes += 1;
+        }
         let status = self.status();
         if let Some(tx) = &self.status_tx {
             tx.send_if_modified(|s| {

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use common::*;
 use gpumesh_consensus::{
-    ClusterSettings, Command, ConsensusError, ConsensusHandle, Outcome, RaftRole, RedbStorage, Role,
+    ClusterSettings, Command, ConsensusError, ConsensusHandle, Outcome, ProposalCounts, RaftRole,
+    RedbStorage, Role,
 };
 
 const SEC: Duration = Duration::from_secs(1);
@@ -523,5 +524,72 @@ async fn crashes_at_random_points_keep_acknowledged_state() {
             .expect("read");
         assert!(ok, "node {id} lost an acknowledged proposal");
     }
+    c.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn leader_changes_and_proposal_outcomes_are_counted() {
+    let mut c = Cluster::new(3, 31).await;
+    let old = c.leader().await;
+    for id in c.ids() {
+        assert!(
+            c.status(id).await.leader_changes >= 1,
+            "replica {id} knows a leader"
+        );
+    }
+    let follower = c.ids().into_iter().find(|&i| i != old).expect("a follower");
+    let before = c.node(follower).proposal_counts();
+    assert_eq!(before, ProposalCounts::default(), "nothing proposed yet");
+    // Proposals of each committed kind, counted as the proposer sees them.
+    let node = c.node(follower).clone();
+    let mut expected = ProposalCounts::default();
+    let cancel = |task| Command::TaskCancelled {
+        task,
+        reason: "test".into(),
+    };
+    let first = node.propose(submit(4)).await.expect("submit");
+    let Outcome::TaskSubmitted { task } = first.outcome else {
+        panic!("{first:?}")
+    };
+    let answers = [
+        Ok(first),
+        node.propose(cancel(task)).await,
+        // Cancelled already: committed, without effect.
+        node.propose(cancel(task)).await,
+        // No such task: refused.
+        node.propose(cancel(gpumesh_consensus::TaskId(999_999)))
+            .await,
+    ];
+    for answer in answers {
+        match answer {
+            Ok(done) => match done.outcome {
+                Outcome::Ignored(_) => expected.ignored += 1,
+                Outcome::Rejected(_) => expected.rejected += 1,
+                _ => expected.applied += 1,
+            },
+            Err(ConsensusError::OutcomeUnknown { .. }) => expected.unknown += 1,
+            Err(_) => expected.dropped += 1,
+        }
+    }
+    assert_eq!(node.proposal_counts(), expected);
+    let each_kind = ProposalCounts {
+        applied: 2,
+        ignored: 1,
+        rejected: 1,
+        ..ProposalCounts::default()
+    };
+    assert_eq!(expected, each_kind);
+    // A handle whose replica is gone: certainly not committed.
+    let gone = c.node(old).clone();
+    let seen_before = c.status(follower).await.leader_changes;
+    c.crash(old).await;
+    assert!(gone.propose(submit(1)).await.is_err());
+    assert_eq!(gone.proposal_counts().dropped, 1);
+    // The survivors elect another leader, and each counts the change.
+    let rest = c.ids();
+    let new = c.leader_among(&rest, 10 * SEC).await;
+    assert_ne!(new, old);
+    let after = c.status(follower).await.leader_changes;
+    assert_eq!(after, seen_before + 1, "one change: {old} to {new}");
     c.shutdown().await;
 }

@@ -18,6 +18,10 @@
 //! | GET | /v1/tasks/{id}/outputs | merged outputs: binding, size, blake3 |
 //! | GET | /v1/tasks/{id}/outputs/{binding} | one merged output's bytes |
 //! | GET | /v1/status | leader, term, members |
+//! | GET | /metrics | this node's Prometheus metrics, OpenMetrics text (see [`crate::metrics`]) |
+//!
+//! Any other path answers 404 and any other method on a known path 405, each with a
+//! JSON `error` like every other refusal.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -204,6 +208,9 @@ pub(crate) async fn serve(
         .route("/v1/status", get(status))
         .route("/", get(crate::dashboard::page))
         .route("/v1/overview", get(crate::dashboard::overview))
+        .route("/metrics", get(metrics))
+        .fallback(no_such_path)
+        .method_not_allowed_fallback(no_such_method)
         // Every route but the blob upload above, which sets its own.
         .layer(DefaultBodyLimit::max(caps.request.max()))
         .layer(middleware::from_fn_with_state(caps, announced_within))
@@ -375,11 +382,15 @@ async fn get_blob(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> 
 
 /// A place in this node's queue, held from the limit check until the submit is
 /// answered (by then a committed task is in the replicated queue it counts).
-struct QueueSlot<'a>(&'a AtomicUsize);
+struct QueueSlot<'a> {
+    under_way: &'a AtomicUsize,
+    /// A task with this submit's request id exists already: the submit is a retry.
+    retry: bool,
+}
 
 impl Drop for QueueSlot<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.under_way.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -395,7 +406,10 @@ async fn queue_slot<'a>(
     // Counted before the state is read, so a submit applied between the two reads is
     // counted twice (refusing a moment early) but never missed.
     let under_way = shared.submits_in_flight.fetch_add(1, Ordering::SeqCst);
-    let slot = QueueSlot(&shared.submits_in_flight);
+    let mut slot = QueueSlot {
+        under_way: &shared.submits_in_flight,
+        retry: false,
+    };
     let me = shared.peer_id.to_string();
     let (queued, retry) = c
         .read_local(move |s| {
@@ -416,6 +430,7 @@ async fn queue_slot<'a>(
             ),
         ));
     }
+    slot.retry = retry;
     Ok(slot)
 }
 
@@ -444,7 +459,7 @@ async fn submit(
         "request",
         tracing::field::display(format_args!("{:x}.{}", request_id.client, request_id.seq)),
     );
-    let _slot = queue_slot(&shared, &c, request_id, &limits).await?;
+    let slot = queue_slot(&shared, &c, request_id, &limits).await?;
     // The same checks `gpumesh run` makes, before anything is committed.
     let kernel = Kernel::for_source(&req.spec.shader, &req.spec.entry_point).map_err(bad)?;
     kernel.check(&req.spec).map_err(bad)?;
@@ -484,6 +499,9 @@ async fn submit(
         Outcome::TaskSubmitted { task } => {
             span.record("task", tracing::field::display(task));
             tracing::debug!(shards, "task committed");
+            if !slot.retry {
+                shared.metrics.tasks_submitted.inc();
+            }
             Ok(Json(SubmitReply { task: task.0 }))
         }
         Outcome::Rejected(why) => Err(bad(why)),
@@ -773,4 +791,32 @@ async fn status(State(shared): State<Arc<Shared>>) -> ApiResult<Json<StatusView>
         applied_index: st.applied_index,
         members,
     }))
+}
+
+/// This node's metrics in the OpenMetrics text format; what is read rather than
+/// counted (tasks by status, the blob store) is refreshed first.
+async fn metrics(State(shared): State<Arc<Shared>>) -> ApiResult<Response> {
+    shared.metrics.refresh(&shared.blobs).await;
+    let text = shared
+        .metrics
+        .encode()
+        .map_err(|e| unavailable(format!("could not encode the metrics: {e}")))?;
+    Ok(([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response())
+}
+
+async fn no_such_path(uri: axum::http::Uri) -> ApiError {
+    ApiError(
+        StatusCode::NOT_FOUND,
+        format!(
+            "no such path {}; the API serves /v1/blobs, /v1/tasks, /v1/status and /metrics",
+            uri.path()
+        ),
+    )
+}
+
+async fn no_such_method(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{} does not take {method}", uri.path()),
+    )
 }

@@ -8,7 +8,9 @@
 //!   requests and blob chunks, streams for Raft frames).
 //! - [`worker`]: runs assigned shards on the GPU thread and reports results.
 //! - [`scheduler`]: on the leader, places pending shards by capability and queue.
-//! - [`api`]: the local HTTP+JSON API for the CLI, the client and the dashboard.
+//! - [`api`]: the local HTTP+JSON API for the CLI, the client and the dashboard,
+//!   and `GET /metrics` for Prometheus.
+//! - [`metrics`]: the node's own Prometheus registry and what it counts.
 //! - [`blob`]: the content-addressed blob store on disk.
 //! - [`limits`]: what one request may ask of a node, with defaults and flags.
 //! - [`cluster_key`]: the pnet pre-shared key that closes a mesh to strangers.
@@ -22,6 +24,7 @@ mod error;
 pub mod identity;
 pub mod limits;
 pub mod mesh;
+pub mod metrics;
 pub mod net;
 pub mod scheduler;
 mod wire;

@@ -32,6 +32,7 @@ use crate::cluster_key::ClusterKey;
 use crate::error::{NodeError, Result};
 use crate::identity;
 use crate::limits::Limits;
+use crate::metrics::Metrics;
 use crate::net::{ConnectionCaps, NetConfig, NetEvent, NetHandle};
 use crate::scheduler::{self, Scheduler, SchedulerConfig};
 use crate::wire::{self, NodeReply, NodeRequest};
@@ -194,6 +195,8 @@ pub(crate) struct Shared {
     pub lost: tokio::sync::Notify,
     /// Shard results per node per second, for the dashboard.
     pub(crate) throughput: Arc<crate::dashboard::Throughput>,
+    /// This node's metrics, served at `GET /metrics`.
+    pub metrics: Metrics,
 }
 
 impl Shared {
@@ -224,12 +227,15 @@ impl MeshNode {
         let peer_id = keypair.public().to_peer_id();
         let raft_id = identity::raft_id(&peer_id);
         let blobs = BlobStore::open(dir.join("blobs"), config.limits.max_blob_bytes)?;
+        let metrics = Metrics::new(peer_id, raft_id);
 
         let backend = config.backend;
         let calibrate = config.calibrate;
-        let gpu = tokio::task::spawn_blocking(move || GpuHandle::start(backend, calibrate))
-            .await
-            .map_err(|e| NodeError::Config(format!("GPU start-up panicked: {e}")))?;
+        let gpu_metrics = metrics.gpu.clone();
+        let gpu =
+            tokio::task::spawn_blocking(move || GpuHandle::start(backend, calibrate, gpu_metrics))
+                .await
+                .map_err(|e| NodeError::Config(format!("GPU start-up panicked: {e}")))?;
         let capability = gpu.as_ref().map(|(_, c, _)| c.clone());
 
         let (events_tx, events_rx) = mpsc::channel(1024);
@@ -240,6 +246,7 @@ impl MeshNode {
         net_config.psk = config.cluster_key.map(|k| k.psk());
         net_config.allow_peers = config.allow_peers.clone();
         net_config.connections = config.connections;
+        net_config.metrics = metrics.net.clone();
         match &config.cluster_key {
             Some(key) => tracing::info!(fingerprint = %key.fingerprint(), "cluster key loaded"),
             None => tracing::info!(
@@ -269,6 +276,7 @@ impl MeshNode {
             unreachable: RwLock::new(HashSet::new()),
             lost: tokio::sync::Notify::new(),
             throughput: Arc::default(),
+            metrics,
         });
         shared.peers.insert(peer_id);
         let mut tasks = vec![net_task];
@@ -288,6 +296,7 @@ impl MeshNode {
             });
             let consensus = ConsensusHandle::start(rc, storage, transport)?;
             let _ = shared.consensus.set(consensus.clone());
+            shared.metrics.follow(consensus.clone());
             if let Some(peer) = joined_through {
                 join_through(&shared, peer, config.join_timeout).await?;
             }

@@ -24,6 +24,10 @@
 //! The actor never waits on the node: events go through an outbox it drains only when
 //! the node has room, so a node that sends commands while it is slow to read events
 //! cannot deadlock against it.
+//!
+//! It counts, in [`NetConfig::metrics`], the connected peers and the bytes of every
+//! gpumesh frame it writes or reads whole (the codec and the Raft lane count them;
+//! see [`crate::metrics`] for what that leaves out).
 
 mod bench;
 mod codec;
@@ -60,6 +64,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::blob::BlobStore;
 use crate::error::{NodeError, Result};
+use crate::metrics::NetMetrics;
 
 pub use bench::{bench_blob_transfer, bench_blob_transfer_with, BlobTransferReport};
 pub use codec::MESH_PROTOCOL;
@@ -113,6 +118,9 @@ pub struct NetConfig {
     pub idle_timeout: Duration,
     /// The first wait before redialling a bootstrap peer; doubles on each failure.
     pub redial_interval: Duration,
+    /// Where the bytes sent and received (per lane) and the connected peers are
+    /// counted; the default counts into no registry.
+    pub metrics: NetMetrics,
 }
 
 impl NetConfig {
@@ -134,6 +142,7 @@ impl NetConfig {
             dial_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(300),
             redial_interval: Duration::from_secs(2),
+            metrics: NetMetrics::default(),
         }
     }
 
@@ -312,6 +321,7 @@ impl NetHandle {
             events.clone(),
             config.max_frame_bytes,
             delay_us.clone(),
+            config.metrics.clone(),
             cancel.clone(),
         )?;
         let (commands_tx, commands) = mpsc::channel(COMMAND_QUEUE);
@@ -342,6 +352,7 @@ impl NetHandle {
             node_answer_timeout: config.request_timeout.mul_f32(0.9),
             max_chunk: (config.max_frame_bytes - FRAME_OVERHEAD) as u32,
             redial_interval: config.redial_interval,
+            metrics: config.metrics.clone(),
         };
         let task = tokio::spawn(actor.run(cancel));
         let handle = NetHandle {
@@ -619,7 +630,7 @@ fn build_swarm(config: &NetConfig) -> Result<Swarm<MeshBehaviour>> {
         .with_request_timeout(config.request_timeout)
         // Pipelined blob chunks plus forwarded calls.
         .with_max_concurrent_streams(256);
-    let codec = codec::MeshCodec::new(config.max_frame_bytes);
+    let codec = codec::MeshCodec::new(config.max_frame_bytes).counted_in(config.metrics.clone());
     let want_mdns = config.mdns;
     let allow = (!config.allow_peers.is_empty()).then(|| {
         let mut allow = allow_block_list::Behaviour::<allow_block_list::AllowedPeers>::default();
@@ -812,6 +823,7 @@ struct NetActor {
     node_answer_timeout: Duration,
     max_chunk: u32,
     redial_interval: Duration,
+    metrics: NetMetrics,
 }
 
 impl NetActor {
@@ -1043,6 +1055,8 @@ impl NetActor {
                     }
                 }
                 if num_established.get() == 1 {
+                    self.metrics
+                        .set_connected_peers(self.swarm.connected_peers().count());
                     tracing::info!(peer = %peer_id, addr = %remote, "connected");
                     self.emit(NetEvent::PeerConnected {
                         peer: peer_id,
@@ -1056,6 +1070,8 @@ impl NetActor {
                 cause,
                 ..
             } => {
+                self.metrics
+                    .set_connected_peers(self.swarm.connected_peers().count());
                 tracing::info!(peer = %peer_id, ?cause, "disconnected");
                 self.emit(NetEvent::PeerDisconnected(peer_id));
             }

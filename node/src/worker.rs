@@ -4,11 +4,12 @@
 //! applied log for `AssignShard` entries naming this node, pulls the task's input
 //! blobs from whoever holds them, runs the shard, stores its outputs as one blob and
 //! proposes the result (or the failure) through Raft. Talks to: raft (reads state,
-//! proposes), net (fetches blobs), the blob store.
+//! proposes), net (fetches blobs), the blob store. Counts its shards, and the GPU
+//! thread its work, in the node's [`crate::metrics`].
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gpumesh_consensus::{AppliedEvent, Command, ConsensusHandle, Outcome, TaskId};
 use gpumesh_protocol::{BindingRole, BlobId, NodeCapability, TaskSpec};
@@ -16,6 +17,8 @@ use gpumesh_shaders::{calibrate, BackendChoice, ExecError, Executor, Job, Kernel
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
+
+use crate::metrics::GpuMetrics;
 
 type Outputs = BTreeMap<u32, Vec<u8>>;
 
@@ -37,10 +40,12 @@ impl GpuHandle {
     /// machine has none: the node still joins the mesh, and gets no shards. The
     /// thread ends once every handle is dropped and its last dispatch is done; its
     /// join handle lets the node wait for that (and so for the device to be
-    /// destroyed) before it says it has stopped.
+    /// destroyed) before it says it has stopped. Every shard run is counted in
+    /// `metrics` (calibration is not).
     pub fn start(
         choice: BackendChoice,
         calibrate_speed: bool,
+        metrics: GpuMetrics,
     ) -> Option<(GpuHandle, NodeCapability, std::thread::JoinHandle<()>)> {
         let (tx, mut rx) = mpsc::channel::<GpuRequest>(16);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -62,11 +67,14 @@ impl GpuHandle {
                 }
                 let _ = ready_tx.send(Some(executor.capability().clone()));
                 while let Some(req) = rx.blocking_recv() {
+                    let before = executor.counters();
+                    let started = Instant::now();
                     let result = job_shard(&req.job, req.shard).and_then(|range| {
                         executor
                             .run_shards(&req.job, &[range], req.deadline)
                             .map(|mut v| v.remove(0))
                     });
+                    metrics.record(started.elapsed(), executor.counters().since(&before));
                     let _ = req.reply.send(result);
                 }
             });
@@ -202,15 +210,19 @@ impl Worker {
                 s.task(a.task).and_then(|t| {
                     let sh = t.shards.get(a.shard as usize)?;
                     (!t.status.is_terminal() && sh.attempt(a.epoch, me).is_some())
-                        .then(|| (t.spec.clone(), t.submitter.clone()))
+                        .then(|| (t.spec.clone(), t.submitter.clone(), sh.failures > 0))
                 })
             })
             .await
             .ok()
             .flatten();
-        let Some((spec, submitter)) = current else {
+        let Some((spec, submitter, failed_before)) = current else {
             return; // superseded, won by another attempt, finished or cancelled
         };
+        let counts = &self.shared.metrics.shards;
+        if failed_before {
+            counts.retried.inc();
+        }
         // Recorded for status and stragglers; the shard does not wait for it.
         let consensus = self.consensus.clone();
         let started = Command::ShardStarted {
@@ -232,9 +244,14 @@ impl Worker {
             node: self.me,
             reason,
         };
+        let started = Instant::now();
         let outputs = match self.run_shard(&spec, &submitter, a.shard, kernels).await {
-            Ok(outputs) => outputs,
+            Ok(outputs) => {
+                counts.run_seconds.observe(started.elapsed().as_secs_f64());
+                outputs
+            }
             Err(ShardError::Fatal(reason)) => {
+                counts.failed.inc();
                 tracing::warn!(%reason, "shard cannot succeed; failing its task");
                 let command = Command::TaskFailed {
                     task: a.task,
@@ -249,6 +266,7 @@ impl Worker {
                 return;
             }
             Err(ShardError::Retry(reason)) => {
+                counts.failed.inc();
                 tracing::warn!(%reason, "shard failed");
                 if let Err(e) = self.consensus.propose(failed(reason)).await {
                     tracing::warn!(error = %e, "could not report the shard's failure");
@@ -265,6 +283,7 @@ impl Worker {
         tokio::spawn(
             async move {
                 let _permit = permit;
+                let counts = &shared.metrics.shards;
                 let command = match store_and_copy(&shared, outputs, &submitter).await {
                     Ok((blob, size)) => Command::ShardResult {
                         task: a.task,
@@ -275,6 +294,7 @@ impl Worker {
                         size,
                     },
                     Err(reason) => {
+                        counts.failed.inc();
                         tracing::warn!(%reason, "shard output could not be kept");
                         Command::ShardFailed {
                             task: a.task,
@@ -285,8 +305,14 @@ impl Worker {
                         }
                     }
                 };
-                if let Err(e) = consensus.propose(command).await {
-                    tracing::warn!(error = %e, "could not report the shard's outcome");
+                let is_result = matches!(command, Command::ShardResult { .. });
+                match consensus.propose(command).await {
+                    // Applied: the result came from a live attempt and was recorded.
+                    Ok(c) if is_result && c.outcome == Outcome::Applied => {
+                        counts.done.inc();
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "could not report the shard's outcome"),
                 }
             }
             .in_current_span(),

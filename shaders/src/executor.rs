@@ -11,6 +11,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::num::NonZeroU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -63,6 +64,46 @@ pub struct ShardTiming {
     pub elapsed: Duration,
 }
 
+/// What an executor has asked of its device since it was created (across device
+/// rebuilds); take the difference of two readings for one run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExecutorCounters {
+    /// Compute dispatches submitted: one per tile of each shard.
+    pub dispatches: u64,
+    /// Bytes written from the host into device buffers: inputs that were not already
+    /// resident, outputs' initial merge identity, the per-tile shard info.
+    pub bytes_to_device: u64,
+    /// Bytes read back from the device: each shard's slice of its outputs.
+    pub bytes_from_device: u64,
+}
+
+impl ExecutorCounters {
+    /// What happened between `earlier` and this reading.
+    pub fn since(&self, earlier: &ExecutorCounters) -> ExecutorCounters {
+        ExecutorCounters {
+            dispatches: self.dispatches.saturating_sub(earlier.dispatches),
+            bytes_to_device: self.bytes_to_device.saturating_sub(earlier.bytes_to_device),
+            bytes_from_device: self
+                .bytes_from_device
+                .saturating_sub(earlier.bytes_from_device),
+        }
+    }
+}
+
+/// [`ExecutorCounters`] as they are counted, from `&self` methods too.
+#[derive(Debug, Default)]
+struct Tally {
+    dispatches: AtomicU64,
+    bytes_to_device: AtomicU64,
+    bytes_from_device: AtomicU64,
+}
+
+impl Tally {
+    fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
 struct Pipeline {
     pipeline: wgpu::ComputePipeline,
     user_layout: wgpu::BindGroupLayout,
@@ -87,6 +128,7 @@ pub struct Executor {
     capability: NodeCapability,
     limits: ExecutorLimits,
     rebuilds: u64,
+    tally: Tally,
 }
 
 impl Executor {
@@ -108,6 +150,7 @@ impl Executor {
             capability,
             limits,
             rebuilds: 0,
+            tally: Tally::default(),
         })
     }
 
@@ -124,6 +167,15 @@ impl Executor {
     /// How many times the device has been rebuilt after a loss or a deadline.
     pub fn rebuilds(&self) -> u64 {
         self.rebuilds
+    }
+
+    /// Dispatches and bytes moved to and from the device so far.
+    pub fn counters(&self) -> ExecutorCounters {
+        ExecutorCounters {
+            dispatches: self.tally.dispatches.load(Ordering::Relaxed),
+            bytes_to_device: self.tally.bytes_to_device.load(Ordering::Relaxed),
+            bytes_from_device: self.tally.bytes_from_device.load(Ordering::Relaxed),
+        }
     }
 
     pub fn limits(&self) -> ExecutorLimits {
@@ -312,6 +364,7 @@ impl Executor {
                     usage,
                 });
             let size = contents.len() as u64;
+            Tally::add(&self.tally.bytes_to_device, size);
             if size <= self.limits.resident_input_bytes {
                 while self.resident_bytes + size > self.limits.resident_input_bytes {
                     let Some(old) = self.resident_order.pop_front() else {
@@ -362,6 +415,7 @@ impl Executor {
                     .take(size as usize)
                     .collect();
                 self.gpu.queue.write_buffer(&buffer, 0, &pattern);
+                Tally::add(&self.tally.bytes_to_device, size);
             }
             let slice = match rule {
                 MergeRule::Concat => shard::concat_slice(size, job.spec.grid, range)
@@ -397,6 +451,7 @@ impl Executor {
             contents: &info,
             usage: wgpu::BufferUsages::UNIFORM,
         });
+        Tally::add(&self.tally.bytes_to_device, info.size());
 
         let entries: Vec<wgpu::BindGroupEntry> = job
             .kernel
@@ -454,6 +509,7 @@ impl Executor {
             encoder.copy_buffer_to_buffer(buffer, slice.start, staging, 0, slice.end - slice.start);
         }
         let submission = self.gpu.queue.submit([encoder.finish()]);
+        Tally::add(&self.tally.dispatches, tiles.len() as u64);
 
         let (tx, rx) = mpsc::channel();
         for (&binding, (_, staging, _)) in &outputs {
@@ -479,6 +535,7 @@ impl Executor {
         for (binding, (_, staging, _)) in outputs {
             let bytes = staging.slice(..).get_mapped_range().to_vec();
             staging.unmap();
+            Tally::add(&self.tally.bytes_from_device, bytes.len() as u64);
             result.insert(binding, bytes);
         }
         Ok(result)

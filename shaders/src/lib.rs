@@ -25,6 +25,6 @@ pub mod shard;
 
 pub use adapter::BackendChoice;
 pub use error::{ExecError, Result};
-pub use executor::{Executor, ExecutorLimits, TaskOutput};
+pub use executor::{Executor, ExecutorCounters, ExecutorLimits, TaskOutput};
 pub use job::{Job, ShardOutput};
 pub use kernel::Kernel;

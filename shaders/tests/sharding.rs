@@ -293,3 +293,37 @@ fn sum_f32_across_shards_matches_reference_within_tolerance() {
         }
     }
 }
+
+#[test]
+fn the_executor_counts_dispatches_and_bytes_and_uploads_resident_inputs_once() {
+    // A size no other test here uses, so its inputs are not resident yet.
+    let problem = builtins::get("vector_add")
+        .unwrap()
+        .problem(256 * 6)
+        .unwrap();
+    let inputs: u64 = problem.blobs.values().map(|b| b.len() as u64).sum();
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let job = problem.job(3).unwrap();
+        let outputs: u64 = job.outputs().values().sum();
+        let before = executor.counters();
+        executor.run(&job, None).unwrap();
+        let first = executor.counters().since(&before);
+        let before = executor.counters();
+        executor.run(&job, None).unwrap();
+        let second = executor.counters().since(&before);
+        let name = adapter.backend.name();
+        // One dispatch per shard (the grid fits in one tile), the same both times.
+        assert_eq!(first.dispatches, 3, "{name}");
+        assert_eq!(second.dispatches, 3, "{name}");
+        // `concat`: each shard reads back its own slice, so the whole output once.
+        assert_eq!(first.bytes_from_device, outputs, "{name}");
+        assert_eq!(second.bytes_from_device, outputs, "{name}");
+        // The inputs went up the first time only; both runs wrote the shard info.
+        assert!(
+            first.bytes_to_device >= second.bytes_to_device + inputs,
+            "{name}: {first:?} then {second:?}, inputs {inputs} bytes"
+        );
+        assert!(second.bytes_to_device > 0, "{name}");
+    }
+}

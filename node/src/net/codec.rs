@@ -12,6 +12,10 @@
 //! anything that does not open as a gpumesh envelope is an `InvalidData` error. Both
 //! fail only the stream they arrived on: request-response reports them as an inbound or
 //! outbound failure, and the connection and the node carry on.
+//!
+//! Every message written or read whole counts its bytes (both lengths, the envelope,
+//! the bulk bytes) in the node's metrics: blob chunk requests and their answers in
+//! the `blob` lane, everything else in the `call` lane.
 
 use std::io;
 
@@ -20,6 +24,8 @@ use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use gpumesh_protocol::{open, seal, MeshRequest, MeshResponse};
 use libp2p::StreamProtocol;
 use serde::{de::DeserializeOwned, Serialize};
+
+use crate::metrics::{Lane, NetMetrics};
 
 /// The stream protocol every gpumesh request rides on.
 pub const MESH_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpumesh/mesh/1");
@@ -31,11 +37,20 @@ const INITIAL_BUFFER: usize = 4 << 20;
 #[derive(Clone, Debug)]
 pub(crate) struct MeshCodec {
     max_frame_bytes: usize,
+    metrics: NetMetrics,
 }
 
 impl MeshCodec {
     pub(crate) fn new(max_frame_bytes: usize) -> Self {
-        MeshCodec { max_frame_bytes }
+        MeshCodec {
+            max_frame_bytes,
+            metrics: NetMetrics::default(),
+        }
+    }
+
+    /// Counts the bytes of every message in `metrics`.
+    pub(crate) fn counted_in(self, metrics: NetMetrics) -> Self {
+        MeshCodec { metrics, ..self }
     }
 }
 
@@ -45,6 +60,8 @@ trait Bulk {
     fn detach(&mut self) -> Vec<u8>;
     /// Puts received bulk bytes back; fails if this message has no place for them.
     fn attach(&mut self, body: Vec<u8>) -> Result<(), Vec<u8>>;
+    /// The metrics lane this message's bytes count in.
+    fn lane(&self) -> Lane;
 }
 
 impl Bulk for MeshRequest {
@@ -62,6 +79,13 @@ impl Bulk for MeshRequest {
                 Ok(())
             }
             _ => Err(body),
+        }
+    }
+
+    fn lane(&self) -> Lane {
+        match self {
+            MeshRequest::BlobChunk { .. } => Lane::Blob,
+            MeshRequest::Node(_) | MeshRequest::Join { .. } => Lane::Call,
         }
     }
 }
@@ -84,6 +108,17 @@ impl Bulk for MeshResponse {
                 Ok(())
             }
             _ => Err(body),
+        }
+    }
+
+    fn lane(&self) -> Lane {
+        match self {
+            // Only blob chunk requests are answered `NotFound`.
+            MeshResponse::BlobChunk { .. } | MeshResponse::NotFound => Lane::Blob,
+            MeshResponse::Node(_)
+            | MeshResponse::Ack
+            | MeshResponse::Joined { .. }
+            | MeshResponse::Error(_) => Lane::Call,
         }
     }
 }
@@ -121,7 +156,8 @@ async fn read_exactly<T: AsyncRead + Unpin>(io: &mut T, len: usize) -> io::Resul
     Ok(buf)
 }
 
-async fn read_frame<T, M>(io: &mut T, max: usize) -> io::Result<M>
+/// One message and the bytes it took on the stream.
+async fn read_frame<T, M>(io: &mut T, max: usize) -> io::Result<(M, usize)>
 where
     T: AsyncRead + Unpin + Send,
     M: DeserializeOwned + Bulk,
@@ -147,10 +183,11 @@ where
             .attach(body)
             .map_err(|_| invalid("bulk bytes after a message that takes none".into()))?;
     }
-    Ok(message)
+    Ok((message, 8 + header_len + body_len))
 }
 
-async fn write_frame<T, M>(io: &mut T, max: usize, mut message: M) -> io::Result<()>
+/// Writes one message; returns the bytes it took on the stream.
+async fn write_frame<T, M>(io: &mut T, max: usize, mut message: M) -> io::Result<usize>
 where
     T: AsyncWrite + Unpin + Send,
     M: Serialize + Bulk,
@@ -178,7 +215,31 @@ where
     if !body.is_empty() {
         io.write_all(&body).await?;
     }
-    io.flush().await
+    io.flush().await?;
+    Ok(head.len() + body.len())
+}
+
+impl MeshCodec {
+    async fn read<T, M>(&self, io: &mut T) -> io::Result<M>
+    where
+        T: AsyncRead + Unpin + Send,
+        M: DeserializeOwned + Bulk,
+    {
+        let (message, bytes) = read_frame::<T, M>(io, self.max_frame_bytes).await?;
+        self.metrics.received(message.lane(), bytes);
+        Ok(message)
+    }
+
+    async fn write<T, M>(&self, io: &mut T, message: M) -> io::Result<()>
+    where
+        T: AsyncWrite + Unpin + Send,
+        M: Serialize + Bulk,
+    {
+        let lane = message.lane();
+        let bytes = write_frame(io, self.max_frame_bytes, message).await?;
+        self.metrics.sent(lane, bytes);
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -191,14 +252,14 @@ impl libp2p::request_response::Codec for MeshCodec {
     where
         T: AsyncRead + Unpin + Send,
     {
-        read_frame(io, self.max_frame_bytes).await
+        self.read(io).await
     }
 
     async fn read_response<T>(&mut self, _: &StreamProtocol, io: &mut T) -> io::Result<MeshResponse>
     where
         T: AsyncRead + Unpin + Send,
     {
-        read_frame(io, self.max_frame_bytes).await
+        self.read(io).await
     }
 
     async fn write_request<T>(
@@ -210,7 +271,7 @@ impl libp2p::request_response::Codec for MeshCodec {
     where
         T: AsyncWrite + Unpin + Send,
     {
-        write_frame(io, self.max_frame_bytes, request).await
+        self.write(io, request).await
     }
 
     async fn write_response<T>(
@@ -222,7 +283,7 @@ impl libp2p::request_response::Codec for MeshCodec {
     where
         T: AsyncWrite + Unpin + Send,
     {
-        write_frame(io, self.max_frame_bytes, response).await
+        self.write(io, response).await
     }
 }
 
@@ -467,6 +528,47 @@ mod tests {
                 check_decoded(&bytes)?;
             }
         }
+    }
+
+    #[tokio::test]
+    async fn the_bytes_of_each_message_count_in_its_lane_as_they_go_on_the_stream() {
+        let metrics = NetMetrics::default();
+        let mut codec = MeshCodec::new(1 << 20).counted_in(metrics.clone());
+        let mut chunk = Cursor::new(Vec::new());
+        let answer = MeshResponse::BlobChunk {
+            total: 5000,
+            data: vec![7; 5000],
+        };
+        codec
+            .write_response(&MESH_PROTOCOL, &mut chunk, answer)
+            .await
+            .unwrap();
+        let mut call = Cursor::new(Vec::new());
+        codec
+            .write_request(&MESH_PROTOCOL, &mut call, MeshRequest::Node(vec![1; 30]))
+            .await
+            .unwrap();
+        let (chunk, call) = (chunk.into_inner(), call.into_inner());
+        assert_eq!(metrics.totals(Lane::Blob), (chunk.len() as u64, 0));
+        assert_eq!(metrics.totals(Lane::Call), (call.len() as u64, 0));
+        codec
+            .read_response(&MESH_PROTOCOL, &mut Cursor::new(chunk.clone()))
+            .await
+            .unwrap();
+        codec
+            .read_request(&MESH_PROTOCOL, &mut Cursor::new(call.clone()))
+            .await
+            .unwrap();
+        let both = |n: usize| (n as u64, n as u64);
+        assert_eq!(metrics.totals(Lane::Blob), both(chunk.len()));
+        assert_eq!(metrics.totals(Lane::Call), both(call.len()));
+        // What fails to decode is not counted.
+        let _ = codec
+            .read_request(&MESH_PROTOCOL, &mut Cursor::new(framed(b"garbage")))
+            .await
+            .unwrap_err();
+        assert_eq!(metrics.totals(Lane::Call), both(call.len()));
+        assert_eq!(metrics.totals(Lane::Raft), (0, 0));
     }
 
     #[tokio::test]

@@ -10,7 +10,9 @@
 //! Outbound, a writer task per peer owns the stream and reopens it (dialling if
 //! needed) after a failure, dropping what was queued meanwhile. Inbound, a reader
 //! task per stream hands frames to the node; a frame over the limit closes that
-//! stream and is logged, and the node carries on.
+//! stream and is logged, and the node carries on. Bytes count in the `raft` lane of
+//! the node's metrics: each frame with its length prefix, once written (flushed) or
+//! read whole.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::NetEvent;
 use crate::error::{NodeError, Result};
+use crate::metrics::{Lane, NetMetrics};
 
 pub const RAFT_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpumesh/raft/1");
 
@@ -46,6 +49,7 @@ pub(super) struct RaftLane {
     max_frame: usize,
     /// Injected delay before each write, in microseconds (fault injection).
     delay_us: Arc<AtomicU64>,
+    metrics: NetMetrics,
     cancel: CancellationToken,
 }
 
@@ -57,17 +61,25 @@ impl RaftLane {
         events: mpsc::Sender<NetEvent>,
         max_frame: usize,
         delay_us: Arc<AtomicU64>,
+        metrics: NetMetrics,
         cancel: CancellationToken,
     ) -> Result<Arc<RaftLane>> {
         let incoming = control
             .accept(RAFT_PROTOCOL)
             .map_err(|e| NodeError::NetSetup(format!("raft protocol: {e}")))?;
-        tokio::spawn(accept(incoming, events, max_frame, cancel.clone()));
+        tokio::spawn(accept(
+            incoming,
+            events,
+            max_frame,
+            metrics.clone(),
+            cancel.clone(),
+        ));
         Ok(Arc::new(RaftLane {
             control,
             writers: Mutex::new(HashMap::new()),
             max_frame,
             delay_us,
+            metrics,
             cancel,
         }))
     }
@@ -103,6 +115,7 @@ impl RaftLane {
             to,
             rx,
             self.delay_us.clone(),
+            self.metrics.clone(),
             self.cancel.clone(),
         ));
         let _ = tx.try_send(frame);
@@ -124,6 +137,7 @@ async fn write(
     peer: PeerId,
     mut frames: mpsc::Receiver<Vec<u8>>,
     delay_us: Arc<AtomicU64>,
+    metrics: NetMetrics,
     cancel: CancellationToken,
 ) {
     let mut stream: Option<Stream> = None;
@@ -173,9 +187,12 @@ async fn write(
                 s.write_all(&batch).await?;
                 s.flush().await
             };
-            if let Err(e) = written.await {
-                tracing::debug!(%peer, "raft stream closed: {e}");
-                stream = None;
+            match written.await {
+                Ok(()) => metrics.sent(Lane::Raft, batch.len()),
+                Err(e) => {
+                    tracing::debug!(%peer, "raft stream closed: {e}");
+                    stream = None;
+                }
             }
         }
     }
@@ -185,6 +202,7 @@ async fn accept(
     mut incoming: IncomingStreams,
     events: mpsc::Sender<NetEvent>,
     max_frame: usize,
+    metrics: NetMetrics,
     cancel: CancellationToken,
 ) {
     loop {
@@ -200,6 +218,7 @@ async fn accept(
             stream,
             events.clone(),
             max_frame,
+            metrics.clone(),
             cancel.clone(),
         ));
     }
@@ -212,6 +231,7 @@ async fn read(
     mut stream: Stream,
     events: mpsc::Sender<NetEvent>,
     max_frame: usize,
+    metrics: NetMetrics,
     cancel: CancellationToken,
 ) {
     let frames = async {
@@ -235,6 +255,7 @@ async fn read(
                 tracing::debug!(%peer, "raft stream cut short: {e}");
                 return;
             }
+            metrics.received(Lane::Raft, 4 + len);
             if events
                 .send(NetEvent::Raft { from: peer, frame })
                 .await

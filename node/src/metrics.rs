@@ -1,0 +1,498 @@
+//! The node's Prometheus metrics, served by the API at `GET /metrics` in the
+//! OpenMetrics text format ([`CONTENT_TYPE`]).
+//!
+//! Each node owns one [`Metrics`] with its own [`Registry`], kept in the node's
+//! shared state: nothing is global, so several nodes in one process (tests,
+//! examples) never mix their figures. Events are counted where they happen: the API
+//! counts submits, the worker counts shards, the GPU thread its busy time, dispatches
+//! and bytes, the network actor its bytes and peers. Values that already live
+//! elsewhere are read when the endpoint is scraped: the Raft replica's status and
+//! proposal counts, the tasks in this node's copy of the replicated record, and the
+//! blob store on disk.
+//!
+//! | metric | type | what |
+//! |---|---|---|
+//! | `gpumesh_node_info{peer_id, raft_id}` | info | which node answers |
+//! | `gpumesh_raft_term` | gauge | the replica's current Raft term |
+//! | `gpumesh_raft_commit_index` | gauge | highest log index known committed |
+//! | `gpumesh_raft_applied_index` | gauge | highest log index applied to the state machine |
+//! | `gpumesh_raft_is_leader` | gauge | 1 while this replica leads, else 0 |
+//! | `gpumesh_raft_leader_changes_total` | counter | times the known leader became another node (the first one counts) |
+//! | `gpumesh_raft_proposals_total{outcome}` | counter | proposals made through this node, by how they ended: `applied`, `ignored`, `rejected` (committed), `dropped` (certainly not committed), `unknown` |
+//! | `gpumesh_tasks_submitted_total` | counter | tasks submitted through this node's API and committed |
+//! | `gpumesh_tasks{status}` | gauge | tasks in this node's copy of the record: `pending`, `running`, `completed`, `failed`, `cancelled` |
+//! | `gpumesh_shards_done_total` | counter | shards run here whose result the record accepted |
+//! | `gpumesh_shards_failed_total` | counter | shard attempts that failed here (GPU error, input not fetched, output not kept) |
+//! | `gpumesh_shards_retried_total` | counter | shard attempts started here for a shard that had failed before |
+//! | `gpumesh_shard_run_seconds` | histogram | wall time of a shard that produced outputs here: inputs fetched and read from the store, GPU run, readback |
+//! | `gpumesh_gpu_busy_seconds_total` | counter | time the GPU thread spent running shards (upload, dispatch, wait, readback) |
+//! | `gpumesh_gpu_dispatches_total` | counter | compute dispatches submitted (one per tile of a shard) |
+//! | `gpumesh_gpu_bytes_total{direction}` | counter | bytes written to the device (`to_gpu`: inputs not already resident, output fill, shard info) and read back (`from_gpu`) |
+//! | `gpumesh_net_sent_bytes_total{lane}` | counter | bytes of gpumesh frames written to libp2p streams |
+//! | `gpumesh_net_received_bytes_total{lane}` | counter | bytes of gpumesh frames read from libp2p streams |
+//! | `gpumesh_net_connected_peers` | gauge | peers with at least one open connection |
+//! | `gpumesh_blob_store_blobs` | gauge | blobs in this node's store |
+//! | `gpumesh_blob_store_bytes` | gauge | bytes of those blobs |
+//!
+//! The network lanes: `raft` is the Raft lane (the frames with their length
+//! prefixes), `blob` the blob chunk requests and answers, `call` every other
+//! request-response message between nodes (hello, join, replicate, peers, leave);
+//! a request-response message counts its envelope, its bulk bytes and both length
+//! prefixes. What is not counted: identify, mDNS, protocol negotiation, Yamux
+//! framing, Noise's encryption overhead, TCP/IP headers, and frames that could not
+//! be written or decoded. So these are the bytes gpumesh itself moved, a little
+//! below what the wire carried.
+
+use std::fmt;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use gpumesh_consensus::{ConsensusHandle, RaftRole, TaskStatus};
+use gpumesh_shaders::ExecutorCounters;
+use libp2p::PeerId;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::info::Info;
+use prometheus_client::metrics::TypedMetric;
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::blob::BlobStore;
+
+/// The content type of the text [`Metrics::encode`] writes.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// One label, as `[(name, value)]`: every labelled metric here has exactly one.
+type Label = [(&'static str, &'static str); 1];
+
+/// Every metric of one node, registered in the node's own registry.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// The replica the Raft metrics are read from, once it runs.
+    consensus: Arc<OnceLock<ConsensusHandle>>,
+    /// Tasks submitted through this node's API and committed; a retried submit of a
+    /// task already created does not count again.
+    pub(crate) tasks_submitted: Counter,
+    /// Tasks by status in this node's copy of the record, refreshed on scrape.
+    tasks: Family<Label, Gauge>,
+    pub(crate) shards: ShardMetrics,
+    pub(crate) gpu: GpuMetrics,
+    pub(crate) net: NetMetrics,
+    /// Blobs in the store and their bytes, refreshed on scrape.
+    blobs: Gauge,
+    blob_bytes: Gauge,
+}
+
+impl Metrics {
+    /// A fresh registry for the node `peer_id` / `raft_id`, every metric at zero.
+    pub fn new(peer_id: PeerId, raft_id: u64) -> Metrics {
+        let mut registry = Registry::with_prefix("gpumesh");
+        registry.register(
+            "node",
+            "Which node this is",
+            Info::new(vec![
+                ("peer_id".to_string(), peer_id.to_string()),
+                ("raft_id".to_string(), raft_id.to_string()),
+            ]),
+        );
+        let consensus = Arc::new(OnceLock::new());
+        registry.register_collector(Box::new(RaftCollector(consensus.clone())));
+
+        let tasks_submitted = Counter::default();
+        registry.register(
+            "tasks_submitted",
+            "Tasks submitted through this node's API and committed",
+            tasks_submitted.clone(),
+        );
+        let tasks = Family::<Label, Gauge>::default();
+        registry.register(
+            "tasks",
+            "Tasks in this node's copy of the replicated record, by status",
+            tasks.clone(),
+        );
+
+        let shards = ShardMetrics::default();
+        registry.register(
+            "shards_done",
+            "Shards run on this node whose result the record accepted",
+            shards.done.clone(),
+        );
+        registry.register(
+            "shards_failed",
+            "Shard attempts that failed on this node (GPU error, input not fetched, output \
+             not kept)",
+            shards.failed.clone(),
+        );
+        registry.register(
+            "shards_retried",
+            "Shard attempts started on this node for a shard that had failed before",
+            shards.retried.clone(),
+        );
+        registry.register_with_unit(
+            "shard_run",
+            "Wall time of a shard that produced outputs on this node: inputs fetched and read \
+             from the store, GPU run, readback",
+            Unit::Seconds,
+            shards.run_seconds.clone(),
+        );
+
+        let gpu = GpuMetrics::default();
+        registry.register_with_unit(
+            "gpu_busy",
+            "Time the GPU thread spent running shards (upload, dispatch, wait, readback)",
+            Unit::Seconds,
+            gpu.busy_seconds.clone(),
+        );
+        registry.register(
+            "gpu_dispatches",
+            "Compute dispatches submitted to the GPU, one per tile of a shard",
+            gpu.dispatches.clone(),
+        );
+        registry.register_with_unit(
+            "gpu",
+            "Bytes written to GPU buffers (to_gpu: inputs not already resident, output fill, \
+             shard info) and read back from them (from_gpu)",
+            Unit::Bytes,
+            gpu.bytes.clone(),
+        );
+
+        let net = NetMetrics::default();
+        // Every label value from the start, so a rate over a lane that has been quiet
+        // so far starts at zero instead of at nothing.
+        for lane in [Lane::Raft, Lane::Blob, Lane::Call] {
+            net.sent(lane, 0);
+            net.received(lane, 0);
+        }
+        gpu.record(Duration::ZERO, ExecutorCounters::default());
+        registry.register_with_unit(
+            "net_sent",
+            "Bytes of gpumesh frames written to libp2p streams, by lane (raft, blob, call); \
+             transport overhead not included",
+            Unit::Bytes,
+            net.sent.clone(),
+        );
+        registry.register_with_unit(
+            "net_received",
+            "Bytes of gpumesh frames read from libp2p streams, by lane (raft, blob, call); \
+             transport overhead not included",
+            Unit::Bytes,
+            net.received.clone(),
+        );
+        registry.register(
+            "net_connected_peers",
+            "Peers with at least one open connection to this node",
+            net.connected_peers.clone(),
+        );
+
+        let blobs = Gauge::default();
+        registry.register(
+            "blob_store_blobs",
+            "Blobs in this node's store",
+            blobs.clone(),
+        );
+        let blob_bytes = Gauge::default();
+        registry.register_with_unit(
+            "blob_store",
+            "Bytes of the blobs in this node's store",
+            Unit::Bytes,
+            blob_bytes.clone(),
+        );
+
+        Metrics {
+            registry,
+            consensus,
+            tasks_submitted,
+            tasks,
+            shards,
+            gpu,
+            net,
+            blobs,
+            blob_bytes,
+        }
+    }
+
+    /// Reads the Raft metrics from `consensus` from now on.
+    pub(crate) fn follow(&self, consensus: ConsensusHandle) {
+        let _ = self.consensus.set(consensus);
+    }
+
+    /// Refreshes what is read rather than counted: the tasks in the record (one
+    /// walk of this replica's tasks) and the blob store (one directory listing).
+    pub(crate) async fn refresh(&self, blobs: &BlobStore) {
+        let store = blobs.clone();
+        if let Ok((count, bytes)) = tokio::task::spawn_blocking(move || store.stats()).await {
+            self.blobs.set(saturating_i64(count));
+            self.blob_bytes.set(saturating_i64(bytes));
+        }
+        let Some(consensus) = self.consensus.get() else {
+            return;
+        };
+        let counted = consensus
+            .read_local(|s| {
+                let mut by_status = [0u64; TASK_STATUSES.len()];
+                for task in s.tasks().values() {
+                    by_status[status_index(&task.status)] += 1;
+                }
+                by_status
+            })
+            .await;
+        if let Ok(by_status) = counted {
+            for (name, n) in TASK_STATUSES.iter().zip(by_status) {
+                self.tasks
+                    .get_or_create(&[("status", name)])
+                    .set(saturating_i64(n));
+            }
+        }
+    }
+
+    /// Everything in the registry, in the OpenMetrics text format.
+    pub fn encode(&self) -> Result<String, fmt::Error> {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry)?;
+        Ok(text)
+    }
+}
+
+const TASK_STATUSES: [&str; 5] = ["pending", "running", "completed", "failed", "cancelled"];
+
+fn status_index(status: &TaskStatus) -> usize {
+    match status {
+        TaskStatus::Pending => 0,
+        TaskStatus::Running => 1,
+        TaskStatus::Completed => 2,
+        TaskStatus::Failed(_) => 3,
+        TaskStatus::Cancelled(_) => 4,
+    }
+}
+
+fn saturating_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// What the worker counts about the shards it runs.
+#[derive(Clone, Debug)]
+pub(crate) struct ShardMetrics {
+    /// Shards run here whose `ShardResult` was committed and applied with effect (a
+    /// result that arrived after another attempt won is not done). With
+    /// `--replicas N`, each replica's recorded result counts on its own node.
+    pub(crate) done: Counter,
+    /// Attempts that failed here, whatever the reason, whether or not the failure
+    /// could be reported.
+    pub(crate) failed: Counter,
+    /// Attempts started here for a shard whose earlier attempts had failed (on any
+    /// node): the retries that ran on this node.
+    pub(crate) retried: Counter,
+    /// Seconds from starting a shard to holding its outputs: fetching missing inputs,
+    /// reading them from the store, the GPU run, readback. Failed attempts are not
+    /// observed.
+    pub(crate) run_seconds: Histogram,
+}
+
+impl Default for ShardMetrics {
+    fn default() -> Self {
+        ShardMetrics {
+            done: Counter::default(),
+            failed: Counter::default(),
+            retried: Counter::default(),
+            // 1 ms to about 4.4 minutes, ×4 per bucket.
+            run_seconds: Histogram::new(exponential_buckets(0.001, 4.0, 10)),
+        }
+    }
+}
+
+/// What the GPU thread counts. Cheap to clone; clones count together.
+#[derive(Clone, Debug, Default)]
+pub struct GpuMetrics {
+    /// Seconds the GPU thread spent in the executor for shards, failed ones included.
+    busy_seconds: Counter<f64, AtomicU64>,
+    /// Compute dispatches submitted.
+    dispatches: Counter,
+    /// Bytes by direction: `to_gpu`, `from_gpu`.
+    bytes: Family<Label, Counter>,
+}
+
+impl GpuMetrics {
+    /// Counts one run of the executor: how long it took and what it moved.
+    pub fn record(&self, busy: Duration, work: ExecutorCounters) {
+        self.busy_seconds.inc_by(busy.as_secs_f64());
+        self.dispatches.inc_by(work.dispatches);
+        self.bytes
+            .get_or_create(&[("direction", "to_gpu")])
+            .inc_by(work.bytes_to_device);
+        self.bytes
+            .get_or_create(&[("direction", "from_gpu")])
+            .inc_by(work.bytes_from_device);
+    }
+}
+
+/// Which traffic a network byte belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Lane {
+    /// Raft frames on the Raft lane's streams.
+    Raft,
+    /// Blob chunk requests and their answers.
+    Blob,
+    /// Every other request-response message between nodes.
+    Call,
+}
+
+impl Lane {
+    fn label(self) -> Label {
+        [(
+            "lane",
+            match self {
+                Lane::Raft => "raft",
+                Lane::Blob => "blob",
+                Lane::Call => "call",
+            },
+        )]
+    }
+}
+
+/// What the network counts. Cheap to clone; clones count together. A default one
+/// counts into no registry (for a [`crate::net::NetConfig`] outside a node).
+#[derive(Clone, Debug, Default)]
+pub struct NetMetrics {
+    sent: Family<Label, Counter>,
+    received: Family<Label, Counter>,
+    connected_peers: Gauge,
+}
+
+impl NetMetrics {
+    pub(crate) fn sent(&self, lane: Lane, bytes: usize) {
+        self.sent.get_or_create(&lane.label()).inc_by(bytes as u64);
+    }
+
+    pub(crate) fn received(&self, lane: Lane, bytes: usize) {
+        self.received
+            .get_or_create(&lane.label())
+            .inc_by(bytes as u64);
+    }
+
+    pub(crate) fn set_connected_peers(&self, peers: usize) {
+        self.connected_peers.set(saturating_i64(peers as u64));
+    }
+
+    /// Bytes counted in `lane` so far, (sent, received).
+    #[cfg(test)]
+    pub(crate) fn totals(&self, lane: Lane) -> (u64, u64) {
+        (
+            self.sent.get_or_create(&lane.label()).get(),
+            self.received.get_or_create(&lane.label()).get(),
+        )
+    }
+}
+
+/// Reads the Raft metrics from the replica on every scrape: its published status
+/// (term, indexes, role, leader changes) and its proposal counts. Nothing before the
+/// replica runs.
+#[derive(Debug)]
+struct RaftCollector(Arc<OnceLock<ConsensusHandle>>);
+
+impl Collector for RaftCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), fmt::Error> {
+        let Some(consensus) = self.0.get() else {
+            return Ok(());
+        };
+        let status = consensus.watch_status().borrow().clone();
+        let gauges = [
+            ("raft_term", "The replica's current Raft term.", status.term),
+            (
+                "raft_commit_index",
+                "The highest log index this replica knows is committed.",
+                status.commit_index,
+            ),
+            (
+                "raft_applied_index",
+                "The highest log index applied to this replica's state machine.",
+                status.applied_index,
+            ),
+            (
+                "raft_is_leader",
+                "1 while this replica is the Raft leader, else 0.",
+                u64::from(status.role == RaftRole::Leader),
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let gauge = ConstGauge::new(saturating_i64(value));
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        let changes = ConstCounter::new(status.leader_changes);
+        changes.encode(encoder.encode_descriptor(
+            "raft_leader_changes",
+            "Times the leader this replica knows became another node since it started (the \
+             first leader it learns of counts).",
+            None,
+            changes.metric_type(),
+        )?)?;
+        let p = consensus.proposal_counts();
+        let mut family = encoder.encode_descriptor(
+            "raft_proposals",
+            "Proposals made through this node, by how they ended: applied, ignored, rejected \
+             (committed); dropped (certainly not committed); unknown.",
+            None,
+            ConstCounter::<u64>::TYPE,
+        )?;
+        for (outcome, n) in [
+            ("applied", p.applied),
+            ("ignored", p.ignored),
+            ("rejected", p.rejected),
+            ("dropped", p.dropped),
+            ("unknown", p.unknown),
+        ] {
+            ConstCounter::new(n).encode(family.encode_family(&[("outcome", outcome)])?)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_metric_is_named_with_the_prefix_and_encoded_as_openmetrics() {
+        let metrics = Metrics::new(PeerId::random(), 7);
+        metrics.tasks_submitted.inc();
+        metrics.shards.run_seconds.observe(0.5);
+        metrics.gpu.record(
+            Duration::from_millis(250),
+            ExecutorCounters {
+                dispatches: 2,
+                bytes_to_device: 100,
+                bytes_from_device: 40,
+            },
+        );
+        metrics.net.sent(Lane::Blob, 1000);
+        metrics.net.received(Lane::Raft, 12);
+        metrics.net.set_connected_peers(2);
+        let text = metrics.encode().expect("encodes");
+        for line in [
+            "gpumesh_node_info{peer_id=",
+            "gpumesh_tasks_submitted_total 1",
+            "gpumesh_shard_run_seconds_count 1",
+            "gpumesh_gpu_busy_seconds_total 0.25",
+            "gpumesh_gpu_dispatches_total 2",
+            "gpumesh_gpu_bytes_total{direction=\"to_gpu\"} 100",
+            "gpumesh_gpu_bytes_total{direction=\"from_gpu\"} 40",
+            "gpumesh_net_sent_bytes_total{lane=\"blob\"} 1000",
+            "gpumesh_net_received_bytes_total{lane=\"raft\"} 12",
+            "gpumesh_net_connected_peers 2",
+            "gpumesh_blob_store_blobs 0",
+            "gpumesh_blob_store_bytes 0",
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        for sample in text.lines().filter(|l| !l.starts_with('#')) {
+            assert!(sample.starts_with("gpumesh_"), "{sample}");
+        }
+        // No replica yet: no Raft metrics rather than made-up zeros.
+        assert!(!text.contains("gpumesh_raft_"), "{text}");
+    }
+}
