@@ -3,6 +3,8 @@
 //! the CPU reference, and a per-node summary printed.
 //!
 //! `cargo run --release --example local_mesh`
+//! `cargo run --release --example local_mesh -- --serve`: then keep the nodes up
+//! (their dashboards open in a browser) until Ctrl-C.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -116,6 +118,14 @@ async fn run(root: &std::path::Path) -> anyhow::Result<()> {
             m.gflops.unwrap_or(0.0),
             ran
         );
+    }
+    if std::env::args().any(|a| a == "--serve") {
+        println!();
+        for (i, n) in nodes.iter().enumerate() {
+            println!("node {i}: dashboard http://{}/", n.api_addr);
+        }
+        println!("(GPUMESH_API=<address> gpumesh submit ... to add work; Ctrl-C stops the nodes)");
+        tokio::signal::ctrl_c().await?;
     }
     for n in nodes {
         n.stop().await;
