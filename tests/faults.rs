@@ -6,36 +6,15 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use common::*;
-use gpumesh::node::api::TaskView;
 use gpumesh::node::{Faults, MeshNode};
 use gpumesh::protocol::{
     BackendKind, BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec,
 };
 use gpumesh::shaders::builtins;
 use gpumesh::shaders::BackendChoice;
-
-/// Every shard has exactly one accepted result in the task's history.
-fn accepted_once(view: &TaskView) {
-    let mut accepted: BTreeMap<u32, usize> = BTreeMap::new();
-    for e in &view.history {
-        if e.what.contains("accepted") {
-            *accepted.entry(e.shard.unwrap()).or_default() += 1;
-        }
-    }
-    for s in &view.shards {
-        assert_eq!(
-            accepted.get(&s.index),
-            Some(&1),
-            "shard {} accepted once: {:#?}",
-            s.index,
-            view.history
-        );
-    }
-}
 
 async fn leader(nodes: &[MeshNode]) -> usize {
     let st = client(&nodes[0]).status().await.unwrap();

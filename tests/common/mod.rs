@@ -4,9 +4,12 @@
 // Each test file uses its own subset of these.
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
+use gpumesh::consensus::MAX_HISTORY;
+use gpumesh::node::api::TaskView;
 use gpumesh::node::{Formation, MeshNode, Multiaddr, NodeConfig};
 use gpumesh::protocol::BackendKind;
 use gpumesh::shaders::builtins::Problem;
@@ -118,5 +121,28 @@ pub async fn submit(via: &Client, problem: &Problem, shards: u32) -> u64 {
 pub async fn stop(nodes: Vec<MeshNode>) {
     for n in nodes {
         n.stop().await;
+    }
+}
+
+/// Every shard of `view` was accepted exactly once, as its history records. A full
+/// history may have dropped its oldest events; then each shard is accepted at most
+/// once.
+pub fn accepted_once(view: &TaskView) {
+    let mut accepted: BTreeMap<u32, usize> = BTreeMap::new();
+    for e in &view.history {
+        if e.what.contains("accepted") {
+            *accepted.entry(e.shard.unwrap_or(u32::MAX)).or_default() += 1;
+        }
+    }
+    let complete = view.history.len() < MAX_HISTORY;
+    for s in &view.shards {
+        let times = accepted.get(&s.index).copied().unwrap_or(0);
+        assert!(
+            times == 1 || (!complete && times == 0),
+            "t{} shard {} accepted {times} times: {:#?}",
+            view.id,
+            s.index,
+            view.history
+        );
     }
 }
