@@ -71,6 +71,25 @@ pub enum TaskStatus {
 }
 
 impl TaskStatus {
+    /// The status as the API, the CLI and the dashboard name it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            TaskStatus::Pending => "pending",
+            TaskStatus::Running => "running",
+            TaskStatus::Completed => "completed",
+            TaskStatus::Failed(_) => "failed",
+            TaskStatus::Cancelled(_) => "cancelled",
+        }
+    }
+
+    /// Why a task failed or was cancelled.
+    pub fn reason(&self) -> Option<&str> {
+        match self {
+            TaskStatus::Failed(r) | TaskStatus::Cancelled(r) => Some(r),
+            _ => None,
+        }
+    }
+
     pub fn is_terminal(&self) -> bool {
         matches!(
             self,

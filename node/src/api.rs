@@ -518,13 +518,7 @@ pub(crate) fn kernel_name(spec: &gpumesh_protocol::TaskSpec) -> String {
 }
 
 fn view(t: &gpumesh_consensus::Task) -> TaskView {
-    let (status, reason) = match &t.status {
-        TaskStatus::Pending => ("pending", None),
-        TaskStatus::Running => ("running", None),
-        TaskStatus::Completed => ("completed", None),
-        TaskStatus::Failed(r) => ("failed", Some(r.clone())),
-        TaskStatus::Cancelled(r) => ("cancelled", Some(r.clone())),
-    };
+    let (status, reason) = (t.status.name(), t.status.reason().map(str::to_string));
     TaskView {
         id: t.id.0,
         status: status.into(),
@@ -748,30 +742,40 @@ async fn output_bytes(
         .ok_or_else(|| unavailable("merged output vanished"))
 }
 
+/// Attempts in flight per node: its queue.
+pub(crate) fn queues(s: &StateMachine) -> HashMap<u64, u32> {
+    let mut queue: HashMap<u64, u32> = HashMap::new();
+    for t in s.active_tasks() {
+        for sh in &t.shards {
+            for a in &sh.attempts {
+                *queue.entry(a.node).or_default() += 1;
+            }
+        }
+    }
+    queue
+}
+
+/// Whether the member's last heartbeat is fresher than `STALE_AFTER` at `now_ms`.
+pub(crate) fn heard_recently(m: &gpumesh_consensus::Member, now_ms: u64) -> bool {
+    m.last_heartbeat.is_some_and(|h| {
+        now_ms.saturating_sub(h.at_ms) < crate::scheduler::STALE_AFTER.as_millis() as u64
+    })
+}
+
 async fn status(State(shared): State<Arc<Shared>>) -> ApiResult<Json<StatusView>> {
     let c = consensus(&shared)?;
     let st = c.status().await.map_err(unavailable)?;
     let now = crate::scheduler::now_ms();
     let members = c
         .read_local(move |s| {
-            let mut queue: HashMap<u64, u32> = HashMap::new();
-            for t in s.active_tasks() {
-                for sh in &t.shards {
-                    for a in &sh.attempts {
-                        *queue.entry(a.node).or_default() += 1;
-                    }
-                }
-            }
+            let queue = queues(s);
             s.members()
                 .values()
                 .map(|m| MemberView {
                     raft_id: m.raft_id,
                     peer_id: m.peer_id.clone(),
                     role: format!("{:?}", m.role).to_lowercase(),
-                    alive: m.last_heartbeat.is_some_and(|h| {
-                        now.saturating_sub(h.at_ms)
-                            < crate::scheduler::STALE_AFTER.as_millis() as u64
-                    }),
+                    alive: heard_recently(m, now),
                     adapter: m.capability.as_ref().map(|c| c.adapter_name.clone()),
                     backend: m.capability.as_ref().map(|c| c.backend.name().to_string()),
                     gflops: m.capability.as_ref().map(|c| c.gflops),

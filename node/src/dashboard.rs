@@ -17,7 +17,7 @@ use axum::http::header;
 use axum::response::{Html, IntoResponse};
 use axum::Json;
 use gpumesh_consensus::{
-    AppliedEvent, Command, ConsensusHandle, Outcome, ShardState, StateMachine, TaskStatus,
+    AppliedEvent, Command, ConsensusHandle, Outcome, ShardState, StateMachine,
 };
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
@@ -227,33 +227,23 @@ fn summarize(
     now_ms: u64,
     unreachable: &std::collections::HashSet<u64>,
 ) -> Summary {
-    let mut queue: HashMap<u64, u32> = HashMap::new();
+    let queue = crate::api::queues(s);
     let mut done: HashMap<u64, u64> = HashMap::new();
     let mut counts: HashMap<String, usize> = HashMap::new();
     for t in s.tasks().values() {
-        *counts
-            .entry(status_name(&t.status).to_string())
-            .or_default() += 1;
+        *counts.entry(t.status.name().to_string()).or_default() += 1;
         for sh in &t.shards {
             if let Some(out) = &sh.output {
                 *done.entry(out.node).or_default() += 1;
             }
-            for a in &sh.attempts {
-                if !t.status.is_terminal() {
-                    *queue.entry(a.node).or_default() += 1;
-                }
-            }
         }
     }
-    let stale = crate::scheduler::STALE_AFTER.as_millis() as u64;
     let members = s
         .members()
         .values()
         .map(|m| {
             let lost = unreachable.contains(&m.raft_id);
-            let fresh = m
-                .last_heartbeat
-                .is_some_and(|h| now_ms.saturating_sub(h.at_ms) < stale);
+            let fresh = crate::api::heard_recently(m, now_ms);
             OverviewMember {
                 id: hex(m.raft_id),
                 peer_id: m.peer_id.clone(),
@@ -276,11 +266,8 @@ fn summarize(
         .take(OVERVIEW_TASKS)
         .map(|t| OverviewTask {
             id: t.id.0,
-            status: status_name(&t.status).to_string(),
-            reason: match &t.status {
-                TaskStatus::Failed(r) | TaskStatus::Cancelled(r) => Some(r.clone()),
-                _ => None,
-            },
+            status: t.status.name().to_string(),
+            reason: t.status.reason().map(str::to_string),
             kernel: crate::api::kernel_name(&t.spec),
             shards: t.shards.len(),
             done: t
@@ -322,14 +309,4 @@ fn summarize(
         })
         .collect();
     (members, counts, tasks)
-}
-
-fn status_name(s: &TaskStatus) -> &'static str {
-    match s {
-        TaskStatus::Pending => "pending",
-        TaskStatus::Running => "running",
-        TaskStatus::Completed => "completed",
-        TaskStatus::Failed(_) => "failed",
-        TaskStatus::Cancelled(_) => "cancelled",
-    }
 }
