@@ -57,7 +57,7 @@ async fn main() -> anyhow::Result<()> {
         ],
         grid: Grid([SIDE / 16, SIDE / 16, 1]),
         shards: 8,
-        merge: MergeRule::Concat,
+        merge: MergeRule::Changes,
         options: Default::default(),
     };
     let task = client.submit(spec, None).await?;

@@ -56,7 +56,7 @@ async fn main() -> anyhow::Result<()> {
             ],
             grid: Grid([(N / 64) as u32, 1, 1]),
             shards: 4,
-            merge: MergeRule::Concat,
+            merge: MergeRule::Changes,
             options: Default::default(),
         };
         let task = client.submit(spec, None).await?;

@@ -51,7 +51,7 @@ fn main() -> anyhow::Result<()> {
             ],
             grid: Grid([n / 64, 1, 1]),
             shards,
-            merge: MergeRule::Concat,
+            merge: MergeRule::Changes,
             options: Default::default(),
         };
         Job::new(spec, kernel.clone(), |id| (*id == blob).then(|| xs.clone()))

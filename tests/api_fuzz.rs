@@ -228,7 +228,7 @@ fn merge() -> impl Strategy<Value = MergeRule> {
         Just(ElemType::F32)
     ];
     prop_oneof![
-        Just(MergeRule::Concat),
+        Just(MergeRule::Changes),
         elem.clone().prop_map(MergeRule::Sum),
         elem.clone().prop_map(MergeRule::Min),
         elem.prop_map(MergeRule::Max),

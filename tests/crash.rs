@@ -66,7 +66,7 @@ fn spec(shards: u32) -> TaskSpec {
         }],
         grid: Grid([GROUPS, 1, 1]),
         shards,
-        merge: MergeRule::Concat,
+        merge: MergeRule::Changes,
         options: Default::default(),
     }
 }

@@ -246,7 +246,7 @@ async fn a_shader_that_never_ends_fails_its_task_and_the_node_keeps_serving() {
             }],
             grid: Grid([groups, 1, 1]),
             shards: 1,
-            merge: MergeRule::Concat,
+            merge: MergeRule::Changes,
             options: gpumesh::protocol::TaskOptions {
                 deadline_ms: Some(1000),
                 ..Default::default()

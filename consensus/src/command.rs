@@ -152,6 +152,25 @@ pub enum Command {
     },
     /// A liveness beacon; `at_ms` is the proposer's wall clock (ms since the epoch).
     Heartbeat { raft_id: u64, at_ms: u64 },
+    /// The results of every shard of a task in `Merging` were merged (by the
+    /// leader) into `outputs`, each stored on two nodes: the task is complete.
+    TaskMerged {
+        task: TaskId,
+        outputs: Vec<MergedOutput>,
+    },
+    /// The results of a task's shards cannot be merged into the unsharded answer
+    /// (two shards changed one word to different values): the task fails.
+    MergeFailed { task: TaskId, reason: String },
+}
+
+/// One merged output of a task: the final bytes of a writable binding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MergedOutput {
+    pub binding: u32,
+    pub blob: BlobId,
+    pub size: u64,
+    /// The node that merged it (it holds a copy; so does one other node).
+    pub node: u64,
 }
 
 impl Command {
@@ -165,7 +184,9 @@ impl Command {
             | Command::ShardStarted { task, .. }
             | Command::ShardResult { task, .. }
             | Command::ShardFailed { task, .. }
-            | Command::TaskCancelled { task, .. } => Some(*task),
+            | Command::TaskCancelled { task, .. }
+            | Command::TaskMerged { task, .. }
+            | Command::MergeFailed { task, .. } => Some(*task),
             _ => None,
         }
     }
@@ -195,6 +216,8 @@ impl Command {
             Command::NodeLeft { .. } => "node-left",
             Command::NodeCapabilities { .. } => "node-capabilities",
             Command::Heartbeat { .. } => "heartbeat",
+            Command::TaskMerged { .. } => "task-merged",
+            Command::MergeFailed { .. } => "merge-failed",
         }
     }
 }

@@ -75,7 +75,9 @@ mod tracing_drain;
 pub mod transport;
 pub mod wire;
 
-pub use command::{Command, Committed, LogEntry, Outcome, RequestId, RequestIds, TaskId};
+pub use command::{
+    Command, Committed, LogEntry, MergedOutput, Outcome, RequestId, RequestIds, TaskId,
+};
 pub use error::{ConsensusError, Result};
 pub use replica::{AppliedEvent, ConsensusHandle, ProposalCounts, RaftRole, ReplicaConfig, Status};
 pub use state::{

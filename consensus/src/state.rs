@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use gpumesh_protocol::{codec, BlobId, NodeCapability, TaskSpec};
 use serde::{Deserialize, Serialize};
 
-use crate::command::{Command, Committed, LogEntry, Outcome, RequestId, TaskId};
+use crate::command::{Command, Committed, LogEntry, MergedOutput, Outcome, RequestId, TaskId};
 use crate::error::Result;
 
 /// How many outcomes of non-submit proposals are remembered for deduplication. A
@@ -64,10 +64,12 @@ pub enum TaskStatus {
     Pending,
     /// Some shard is assigned, running or done; not all are done.
     Running,
-    /// Every shard has a result.
+    /// Every shard has a result (or, with one shard, its result is the answer).
     Completed,
     Failed(String),
     Cancelled(String),
+    /// Every one of its several shards has a result; the leader is merging them.
+    Merging,
 }
 
 impl TaskStatus {
@@ -76,6 +78,7 @@ impl TaskStatus {
         match self {
             TaskStatus::Pending => "pending",
             TaskStatus::Running => "running",
+            TaskStatus::Merging => "merging",
             TaskStatus::Completed => "completed",
             TaskStatus::Failed(_) => "failed",
             TaskStatus::Cancelled(_) => "cancelled",
@@ -221,6 +224,9 @@ pub struct Task {
     pub history: VecDeque<TaskEvent>,
     /// Replica outputs that disagreed, over the task's life.
     pub mismatches: u32,
+    /// The merged outputs of a task of several shards, once merged. A task of one
+    /// shard has none: its shard's result is its answer.
+    pub outputs: Vec<MergedOutput>,
 }
 
 impl Task {
@@ -675,6 +681,15 @@ impl StateMachine {
                 }
                 None => Outcome::Rejected(format!("node {raft_id} is not a member")),
             },
+            Command::TaskMerged { task, outputs } => self.with_merging(*task, |t| {
+                t.outputs = outputs.clone();
+                t.status = TaskStatus::Completed;
+                t.record(index, None, format!("{} shards merged", t.shards.len()));
+            }),
+            Command::MergeFailed { task, reason } => self.with_merging(*task, |t| {
+                t.status = TaskStatus::Failed(reason.clone());
+                t.record(index, None, format!("merge failed: {reason}"));
+            }),
             Command::Heartbeat { raft_id, at_ms } => match self.members.get_mut(raft_id) {
                 Some(m) => {
                     m.last_heartbeat = Some(Liveness {
@@ -731,6 +746,7 @@ impl StateMachine {
                 shards: vec![shard; spec.shards as usize],
                 history: VecDeque::new(),
                 mismatches: 0,
+                outputs: Vec::new(),
             },
         );
         self.task_by_request.insert(request_id, id);
@@ -843,10 +859,33 @@ impl StateMachine {
         })
     }
 
+    /// Runs `f` on a task that awaits its merge.
+    fn with_merging(&mut self, task: TaskId, f: impl FnOnce(&mut Task)) -> Outcome {
+        match self.tasks.get_mut(&task) {
+            None => Outcome::Rejected(format!("no task {task}")),
+            Some(t) if t.status != TaskStatus::Merging => Outcome::Ignored(format!(
+                "task {task} is not awaiting a merge ({})",
+                t.status.name()
+            )),
+            Some(t) => {
+                f(t);
+                Outcome::Applied
+            }
+        }
+    }
+
     fn refresh_status(&mut self, task: TaskId) {
         if let Some(t) = self.tasks.get_mut(&task) {
-            if !t.status.is_terminal() && t.shards.iter().all(|s| s.state == ShardState::Done) {
-                t.status = TaskStatus::Completed;
+            if matches!(t.status, TaskStatus::Pending | TaskStatus::Running)
+                && t.shards.iter().all(|s| s.state == ShardState::Done)
+            {
+                // One shard's result is the answer; several must be merged first,
+                // and a merge may still fail.
+                t.status = if t.shards.len() == 1 {
+                    TaskStatus::Completed
+                } else {
+                    TaskStatus::Merging
+                };
             }
         }
     }

@@ -6,8 +6,8 @@ mod common;
 use common::{spec, submit};
 use gpumesh_consensus::sim::SplitMix64;
 use gpumesh_consensus::{
-    ClusterSettings, Command, LogEntry, Outcome, RequestId, Role, ShardState, StateMachine, TaskId,
-    TaskStatus,
+    ClusterSettings, Command, LogEntry, MergedOutput, Outcome, RequestId, Role, ShardState,
+    StateMachine, TaskId, TaskStatus,
 };
 use gpumesh_protocol::BlobId;
 
@@ -47,6 +47,20 @@ impl Log {
     fn apply(&mut self, command: Command) -> Outcome {
         self.seq += 1;
         self.apply_as(RequestId::new(1, self.seq), command)
+    }
+
+    /// Submits a task of `shards` shards and returns its id.
+    fn submit(&mut self, shards: u32) -> TaskId {
+        let mut spec = spec(8);
+        spec.shards = shards;
+        let command = Command::SubmitTask {
+            spec,
+            submitter: "test".into(),
+        };
+        match self.apply(command) {
+            Outcome::TaskSubmitted { task } => task,
+            other => panic!("{other:?}"),
+        }
     }
 }
 
@@ -141,19 +155,77 @@ fn first_valid_result_of_the_current_epoch_wins() {
     assert_eq!(shard.state, ShardState::Done);
     assert_eq!(shard.output.expect("output").blob, BlobId::of(b"good"));
     assert_eq!(log.sm.task(task).expect("task").status, TaskStatus::Running);
-    // Finishing the other shard completes the task.
+    // A merge before every shard is done is ignored.
+    let merged = Command::TaskMerged {
+        task,
+        outputs: vec![MergedOutput {
+            binding: 1,
+            blob: BlobId::of(b"merged"),
+            size: 6,
+            node: 1,
+        }],
+    };
+    assert!(matches!(log.apply(merged.clone()), Outcome::Ignored(_)));
+    // Finishing the other shard leaves the task to be merged.
     log.apply(Command::AssignShard {
         task,
         shard: 1,
         node: 1,
     });
     log.apply(result(task, 1, 1, 1, b"second"));
-    assert_eq!(
-        log.sm.task(task).expect("task").status,
-        TaskStatus::Completed
-    );
+    assert_eq!(log.sm.task(task).expect("task").status, TaskStatus::Merging);
     // Assigning a shard that is done is ignored.
     assert!(matches!(log.apply(assign(1)), Outcome::Ignored(_)));
+    // The merge completes it and records the outputs; a second merge changes nothing.
+    assert_eq!(log.apply(merged.clone()), Outcome::Applied);
+    let t = log.sm.task(task).expect("task");
+    assert_eq!(t.status, TaskStatus::Completed);
+    assert_eq!(t.outputs.len(), 1);
+    assert_eq!(t.outputs[0].blob, BlobId::of(b"merged"));
+    assert!(matches!(log.apply(merged), Outcome::Ignored(_)));
+    assert!(matches!(
+        log.apply(Command::MergeFailed {
+            task,
+            reason: "late".into()
+        }),
+        Outcome::Ignored(_)
+    ));
+}
+
+#[test]
+fn a_failed_merge_fails_the_task_with_its_reason_and_one_shard_needs_no_merge() {
+    let mut log = Log::new();
+    let task = log.submit(2);
+    for shard in 0..2 {
+        log.apply(Command::AssignShard {
+            task,
+            shard,
+            node: 1,
+        });
+        log.apply(result(task, shard, 1, 1, &[shard as u8]));
+    }
+    assert_eq!(log.sm.task(task).expect("task").status, TaskStatus::Merging);
+    assert_eq!(
+        log.apply(Command::MergeFailed {
+            task,
+            reason: "conflict: binding 1, byte offset 0".into()
+        }),
+        Outcome::Applied
+    );
+    let t = log.sm.task(task).expect("task");
+    assert!(matches!(&t.status, TaskStatus::Failed(r) if r.contains("conflict")));
+    assert!(t.history.iter().any(|e| e.what.contains("merge failed")));
+    // A task of one shard is complete with its shard's result.
+    let one = log.submit(1);
+    log.apply(Command::AssignShard {
+        task: one,
+        shard: 0,
+        node: 1,
+    });
+    log.apply(result(one, 0, 1, 1, b"only"));
+    let t = log.sm.task(one).expect("task");
+    assert_eq!(t.status, TaskStatus::Completed);
+    assert!(t.outputs.is_empty());
 }
 
 #[test]
@@ -330,7 +402,7 @@ fn replicas_that_agree_bit_for_bit_are_accepted_and_a_mismatch_asks_a_third_node
     log.apply(result(task, 1, 3, 3, b"right"));
     let t = log.sm.task(task).unwrap();
     assert_eq!(t.shards[1].output.unwrap().blob, BlobId::of(b"right"));
-    assert_eq!(t.status, TaskStatus::Completed);
+    assert_eq!(t.status, TaskStatus::Merging);
 }
 
 #[test]

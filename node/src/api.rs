@@ -39,8 +39,8 @@ use axum::{Json, Router};
 use gpumesh_consensus::{
     Command, Outcome, RequestId, ShardState, StateMachine, TaskId, TaskStatus,
 };
-use gpumesh_protocol::{BindingRole, BlobId, TaskSpec};
-use gpumesh_shaders::{merge, shard, Kernel};
+use gpumesh_protocol::{BlobId, TaskSpec};
+use gpumesh_shaders::Kernel;
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -464,9 +464,10 @@ async fn submit(
     let kernel = Kernel::for_source(&req.spec.shader, &req.spec.entry_point).map_err(bad)?;
     kernel.check(&req.spec).map_err(bad)?;
     for b in &req.spec.bindings {
-        if let BindingRole::Input { blob, size } = &b.role {
-            match shared.blobs.size(blob) {
-                Some(s) if s == *size => {}
+        if let Some(blob) = b.role.blob() {
+            let size = b.role.size();
+            match shared.blobs.size(&blob) {
+                Some(s) if s == size => {}
                 Some(s) => return Err(bad(format!("binding {}: blob {blob} holds {s} bytes, the spec says {size}", b.binding))),
                 None => return Err(bad(format!(
                     "binding {}: input blob {blob} is not on this node; upload it first (POST /v1/blobs)",
@@ -478,8 +479,8 @@ async fn submit(
     // Inputs live on this node until a worker pulls them: a second copy first, so
     // that losing this node after the acknowledgement loses no task.
     for b in &req.spec.bindings {
-        if let BindingRole::Input { blob, .. } = &b.role {
-            crate::mesh::replicate(&shared, *blob, None)
+        if let Some(blob) = b.role.blob() {
+            crate::mesh::replicate(&shared, blob, None)
                 .await
                 .map_err(|e| unavailable(format!("input of binding {}: {e}", b.binding)))?;
         }
@@ -634,17 +635,8 @@ fn concerns(command: &Command, id: TaskId) -> bool {
     command.task() == Some(id)
 }
 
-/// Merges a completed task's shard outputs here (pulling them from their nodes),
-/// keeps the merged outputs as blobs, and returns binding → blob.
+/// A completed task's outputs as blobs on this node, binding → blob.
 async fn merged(shared: &Arc<Shared>, id: u64) -> ApiResult<BTreeMap<u32, BlobId>> {
-    if let Some(done) = shared
-        .results
-        .lock()
-        .ok()
-        .and_then(|r| r.get(&TaskId(id)).cloned())
-    {
-        return Ok(done);
-    }
     let c = consensus(shared)?;
     let task = read_current(&c, move |s: &StateMachine| s.task(TaskId(id)).cloned())
         .await?
@@ -657,6 +649,12 @@ async fn merged(shared: &Arc<Shared>, id: u64) -> ApiResult<BTreeMap<u32, BlobId
                 format!("task t{id} did not complete: {r}"),
             ))
         }
+        TaskStatus::Merging => {
+            return Err(ApiError(
+                StatusCode::CONFLICT,
+                format!("task t{id} is being merged; `gpumesh submit --wait` or retry in a moment"),
+            ))
+        }
         _ => {
             return Err(ApiError(
                 StatusCode::CONFLICT,
@@ -664,45 +662,9 @@ async fn merged(shared: &Arc<Shared>, id: u64) -> ApiResult<BTreeMap<u32, BlobId
             ))
         }
     }
-    let plan = shard::plan(task.spec.grid, task.spec.shards).map_err(bad)?;
-    let mut parts = Vec::new();
-    for (i, sh) in task.shards.iter().enumerate() {
-        let out = sh
-            .output
-            .ok_or_else(|| unavailable(format!("shard {i} has no output")))?;
-        crate::mesh::fetch_blob(shared, out.blob, shared.peers.get(out.node))
-            .await
-            .map_err(|e| unavailable(format!("the output of shard {i}: {e}")))?;
-        let bytes = shared
-            .blobs
-            .get(&out.blob)
-            .map_err(unavailable)?
-            .ok_or_else(|| unavailable("shard output vanished"))?;
-        let outputs = crate::worker::decode_outputs(&bytes).map_err(unavailable)?;
-        parts.push(gpumesh_shaders::ShardOutput {
-            range: plan[i],
-            outputs,
-            elapsed: std::time::Duration::ZERO,
-        });
-    }
-    let sizes: BTreeMap<u32, u64> = task
-        .spec
-        .bindings
-        .iter()
-        .filter_map(|b| match b.role {
-            BindingRole::Output { size } => Some((b.binding, size)),
-            _ => None,
-        })
-        .collect();
-    let merged = merge::merge(task.spec.merge, &sizes, &parts).map_err(unavailable)?;
-    let mut ids = BTreeMap::new();
-    for (binding, bytes) in merged {
-        ids.insert(binding, shared.blobs.put(&bytes).map_err(unavailable)?);
-    }
-    if let Ok(mut r) = shared.results.lock() {
-        r.insert(TaskId(id), ids.clone());
-    }
-    Ok(ids)
+    crate::outputs::task_outputs(shared, &task)
+        .await
+        .map_err(|e| unavailable(e.to_string()))
 }
 
 async fn outputs(

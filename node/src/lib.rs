@@ -7,7 +7,10 @@
 //!   allow-list and connection caps, mDNS, identify, request-response for node
 //!   requests and blob chunks, streams for Raft frames).
 //! - [`worker`]: runs assigned shards on the GPU thread and reports results.
-//! - [`scheduler`]: on the leader, places pending shards by capability and queue.
+//! - [`scheduler`]: on the leader, places pending shards by capability and queue,
+//!   and has tasks whose shards are all done merged.
+//! - `outputs`: merging shard results into a task's outputs (on the leader), and a
+//!   completed task's outputs as local blobs.
 //! - [`api`]: the local HTTP+JSON API for the CLI, the client and the dashboard,
 //!   and `GET /metrics` for Prometheus.
 //! - [`metrics`]: the node's own Prometheus registry and what it counts.
@@ -26,6 +29,7 @@ pub mod limits;
 pub mod mesh;
 pub mod metrics;
 pub mod net;
+mod outputs;
 pub mod scheduler;
 mod wire;
 pub mod worker;

@@ -5,7 +5,7 @@
 //! them (and counts the queue against the replicated state), the blob store applies
 //! `max_blob_bytes` to every blob it stores, uploaded or pulled from a peer.
 
-use gpumesh_protocol::{BindingRole, ShaderSource, TaskSpec};
+use gpumesh_protocol::{ShaderSource, TaskSpec};
 
 use crate::error::{NodeError, Result};
 
@@ -86,10 +86,8 @@ impl Limits {
         let outputs = spec
             .bindings
             .iter()
-            .map(|b| match b.role {
-                BindingRole::Output { size } => size,
-                _ => 0,
-            })
+            .filter(|b| b.role.is_writable())
+            .map(|b| b.role.size())
             .fold(0u64, u64::saturating_add);
         over(
             "the task's output size in bytes (all outputs together, stored as blobs)",

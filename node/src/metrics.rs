@@ -20,7 +20,7 @@
 //! | `gpumesh_raft_leader_changes_total` | counter | times the known leader became another node (the first one counts) |
 //! | `gpumesh_raft_proposals_total{outcome}` | counter | proposals made through this node, by how they ended: `applied`, `ignored`, `rejected` (committed), `dropped` (certainly not committed), `unknown` |
 //! | `gpumesh_tasks_submitted_total` | counter | tasks submitted through this node's API and committed |
-//! | `gpumesh_tasks{status}` | gauge | tasks in this node's copy of the record: `pending`, `running`, `completed`, `failed`, `cancelled` |
+//! | `gpumesh_tasks{status}` | gauge | tasks in this node's copy of the record: `pending`, `running`, `merging`, `completed`, `failed`, `cancelled` |
 //! | `gpumesh_shards_done_total` | counter | shards run here whose result the record accepted |
 //! | `gpumesh_shards_failed_total` | counter | shard attempts that failed here (GPU error, input not fetched, output not kept) |
 //! | `gpumesh_shards_retried_total` | counter | shard attempts started here for a shard that had failed before |
@@ -258,15 +258,23 @@ impl Metrics {
     }
 }
 
-const TASK_STATUSES: [&str; 5] = ["pending", "running", "completed", "failed", "cancelled"];
+const TASK_STATUSES: [&str; 6] = [
+    "pending",
+    "running",
+    "merging",
+    "completed",
+    "failed",
+    "cancelled",
+];
 
 fn status_index(status: &TaskStatus) -> usize {
     match status {
         TaskStatus::Pending => 0,
         TaskStatus::Running => 1,
-        TaskStatus::Completed => 2,
-        TaskStatus::Failed(_) => 3,
-        TaskStatus::Cancelled(_) => 4,
+        TaskStatus::Merging => 2,
+        TaskStatus::Completed => 3,
+        TaskStatus::Failed(_) => 4,
+        TaskStatus::Cancelled(_) => 5,
     }
 }
 

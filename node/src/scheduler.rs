@@ -19,7 +19,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use gpumesh_consensus::{
     AppliedEvent, Command, ConsensusHandle, RaftRole, Shard, ShardState, StateMachine, TaskId,
 };
-use gpumesh_protocol::{BindingRole, TaskSpec};
+use gpumesh_protocol::TaskSpec;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -77,6 +77,8 @@ pub struct Plan {
     pub cancel: Vec<(TaskId, String)>,
     /// Shards whose replica outputs wait for a float comparison.
     pub verify: Vec<(TaskId, u32)>,
+    /// Tasks whose shards all have results, waiting to be merged.
+    pub merge: Vec<TaskId>,
 }
 
 impl Scheduler {
@@ -268,6 +270,26 @@ impl Scheduler {
                 let _ = done.send((task, shard));
             });
         }
+        // A merge is keyed by a shard number no shard has.
+        for task in plan.merge {
+            if !in_flight.insert((task, u32::MAX)) {
+                continue;
+            }
+            let consensus = self.consensus.clone();
+            let shared = self.shared.clone();
+            let done = done_tx.clone();
+            tokio::spawn(
+                async move {
+                    if let Err(e) =
+                        crate::outputs::merge_and_record(&consensus, &shared, task).await
+                    {
+                        tracing::warn!("could not merge yet: {e}");
+                    }
+                    let _ = done.send((task, u32::MAX));
+                }
+                .instrument(tracing::info_span!("merge", %task)),
+            );
+        }
         for (task, reason) in plan.cancel {
             let consensus = self.consensus.clone();
             tokio::spawn(async move {
@@ -320,14 +342,11 @@ async fn verdict(
             .ok_or("blob vanished")?;
         outputs.push((
             r.epoch,
-            crate::worker::decode_outputs(&bytes).map_err(|e| e.to_string())?,
+            gpumesh_protocol::ShardChanges::decode(&bytes).map_err(|e| e.to_string())?,
         ));
     }
-    let agree = |a: &BTreeMap<u32, Vec<u8>>, b: &BTreeMap<u32, Vec<u8>>| {
-        a.len() == b.len()
-            && a.iter()
-                .zip(b)
-                .all(|((ka, va), (kb, vb))| ka == kb && options.agree(va, vb))
+    let agree = |a: &gpumesh_protocol::ShardChanges, b: &gpumesh_protocol::ShardChanges| {
+        a.agrees(b, options.tolerance)
     };
     let mut best: Vec<u32> = Vec::new();
     for (i, (_, a)) in outputs.iter().enumerate() {
@@ -359,10 +378,7 @@ pub fn now_ms() -> u64 {
 fn largest_binding(spec: &TaskSpec) -> u64 {
     spec.bindings
         .iter()
-        .map(|b| match &b.role {
-            BindingRole::Input { size, .. } | BindingRole::Output { size } => *size,
-            BindingRole::Param { data } => data.len() as u64,
-        })
+        .map(|b| b.role.size())
         .max()
         .unwrap_or(0)
 }
@@ -424,6 +440,10 @@ pub fn plan(s: &StateMachine, now_ms: u64, observed: &Observed) -> Plan {
         .collect();
     let mut out = Plan::default();
     for t in s.active_tasks() {
+        if t.status == gpumesh_consensus::TaskStatus::Merging {
+            out.merge.push(t.id);
+            continue;
+        }
         let need = largest_binding(&t.spec);
         for (i, sh) in t.shards.iter().enumerate() {
             let i = i as u32;

@@ -7,20 +7,18 @@
 //! proposes), net (fetches blobs), the blob store. Counts its shards, and the GPU
 //! thread its work, in the node's [`crate::metrics`].
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpumesh_consensus::{AppliedEvent, Command, ConsensusHandle, Outcome, TaskId};
-use gpumesh_protocol::{BindingRole, BlobId, NodeCapability, TaskSpec};
+use gpumesh_protocol::{BlobId, NodeCapability, ShardChanges, TaskSpec};
 use gpumesh_shaders::{calibrate, BackendChoice, ExecError, Executor, Job, Kernel, ShardOutput};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::metrics::GpuMetrics;
-
-type Outputs = BTreeMap<u32, Vec<u8>>;
 
 struct GpuRequest {
     job: Job,
@@ -326,10 +324,10 @@ impl Worker {
         submitter: &str,
         shard: u32,
         kernels: &mut HashMap<[u8; 32], Arc<Kernel>>,
-    ) -> Result<Outputs, ShardError> {
+    ) -> Result<ShardChanges, ShardError> {
         for b in &spec.bindings {
-            if let BindingRole::Input { blob, .. } = &b.role {
-                self.ensure_blob(*blob, submitter)
+            if let Some(blob) = b.role.blob() {
+                self.ensure_blob(blob, submitter)
                     .await
                     .map_err(ShardError::Retry)?;
             }
@@ -375,11 +373,17 @@ impl Worker {
             })?;
         tracing::debug!(gpu_ms = out.elapsed.as_secs_f64() * 1e3, "shard ran");
         if self.faults.corrupt_outputs {
-            if let Some(byte) = out.outputs.values_mut().flat_map(|v| v.iter_mut()).next() {
+            if let Some(byte) = out
+                .changes
+                .0
+                .values_mut()
+                .flat_map(|c| c.values_mut().iter_mut())
+                .next()
+            {
                 *byte ^= 1;
             }
         }
-        Ok(out.outputs)
+        Ok(out.changes)
     }
 
     /// Makes blob `id` local: from the submitter first, then from any peer.
@@ -390,14 +394,14 @@ impl Worker {
     }
 }
 
-/// Stores a shard's outputs as one blob and has a second node keep a copy: a result
-/// is recorded only once two nodes hold it.
+/// Stores a shard's result (the words it changed) as one blob and has a second node
+/// keep a copy: a result is recorded only once two nodes hold it.
 async fn store_and_copy(
     shared: &Arc<crate::mesh::Shared>,
-    outputs: Outputs,
+    changes: ShardChanges,
     submitter: &str,
 ) -> Result<(BlobId, u64), String> {
-    let bytes = encode_outputs(&outputs).map_err(|e| e.to_string())?;
+    let bytes = changes.encode();
     let size = bytes.len() as u64;
     let blobs = shared.blobs.clone();
     let id = tokio::task::spawn_blocking(move || blobs.put(&bytes))
@@ -406,15 +410,6 @@ async fn store_and_copy(
         .map_err(|e| e.to_string())?;
     crate::mesh::replicate(shared, id, submitter.parse().ok()).await?;
     Ok((id, size))
-}
-
-/// A shard's outputs as one blob.
-pub fn encode_outputs(outputs: &Outputs) -> gpumesh_protocol::Result<Vec<u8>> {
-    gpumesh_protocol::codec::to_bytes(outputs)
-}
-
-pub fn decode_outputs(bytes: &[u8]) -> gpumesh_protocol::Result<Outputs> {
-    gpumesh_protocol::codec::from_bytes(bytes)
 }
 
 /// How long to wait between attempts when nothing is known yet.

@@ -6,6 +6,8 @@
 //! - [`ids`]: content addresses ([`BlobId`], blake3) and other identifiers.
 //! - [`task`]: what a user asks the mesh to run ([`TaskSpec`]) and how shard
 //!   outputs are merged ([`MergeRule`]).
+//! - [`changes`]: what a shard changed in its writable buffers, the format of a
+//!   shard's result ([`ShardChanges`]).
 //! - [`capability`]: what a node's adapter is and how fast it measured
 //!   ([`NodeCapability`]).
 //! - [`mesh`]: what nodes say to each other ([`MeshRequest`], [`MeshResponse`]).
@@ -13,6 +15,7 @@
 //! This crate depends on no other workspace crate.
 
 pub mod capability;
+pub mod changes;
 pub mod codec;
 pub mod envelope;
 mod error;
@@ -21,6 +24,7 @@ pub mod mesh;
 pub mod task;
 
 pub use capability::{AdapterLimits, BackendKind, DeviceKind, NodeCapability};
+pub use changes::{Base, BufferChanges, Run, ShardChanges};
 pub use envelope::{open, seal, WIRE_VERSION};
 pub use error::{ProtocolError, Result};
 pub use ids::BlobId;

@@ -37,8 +37,37 @@ pub enum BindingRole {
     Input { blob: BlobId, size: u64 },
     /// Small read-only parameters carried inline (at most [`MAX_INLINE_PARAM_BYTES`]).
     Param { data: Vec<u8> },
-    /// A `var<storage, read_write>` buffer of `size` bytes, read back after the run.
+    /// A `var<storage, read_write>` buffer of `size` bytes that starts as zeros (or
+    /// a reduction merge's identity) and is read back after the run.
     Output { size: u64 },
+    /// A `var<storage, read_write>` buffer that starts as the bytes of a blob and is
+    /// read back after the run: the kernel works on it in place.
+    InOut { blob: BlobId, size: u64 },
+}
+
+impl BindingRole {
+    /// The buffer's size in bytes.
+    pub fn size(&self) -> u64 {
+        match self {
+            BindingRole::Input { size, .. }
+            | BindingRole::Output { size }
+            | BindingRole::InOut { size, .. } => *size,
+            BindingRole::Param { data } => data.len() as u64,
+        }
+    }
+
+    /// The blob the buffer is filled from, if any.
+    pub fn blob(&self) -> Option<BlobId> {
+        match self {
+            BindingRole::Input { blob, .. } | BindingRole::InOut { blob, .. } => Some(*blob),
+            _ => None,
+        }
+    }
+
+    /// Whether the kernel writes it and it comes back: an output or an in-out buffer.
+    pub fn is_writable(&self) -> bool {
+        matches!(self, BindingRole::Output { .. } | BindingRole::InOut { .. })
+    }
 }
 
 /// Inline parameters larger than this belong in a blob.
@@ -63,24 +92,27 @@ impl ElemType {
 }
 
 /// How the outputs of a task's shards combine into the task's outputs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum MergeRule {
-    /// Shard k owns the slice of each output proportional to its workgroup range
-    /// along the split axis; slices are concatenated in order.
-    Concat,
-    /// Every shard writes a full-size partial; partials are summed elementwise.
+    /// The default. Every shard runs against the writable buffers as the unsharded
+    /// run would see them; the words each shard changed are written into the
+    /// starting buffer. Two shards changing one word to different values is a
+    /// conflict and the task fails.
+    #[default]
+    Changes,
+    /// Every shard writes a partial starting from 0; partials are summed elementwise.
     Sum(ElemType),
-    /// Elementwise minimum of full-size partials.
+    /// Elementwise minimum of partials starting from the type's largest value.
     Min(ElemType),
-    /// Elementwise maximum of full-size partials.
+    /// Elementwise maximum of partials starting from the type's smallest value.
     Max(ElemType),
 }
 
 impl MergeRule {
-    /// The element type of an elementwise rule; `None` for `concat`.
+    /// The element type of a reduction; `None` for `changes`.
     pub fn elem(self) -> Option<ElemType> {
         match self {
-            MergeRule::Concat => None,
+            MergeRule::Changes => None,
             MergeRule::Sum(e) | MergeRule::Min(e) | MergeRule::Max(e) => Some(e),
         }
     }
@@ -89,7 +121,7 @@ impl MergeRule {
 impl fmt::Display for MergeRule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            MergeRule::Concat => f.write_str("concat"),
+            MergeRule::Changes => f.write_str("changes"),
             MergeRule::Sum(e) => write!(f, "sum-{}", e.name()),
             MergeRule::Min(e) => write!(f, "min-{}", e.name()),
             MergeRule::Max(e) => write!(f, "max-{}", e.name()),
@@ -101,14 +133,17 @@ impl FromStr for MergeRule {
     type Err = ProtocolError;
 
     fn from_str(s: &str) -> Result<Self> {
-        if s == "concat" {
-            return Ok(MergeRule::Concat);
+        // `concat` is the rule's earlier name; every answer it gave, `changes` gives.
+        if s == "changes" || s == "concat" {
+            return Ok(MergeRule::Changes);
         }
-        let invalid = || ProtocolError::Invalid {
+        let invalid = || {
+            ProtocolError::Invalid {
             what: "merge rule",
             reason: format!(
-                "{s:?}; use concat or sum|min|max followed by -u32, -i32 or -f32 (e.g. sum-f32)"
+                "{s:?}; use changes (the default) or sum|min|max followed by -u32, -i32 or -f32 (e.g. sum-f32)"
             ),
+        }
         };
         let (op, elem) = s.split_once('-').ok_or_else(invalid)?;
         let elem = match elem {
@@ -222,18 +257,24 @@ impl Default for TaskOptions {
 impl TaskOptions {
     /// Whether two outputs of the same shard agree under these options.
     pub fn agree(&self, a: &[u8], b: &[u8]) -> bool {
-        match self.tolerance {
-            None => a == b,
-            Some(tol) => {
-                a.len() == b.len()
-                    && a.len() % 4 == 0
-                    && a.chunks_exact(4).zip(b.chunks_exact(4)).all(|(x, y)| {
-                        let x = f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
-                        let y = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
-                        x.to_bits() == y.to_bits()
-                            || (x - y).abs() <= tol * x.abs().max(y.abs()).max(1e-30)
-                    })
-            }
+        values_agree(a, b, self.tolerance)
+    }
+}
+
+/// Whether two byte strings are equal, or (with a tolerance) equal as f32 values
+/// within the relative tolerance: |a − b| ≤ r · max(|a|, |b|, 1e-30).
+pub(crate) fn values_agree(a: &[u8], b: &[u8], tolerance: Option<f32>) -> bool {
+    match tolerance {
+        None => a == b,
+        Some(tol) => {
+            a.len() == b.len()
+                && a.len() % 4 == 0
+                && a.chunks_exact(4).zip(b.chunks_exact(4)).all(|(x, y)| {
+                    let x = f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
+                    let y = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+                    x.to_bits() == y.to_bits()
+                        || (x - y).abs() <= tol * x.abs().max(y.abs()).max(1e-30)
+                })
         }
     }
 }
@@ -289,7 +330,7 @@ impl TaskSpec {
                 return Err(invalid(format!("binding {} is given twice", b.binding)));
             }
             match &b.role {
-                BindingRole::Output { size } => {
+                BindingRole::Output { size } | BindingRole::InOut { size, .. } => {
                     outputs += 1;
                     if *size == 0 {
                         return Err(invalid(format!("output binding {} has size 0", b.binding)));
@@ -308,7 +349,11 @@ impl TaskSpec {
             }
         }
         if outputs == 0 {
-            return Err(invalid("the task has no output binding".into()));
+            return Err(invalid(
+                "the task has no output binding (give --output BINDING:BYTES or --inout \
+                 BINDING=FILE)"
+                    .into(),
+            ));
         }
         Ok(())
     }

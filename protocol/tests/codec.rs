@@ -21,7 +21,7 @@ fn elem() -> impl Strategy<Value = ElemType> {
 
 fn merge() -> impl Strategy<Value = MergeRule> {
     prop_oneof![
-        Just(MergeRule::Concat),
+        Just(MergeRule::Changes),
         elem().prop_map(MergeRule::Sum),
         elem().prop_map(MergeRule::Min),
         elem().prop_map(MergeRule::Max),
@@ -36,6 +36,10 @@ fn role() -> impl Strategy<Value = BindingRole> {
         }),
         proptest::collection::vec(any::<u8>(), 0..64).prop_map(|data| BindingRole::Param { data }),
         any::<u64>().prop_map(|size| BindingRole::Output { size }),
+        (any::<[u8; 32]>(), any::<u64>()).prop_map(|(h, size)| BindingRole::InOut {
+            blob: BlobId(h),
+            size
+        }),
     ]
 }
 
@@ -312,7 +316,7 @@ proptest! {
 
 #[test]
 fn another_wire_version_is_detected() {
-    let mut bytes = seal(&MergeRule::Concat).unwrap();
+    let mut bytes = seal(&MergeRule::Changes).unwrap();
     bytes[4..6].copy_from_slice(&(WIRE_VERSION + 1).to_le_bytes());
     assert_eq!(
         open::<MergeRule>(&bytes),
@@ -348,11 +352,14 @@ fn a_huge_length_prefix_is_refused_without_allocating() {
 #[test]
 fn merge_rules_and_grids_parse() {
     for s in [
-        "concat", "sum-u32", "sum-i32", "sum-f32", "min-f32", "max-i32",
+        "changes", "sum-u32", "sum-i32", "sum-f32", "min-f32", "max-i32",
     ] {
         let rule: MergeRule = s.parse().unwrap();
         assert_eq!(rule.to_string(), s);
     }
+    // The default, and the rule's earlier name.
+    assert_eq!(MergeRule::default(), MergeRule::Changes);
+    assert_eq!("concat".parse::<MergeRule>().unwrap(), MergeRule::Changes);
     assert!("avg-f32".parse::<MergeRule>().is_err());
     assert!("sum-f64".parse::<MergeRule>().is_err());
     assert_eq!(Grid([4, 5, 6]).total(), 120);

@@ -50,6 +50,23 @@ pub enum ExecError {
     Gpu(String),
     #[error("cannot merge shard outputs: {0}")]
     Merge(String),
+    #[error(
+        "conflict: binding {binding}, byte offset {offset}: shard {} changed the word to \
+         {:#010x} and shard {} to {:#010x}, so no merge gives the unsharded answer. Run it \
+         with --shards 1, or, if the binding holds partial sums, minima or maxima, merge it \
+         with a reduction (--merge sum|min|max-u32|i32|f32)",
+        shards.0, values.0, shards.1, values.1
+    )]
+    Conflict {
+        binding: u32,
+        offset: u64,
+        /// The earlier and the later shard that changed the word.
+        shards: (u32, u32),
+        /// What each of them changed it to.
+        values: (u32, u32),
+    },
+    #[error("cannot be split into shards: {0}")]
+    Unsplittable(String),
     #[error(transparent)]
     Protocol(#[from] gpumesh_protocol::ProtocolError),
 }

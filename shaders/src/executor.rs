@@ -1,10 +1,12 @@
 //! The executor: one adapter, one device, and the pipelines built on it.
 //!
-//! It runs a [`Job`]'s shards: uploads the inputs once (and keeps them resident,
-//! by content, for later tasks up to a byte budget), then per shard fills the
-//! outputs with the merge rule's identity, dispatches the instrumented kernel once
-//! per tile of at most `max_compute_workgroups_per_dimension` workgroups, and reads
-//! back the bytes the shard owns. Every wait is bounded by the task's deadline.
+//! It runs a [`Job`]'s shards: uploads the inputs and the in-out buffers' starting
+//! contents once (and keeps them resident, by content, for later tasks up to a byte
+//! budget), then per shard gives every writable buffer its starting contents (zeros,
+//! the merge rule's identity, or a device-side copy of the in-out file), dispatches
+//! the instrumented kernel once per tile of at most
+//! `max_compute_workgroups_per_dimension` workgroups, reads the writable buffers back
+//! and keeps only the words the shard changed. Every wait is bounded by the task's deadline.
 //! A deadline overrun or a lost device abandons the device (dropped on a side
 //! thread, since a runaway dispatch may never let it go) and builds a fresh one, so
 //! the next task runs.
@@ -16,14 +18,13 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpumesh_protocol::{BindingRole, BlobId, MergeRule, NodeCapability};
+use gpumesh_protocol::{BlobId, BufferChanges, NodeCapability, ShardChanges};
 use wgpu::util::DeviceExt;
 
 use crate::adapter::{self, BackendChoice};
 use crate::error::{ExecError, Result};
-use crate::job::{Job, ShardOutput};
+use crate::job::{InputBuffer, Job, ShardOutput, Start};
 use crate::kernel::{Access, Kernel, SHARD_INFO_GROUP};
-use crate::merge;
 use crate::shard::{self, ShardRange, SHARD_INFO_BYTES};
 
 /// Limits the executor applies on top of the adapter's own.
@@ -73,7 +74,7 @@ pub struct ExecutorCounters {
     /// Bytes written from the host into device buffers: inputs that were not already
     /// resident, outputs' initial merge identity, the per-tile shard info.
     pub bytes_to_device: u64,
-    /// Bytes read back from the device: each shard's slice of its outputs.
+    /// Bytes read back from the device: each shard's writable buffers.
     pub bytes_from_device: u64,
 }
 
@@ -114,6 +115,15 @@ struct Gpu {
     device: wgpu::Device,
     queue: wgpu::Queue,
     lost: Arc<Mutex<Option<String>>>,
+}
+
+/// The device buffers a job's shards share.
+#[derive(Clone, Copy)]
+struct Buffers<'a> {
+    /// Read-only and uniform bindings.
+    inputs: &'a BTreeMap<u32, wgpu::Buffer>,
+    /// The starting contents of in-out bindings, copied into each shard's buffer.
+    starts: &'a BTreeMap<u32, wgpu::Buffer>,
 }
 
 /// Runs jobs on one adapter.
@@ -196,7 +206,8 @@ impl Executor {
     pub fn run(&mut self, job: &Job, deadline: Option<Duration>) -> Result<TaskOutput> {
         let start = Instant::now();
         let shards = self.run_shards(job, &job.plan, deadline)?;
-        let outputs = merge::merge(job.spec.merge, &job.outputs, &shards)?;
+        let changes: Vec<&ShardChanges> = shards.iter().map(|s| &s.changes).collect();
+        let outputs = job.merge(&changes)?;
         Ok(TaskOutput {
             outputs,
             shards: shards
@@ -241,10 +252,7 @@ impl Executor {
         }
         let mut storage = 0u64;
         for b in &job.spec.bindings {
-            let size = match &b.role {
-                BindingRole::Input { size, .. } | BindingRole::Output { size } => *size,
-                BindingRole::Param { data } => data.len() as u64,
-            };
+            let size = b.role.size();
             let access = job
                 .kernel
                 .interface
@@ -292,8 +300,21 @@ impl Executor {
         let device = self.gpu.device.clone();
         device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let inputs = self.upload_inputs(job);
-        let result = self.dispatch_shards(job, &pipeline, &inputs, ranges, started, deadline);
+        let inputs = self.upload(&job.inputs);
+        let starts: BTreeMap<u32, &InputBuffer> = job
+            .writable
+            .iter()
+            .filter_map(|(&b, w)| match &w.start {
+                Start::Blob(input) => Some((b, input)),
+                Start::Fill(_) => None,
+            })
+            .collect();
+        let starts = self.upload(starts.iter().map(|(b, i)| (b, *i)));
+        let buffers = Buffers {
+            inputs: &inputs,
+            starts: &starts,
+        };
+        let result = self.dispatch_shards(job, &pipeline, buffers, ranges, started, deadline);
         let validation = pollster::block_on(device.pop_error_scope());
         let oom = pollster::block_on(device.pop_error_scope());
         let result = match (result, validation.or(oom)) {
@@ -319,7 +340,7 @@ impl Executor {
         &self,
         job: &Job,
         pipeline: &Pipeline,
-        inputs: &BTreeMap<u32, wgpu::Buffer>,
+        buffers: Buffers<'_>,
         ranges: &[ShardRange],
         started: Instant,
         deadline: Duration,
@@ -327,22 +348,26 @@ impl Executor {
         let mut out = Vec::with_capacity(ranges.len());
         for range in ranges {
             let shard_start = Instant::now();
-            let outputs = self.dispatch_one(job, pipeline, inputs, range, started, deadline)?;
+            let changes = self.dispatch_one(job, pipeline, buffers, range, started, deadline)?;
             out.push(ShardOutput {
                 range: *range,
-                outputs,
+                changes,
                 elapsed: shard_start.elapsed(),
             });
         }
         Ok(out)
     }
 
-    /// GPU buffers for the job's inputs, uploaded unless already resident. Inputs are
+    /// GPU buffers for `inputs`, uploaded unless already resident. Inputs are
     /// immutable and content-addressed, so a buffer can serve every later task that
-    /// binds the same bytes (a chained solver's matrix, a benchmark's repeated runs).
-    fn upload_inputs(&mut self, job: &Job) -> BTreeMap<u32, wgpu::Buffer> {
+    /// binds the same bytes (a chained solver's matrix, a benchmark's repeated runs,
+    /// the starting contents of an in-out buffer that every shard copies).
+    fn upload<'a>(
+        &mut self,
+        inputs: impl IntoIterator<Item = (&'a u32, &'a InputBuffer)>,
+    ) -> BTreeMap<u32, wgpu::Buffer> {
         let mut buffers = BTreeMap::new();
-        for (&binding, input) in &job.inputs {
+        for (&binding, input) in inputs {
             let key = (input.id, input.uniform);
             if let Some(buffer) = self.resident.get(&key) {
                 buffers.insert(binding, buffer.clone());
@@ -351,7 +376,10 @@ impl Executor {
             let (usage, align) = if input.uniform {
                 (wgpu::BufferUsages::UNIFORM, 16)
             } else {
-                (wgpu::BufferUsages::STORAGE, 4)
+                (
+                    wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+                    4,
+                )
             };
             let mut contents = input.bytes.to_vec();
             contents.resize(contents.len().div_ceil(align).max(1) * align, 0);
@@ -387,48 +415,55 @@ impl Executor {
         &self,
         job: &Job,
         pipeline: &Pipeline,
-        inputs: &BTreeMap<u32, wgpu::Buffer>,
+        buffers: Buffers<'_>,
         range: &ShardRange,
         started: Instant,
         deadline: Duration,
-    ) -> Result<BTreeMap<u32, Vec<u8>>> {
+    ) -> Result<ShardChanges> {
         let device = &self.gpu.device;
-        let rule = job.spec.merge;
-        let identity = merge::identity(rule);
+        let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+            label: Some("gpumesh shard"),
+        });
         let mut outputs = BTreeMap::new();
-        for (&binding, &size) in &job.outputs {
-            // New buffers are zeroed; other identities are written through the queue
-            // (mapping at creation would panic inside wgpu on a lost device).
+        for (&binding, writable) in &job.writable {
+            let size = writable.size;
+            // New buffers are zeroed; other fills are written through the queue
+            // (mapping at creation would panic inside wgpu on a lost device), and an
+            // in-out buffer is copied on the device from its resident start.
             let buffer = device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("gpumesh output"),
+                label: Some("gpumesh writable"),
                 size,
                 usage: wgpu::BufferUsages::STORAGE
                     | wgpu::BufferUsages::COPY_SRC
                     | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             });
-            if identity != [0; 4] {
-                let pattern: Vec<u8> = identity
-                    .iter()
-                    .copied()
-                    .cycle()
-                    .take(size as usize)
-                    .collect();
-                self.gpu.queue.write_buffer(&buffer, 0, &pattern);
-                Tally::add(&self.tally.bytes_to_device, size);
+            match &writable.start {
+                Start::Fill([0, 0, 0, 0]) => {}
+                Start::Fill(word) => {
+                    let pattern: Vec<u8> =
+                        word.iter().copied().cycle().take(size as usize).collect();
+                    self.gpu.queue.write_buffer(&buffer, 0, &pattern);
+                    Tally::add(&self.tally.bytes_to_device, size);
+                }
+                Start::Blob(_) => {
+                    let start = buffers
+                        .starts
+                        .get(&binding)
+                        .ok_or_else(|| ExecError::Binding {
+                            binding,
+                            problem: "its starting contents were not uploaded".into(),
+                        })?;
+                    encoder.copy_buffer_to_buffer(start, 0, &buffer, 0, size);
+                }
             }
-            let slice = match rule {
-                MergeRule::Concat => shard::concat_slice(size, job.spec.grid, range)
-                    .map_err(|problem| ExecError::Binding { binding, problem })?,
-                _ => 0..size,
-            };
             let staging = device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("gpumesh readback"),
-                size: slice.end - slice.start,
+                size,
                 usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             });
-            outputs.insert(binding, (buffer, staging, slice));
+            outputs.insert(binding, (buffer, staging));
         }
 
         let wg = job.kernel.interface.workgroup_size;
@@ -459,9 +494,10 @@ impl Executor {
             .bindings
             .keys()
             .map(|binding| {
-                let buffer = inputs
+                let buffer = buffers
+                    .inputs
                     .get(binding)
-                    .or_else(|| outputs.get(binding).map(|(b, _, _)| b))
+                    .or_else(|| outputs.get(binding).map(|(b, _)| b))
                     .ok_or_else(|| ExecError::Binding {
                         binding: *binding,
                         problem: "has no buffer".into(),
@@ -490,9 +526,6 @@ impl Executor {
             }],
         });
 
-        let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-            label: Some("gpumesh shard"),
-        });
         {
             let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
                 label: Some("gpumesh shard"),
@@ -505,14 +538,14 @@ impl Executor {
                 pass.dispatch_workgroups(tile.groups[0], tile.groups[1], tile.groups[2]);
             }
         }
-        for (buffer, staging, slice) in outputs.values() {
-            encoder.copy_buffer_to_buffer(buffer, slice.start, staging, 0, slice.end - slice.start);
+        for (buffer, staging) in outputs.values() {
+            encoder.copy_buffer_to_buffer(buffer, 0, staging, 0, buffer.size());
         }
         let submission = self.gpu.queue.submit([encoder.finish()]);
         Tally::add(&self.tally.dispatches, tiles.len() as u64);
 
         let (tx, rx) = mpsc::channel();
-        for (&binding, (_, staging, _)) in &outputs {
+        for (&binding, (_, staging)) in &outputs {
             let tx = tx.clone();
             staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
                 let _ = tx.send((binding, r));
@@ -532,13 +565,17 @@ impl Executor {
             }
         }
         let mut result = BTreeMap::new();
-        for (binding, (_, staging, _)) in outputs {
-            let bytes = staging.slice(..).get_mapped_range().to_vec();
+        for (binding, (_, staging)) in outputs {
+            let changes = {
+                let after = staging.slice(..).get_mapped_range();
+                Tally::add(&self.tally.bytes_from_device, after.len() as u64);
+                let base = job.writable[&binding].base();
+                BufferChanges::diff(base, &after)
+            };
             staging.unmap();
-            Tally::add(&self.tally.bytes_from_device, bytes.len() as u64);
-            result.insert(binding, bytes);
+            result.insert(binding, changes);
         }
-        Ok(result)
+        Ok(ShardChanges(result))
     }
 
     /// Waits for `submission` within what is left of the deadline.

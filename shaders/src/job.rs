@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use gpumesh_protocol::{BindingRole, BlobId, TaskSpec};
+use gpumesh_protocol::{Base, BindingRole, BlobId, ShardChanges, TaskSpec};
 
 use crate::error::{ExecError, Result};
 use crate::kernel::{Access, Kernel};
@@ -18,15 +18,43 @@ pub struct InputBuffer {
     pub uniform: bool,
 }
 
+/// A writable buffer (an output or an in-out buffer): its size and what every
+/// shard's copy of it starts as.
+#[derive(Clone, Debug)]
+pub struct Writable {
+    pub size: u64,
+    pub start: Start,
+}
+
+/// What a writable buffer holds before the kernel runs, in every shard alike.
+#[derive(Clone, Debug)]
+pub enum Start {
+    /// One word repeated: zeros, or a reduction's identity element.
+    Fill([u8; 4]),
+    /// The bytes of an `--inout` blob.
+    Blob(InputBuffer),
+}
+
+impl Writable {
+    /// The starting contents, for diffs and merges.
+    pub fn base(&self) -> Base<'_> {
+        match &self.start {
+            Start::Fill(word) => Base::Fill(*word),
+            Start::Blob(input) => Base::Bytes(&input.bytes),
+        }
+    }
+}
+
 /// A checked task: its spec, compiled kernel, shard plan and input bytes.
 #[derive(Clone, Debug)]
 pub struct Job {
     pub spec: TaskSpec,
     pub kernel: Arc<Kernel>,
     pub plan: Vec<ShardRange>,
+    /// Read-only and uniform bindings.
     pub(crate) inputs: BTreeMap<u32, InputBuffer>,
-    /// Output binding → size in bytes.
-    pub(crate) outputs: BTreeMap<u32, u64>,
+    /// Outputs and in-out buffers.
+    pub(crate) writable: BTreeMap<u32, Writable>,
 }
 
 impl Job {
@@ -39,37 +67,42 @@ impl Job {
     ) -> Result<Self> {
         let plan = kernel.check(&spec)?;
         let mut inputs = BTreeMap::new();
-        let mut outputs = BTreeMap::new();
+        let mut writable = BTreeMap::new();
+        let fill = crate::merge::identity(spec.merge);
         for b in &spec.bindings {
             let uniform = kernel
                 .interface
                 .bindings
                 .get(&b.binding)
                 .is_some_and(|d| d.access == Access::Uniform);
+            let load = |id: &BlobId, size: u64| {
+                let bytes = blob(id).ok_or_else(|| ExecError::Binding {
+                    binding: b.binding,
+                    problem: format!("input blob {id} is not available"),
+                })?;
+                if bytes.len() as u64 != size || !id.matches(&bytes) {
+                    return Err(ExecError::Binding {
+                        binding: b.binding,
+                        problem: format!(
+                            "input blob {id} holds {} bytes that do not match its id and \
+                             declared size {size}",
+                            bytes.len()
+                        ),
+                    });
+                }
+                Ok(InputBuffer {
+                    id: *id,
+                    bytes,
+                    uniform,
+                })
+            };
             match &b.role {
                 BindingRole::Input { blob: id, size } => {
-                    let bytes = blob(id).ok_or_else(|| ExecError::Binding {
-                        binding: b.binding,
-                        problem: format!("input blob {id} is not available"),
-                    })?;
-                    if bytes.len() as u64 != *size || !id.matches(&bytes) {
-                        return Err(ExecError::Binding {
-                            binding: b.binding,
-                            problem: format!(
-                                "input blob {id} holds {} bytes that do not match its id and \
-                                 declared size {size}",
-                                bytes.len()
-                            ),
-                        });
-                    }
-                    inputs.insert(
-                        b.binding,
-                        InputBuffer {
-                            id: *id,
-                            bytes,
-                            uniform,
-                        },
-                    );
+                    inputs.insert(b.binding, load(id, *size)?);
+                }
+                BindingRole::InOut { blob: id, size } => {
+                    let start = Start::Blob(load(id, *size)?);
+                    writable.insert(b.binding, Writable { size: *size, start });
                 }
                 BindingRole::Param { data } => {
                     inputs.insert(
@@ -82,7 +115,8 @@ impl Job {
                     );
                 }
                 BindingRole::Output { size } => {
-                    outputs.insert(b.binding, *size);
+                    let start = Start::Fill(fill);
+                    writable.insert(b.binding, Writable { size: *size, start });
                 }
             }
         }
@@ -91,22 +125,31 @@ impl Job {
             kernel,
             plan,
             inputs,
-            outputs,
+            writable,
         })
     }
 
-    /// Output binding numbers and sizes.
-    pub fn outputs(&self) -> &BTreeMap<u32, u64> {
-        &self.outputs
+    /// The outputs and in-out buffers, by binding.
+    pub fn writable(&self) -> &BTreeMap<u32, Writable> {
+        &self.writable
+    }
+
+    /// Merges shard results (in shard order) into the task's outputs.
+    pub fn merge(&self, shards: &[&ShardChanges]) -> Result<BTreeMap<u32, Vec<u8>>> {
+        let bases = self
+            .writable
+            .iter()
+            .map(|(&b, w)| (b, (w.size, w.base())))
+            .collect();
+        crate::merge::merge(self.spec.merge, &bases, shards)
     }
 }
 
-/// What one shard produced: for `concat`, each output's slice; otherwise full-size
-/// partials.
+/// What one shard produced: the words it changed in each writable buffer.
 #[derive(Clone, Debug)]
 pub struct ShardOutput {
     pub range: ShardRange,
-    pub outputs: BTreeMap<u32, Vec<u8>>,
+    pub changes: ShardChanges,
     /// Wall time from submit to readback complete.
     pub elapsed: std::time::Duration,
 }

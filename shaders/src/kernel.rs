@@ -3,8 +3,10 @@
 //! Validation happens here, before any GPU call, so a bad shader is rejected with a
 //! line and column on whichever peer sees it first. [`Kernel::check`] then holds a
 //! [`TaskSpec`] against what the shader declares: every binding present, of the right
-//! access mode and a size the declared type accepts, and a merge rule the outputs'
-//! element type supports.
+//! access mode and a size the declared type accepts, a merge rule the outputs'
+//! element type supports, and (for more than one shard) nothing that makes the shards'
+//! results unmergeable: atomics under the `changes` merge, or an in-out buffer under a
+//! reduction.
 
 use std::collections::BTreeMap;
 
@@ -48,6 +50,8 @@ pub struct DeclaredBinding {
     pub elem: Option<ElemType>,
     /// Whether that scalar is `atomic<u32>`/`atomic<i32>`.
     pub atomic: bool,
+    /// Whether the type holds an atomic anywhere (a counter beside an array, say).
+    pub has_atomics: bool,
 }
 
 impl DeclaredBinding {
@@ -179,19 +183,15 @@ impl Kernel {
                         list(iface.bindings.keys())
                     ),
                 })?;
-            let (size, is_output) = match &b.role {
-                BindingRole::Input { size, .. } => (*size, false),
-                BindingRole::Param { data } => (data.len() as u64, false),
-                BindingRole::Output { size } => (*size, true),
-            };
+            let (size, is_output) = (b.role.size(), b.role.is_writable());
             match (is_output, declared.access) {
                 (true, Access::ReadWrite) | (false, Access::ReadOnly | Access::Uniform) => {}
                 (true, access) => {
                     return Err(ExecError::Binding {
                         binding: b.binding,
                         problem: format!(
-                            "given as an output but declared {}; outputs must be \
-                             var<storage, read_write>",
+                            "given as an output but declared {}; outputs and in-out buffers \
+                             must be var<storage, read_write> (pass it with --input instead)",
                             access.wgsl()
                         ),
                     })
@@ -200,9 +200,11 @@ impl Kernel {
                     return Err(ExecError::Binding {
                         binding: b.binding,
                         problem: format!(
-                            "given as an input but declared {}; declare it var<storage, read> \
-                             or pass it as an output",
-                            access.wgsl()
+                            "given as an input but declared {}; pass it with --inout \
+                             {}=FILE (it starts as the file and comes back as an output), or \
+                             declare it var<storage, read>",
+                            access.wgsl(),
+                            b.binding
                         ),
                     })
                 }
@@ -247,7 +249,8 @@ impl Kernel {
                     binding,
                     problem: format!(
                         "the shader uses it but the task does not provide it; pass \
-                         --input {binding}=FILE or --output {binding}:BYTES"
+                         --input {binding}=FILE, --inout {binding}=FILE or --output \
+                         {binding}:BYTES"
                     ),
                 });
             }
@@ -262,19 +265,48 @@ impl Kernel {
             }
         }
         let plan = shard::plan(spec.grid, spec.shards)?;
-        if spec.merge == MergeRule::Concat {
-            for b in &spec.bindings {
-                if let BindingRole::Output { size } = b.role {
-                    shard::concat_slice(size, spec.grid, &plan[0]).map_err(|problem| {
-                        ExecError::Binding {
-                            binding: b.binding,
-                            problem,
-                        }
-                    })?;
-                }
-            }
+        if plan.len() > 1 {
+            self.check_splittable(spec)?;
         }
         Ok(plan)
+    }
+
+    /// What makes a kernel's writable buffers impossible to merge from shards without
+    /// risking an answer that differs from the unsharded one.
+    fn check_splittable(&self, spec: &TaskSpec) -> Result<()> {
+        for b in spec.bindings.iter().filter(|b| b.role.is_writable()) {
+            let Some(declared) = self.interface.bindings.get(&b.binding) else {
+                continue;
+            };
+            let name = declared.name.as_deref().unwrap_or("_");
+            match (spec.merge, &b.role) {
+                // Shards counting from the same start would each report their own
+                // count: equal counts look like agreement and the total is lost.
+                (MergeRule::Changes, _) if declared.has_atomics => {
+                    return Err(ExecError::Unsplittable(format!(
+                        "binding {} ({name}) is updated with atomics, and shards that each \
+                         start from the same counter or bins cannot be merged word by word. \
+                         Run it with --shards 1; if the binding holds sums, minima or maxima \
+                         (a histogram, a total), merge it with --merge sum|min|max-u32|i32|f32",
+                        b.binding
+                    )));
+                }
+                (
+                    MergeRule::Sum(_) | MergeRule::Min(_) | MergeRule::Max(_),
+                    BindingRole::InOut { .. },
+                ) => {
+                    return Err(ExecError::Unsplittable(format!(
+                        "binding {} ({name}) is an in-out buffer, but merge {} combines \
+                         partials that each start from the reduction's identity, not from \
+                         the file. Pass it with --output (it then starts from the identity), \
+                         use the default merge, or run it with --shards 1",
+                        b.binding, spec.merge
+                    )));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
     }
 }
 
@@ -362,6 +394,7 @@ fn reflect(module: &naga::Module, info: &ModuleInfo, entry_point: &str) -> Resul
             }
         };
         let atomic = is_atomic(module, var.ty);
+        let has_atomics = holds_atomic(module, var.ty);
         let (fixed_size, stride, elem) =
             layout_of(module, gctx, var.ty).ok_or_else(|| ExecError::Binding {
                 binding: rb.binding,
@@ -377,6 +410,7 @@ fn reflect(module: &naga::Module, info: &ModuleInfo, entry_point: &str) -> Resul
                 stride,
                 elem,
                 atomic,
+                has_atomics,
             },
         );
     }
@@ -437,6 +471,19 @@ fn elem_of(module: &naga::Module, ty: naga::Handle<naga::Type>) -> Option<ElemTy
         (ScalarKind::Sint, 4) => Some(ElemType::I32),
         (ScalarKind::Float, 4) => Some(ElemType::F32),
         _ => None,
+    }
+}
+
+/// Whether a type contains an atomic at any depth.
+fn holds_atomic(module: &naga::Module, ty: naga::Handle<naga::Type>) -> bool {
+    use naga::TypeInner;
+    match &module.types[ty].inner {
+        TypeInner::Atomic(_) => true,
+        TypeInner::Array { base, .. } | TypeInner::BindingArray { base, .. } => {
+            holds_atomic(module, *base)
+        }
+        TypeInner::Struct { members, .. } => members.iter().any(|m| holds_atomic(module, m.ty)),
+        _ => false,
     }
 }
 

@@ -74,31 +74,6 @@ pub fn plan(grid: Grid, shards: u32) -> Result<Vec<ShardRange>> {
         .collect())
 }
 
-/// The bytes of a `concat` output of `size` bytes that `range` owns: proportional
-/// to its workgroups along the split axis.
-pub fn concat_slice(
-    size: u64,
-    grid: Grid,
-    range: &ShardRange,
-) -> std::result::Result<std::ops::Range<u64>, String> {
-    let groups = u64::from(grid.0[range.axis]);
-    if size % groups != 0 {
-        return Err(format!(
-            "a concat output of {size} bytes does not divide into the {groups} workgroups along \
-             the split axis {}; make it a multiple of {groups} bytes or use a sum/min/max merge",
-            ["x", "y", "z"][range.axis]
-        ));
-    }
-    let per = size / groups;
-    if per % 4 != 0 {
-        return Err(format!(
-            "a concat output of {size} bytes gives each of the {groups} workgroups along the \
-             split axis {per} bytes, not a multiple of 4"
-        ));
-    }
-    Ok(u64::from(range.start) * per..u64::from(range.start + range.count) * per)
-}
-
 /// One dispatch of a shard: its size and the full-grid offsets it must see.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Dispatch {
@@ -416,17 +391,5 @@ mod tests {
         assert_eq!(d[0].workgroup_offset, [10, 0, 0]);
         assert_eq!(d[2].groups, [50, 3, 1]);
         assert_eq!(d[2].workgroup_offset, [210, 0, 0]);
-    }
-
-    #[test]
-    fn concat_slices_are_proportional() {
-        let p = plan(Grid([8, 1, 1]), 3).unwrap();
-        let slices: Vec<_> = p
-            .iter()
-            .map(|r| concat_slice(64, Grid([8, 1, 1]), r).unwrap())
-            .collect();
-        assert_eq!(slices, vec![0..24, 24..48, 48..64]);
-        assert!(concat_slice(60, Grid([8, 1, 1]), &p[0]).is_err());
-        assert!(concat_slice(8, Grid([8, 1, 1]), &p[0]).is_err());
     }
 }

@@ -114,7 +114,7 @@ fn binding_the_shader_does_not_declare_is_named() {
     let err = copy_job(
         vec![input(0, &data), output(1, 256), output(7, 256)],
         [1, 1, 1],
-        MergeRule::Concat,
+        MergeRule::Changes,
         &data,
     )
     .unwrap_err();
@@ -126,7 +126,7 @@ fn binding_the_shader_does_not_declare_is_named() {
 
 #[test]
 fn binding_the_shader_needs_but_the_task_omits_is_named() {
-    let err = copy_job(vec![output(1, 256)], [1, 1, 1], MergeRule::Concat, &[]).unwrap_err();
+    let err = copy_job(vec![output(1, 256)], [1, 1, 1], MergeRule::Changes, &[]).unwrap_err();
     assert!(
         matches!(err, ExecError::Binding { binding: 0, .. }),
         "{err}"
@@ -141,7 +141,7 @@ fn wrong_access_mode_is_refused_both_ways() {
     let err = copy_job(
         vec![output(0, 256), output(1, 256)],
         [1, 1, 1],
-        MergeRule::Concat,
+        MergeRule::Changes,
         &data,
     )
     .unwrap_err();
@@ -154,12 +154,32 @@ fn wrong_access_mode_is_refused_both_ways() {
     let err = copy_job(
         vec![input(0, &data), input(1, &data)],
         [1, 1, 1],
-        MergeRule::Concat,
+        MergeRule::Changes,
         &data,
     )
     .unwrap_err();
     assert!(
         matches!(err, ExecError::Binding { binding: 1, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("--inout 1=FILE"), "{err}");
+    // The read-only source given as an in-out buffer.
+    let inout = BindingSpec {
+        binding: 0,
+        role: BindingRole::InOut {
+            blob: BlobId::of(&data),
+            size: 256,
+        },
+    };
+    let err = copy_job(
+        vec![inout, output(1, 256)],
+        [1, 1, 1],
+        MergeRule::Changes,
+        &data,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, ExecError::Binding { binding: 0, .. }),
         "{err}"
     );
 }
@@ -203,20 +223,19 @@ fn output_too_small_for_its_declared_type_is_refused() {
 }
 
 #[test]
-fn concat_output_not_divisible_by_the_split_axis_is_refused() {
+fn no_divisibility_rule_between_outputs_and_workgroups() {
+    // 3 workgroups, 64 words, 4 shards of a 1-word output: all accepted.
     let data = [0u8; 256];
-    let err = copy_job(
-        vec![input(0, &data), output(1, 256)],
-        [3, 1, 1],
-        MergeRule::Concat,
-        &data,
-    )
-    .unwrap_err();
-    assert!(
-        matches!(err, ExecError::Binding { binding: 1, .. }),
-        "{err}"
-    );
-    assert!(err.to_string().contains("does not divide"), "{err}");
+    for (grid, out, shards) in [(3, 256, 3), (3, 4, 1), (7, 4, 7), (5, 252, 2)] {
+        let mut s = spec(
+            COPY,
+            vec![input(0, &data), output(1, out)],
+            [grid, 1, 1],
+            MergeRule::Changes,
+        );
+        s.shards = shards;
+        job(COPY, s, &data).unwrap();
+    }
 }
 
 #[test]
@@ -226,7 +245,7 @@ fn more_shards_than_workgroups_is_refused() {
         COPY,
         vec![input(0, &data), output(1, 256)],
         [4, 1, 1],
-        MergeRule::Concat,
+        MergeRule::Changes,
     );
     s.shards = 5;
     let err = job(COPY, s, &data).unwrap_err();
@@ -241,7 +260,7 @@ fn missing_or_corrupt_input_blob_is_refused() {
         COPY,
         vec![input(0, &data), output(1, 256)],
         [1, 1, 1],
-        MergeRule::Concat,
+        MergeRule::Changes,
     );
     let err = Job::new(s.clone(), kernel.clone(), |_| None).unwrap_err();
     assert!(err.to_string().contains("not available"), "{err}");
@@ -266,7 +285,7 @@ fn workgroup_and_grid_over_the_limits_are_refused() {
         let executor = common::lock(adapter);
         let j = job(
             big_wg,
-            spec(big_wg, vec![output(0, 256)], [1, 1, 1], MergeRule::Concat),
+            spec(big_wg, vec![output(0, 256)], [1, 1, 1], MergeRule::Changes),
             &[],
         )
         .unwrap();
@@ -278,7 +297,7 @@ fn workgroup_and_grid_over_the_limits_are_refused() {
         let j = copy_job(
             vec![input(0, &data), output(1, 65536 * 4)],
             [65536, 65536, 1],
-            MergeRule::Concat,
+            MergeRule::Changes,
             &data,
         )
         .unwrap();
@@ -293,7 +312,7 @@ fn grid_overflowing_invocation_ids_is_refused() {
     let err = copy_job(
         vec![input(0, &data), output(1, 256)],
         [u32::MAX / 2, 1, 1],
-        MergeRule::Concat,
+        MergeRule::Changes,
         &data,
     )
     .unwrap_err();
@@ -311,7 +330,7 @@ fn buffer_over_the_adapter_maximum_is_refused_before_allocation() {
         let j = copy_job(
             vec![input(0, &data), output(1, size)],
             [4, 1, 1],
-            MergeRule::Concat,
+            MergeRule::Changes,
             &data,
         )
         .unwrap();
@@ -323,7 +342,7 @@ fn buffer_over_the_adapter_maximum_is_refused_before_allocation() {
         let j = copy_job(
             vec![input(0, &data), output(1, 256)],
             [1, 1, 1],
-            MergeRule::Concat,
+            MergeRule::Changes,
             &data,
         )
         .unwrap();
@@ -372,7 +391,7 @@ fn a_task_past_its_deadline_fails_and_the_next_task_runs() {
                 output(1, 2048 * 64 * 4),
             ],
             [2048, 1, 1],
-            MergeRule::Concat,
+            MergeRule::Changes,
         );
         let slow = job(SPIN, s, &[]).unwrap();
         let before = executor.rebuilds();
@@ -391,7 +410,7 @@ fn a_task_past_its_deadline_fails_and_the_next_task_runs() {
         let j = copy_job(
             vec![input(0, &data), output(1, 256)],
             [1, 1, 1],
-            MergeRule::Concat,
+            MergeRule::Changes,
             &data,
         )
         .unwrap();

@@ -49,17 +49,17 @@ fn builtin_case(name: &str, size: u32) {
 }
 
 #[test]
-fn vector_add_concat_along_x() {
+fn vector_add_along_x() {
     builtin_case("vector_add", 256 * 14);
 }
 
 #[test]
-fn blur_concat_along_y_of_a_2d_grid() {
+fn blur_along_y_of_a_2d_grid() {
     builtin_case("blur", 16 * 7);
 }
 
 #[test]
-fn mandelbrot_concat_along_y() {
+fn mandelbrot_along_y() {
     builtin_case("mandelbrot", 16 * 9);
 }
 
@@ -69,17 +69,17 @@ fn histogram_sum_u32_partials() {
 }
 
 #[test]
-fn montecarlo_concat_of_counts() {
+fn montecarlo_counts_per_workgroup() {
     builtin_case("montecarlo_pi", 64 * 11);
 }
 
 #[test]
-fn matmul_concat_of_row_blocks() {
+fn matmul_row_blocks() {
     builtin_case("matmul", 64 * 7);
 }
 
 #[test]
-fn jacobi_concat_of_rows() {
+fn jacobi_rows() {
     builtin_case("jacobi", 64 * 8);
 }
 
@@ -172,7 +172,7 @@ fn builtins_in_structs_and_num_workgroups_see_the_full_grid() {
                 vec![output(0, u64::from(invocations) * 16)],
                 grid,
                 s,
-                MergeRule::Concat,
+                MergeRule::Changes,
             )
         },
         |out| assert_eq!(u32s(&out[&0]), expected),
@@ -269,7 +269,7 @@ fn grids_beyond_65535_workgroups_are_tiled() {
                 vec![output(0, u64::from(groups) * 4)],
                 [groups, 1, 1],
                 shards,
-                MergeRule::Concat,
+                MergeRule::Changes,
             );
             let out = executor.run(&job, None).unwrap().outputs;
             assert_eq!(u32s(&out[&0]), want, "on {}", adapter.backend.name());
@@ -305,7 +305,7 @@ fn the_executor_counts_dispatches_and_bytes_and_uploads_resident_inputs_once() {
     for adapter in common::adapters() {
         let mut executor = common::lock(adapter);
         let job = problem.job(3).unwrap();
-        let outputs: u64 = job.outputs().values().sum();
+        let outputs: u64 = job.writable().values().map(|w| w.size).sum();
         let before = executor.counters();
         executor.run(&job, None).unwrap();
         let first = executor.counters().since(&before);
@@ -316,9 +316,9 @@ fn the_executor_counts_dispatches_and_bytes_and_uploads_resident_inputs_once() {
         // One dispatch per shard (the grid fits in one tile), the same both times.
         assert_eq!(first.dispatches, 3, "{name}");
         assert_eq!(second.dispatches, 3, "{name}");
-        // `concat`: each shard reads back its own slice, so the whole output once.
-        assert_eq!(first.bytes_from_device, outputs, "{name}");
-        assert_eq!(second.bytes_from_device, outputs, "{name}");
+        // Each shard reads its writable buffers back whole to find what it changed.
+        assert_eq!(first.bytes_from_device, 3 * outputs, "{name}");
+        assert_eq!(second.bytes_from_device, 3 * outputs, "{name}");
         // The inputs went up the first time only; both runs wrote the shard info.
         assert!(
             first.bytes_to_device >= second.bytes_to_device + inputs,

@@ -1,6 +1,7 @@
 //! `gpumesh bench executor`: (a) the built-in tiled matmul against an optimized CPU
 //! sgemm, (b) the executor's added time against a direct wgpu call, for a trivial
-//! kernel and a ~100 ms one, (c) one shard against n shards on one adapter.
+//! kernel and a ~100 ms one, (c) one shard against n shards on one adapter, and
+//! the sharding sections (d)–(f) of [`super::sharding`].
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -45,7 +46,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 "#;
 const SPIN_ROUNDS: u32 = 60_000;
 
-fn spin_job(groups: u32) -> anyhow::Result<Job> {
+fn spin_job(groups: u32, shards: u32) -> anyhow::Result<Job> {
     let spec = TaskSpec {
         shader: ShaderSource::Wgsl(SPIN.into()),
         entry_point: "main".into(),
@@ -64,8 +65,8 @@ fn spin_job(groups: u32) -> anyhow::Result<Job> {
             },
         ],
         grid: Grid([groups, 1, 1]),
-        shards: 1,
-        merge: MergeRule::Concat,
+        shards,
+        merge: MergeRule::Changes,
         options: Default::default(),
     };
     Ok(Job::new(
@@ -146,7 +147,7 @@ pub fn executor(args: ExecutorBenchArgs) -> anyhow::Result<ExitCode> {
     let groups =
         ((0.1 / probe.as_secs_f64()) * f64::from(probe_groups)).clamp(1.0, 65_535.0) as u32;
     let trivial = {
-        let mut spec = spin_job(1)?.spec;
+        let mut spec = spin_job(1, 1)?.spec;
         spec.bindings[0].role = BindingRole::Param {
             data: trivial_uniform.clone(),
         };
@@ -161,7 +162,7 @@ pub fn executor(args: ExecutorBenchArgs) -> anyhow::Result<ExitCode> {
         ),
         (
             format!("~100 ms ({groups} workgroups)"),
-            spin_job(groups)?,
+            spin_job(groups, 1)?,
             &uniform,
             groups,
         ),
@@ -211,6 +212,7 @@ pub fn executor(args: ExecutorBenchArgs) -> anyhow::Result<ExitCode> {
             t.as_secs_f64() / base.as_secs_f64()
         );
     }
+    super::sharding::sections(&mut ex, args.runs, &args.shards, spin_job, groups)?;
     Ok(ExitCode::SUCCESS)
 }
 

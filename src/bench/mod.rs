@@ -5,6 +5,7 @@ mod direct;
 mod executor;
 mod faults;
 mod mesh;
+mod sharding;
 
 pub use consensus::{consensus, ConsensusBenchArgs};
 pub use executor::{executor, ExecutorBenchArgs};

@@ -136,19 +136,26 @@ pub struct TaskArgs {
     /// Entry point of the kernel.
     #[arg(long, default_value = "main")]
     pub entry: String,
-    /// An input: the bytes of FILE bound at @group(0) @binding(BINDING).
+    /// An input: the bytes of FILE bound at @group(0) @binding(BINDING), a
+    /// var<storage, read> or var<uniform> binding.
     #[arg(long = "input", value_name = "BINDING=FILE", value_parser = parse_input)]
     pub inputs: Vec<(u32, PathBuf)>,
-    /// An output of BYTES bytes at @group(0) @binding(BINDING).
+    /// An output of BYTES bytes at @group(0) @binding(BINDING), starting as zeros.
     #[arg(long = "output", value_name = "BINDING:BYTES", value_parser = parse_output)]
     pub outputs: Vec<(u32, u64)>,
+    /// A var<storage, read_write> buffer at @group(0) @binding(BINDING) that starts
+    /// as the bytes of FILE; its final contents are the output BINDING.bin.
+    #[arg(long = "inout", value_name = "BINDING=FILE", value_parser = parse_input)]
+    pub inouts: Vec<(u32, PathBuf)>,
     /// Workgroups along x, y and z.
     #[arg(long, value_name = "X[,Y[,Z]]", value_parser = parse_grid)]
     pub grid: Option<Grid>,
     /// Split the grid into this many shards and merge their outputs.
     #[arg(long, default_value_t = 1)]
     pub shards: u32,
-    /// How shard outputs merge: concat, or sum|min|max-u32|i32|f32.
+    /// How shard results merge: changes (the default: each shard's changed words,
+    /// a conflict if two shards change one word differently), or a reduction of
+    /// partials, sum|min|max-u32|i32|f32.
     #[arg(long, value_parser = parse_merge)]
     pub merge: Option<MergeRule>,
 }

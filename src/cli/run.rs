@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use gpumesh_protocol::{BindingRole, BindingSpec, BlobId, MergeRule, ShaderSource, TaskSpec};
+use gpumesh_protocol::{BindingRole, BindingSpec, BlobId, ShaderSource, TaskSpec};
 use gpumesh_shaders::builtins::{self, Problem};
 use gpumesh_shaders::{ExecError, Executor, Job, Kernel};
 use serde::Serialize;
@@ -219,6 +219,7 @@ pub fn prepare(args: &TaskArgs) -> anyhow::Result<Prepared> {
         for (given, flag) in [
             (!args.inputs.is_empty(), "--input"),
             (!args.outputs.is_empty(), "--output"),
+            (!args.inouts.is_empty(), "--inout"),
             (args.grid.is_some(), "--grid"),
             (args.merge.is_some(), "--merge"),
         ] {
@@ -249,20 +250,23 @@ pub fn prepare(args: &TaskArgs) -> anyhow::Result<Prepared> {
     let grid = args
         .grid
         .context("--grid X[,Y[,Z]] is required for a WGSL kernel")?;
-    if args.outputs.is_empty() {
-        bail!("a task needs at least one --output BINDING:BYTES");
+    if args.outputs.is_empty() && args.inouts.is_empty() {
+        bail!("a task needs at least one --output BINDING:BYTES or --inout BINDING=FILE");
     }
     let mut blobs: BTreeMap<BlobId, Arc<[u8]>> = BTreeMap::new();
     let mut bindings = Vec::new();
-    for (binding, file) in &args.inputs {
+    let files = args.inputs.iter().map(|f| (f, false));
+    for ((binding, file), inout) in files.chain(args.inouts.iter().map(|f| (f, true))) {
         let bytes = read_input(*binding, file)?;
-        let blob = BlobId::of(&bytes);
+        let (blob, size) = (BlobId::of(&bytes), bytes.len() as u64);
+        let role = if inout {
+            BindingRole::InOut { blob, size }
+        } else {
+            BindingRole::Input { blob, size }
+        };
         bindings.push(BindingSpec {
             binding: *binding,
-            role: BindingRole::Input {
-                blob,
-                size: bytes.len() as u64,
-            },
+            role,
         });
         blobs.insert(blob, Arc::from(bytes));
     }
@@ -278,7 +282,7 @@ pub fn prepare(args: &TaskArgs) -> anyhow::Result<Prepared> {
         bindings,
         grid,
         shards: args.shards,
-        merge: args.merge.unwrap_or(MergeRule::Concat),
+        merge: args.merge.unwrap_or_default(),
         options: Default::default(),
     };
     kernel.check(&spec)?;

@@ -48,7 +48,7 @@ pub fn spec(n: u32) -> TaskSpec {
         }],
         grid: Grid([n, 1, 1]),
         shards: 2,
-        merge: MergeRule::Concat,
+        merge: MergeRule::Changes,
         options: Default::default(),
     }
 }

@@ -10,7 +10,7 @@ pub(super) fn vector_add(builtin: &'static Builtin, size: u32) -> Result<Problem
     let n = round_up(size, 256)?;
     let mut rng = Rng::new(1);
     let (a, b) = (rng.f32s(n as usize), rng.f32s(n as usize));
-    let mut p = Problem::new(builtin, n, [n / 256, 1, 1], MergeRule::Concat);
+    let mut p = Problem::new(builtin, n, [n / 256, 1, 1], MergeRule::Changes);
     p.input(0, f32_bytes(&a));
     p.input(1, f32_bytes(&b));
     p.output(2, u64::from(n) * 4);
@@ -28,7 +28,7 @@ pub(super) fn matmul(builtin: &'static Builtin, size: u32) -> Result<Problem> {
     let len = (n as usize) * (n as usize);
     let mut rng = Rng::new(2);
     let (a, b) = (rng.f32s(len), rng.f32s(len));
-    let mut p = Problem::new(builtin, n, [n / 64, n / 64, 1], MergeRule::Concat);
+    let mut p = Problem::new(builtin, n, [n / 64, n / 64, 1], MergeRule::Changes);
     p.param(0, [n, 0, 0, 0]);
     p.input(1, f32_bytes(&a));
     p.input(2, f32_bytes(&b));
@@ -141,7 +141,7 @@ pub(super) fn jacobi(builtin: &'static Builtin, size: u32) -> Result<Problem> {
     let n = round_up(size, 64)?;
     let (a, b) = jacobi_system(n as usize, 4);
     let x = vec![0.5f32; n as usize];
-    let mut p = Problem::new(builtin, n, [n / 64, 1, 1], MergeRule::Concat);
+    let mut p = Problem::new(builtin, n, [n / 64, 1, 1], MergeRule::Changes);
     p.param(0, [n, 0, 0, 0]);
     p.input(1, f32_bytes(&a));
     p.input(2, f32_bytes(&b));

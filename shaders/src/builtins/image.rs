@@ -11,7 +11,7 @@ const MAX_ITER: u32 = 256;
 
 pub(super) fn mandelbrot(builtin: &'static Builtin, size: u32) -> Result<Problem> {
     let side = round_up(size, 16)?;
-    let mut p = Problem::new(builtin, side, [side / 16, side / 16, 1], MergeRule::Concat);
+    let mut p = Problem::new(builtin, side, [side / 16, side / 16, 1], MergeRule::Changes);
     p.param(0, [side, side, MAX_ITER, 0]);
     p.output(1, u64::from(side) * u64::from(side) * 4);
     p.reference = Box::new(move |outputs| {
@@ -68,7 +68,7 @@ pub fn mandelbrot_reference(width: u32, height: u32, max_iter: u32) -> Vec<u32> 
 pub(super) fn blur(builtin: &'static Builtin, size: u32) -> Result<Problem> {
     let side = round_up(size, 16)?;
     let image = test_image(side, side, 5);
-    let mut p = Problem::new(builtin, side, [side / 16, side / 16, 1], MergeRule::Concat);
+    let mut p = Problem::new(builtin, side, [side / 16, side / 16, 1], MergeRule::Changes);
     p.param(0, [side, side, 0, 0]);
     p.input(1, u32_bytes(&image));
     p.output(2, u64::from(side) * u64::from(side) * 4);

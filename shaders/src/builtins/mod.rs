@@ -3,14 +3,14 @@
 //!
 //! | name | size means | merge | tolerance |
 //! |---|---|---|---|
-//! | `vector_add` | elements | concat | bit-exact |
-//! | `matmul` | matrix side | concat | rounding bound 2·n·ε·Σ\|a\|\|b\| per element |
-//! | `mandelbrot` | image side | concat | ≤ 1% of pixels may differ (float contraction at the set's edge) |
-//! | `montecarlo_pi` | invocations | concat | bit-exact (integer sampling) |
+//! | `vector_add` | elements | changes | bit-exact |
+//! | `matmul` | matrix side | changes | rounding bound 2·n·ε·Σ\|a\|\|b\| per element |
+//! | `mandelbrot` | image side | changes | ≤ 1% of pixels may differ (float contraction at the set's edge) |
+//! | `montecarlo_pi` | invocations | changes | bit-exact (integer sampling) |
 //! | `histogram` | values | sum-u32 | bit-exact |
 //! | `linreg_grad` | rows | sum-f32 | 1e-4 relative to Σ\|terms\| |
-//! | `jacobi` | unknowns | concat | 2·n·ε relative to the row's magnitude |
-//! | `blur` | image side | concat | bit-exact (integer weights) |
+//! | `jacobi` | unknowns | changes | 2·n·ε relative to the row's magnitude |
+//! | `blur` | image side | changes | bit-exact (integer weights) |
 
 mod counting;
 mod dense;

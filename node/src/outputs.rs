@@ -1,0 +1,185 @@
+//! A task's outputs: its shards' results merged into the final buffers.
+//!
+//! A task of several shards is merged once, by the leader's scheduler, as soon as
+//! every shard has a result ([`merge_and_record`]): it pulls the shard results and
+//! the in-out buffers' starting contents, merges them, keeps each output as a blob
+//! on two nodes and commits `TaskMerged`, or `MergeFailed` when two shards changed
+//! one word to different values. Only then is the task complete, so a conflict fails
+//! the task instead of surfacing at fetch time. A task of one shard needs no merge
+//! step: its shard's changes over the starting contents are the answer, worked out
+//! by whichever node is asked for it ([`task_outputs`]). Talks to: raft (reads the
+//! task, proposes), the mesh (pulls and copies blobs), the blob store.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use gpumesh_consensus::{Command, ConsensusHandle, MergedOutput, Task, TaskId, TaskStatus};
+use gpumesh_protocol::{Base, BlobId, ShardChanges};
+use gpumesh_shaders::{merge, ExecError};
+
+use crate::mesh::Shared;
+
+/// Why outputs could not be produced.
+#[derive(Debug)]
+pub(crate) enum MergeError {
+    /// The shards' results cannot be merged: the task must fail with this reason.
+    Conflict(String),
+    /// Something was not available (a blob, the record): worth trying again.
+    Unavailable(String),
+}
+
+impl std::fmt::Display for MergeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MergeError::Conflict(r) | MergeError::Unavailable(r) => f.write_str(r),
+        }
+    }
+}
+
+/// Reads blob `id`, pulling it first if it is not here (from `holder` first).
+async fn pull(
+    shared: &Arc<Shared>,
+    id: BlobId,
+    holder: Option<libp2p::PeerId>,
+) -> Result<Vec<u8>, String> {
+    crate::mesh::fetch_blob(shared, id, holder).await?;
+    shared
+        .blobs
+        .get(&id)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("blob {id} vanished from the store"))
+}
+
+/// Merges the accepted results of every shard of `task` into its outputs.
+pub(crate) async fn merge_shards(
+    shared: &Arc<Shared>,
+    task: &Task,
+) -> Result<BTreeMap<u32, Vec<u8>>, MergeError> {
+    let unavailable = MergeError::Unavailable;
+    let mut shards = Vec::with_capacity(task.shards.len());
+    for (i, sh) in task.shards.iter().enumerate() {
+        let out = sh
+            .output
+            .ok_or_else(|| unavailable(format!("shard {i} has no result")))?;
+        let bytes = pull(shared, out.blob, shared.peers.get(out.node))
+            .await
+            .map_err(|e| unavailable(format!("the result of shard {i}: {e}")))?;
+        let changes = ShardChanges::decode(&bytes)
+            .map_err(|e| unavailable(format!("the result of shard {i}: {e}")))?;
+        shards.push(changes);
+    }
+    let submitter = task.submitter.parse().ok();
+    let mut starts: BTreeMap<u32, Vec<u8>> = BTreeMap::new();
+    for b in &task.spec.bindings {
+        if let gpumesh_protocol::BindingRole::InOut { blob, .. } = b.role {
+            let bytes = pull(shared, blob, submitter).await.map_err(|e| {
+                unavailable(format!("the start of in-out binding {}: {e}", b.binding))
+            })?;
+            starts.insert(b.binding, bytes);
+        }
+    }
+    let fill = merge::identity(task.spec.merge);
+    let bases = task
+        .spec
+        .bindings
+        .iter()
+        .filter(|b| b.role.is_writable())
+        .map(|b| {
+            let base = match starts.get(&b.binding) {
+                Some(bytes) => Base::Bytes(bytes),
+                None => Base::Fill(fill),
+            };
+            (b.binding, (b.role.size(), base))
+        })
+        .collect();
+    let refs: Vec<&ShardChanges> = shards.iter().collect();
+    merge::merge(task.spec.merge, &bases, &refs).map_err(|e| match e {
+        ExecError::Conflict { .. } => MergeError::Conflict(e.to_string()),
+        other => unavailable(other.to_string()),
+    })
+}
+
+/// On the leader: merges a task awaiting its merge, keeps the outputs on two nodes
+/// and records them, or fails the task on a conflict. Anything unavailable is left
+/// for the next scheduling pass.
+pub(crate) async fn merge_and_record(
+    consensus: &ConsensusHandle,
+    shared: &Arc<Shared>,
+    id: TaskId,
+) -> Result<(), String> {
+    let task = consensus
+        .read_local(move |s| s.task(id).cloned())
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or("the task is gone")?;
+    if task.status != TaskStatus::Merging {
+        return Ok(());
+    }
+    let command = match merge_shards(shared, &task).await {
+        Ok(merged) => {
+            let mut outputs = Vec::with_capacity(merged.len());
+            for (binding, bytes) in merged {
+                let size = bytes.len() as u64;
+                let blobs = shared.blobs.clone();
+                let blob = tokio::task::spawn_blocking(move || blobs.put(&bytes))
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| e.to_string())?;
+                crate::mesh::replicate(shared, blob, task.submitter.parse().ok()).await?;
+                outputs.push(MergedOutput {
+                    binding,
+                    blob,
+                    size,
+                    node: shared.raft_id,
+                });
+            }
+            Command::TaskMerged { task: id, outputs }
+        }
+        Err(MergeError::Conflict(reason)) => Command::MergeFailed { task: id, reason },
+        Err(MergeError::Unavailable(reason)) => return Err(reason),
+    };
+    consensus
+        .propose(command)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// A completed task's outputs, binding → blob, made local to this node: the merged
+/// blobs the leader recorded, or (one shard) its result over the starting contents.
+pub(crate) async fn task_outputs(
+    shared: &Arc<Shared>,
+    task: &Task,
+) -> Result<BTreeMap<u32, BlobId>, MergeError> {
+    if let Some(done) = shared
+        .results
+        .lock()
+        .ok()
+        .and_then(|r| r.get(&task.id).cloned())
+    {
+        return Ok(done);
+    }
+    let mut ids = BTreeMap::new();
+    if task.outputs.is_empty() {
+        for (binding, bytes) in merge_shards(shared, task).await? {
+            let id = shared
+                .blobs
+                .put(&bytes)
+                .map_err(|e| MergeError::Unavailable(e.to_string()))?;
+            ids.insert(binding, id);
+        }
+    } else {
+        for o in &task.outputs {
+            crate::mesh::fetch_blob(shared, o.blob, shared.peers.get(o.node))
+                .await
+                .map_err(|e| {
+                    MergeError::Unavailable(format!("output of binding {}: {e}", o.binding))
+                })?;
+            ids.insert(o.binding, o.blob);
+        }
+    }
+    if let Ok(mut r) = shared.results.lock() {
+        r.insert(task.id, ids.clone());
+    }
+    Ok(ids)
+}

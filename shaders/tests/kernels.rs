@@ -1,0 +1,990 @@
+//! Kernels written the way WebGPU programs write them — bounds checks with
+//! `arrayLength`, a ragged last workgroup, uniforms, in-place buffers, workgroup
+//! reductions, 2-D grids, a shared word, an atomic append — each split 1..=7 ways on
+//! every local adapter. Every sharded answer must equal the unsharded one byte for
+//! byte (or be refused with a clear error), and the unsharded one must equal an
+//! independent CPU reference.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use gpumesh_protocol::{
+    BindingRole, BindingSpec, BlobId, ElemType, Grid, MergeRule, ShaderSource, TaskSpec,
+};
+use gpumesh_shaders::{ExecError, Job, Kernel};
+use proptest::prelude::*;
+
+/// A task under construction: its bindings and the blobs they name.
+#[derive(Default, Clone)]
+struct Task {
+    bindings: Vec<BindingSpec>,
+    blobs: BTreeMap<BlobId, Arc<[u8]>>,
+}
+
+impl Task {
+    fn blob(mut self, binding: u32, bytes: Vec<u8>, inout: bool) -> Self {
+        let (blob, size) = (BlobId::of(&bytes), bytes.len() as u64);
+        self.blobs.insert(blob, Arc::from(bytes));
+        let role = if inout {
+            BindingRole::InOut { blob, size }
+        } else {
+            BindingRole::Input { blob, size }
+        };
+        self.bindings.push(BindingSpec { binding, role });
+        self
+    }
+
+    /// A `var<storage, read>` or `var<uniform>` binding filled from a file.
+    fn input(self, binding: u32, bytes: Vec<u8>) -> Self {
+        self.blob(binding, bytes, false)
+    }
+
+    /// A `read_write` binding that starts as `bytes` (`--inout`).
+    fn inout(self, binding: u32, bytes: Vec<u8>) -> Self {
+        self.blob(binding, bytes, true)
+    }
+
+    /// A `read_write` binding that starts as zeros (`--output`).
+    fn output(mut self, binding: u32, size: u64) -> Self {
+        self.bindings.push(BindingSpec {
+            binding,
+            role: BindingRole::Output { size },
+        });
+        self
+    }
+
+    fn spec(&self, source: &str, grid: [u32; 3], shards: u32, merge: MergeRule) -> TaskSpec {
+        TaskSpec {
+            shader: ShaderSource::Wgsl(source.into()),
+            entry_point: "main".into(),
+            bindings: self.bindings.clone(),
+            grid: Grid(grid),
+            shards,
+            merge,
+            options: Default::default(),
+        }
+    }
+
+    fn job(
+        &self,
+        source: &str,
+        grid: [u32; 3],
+        shards: u32,
+        merge: MergeRule,
+    ) -> Result<Job, ExecError> {
+        let kernel = Arc::new(Kernel::compile(source, "main")?);
+        Job::new(self.spec(source, grid, shards, merge), kernel, |id| {
+            self.blobs.get(id).cloned()
+        })
+    }
+}
+
+type Outputs = BTreeMap<u32, Vec<u8>>;
+
+/// Runs the task unsharded and in 2..=7 shards on every adapter: each sharded answer
+/// must equal the unsharded one byte for byte, and `check` must accept the
+/// unsharded one. Returns each adapter's unsharded outputs.
+fn split_1_to_7(
+    name: &str,
+    source: &str,
+    task: &Task,
+    grid: [u32; 3],
+    merge: MergeRule,
+    check: impl Fn(&Outputs),
+) -> Vec<Outputs> {
+    let mut answers = Vec::new();
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let backend = adapter.backend.name();
+        let whole = executor
+            .run(&task.job(source, grid, 1, merge).unwrap(), None)
+            .unwrap_or_else(|e| panic!("{name} on {backend}, unsharded: {e}"))
+            .outputs;
+        check(&whole);
+        for shards in 2..=7 {
+            let job = task.job(source, grid, shards, merge).unwrap();
+            assert_eq!(job.plan.len(), shards as usize);
+            let out = executor
+                .run(&job, None)
+                .unwrap_or_else(|e| panic!("{name} on {backend}, {shards} shards: {e}"))
+                .outputs;
+            if out != whole {
+                let (b, at) = first_difference(&whole, &out);
+                panic!("{name} on {backend}: {shards} shards differ from the unsharded run at binding {b}, byte {at}");
+            }
+        }
+        answers.push(whole);
+    }
+    answers
+}
+
+fn first_difference(a: &Outputs, b: &Outputs) -> (u32, usize) {
+    for (binding, x) in a {
+        let y = &b[binding];
+        if let Some(at) = x.iter().zip(y).position(|(p, q)| p != q) {
+            return (*binding, at);
+        }
+    }
+    (u32::MAX, 0)
+}
+
+fn u32_bytes(v: &[u32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn u32s(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    u32s(bytes).into_iter().map(f32::from_bits).collect()
+}
+
+/// Deterministic values (splitmix64), so a failure reproduces.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u32) -> u32 {
+        (self.next() % u64::from(n)) as u32
+    }
+
+    /// Uniform in [-1, 1), exactly representable.
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u32 << 23) as f32 - 1.0
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// A bounds check with arrayLength and a ragged last workgroup.
+
+const DOUBLE: &str = r#"
+@group(0) @binding(0) var<storage, read> input: array<f32>;
+@group(0) @binding(1) var<storage, read_write> output: array<f32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) global_id: vec3<u32>) {
+    let i = global_id.x;
+    if (i >= arrayLength(&input)) {
+        return;
+    }
+    output[i] = input[i] * 2.0;
+}
+"#;
+
+#[test]
+fn doubling_with_a_bounds_check_and_a_ragged_last_workgroup() {
+    let n = 1000; // 16 workgroups of 64; the last has 40 invocations with work
+    let mut rng = Rng(1);
+    let input: Vec<f32> = (0..n).map(|_| rng.unit() * 100.0).collect();
+    let task = Task::default()
+        .input(0, f32_bytes(&input))
+        .output(1, n as u64 * 4);
+    split_1_to_7(
+        "double",
+        DOUBLE,
+        &task,
+        [16, 1, 1],
+        MergeRule::Changes,
+        |out| {
+            let want: Vec<f32> = input.iter().map(|x| x * 2.0).collect();
+            assert_eq!(f32s(&out[&1]), want);
+        },
+    );
+}
+
+// ---------------------------------------------------------------------------------
+// A particle step: uniform parameters at 0, particles read at 1 and written at 2.
+
+const PARTICLES: &str = r#"
+struct Particle {
+    pos: vec2<f32>,
+    vel: vec2<f32>,
+}
+
+struct SimParams {
+    dt: f32,
+    cohesion_radius: f32,
+    separation_radius: f32,
+    alignment_radius: f32,
+    cohesion: f32,
+    separation: f32,
+    alignment: f32,
+}
+
+@group(0) @binding(0) var<uniform> params: SimParams;
+@group(0) @binding(1) var<storage, read> particles_in: array<Particle>;
+@group(0) @binding(2) var<storage, read_write> particles_out: array<Particle>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let total = arrayLength(&particles_in);
+    let me = gid.x;
+    if (me >= total) {
+        return;
+    }
+    var pos = particles_in[me].pos;
+    var vel = particles_in[me].vel;
+    var center = vec2<f32>(0.0, 0.0);
+    var away = vec2<f32>(0.0, 0.0);
+    var heading = vec2<f32>(0.0, 0.0);
+    var near_center = 0u;
+    var near_heading = 0u;
+    for (var j = 0u; j < total; j++) {
+        if (j == me) {
+            continue;
+        }
+        let other_pos = particles_in[j].pos;
+        let d = distance(other_pos, pos);
+        if (d < params.cohesion_radius) {
+            center += other_pos;
+            near_center++;
+        }
+        if (d < params.separation_radius) {
+            away -= other_pos - pos;
+        }
+        if (d < params.alignment_radius) {
+            heading += particles_in[j].vel;
+            near_heading++;
+        }
+    }
+    if (near_center > 0u) {
+        center = center / f32(near_center) - pos;
+    }
+    if (near_heading > 0u) {
+        heading = heading / f32(near_heading);
+    }
+    vel += center * params.cohesion + away * params.separation + heading * params.alignment;
+    vel = normalize(vel) * clamp(length(vel), 0.0, 0.1);
+    pos += vel * params.dt;
+    if (pos.x < -1.0) { pos.x = 1.0; }
+    if (pos.x > 1.0) { pos.x = -1.0; }
+    if (pos.y < -1.0) { pos.y = 1.0; }
+    if (pos.y > 1.0) { pos.y = -1.0; }
+    particles_out[me] = Particle(pos, vel);
+}
+"#;
+
+const PARAMS: [f32; 7] = [0.04, 0.1, 0.025, 0.025, 0.02, 0.05, 0.005];
+
+/// The particle step on the CPU, in f32, in the kernel's order of operations.
+fn particles_reference(p: &[[f32; 4]]) -> Vec<[f32; 4]> {
+    let [dt, r_c, r_s, r_a, k_c, k_s, k_a] = PARAMS;
+    p.iter()
+        .enumerate()
+        .map(|(me, q)| {
+            let (mut pos, mut vel) = ([q[0], q[1]], [q[2], q[3]]);
+            let (mut center, mut away, mut heading) = ([0f32; 2], [0f32; 2], [0f32; 2]);
+            let (mut nc, mut na) = (0u32, 0u32);
+            for (j, o) in p.iter().enumerate() {
+                if j == me {
+                    continue;
+                }
+                let d = ((o[0] - pos[0]).powi(2) + (o[1] - pos[1]).powi(2)).sqrt();
+                if d < r_c {
+                    center = [center[0] + o[0], center[1] + o[1]];
+                    nc += 1;
+                }
+                if d < r_s {
+                    away = [away[0] - (o[0] - pos[0]), away[1] - (o[1] - pos[1])];
+                }
+                if d < r_a {
+                    heading = [heading[0] + o[2], heading[1] + o[3]];
+                    na += 1;
+                }
+            }
+            if nc > 0 {
+                center = [
+                    center[0] / nc as f32 - pos[0],
+                    center[1] / nc as f32 - pos[1],
+                ];
+            }
+            if na > 0 {
+                heading = [heading[0] / na as f32, heading[1] / na as f32];
+            }
+            for k in 0..2 {
+                vel[k] += center[k] * k_c + away[k] * k_s + heading[k] * k_a;
+            }
+            let len = (vel[0] * vel[0] + vel[1] * vel[1]).sqrt();
+            let speed = len.clamp(0.0, 0.1);
+            vel = [vel[0] / len * speed, vel[1] / len * speed];
+            for k in 0..2 {
+                pos[k] += vel[k] * dt;
+                if pos[k] < -1.0 {
+                    pos[k] = 1.0;
+                }
+                if pos[k] > 1.0 {
+                    pos[k] = -1.0;
+                }
+            }
+            [pos[0], pos[1], vel[0], vel[1]]
+        })
+        .collect()
+}
+
+/// Float results within `tol` of the reference; at most `outliers` particles may be
+/// further off (a neighbour exactly at a radius can fall either side of it when the
+/// GPU's square root differs from the CPU's in the last bit).
+fn close(got: &[f32], want: &[f32], tol: f32, outliers: usize) {
+    assert_eq!(got.len(), want.len());
+    let off = got
+        .chunks(4)
+        .zip(want.chunks(4))
+        .filter(|(g, w)| {
+            g.iter()
+                .zip(*w)
+                .any(|(a, b)| (a - b).abs().is_nan() || (a - b).abs() > tol)
+        })
+        .count();
+    assert!(
+        off <= outliers,
+        "{off} particles differ from the CPU reference by more than {tol}"
+    );
+}
+
+fn particles() -> (Task, Vec<[f32; 4]>) {
+    let n = 1000; // 16 workgroups of 64, the last ragged
+    let mut rng = Rng(2);
+    let p: Vec<[f32; 4]> = (0..n)
+        .map(|_| [rng.unit(), rng.unit(), rng.unit() * 0.1, rng.unit() * 0.1])
+        .collect();
+    let flat: Vec<f32> = p.iter().flatten().copied().collect();
+    let task = Task::default()
+        .input(0, f32_bytes(&PARAMS))
+        .input(1, f32_bytes(&flat))
+        .output(2, n as u64 * 16);
+    (task, p)
+}
+
+#[test]
+fn particles_with_uniform_params_read_and_write_buffers() {
+    let (task, p) = particles();
+    let want: Vec<f32> = particles_reference(&p).into_iter().flatten().collect();
+    let answers = split_1_to_7(
+        "particles",
+        PARTICLES,
+        &task,
+        [16, 1, 1],
+        MergeRule::Changes,
+        |out| close(&f32s(&out[&2]), &want, 1e-5, 2),
+    );
+    // Different backends agree within the same bound.
+    for pair in answers.windows(2) {
+        close(&f32s(&pair[0][&2]), &f32s(&pair[1][&2]), 1e-5, 2);
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// One read_write buffer that is both the input and the output (in place).
+
+const COLLATZ: &str = r#"
+@group(0) @binding(0) var<storage, read_write> v_indices: array<u32>;
+
+// The number of steps to reach 1, or 0xffffffff if 3n+1 would overflow.
+fn collatz_iterations(n_base: u32) -> u32 {
+    var n: u32 = n_base;
+    var i: u32 = 0u;
+    loop {
+        if (n <= 1u) {
+            break;
+        }
+        if (n % 2u == 0u) {
+            n = n / 2u;
+        } else {
+            if (n >= 1431655765u) {
+                return 4294967295u;
+            }
+            n = 3u * n + 1u;
+        }
+        i = i + 1u;
+    }
+    return i;
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) global_id: vec3<u32>) {
+    if (global_id.x >= arrayLength(&v_indices)) {
+        return;
+    }
+    v_indices[global_id.x] = collatz_iterations(v_indices[global_id.x]);
+}
+"#;
+
+fn collatz_reference(n: u32) -> u32 {
+    let (mut n, mut i) = (n, 0u32);
+    while n > 1 {
+        if n % 2 == 0 {
+            n /= 2;
+        } else {
+            if n >= 1_431_655_765 {
+                return u32::MAX;
+            }
+            n = 3 * n + 1;
+        }
+        i += 1;
+    }
+    i
+}
+
+#[test]
+fn collatz_in_place_on_an_inout_buffer() {
+    let n = 777; // 13 workgroups, the last with 9 invocations with work
+    let mut rng = Rng(3);
+    let mut start: Vec<u32> = (0..n).map(|_| rng.below(100_000)).collect();
+    start[5] = 0; // steps 0: unchanged
+    start[6] = 1; // steps 0: changed
+    start[7] = 2_000_000_000; // overflows
+    let task = Task::default().inout(0, u32_bytes(&start));
+    split_1_to_7(
+        "collatz",
+        COLLATZ,
+        &task,
+        [13, 1, 1],
+        MergeRule::Changes,
+        |out| {
+            let want: Vec<u32> = start.iter().map(|&x| collatz_reference(x)).collect();
+            assert_eq!(u32s(&out[&0]), want);
+        },
+    );
+}
+
+// ---------------------------------------------------------------------------------
+// Two read_write buffers indexed by workgroup_id, from a workgroup reduction.
+
+const GROUP_STATS: &str = r#"
+@group(0) @binding(0) var<storage, read> data: array<u32>;
+@group(0) @binding(1) var<storage, read_write> group_sums: array<u32>;
+@group(0) @binding(2) var<storage, read_write> group_maxes: array<u32>;
+
+var<workgroup> sums: array<u32, 128>;
+var<workgroup> maxes: array<u32, 128>;
+
+@compute @workgroup_size(128)
+fn main(
+    @builtin(global_invocation_id) gid: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+    @builtin(workgroup_id) wid: vec3<u32>,
+) {
+    var v = 0u;
+    if (gid.x < arrayLength(&data)) {
+        v = data[gid.x];
+    }
+    sums[lid] = v;
+    maxes[lid] = v;
+    workgroupBarrier();
+    for (var stride = 64u; stride > 0u; stride = stride / 2u) {
+        if (lid < stride) {
+            sums[lid] = sums[lid] + sums[lid + stride];
+            maxes[lid] = max(maxes[lid], maxes[lid + stride]);
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) {
+        group_sums[wid.x] = sums[0];
+        group_maxes[wid.x] = maxes[0];
+    }
+}
+"#;
+
+#[test]
+fn two_outputs_indexed_by_workgroup_id_from_a_workgroup_reduction() {
+    let n = 128 * 10 + 50; // 11 workgroups, the last partly empty
+    let mut rng = Rng(4);
+    let data: Vec<u32> = (0..n).map(|_| rng.below(1 << 20)).collect();
+    let task = Task::default()
+        .input(0, u32_bytes(&data))
+        .output(1, 11 * 4)
+        .output(2, 11 * 4);
+    split_1_to_7(
+        "group stats",
+        GROUP_STATS,
+        &task,
+        [11, 1, 1],
+        MergeRule::Changes,
+        |out| {
+            let sums: Vec<u32> = data.chunks(128).map(|c| c.iter().sum()).collect();
+            let maxes: Vec<u32> = data.chunks(128).map(|c| *c.iter().max().unwrap()).collect();
+            assert_eq!(u32s(&out[&1]), sums);
+            assert_eq!(u32s(&out[&2]), maxes);
+        },
+    );
+}
+
+// ---------------------------------------------------------------------------------
+// A 2-D grid (split along y) with image dimensions in a uniform, writing transposed.
+
+const TRANSPOSE: &str = r#"
+struct Dims {
+    width: u32,
+    height: u32,
+}
+
+@group(0) @binding(0) var<uniform> dims: Dims;
+@group(0) @binding(1) var<storage, read> src: array<u32>;
+@group(0) @binding(2) var<storage, read_write> dst: array<u32>;
+
+@compute @workgroup_size(8, 8)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x >= dims.width || gid.y >= dims.height) {
+        return;
+    }
+    let v = src[gid.y * dims.width + gid.x];
+    dst[gid.x * dims.height + gid.y] = v * 3u + gid.x;
+}
+"#;
+
+#[test]
+fn a_2d_grid_with_ragged_edges_writing_transposed() {
+    let (w, h) = (61u32, 77u32); // 8 × 10 workgroups of 8×8, ragged on both edges
+    let mut rng = Rng(5);
+    let src: Vec<u32> = (0..w * h).map(|_| rng.below(1 << 24)).collect();
+    let task = Task::default()
+        .input(0, u32_bytes(&[w, h]))
+        .input(1, u32_bytes(&src))
+        .output(2, u64::from(w * h) * 4);
+    split_1_to_7(
+        "transpose",
+        TRANSPOSE,
+        &task,
+        [8, 10, 1],
+        MergeRule::Changes,
+        |out| {
+            let mut want = vec![0u32; (w * h) as usize];
+            for y in 0..h {
+                for x in 0..w {
+                    want[(x * h + y) as usize] = src[(y * w + x) as usize] * 3 + x;
+                }
+            }
+            assert_eq!(u32s(&out[&2]), want);
+        },
+    );
+}
+
+// ---------------------------------------------------------------------------------
+// Any number of inputs, uniforms, in-out buffers and outputs in one kernel.
+
+const MIXED: &str = r#"
+struct Affine {
+    scale: u32,
+    bias: u32,
+}
+
+@group(0) @binding(0) var<uniform> affine: Affine;
+@group(0) @binding(1) var<storage, read> x: array<u32>;
+@group(0) @binding(2) var<storage, read_write> y: array<u32>;
+@group(0) @binding(3) var<storage, read_write> visits: array<u32>;
+@group(0) @binding(4) var<storage, read_write> odd: array<u32>;
+@group(0) @binding(5) var<uniform> limit: vec4<u32>;
+
+@compute @workgroup_size(32)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i >= limit.x) {
+        return;
+    }
+    y[i] = affine.scale * x[i] + y[i] + affine.bias;
+    visits[i] = visits[i] + 1u;
+    odd[i] = y[i] & 1u;
+}
+"#;
+
+#[test]
+fn uniforms_inputs_inouts_and_outputs_together() {
+    let n = 300u32; // 10 workgroups of 32, the last with 12 invocations with work
+    let mut rng = Rng(6);
+    let x: Vec<u32> = (0..n).map(|_| rng.below(1000)).collect();
+    let y: Vec<u32> = (0..n).map(|_| rng.below(1000)).collect();
+    let visits: Vec<u32> = (0..n).map(|i| i % 3).collect();
+    let task = Task::default()
+        .input(0, u32_bytes(&[7, 11]))
+        .input(1, u32_bytes(&x))
+        .inout(2, u32_bytes(&y))
+        .inout(3, u32_bytes(&visits))
+        .output(4, u64::from(n) * 4)
+        .input(5, u32_bytes(&[n, 0, 0, 0]));
+    split_1_to_7(
+        "mixed",
+        MIXED,
+        &task,
+        [10, 1, 1],
+        MergeRule::Changes,
+        |out| {
+            let new_y: Vec<u32> = (0..n as usize).map(|i| 7 * x[i] + y[i] + 11).collect();
+            assert_eq!(u32s(&out[&2]), new_y);
+            assert_eq!(
+                u32s(&out[&3]),
+                visits.iter().map(|v| v + 1).collect::<Vec<_>>()
+            );
+            assert_eq!(
+                u32s(&out[&4]),
+                new_y.iter().map(|v| v & 1).collect::<Vec<_>>()
+            );
+        },
+    );
+}
+
+// ---------------------------------------------------------------------------------
+// One shared word.
+
+/// Any negative value sets one flag word: every shard that sees one writes the same
+/// 1, so shards agree and the word merges.
+const ANY_NEGATIVE: &str = r#"
+@group(0) @binding(0) var<storage, read> values: array<i32>;
+@group(0) @binding(1) var<storage, read_write> found: array<u32, 1>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x < arrayLength(&values) && values[gid.x] < 0) {
+        found[0] = 1u;
+    }
+}
+"#;
+
+#[test]
+fn a_shared_flag_word_set_to_one_value_by_several_shards_merges() {
+    let mut values: Vec<i32> = (0..700).collect();
+    values[3] = -1;
+    values[650] = -9;
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let task = Task::default().input(0, bytes).output(1, 4);
+    split_1_to_7(
+        "any negative",
+        ANY_NEGATIVE,
+        &task,
+        [11, 1, 1],
+        MergeRule::Changes,
+        |out| {
+            assert_eq!(u32s(&out[&1]), [1]);
+        },
+    );
+    // None negative: nothing written, the word stays 0.
+    let bytes: Vec<u8> = (0..700i32).flat_map(|v| v.to_le_bytes()).collect();
+    let task = Task::default().input(0, bytes).output(1, 4);
+    split_1_to_7(
+        "none negative",
+        ANY_NEGATIVE,
+        &task,
+        [11, 1, 1],
+        MergeRule::Changes,
+        |out| {
+            assert_eq!(u32s(&out[&1]), [0]);
+        },
+    );
+}
+
+/// The classic mistake: a running maximum kept in one word without atomics. Each
+/// shard finds its own maximum, so the word differs between shards.
+const RUNNING_MAX: &str = r#"
+@group(0) @binding(0) var<storage, read> values: array<u32>;
+@group(0) @binding(1) var<storage, read_write> result: array<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    if (lid != 0u) {
+        return;
+    }
+    var best = result[0];
+    for (var k = 0u; k < 64u; k++) {
+        let i = gid.x + k;
+        if (i < arrayLength(&values)) {
+            best = max(best, values[i]);
+        }
+    }
+    result[0] = best;
+}
+"#;
+
+#[test]
+fn one_word_written_differently_by_shards_is_a_conflict_not_an_answer() {
+    // Increasing values: each shard's maximum is its own last value.
+    let values: Vec<u32> = (0..640).collect();
+    let task = Task::default().input(0, u32_bytes(&values)).output(1, 8);
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        // Unsharded: never refused. Workgroups race on the word, so it holds the
+        // maximum of one of them, whichever wrote last.
+        let whole = executor
+            .run(
+                &task
+                    .job(RUNNING_MAX, [10, 1, 1], 1, MergeRule::Changes)
+                    .unwrap(),
+                None,
+            )
+            .unwrap();
+        let words = u32s(&whole.outputs[&1]);
+        assert!(words[0] % 64 == 63 && words[0] <= 639, "{words:?}");
+        assert_eq!(words[1], 0);
+        for shards in 2..=7 {
+            let job = task
+                .job(RUNNING_MAX, [10, 1, 1], shards, MergeRule::Changes)
+                .unwrap();
+            let e = executor.run(&job, None).unwrap_err();
+            let text = e.to_string();
+            assert!(
+                matches!(
+                    e,
+                    ExecError::Conflict {
+                        binding: 1,
+                        offset: 0,
+                        ..
+                    }
+                ),
+                "{shards} shards on {}: {text}",
+                adapter.backend.name()
+            );
+            assert!(
+                text.contains("conflict") && text.contains("--shards 1"),
+                "{text}"
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Atomics: a counter and an append buffer.
+
+const APPEND: &str = r#"
+struct Matches {
+    count: atomic<u32>,
+    items: array<u32>,
+}
+
+@group(0) @binding(0) var<storage, read> values: array<u32>;
+@group(0) @binding(1) var<storage, read_write> matches: Matches;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i >= arrayLength(&values)) {
+        return;
+    }
+    let v = values[i];
+    if (v % 7u == 3u) {
+        let slot = atomicAdd(&matches.count, 1u);
+        matches.items[slot] = v;
+    }
+}
+"#;
+
+const COUNTER: &str = r#"
+@group(0) @binding(0) var<storage, read> values: array<u32>;
+@group(0) @binding(1) var<storage, read_write> counter: atomic<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x < arrayLength(&values) && values[gid.x] % 2u == 0u) {
+        atomicAdd(&counter, 1u);
+    }
+}
+"#;
+
+#[test]
+fn an_atomic_append_runs_whole_and_is_refused_when_split() {
+    let n = 1000;
+    let mut rng = Rng(7);
+    let values: Vec<u32> = (0..n).map(|_| rng.below(1 << 16)).collect();
+    let mut want: Vec<u32> = values.iter().copied().filter(|v| v % 7 == 3).collect();
+    want.sort_unstable();
+    let task = Task::default()
+        .input(0, u32_bytes(&values))
+        .output(1, 4 + 4 * n as u64);
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let out = executor
+            .run(
+                &task.job(APPEND, [16, 1, 1], 1, MergeRule::Changes).unwrap(),
+                None,
+            )
+            .unwrap();
+        let words = u32s(&out.outputs[&1]);
+        let count = words[0] as usize;
+        assert_eq!(count, want.len(), "on {}", adapter.backend.name());
+        let mut got = words[1..=count].to_vec();
+        got.sort_unstable(); // appended in whatever order the invocations ran
+        assert_eq!(got, want);
+    }
+    for shards in 2..=7 {
+        let e = task
+            .job(APPEND, [16, 1, 1], shards, MergeRule::Changes)
+            .unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, ExecError::Unsplittable(_)), "{text}");
+        assert!(
+            text.contains("binding 1") && text.contains("atomics") && text.contains("--shards 1"),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn an_atomic_counter_runs_whole_and_is_refused_split_under_changes() {
+    let values: Vec<u32> = (0..900).collect();
+    let task = Task::default().input(0, u32_bytes(&values)).output(1, 4);
+    for shards in 2..=7 {
+        assert!(matches!(
+            task.job(COUNTER, [15, 1, 1], shards, MergeRule::Changes),
+            Err(ExecError::Unsplittable(_))
+        ));
+    }
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let job = task
+            .job(COUNTER, [15, 1, 1], 1, MergeRule::Changes)
+            .unwrap();
+        assert_eq!(u32s(&executor.run(&job, None).unwrap().outputs[&1]), [450]);
+    }
+}
+
+/// Under sum-u32 the counter is a reduction: each shard counts from 0 and the
+/// partial counts add up.
+#[test]
+fn an_atomic_counter_sums_under_sum_u32() {
+    let values: Vec<u32> = (0..900).collect();
+    let evens = values.iter().filter(|v| *v % 2 == 0).count() as u32;
+    let task = Task::default().input(0, u32_bytes(&values)).output(1, 4);
+    split_1_to_7(
+        "counter",
+        COUNTER,
+        &task,
+        [15, 1, 1],
+        MergeRule::Sum(ElemType::U32),
+        |out| {
+            assert_eq!(u32s(&out[&1]), [evens]);
+        },
+    );
+}
+
+#[test]
+fn an_inout_buffer_under_a_reduction_runs_whole_and_is_refused_split() {
+    let values: Vec<u32> = (0..900).collect();
+    let task = Task::default()
+        .input(0, u32_bytes(&values))
+        .inout(1, u32_bytes(&[100]));
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let out = executor
+            .run(
+                &task
+                    .job(COUNTER, [15, 1, 1], 1, MergeRule::Sum(ElemType::U32))
+                    .unwrap(),
+                None,
+            )
+            .unwrap();
+        assert_eq!(u32s(&out.outputs[&1]), [550]);
+    }
+    let e = task
+        .job(COUNTER, [15, 1, 1], 2, MergeRule::Sum(ElemType::U32))
+        .unwrap_err();
+    assert!(e.to_string().contains("in-out"), "{e}");
+}
+
+// ---------------------------------------------------------------------------------
+// Random shapes: any grid, any workgroup size, any buffer length, any shard count.
+
+/// Writes a hash of each invocation's linear index wherever it is inside the buffer;
+/// with `inout`, mixes the buffer's old value in (an in-place update).
+fn random_kernel(wg: [u32; 3], inout: bool) -> String {
+    let value = if inout {
+        "buf[i] * 2654435761u + h"
+    } else {
+        "h"
+    };
+    format!(
+        r#"
+@group(0) @binding(0) var<storage, read_write> buf: array<u32>;
+
+@compute @workgroup_size({}, {}, {})
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {{
+    let size = groups * vec3<u32>({}u, {}u, {}u);
+    let i = (gid.z * size.y + gid.y) * size.x + gid.x;
+    if (i >= arrayLength(&buf)) {{
+        return;
+    }}
+    var h = i ^ 0x9e3779b9u;
+    h = (h ^ (h >> 16u)) * 0x45d9f3bu;
+    h = h ^ (h >> 16u);
+    buf[i] = {value};
+}}
+"#,
+        wg[0], wg[1], wg[2], wg[0], wg[1], wg[2]
+    )
+}
+
+fn random_reference(len: usize, invocations: u64, start: Option<&[u32]>) -> Vec<u32> {
+    (0..len)
+        .map(|i| {
+            let old = start.map_or(0, |s| s[i]);
+            if (i as u64) >= invocations {
+                return old;
+            }
+            let mut h = (i as u32) ^ 0x9e37_79b9;
+            h = (h ^ (h >> 16)).wrapping_mul(0x045d_9f3b);
+            h ^= h >> 16;
+            match start {
+                Some(_) => old.wrapping_mul(2_654_435_761).wrapping_add(h),
+                None => h,
+            }
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(20))]
+
+    #[test]
+    fn any_shape_split_any_way_equals_the_unsharded_run(
+        wg in prop::sample::select(vec![[1, 1, 1], [64, 1, 1], [7, 1, 1], [8, 8, 1], [4, 3, 2], [13, 5, 1], [256, 1, 1]]),
+        grid in (1u32..40, 1u32..6, 1u32..4),
+        fill in 0.1f64..1.3,
+        shards in 1u32..8,
+        inout in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let grid = [grid.0, grid.1, grid.2];
+        let invocations: u64 = grid.iter().zip(wg).map(|(&g, w)| u64::from(g * w)).product();
+        // A length that is no multiple of anything in particular, sometimes past
+        // the last invocation (words nobody writes), usually short of it.
+        let len = ((invocations as f64 * fill) as usize).max(1) + (seed % 3) as usize;
+        let axis = (0..3).rev().find(|&a| grid[a] > 1).unwrap_or(0);
+        let shards = shards.min(grid[axis]);
+        let source = random_kernel(wg, inout);
+        let mut rng = Rng(seed);
+        let start: Vec<u32> = (0..len).map(|_| rng.below(u32::MAX)).collect();
+        let task = if inout {
+            Task::default().inout(0, u32_bytes(&start))
+        } else {
+            Task::default().output(0, len as u64 * 4)
+        };
+        let want = random_reference(len, invocations, inout.then_some(&start[..]));
+        for adapter in common::adapters() {
+            let mut executor = common::lock(adapter);
+            for s in [1, shards] {
+                let job = task.job(&source, grid, s, MergeRule::Changes).unwrap();
+                let out = executor.run(&job, None).unwrap();
+                prop_assert_eq!(
+                    u32s(&out.outputs[&0]), want.clone(),
+                    "{:?} groups of {:?}, {} words, {} shards, inout {}, on {}",
+                    grid, wg, len, s, inout, adapter.backend.name()
+                );
+            }
+        }
+    }
+}
