@@ -4,6 +4,9 @@
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
 
+#[path = "../shaders/tests/common/kernels.rs"]
+mod kernels;
+
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -210,9 +213,114 @@ fn a_binding_of_another_access_mode_is_named() {
 }
 
 #[test]
-fn an_output_not_divisible_for_concat_is_refused() {
-    let err = refused(DOUBLE, &["--output", "1:256", "--grid", "3"]);
-    assert!(err.contains("does not divide"), "{err}");
+fn an_inout_file_is_updated_in_place_by_shards_and_written_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = write(dir.path(), "collatz.wgsl", kernels::COLLATZ.as_bytes());
+    let start: Vec<u32> = (0..777).map(|i| i * 37 + 1).collect(); // 13 ragged workgroups
+    let start_path = write(dir.path(), "start.bin", &kernels::u32_bytes(&start));
+    let want: Vec<u32> = start
+        .iter()
+        .map(|&v| kernels::collatz_reference(v))
+        .collect();
+    for backend in backends() {
+        let out_dir = dir.path().join(format!("out-{backend}"));
+        let o = gpumesh(&[
+            "run",
+            &kernel,
+            "--inout",
+            &format!("0={start_path}"),
+            "--grid",
+            "13",
+            "--shards",
+            "5",
+            "--out-dir",
+            out_dir.to_str().unwrap(),
+            "--backend",
+            backend,
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let got = std::fs::read(out_dir.join("0.bin")).unwrap();
+        assert_eq!(kernels::u32s(&got), want, "on {backend}");
+    }
+}
+
+#[test]
+fn an_output_of_any_size_splits_over_a_ragged_grid() {
+    // 3 workgroups over 250 words: no divisibility rule.
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = write(dir.path(), "k.wgsl", kernels::DOUBLE.as_bytes());
+    let input: Vec<f32> = (0..250).map(|i| i as f32 * 0.25).collect();
+    let input_path = write(dir.path(), "in.bin", &kernels::f32_bytes(&input));
+    let out_dir = dir.path().join("out");
+    let o = gpumesh(&[
+        "run",
+        &kernel,
+        "--input",
+        &format!("0={input_path}"),
+        "--output",
+        "1:1000",
+        "--grid",
+        "4",
+        "--shards",
+        "3",
+        "--out-dir",
+        out_dir.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = kernels::f32s(&std::fs::read(out_dir.join("1.bin")).unwrap());
+    assert_eq!(got, input.iter().map(|v| v * 2.0).collect::<Vec<_>>());
+}
+
+#[test]
+fn shards_that_change_one_word_differently_are_a_conflict_not_an_answer() {
+    let values: Vec<u32> = (0..640).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let input = write(dir.path(), "v.bin", &kernels::u32_bytes(&values));
+    let err = refused(
+        kernels::RUNNING_MAX,
+        &[
+            "--no-default-input",
+            "--input",
+            &format!("0={input}"),
+            "--output",
+            "1:8",
+            "--grid",
+            "10",
+            "--shards",
+            "3",
+        ],
+    );
+    assert!(
+        err.contains("conflict") && err.contains("binding 1") && err.contains("byte offset 0"),
+        "{err}"
+    );
+    assert!(err.contains("--shards 1"), "{err}");
+}
+
+#[test]
+fn an_atomic_counter_split_under_the_default_merge_is_refused() {
+    let err = refused(
+        kernels::COUNTER,
+        &["--output", "1:4", "--grid", "4", "--shards", "2"],
+    );
+    assert!(
+        err.contains("atomics") && err.contains("--shards 1") && err.contains("sum"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_file_for_a_read_write_binding_is_pointed_to_inout() {
+    let in_place = "@group(0) @binding(0) var<storage, read_write> a: array<u32>;\n\
+@group(0) @binding(1) var<storage, read_write> b: array<u32>;\n\
+@compute @workgroup_size(64)\n\
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) { b[gid.x] = a[gid.x] + 1u; }\n";
+    // `refused` passes the file as --input 0.
+    let err = refused(in_place, &["--output", "1:256", "--grid", "1"]);
+    assert!(
+        err.contains("binding 0") && err.contains("--inout 0=FILE"),
+        "{err}"
+    );
 }
 
 #[test]

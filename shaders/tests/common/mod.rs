@@ -3,6 +3,8 @@
 //! CI sets `GPUMESH_REQUIRE_BACKENDS=vulkan,gl`: a missing adapter there fails the
 //! test. Elsewhere a missing adapter is reported loudly and its cases are skipped.
 
+pub mod kernels;
+
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use gpumesh_protocol::BackendKind;
