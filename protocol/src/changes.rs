@@ -36,17 +36,13 @@ pub enum Base<'a> {
 }
 
 impl Base<'_> {
-    /// The base's bytes `at..at + len`, materialised.
-    pub fn slice(&self, at: usize, len: usize) -> Vec<u8> {
-        match self {
-            Base::Bytes(b) => b[at..at + len].to_vec(),
-            Base::Fill(word) => word.iter().copied().cycle().take(len).collect(),
-        }
-    }
-
-    /// The whole buffer of `size` bytes.
+    /// The whole buffer of `size` bytes (a multiple of 4).
     pub fn materialise(&self, size: usize) -> Vec<u8> {
-        self.slice(0, size)
+        match self {
+            Base::Bytes(b) => b[..size].to_vec(),
+            Base::Fill([0, 0, 0, 0]) => vec![0; size],
+            Base::Fill(word) => word.repeat(size / 4),
+        }
     }
 }
 
@@ -76,8 +72,8 @@ pub struct BufferChanges {
 }
 
 impl BufferChanges {
-    /// The words of `after` that differ from `before`. Both are `after.len()` bytes
-    /// (a multiple of 4); a trailing partial word is compared as a word too.
+    /// The words of `after` that differ from `before`. Both are `after.len()` bytes,
+    /// a multiple of 4 (every gpumesh buffer is).
     pub fn diff(before: Base<'_>, after: &[u8]) -> Self {
         let size = after.len();
         let mut runs = Vec::new();
@@ -111,10 +107,11 @@ impl BufferChanges {
                 at = end;
                 continue;
             }
-            let mut w = at;
-            while w < end {
-                let we = (w + 4).min(end);
-                let changed = old[w - at..we - at] != new[w - at..we - at];
+            let words = old.chunks_exact(4).zip(new.chunks_exact(4));
+            for (k, (o, n)) in words.enumerate() {
+                let w = at + 4 * k;
+                let changed = u32::from_ne_bytes([o[0], o[1], o[2], o[3]])
+                    != u32::from_ne_bytes([n[0], n[1], n[2], n[3]]);
                 match (changed, open) {
                     (true, None) => open = Some(w),
                     (false, Some(start)) => {
@@ -127,7 +124,6 @@ impl BufferChanges {
                     }
                     _ => {}
                 }
-                w = we;
             }
             at = end;
         }

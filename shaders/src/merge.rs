@@ -45,6 +45,16 @@ pub fn merge(
     }
     let mut merged = BTreeMap::new();
     for (&binding, &(size, base)) in bases {
+        let fits = match base {
+            Base::Bytes(b) => b.len() as u64 == size,
+            Base::Fill(_) => true,
+        };
+        if size % 4 != 0 || !fits {
+            return Err(ExecError::Merge(format!(
+                "binding {binding}: its starting contents do not fill a {size}-byte buffer of \
+                 whole words"
+            )));
+        }
         let mut out = base.materialise(size as usize);
         let mut written = Written::new(size);
         for (k, shard) in shards.iter().enumerate() {

@@ -68,12 +68,12 @@ pub fn sections(
     spin_job: impl Fn(u32, u32) -> anyhow::Result<Job>,
     spin_groups: u32,
 ) -> anyhow::Result<()> {
-    let elements: u32 = 4 << 20; // a 16 MiB output, not a multiple of 64 minus one
-    let elements = elements - 37;
+    // A 16 MiB output less 37 words: the last workgroup is ragged.
+    let elements: u32 = (4 << 20) - 37;
     println!(
-        "\n(d) bytes per shard's result vs the buffer it writes into: {} MiB output, \
+        "\n(d) bytes per shard's result vs the buffer it writes into: a {:.1} MiB output, \
          each shard writes its share",
-        (u64::from(elements) * 4) >> 20
+        f64::from(elements) * 4.0 / f64::from(1 << 20)
     );
     println!(
         "{:>8} {:>14} {:>16} {:>14} {:>12}",
