@@ -304,3 +304,69 @@ async fn unmergeable_kernels_fail_with_the_conflict_or_are_refused_and_the_mesh_
     .await
     .expect("bounded");
 }
+
+/// The HTTP API as a program in any language would use it: upload the file, put
+/// the id it answers into an in-out binding, submit the spec as JSON, wait, fetch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_inout_task_submitted_as_plain_json_over_http() {
+    if !common::have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = common::mesh(dir.path(), 2).await;
+        let base = format!("http://{}", nodes[1].api_addr);
+        let http = reqwest::Client::new();
+        let start: Vec<u32> = (1..=100).collect();
+        let uploaded: serde_json::Value = http
+            .post(format!("{base}/v1/blobs"))
+            .body(u32_bytes(&start))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let blob = uploaded["id"].as_str().unwrap();
+        let request = serde_json::json!({
+            "spec": {
+                "shader": { "Wgsl": COLLATZ },
+                "entry_point": "main",
+                "bindings": [
+                    { "binding": 0, "role": { "InOut": { "blob": blob, "size": 400 } } }
+                ],
+                "grid": [2, 1, 1],
+                "shards": 2,
+                "merge": "Changes"
+            }
+        });
+        let submitted = http
+            .post(format!("{base}/v1/tasks"))
+            .json(&request)
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            submitted.status().is_success(),
+            "{}",
+            submitted.text().await.unwrap()
+        );
+        let task = submitted.json::<serde_json::Value>().await.unwrap()["task"]
+            .as_u64()
+            .unwrap();
+        client(&nodes[0]).wait(task, |_, _| {}).await.unwrap();
+        let bytes = http
+            .get(format!("{base}/v1/tasks/{task}/outputs/0"))
+            .send()
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
+        let want: Vec<u32> = start.iter().map(|&v| collatz_reference(v)).collect();
+        assert_eq!(u32s(&bytes), want);
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}

@@ -5,25 +5,28 @@
 //! the in-out buffers' starting contents, merges them, keeps each output as a blob
 //! on two nodes and commits `TaskMerged`, or `MergeFailed` when two shards changed
 //! one word to different values. Only then is the task complete, so a conflict fails
-//! the task instead of surfacing at fetch time. A task of one shard needs no merge
-//! step: its shard's changes over the starting contents are the answer, worked out
-//! by whichever node is asked for it ([`task_outputs`]). Talks to: raft (reads the
-//! task, proposes), the mesh (pulls and copies blobs), the blob store.
+//! the task instead of surfacing at fetch time (so does a result that cannot be
+//! merged at all); a blob that cannot be fetched yet is tried again on the next
+//! pass. A task of one shard needs no merge step: its shard's changes over the
+//! starting contents are the answer, worked out by whichever node is asked for it
+//! ([`task_outputs`]). Talks to: raft (reads the task, proposes), the mesh (pulls
+//! and copies blobs), the blob store.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use gpumesh_consensus::{Command, ConsensusHandle, MergedOutput, Task, TaskId, TaskStatus};
 use gpumesh_protocol::{Base, BlobId, ShardChanges};
-use gpumesh_shaders::{merge, ExecError};
+use gpumesh_shaders::merge;
 
 use crate::mesh::Shared;
 
 /// Why outputs could not be produced.
 #[derive(Debug)]
 pub(crate) enum MergeError {
-    /// The shards' results cannot be merged: the task must fail with this reason.
-    Conflict(String),
+    /// The shards' results cannot be merged (a conflict, or a result that does not
+    /// decode or fit its buffer): the task must fail with this reason.
+    Fatal(String),
     /// Something was not available (a blob, the record): worth trying again.
     Unavailable(String),
 }
@@ -31,7 +34,7 @@ pub(crate) enum MergeError {
 impl std::fmt::Display for MergeError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            MergeError::Conflict(r) | MergeError::Unavailable(r) => f.write_str(r),
+            MergeError::Fatal(r) | MergeError::Unavailable(r) => f.write_str(r),
         }
     }
 }
@@ -64,8 +67,10 @@ pub(crate) async fn merge_shards(
         let bytes = pull(shared, out.blob, shared.peers.get(out.node))
             .await
             .map_err(|e| unavailable(format!("the result of shard {i}: {e}")))?;
+        // The blob matched its hash, so a result that does not decode will not
+        // decode on a retry either.
         let changes = ShardChanges::decode(&bytes)
-            .map_err(|e| unavailable(format!("the result of shard {i}: {e}")))?;
+            .map_err(|e| MergeError::Fatal(format!("the result of shard {i} is malformed: {e}")))?;
         shards.push(changes);
     }
     let submitter = task.submitter.parse().ok();
@@ -93,10 +98,8 @@ pub(crate) async fn merge_shards(
         })
         .collect();
     let refs: Vec<&ShardChanges> = shards.iter().collect();
-    merge::merge(task.spec.merge, &bases, &refs).map_err(|e| match e {
-        ExecError::Conflict { .. } => MergeError::Conflict(e.to_string()),
-        other => unavailable(other.to_string()),
-    })
+    // Deterministic from here: the same results fail the same way on any node.
+    merge::merge(task.spec.merge, &bases, &refs).map_err(|e| MergeError::Fatal(e.to_string()))
 }
 
 /// On the leader: merges a task awaiting its merge, keeps the outputs on two nodes
@@ -135,7 +138,7 @@ pub(crate) async fn merge_and_record(
             }
             Command::TaskMerged { task: id, outputs }
         }
-        Err(MergeError::Conflict(reason)) => Command::MergeFailed { task: id, reason },
+        Err(MergeError::Fatal(reason)) => Command::MergeFailed { task: id, reason },
         Err(MergeError::Unavailable(reason)) => return Err(reason),
     };
     consensus

@@ -3,13 +3,46 @@
 use std::fmt;
 use std::str::FromStr;
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::error::ProtocolError;
 
 /// The blake3 hash of a blob's bytes; blobs are addressed by what they contain.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+///
+/// On the wire (bincode) it is its 32 bytes; in JSON it is the 64 hex digits that
+/// `POST /v1/blobs` answers with, so an HTTP client can put that id straight into a
+/// task's bindings (an array of 32 numbers is accepted too).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BlobId(pub [u8; 32]);
+
+impl Serialize for BlobId {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            s.serialize_str(&self.to_hex())
+        } else {
+            self.0.serialize(s)
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for BlobId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Text {
+            Hex(String),
+            Bytes([u8; 32]),
+        }
+        if d.is_human_readable() {
+            match Text::deserialize(d)? {
+                Text::Hex(s) => s.parse().map_err(serde::de::Error::custom),
+                Text::Bytes(b) => Ok(BlobId(b)),
+            }
+        } else {
+            <[u8; 32]>::deserialize(d).map(BlobId)
+        }
+    }
+}
 
 impl BlobId {
     /// The id of `bytes`.

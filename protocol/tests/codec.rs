@@ -350,6 +350,24 @@ fn a_huge_length_prefix_is_refused_without_allocating() {
 }
 
 #[test]
+fn blob_ids_are_32_bytes_on_the_wire_and_hex_in_json() {
+    let id = BlobId::of(b"abc");
+    assert_eq!(
+        gpumesh_protocol::codec::to_bytes(&id).unwrap(),
+        id.0.to_vec()
+    );
+    let json = serde_json::to_string(&id).unwrap();
+    assert_eq!(json, format!("\"{}\"", id.to_hex()));
+    assert_eq!(serde_json::from_str::<BlobId>(&json).unwrap(), id);
+    let array = serde_json::to_string(&id.0).unwrap();
+    assert_eq!(serde_json::from_str::<BlobId>(&array).unwrap(), id);
+    let bad = serde_json::from_str::<BlobId>("\"xyz\"")
+        .unwrap_err()
+        .to_string();
+    assert!(bad.contains("64 hex digits"), "{bad}");
+}
+
+#[test]
 fn merge_rules_and_grids_parse() {
     for s in [
         "changes", "sum-u32", "sum-i32", "sum-f32", "min-f32", "max-i32",
