@@ -484,65 +484,88 @@ fn an_inout_buffer_under_a_reduction_runs_whole_and_is_refused_split() {
 // ---------------------------------------------------------------------------------
 // Random shapes: any grid, any workgroup size, any buffer length, any shard count.
 
-/// Writes a hash of each invocation's linear index wherever it is inside the buffer;
-/// with `inout`, mixes the buffer's old value in (an in-place update).
-fn random_kernel(wg: [u32; 3], inout: bool) -> String {
-    let value = if inout {
-        "buf[i] * 2654435761u + h"
-    } else {
-        "h"
+/// How the random kernel uses its one writable buffer.
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    /// Writes a hash of each invocation's linear index where it is inside the buffer
+    /// (`--output`, starting as zeros).
+    Output,
+    /// Mixes the buffer's old value into that hash, in place (`--inout`).
+    InOut,
+    /// Counts invocations into the buffer's words with atomicAdd, each invocation
+    /// into the word its hash picks (`--output` merged with sum-u32).
+    AtomicSum,
+}
+
+fn random_kernel(wg: [u32; 3], mode: Mode) -> String {
+    let (decl, body) = match mode {
+        Mode::Output => ("array<u32>", "if (i < n) { buf[i] = h; }"),
+        Mode::InOut => (
+            "array<u32>",
+            "if (i < n) { buf[i] = buf[i] * 2654435761u + h; }",
+        ),
+        Mode::AtomicSum => ("array<atomic<u32>>", "atomicAdd(&buf[h % n], 1u);"),
     };
     format!(
         r#"
-@group(0) @binding(0) var<storage, read_write> buf: array<u32>;
+@group(0) @binding(0) var<storage, read_write> buf: {decl};
 
 @compute @workgroup_size({}, {}, {})
 fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {{
     let size = groups * vec3<u32>({}u, {}u, {}u);
     let i = (gid.z * size.y + gid.y) * size.x + gid.x;
-    if (i >= arrayLength(&buf)) {{
-        return;
-    }}
+    let n = arrayLength(&buf);
     var h = i ^ 0x9e3779b9u;
     h = (h ^ (h >> 16u)) * 0x45d9f3bu;
     h = h ^ (h >> 16u);
-    buf[i] = {value};
+    {body}
 }}
 "#,
         wg[0], wg[1], wg[2], wg[0], wg[1], wg[2]
     )
 }
 
-fn random_reference(len: usize, invocations: u64, start: Option<&[u32]>) -> Vec<u32> {
-    (0..len)
-        .map(|i| {
-            let old = start.map_or(0, |s| s[i]);
-            if (i as u64) >= invocations {
-                return old;
+fn hash(i: u32) -> u32 {
+    let mut h = i ^ 0x9e37_79b9;
+    h = (h ^ (h >> 16)).wrapping_mul(0x045d_9f3b);
+    h ^ (h >> 16)
+}
+
+fn random_reference(len: usize, invocations: u64, mode: Mode, start: &[u32]) -> Vec<u32> {
+    match mode {
+        Mode::AtomicSum => {
+            let mut bins = vec![0u32; len];
+            for i in 0..invocations {
+                bins[hash(i as u32) as usize % len] += 1;
             }
-            let mut h = (i as u32) ^ 0x9e37_79b9;
-            h = (h ^ (h >> 16)).wrapping_mul(0x045d_9f3b);
-            h ^= h >> 16;
-            match start {
-                Some(_) => old.wrapping_mul(2_654_435_761).wrapping_add(h),
-                None => h,
-            }
-        })
-        .collect()
+            bins
+        }
+        // Words past the last invocation keep their start (zeros for an output).
+        Mode::Output | Mode::InOut => (0..len)
+            .map(|i| match mode {
+                _ if i as u64 >= invocations => start[i],
+                Mode::InOut => start[i]
+                    .wrapping_mul(2_654_435_761)
+                    .wrapping_add(hash(i as u32)),
+                _ => hash(i as u32),
+            })
+            .collect(),
+    }
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(20))]
+    #![proptest_config(ProptestConfig::with_cases(24))]
 
     #[test]
     fn any_shape_split_any_way_equals_the_unsharded_run(
-        wg in prop::sample::select(vec![[1, 1, 1], [64, 1, 1], [7, 1, 1], [8, 8, 1], [4, 3, 2], [13, 5, 1], [256, 1, 1]]),
+        wg in (1u32..=64, 1u32..=8, 1u32..=4).prop_filter("at most 256 invocations", |(x, y, z)| x * y * z <= 256),
         grid in (1u32..40, 1u32..6, 1u32..4),
         fill in 0.1f64..1.3,
         shards in 1u32..8,
-        inout in any::<bool>(),
+        mode in prop::sample::select(vec![Mode::Output, Mode::InOut, Mode::AtomicSum]),
         seed in any::<u64>(),
     ) {
+        let wg = [wg.0, wg.1, wg.2];
         let grid = [grid.0, grid.1, grid.2];
         let invocations: u64 = grid.iter().zip(wg).map(|(&g, w)| u64::from(g * w)).product();
         // A length that is no multiple of anything in particular, sometimes past
@@ -550,24 +573,30 @@ proptest! {
         let len = ((invocations as f64 * fill) as usize).max(1) + (seed % 3) as usize;
         let axis = (0..3).rev().find(|&a| grid[a] > 1).unwrap_or(0);
         let shards = shards.min(grid[axis]);
-        let source = random_kernel(wg, inout);
+        let source = random_kernel(wg, mode);
         let mut rng = Rng(seed);
-        let start: Vec<u32> = (0..len).map(|_| rng.below(u32::MAX)).collect();
-        let task = if inout {
-            Task::default().inout(0, u32_bytes(&start))
-        } else {
-            Task::default().output(0, len as u64 * 4)
+        let (task, start, merge) = match mode {
+            Mode::InOut => {
+                let start: Vec<u32> = (0..len).map(|_| rng.below(u32::MAX)).collect();
+                (Task::default().inout(0, u32_bytes(&start)), start, MergeRule::Changes)
+            }
+            Mode::Output => (Task::default().output(0, len as u64 * 4), vec![0; len], MergeRule::Changes),
+            Mode::AtomicSum => (
+                Task::default().output(0, len as u64 * 4),
+                vec![0; len],
+                MergeRule::Sum(ElemType::U32),
+            ),
         };
-        let want = random_reference(len, invocations, inout.then_some(&start[..]));
+        let want = random_reference(len, invocations, mode, &start);
         for adapter in common::adapters() {
             let mut executor = common::lock(adapter);
             for s in [1, shards] {
-                let job = task.job(&source, grid, s, MergeRule::Changes).unwrap();
+                let job = task.job(&source, grid, s, merge).unwrap();
                 let out = executor.run(&job, None).unwrap();
                 prop_assert_eq!(
                     u32s(&out.outputs[&0]), want.clone(),
-                    "{:?} groups of {:?}, {} words, {} shards, inout {}, on {}",
-                    grid, wg, len, s, inout, adapter.backend.name()
+                    "{:?} groups of {:?}, {} words, {} shards, {:?}, on {}",
+                    grid, wg, len, s, mode, adapter.backend.name()
                 );
             }
         }
