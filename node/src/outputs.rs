@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use gpumesh_consensus::{Command, ConsensusHandle, MergedOutput, Task, TaskId, TaskStatus};
-use gpumesh_protocol::{Base, BlobId, ShardChanges};
+use gpumesh_protocol::{Base, BlobId, ShardChanges, TaskSpec};
 use gpumesh_shaders::merge;
 
 use crate::mesh::Shared;
@@ -40,7 +40,7 @@ impl std::fmt::Display for MergeError {
 }
 
 /// Reads blob `id`, pulling it first if it is not here (from `holder` first).
-async fn pull(
+pub(crate) async fn pull(
     shared: &Arc<Shared>,
     id: BlobId,
     holder: Option<libp2p::PeerId>,
@@ -51,6 +51,44 @@ async fn pull(
         .get(&id)
         .map_err(|e| e.to_string())?
         .ok_or_else(|| format!("blob {id} vanished from the store"))
+}
+
+/// The starting contents of `task`'s in-out bindings, pulled from the mesh.
+pub(crate) async fn starts(
+    shared: &Arc<Shared>,
+    task: &Task,
+) -> Result<BTreeMap<u32, Vec<u8>>, MergeError> {
+    let submitter = task.submitter.parse().ok();
+    let mut starts = BTreeMap::new();
+    for b in &task.spec.bindings {
+        if let gpumesh_protocol::BindingRole::InOut { blob, .. } = b.role {
+            let bytes = pull(shared, blob, submitter).await.map_err(|e| {
+                MergeError::Unavailable(format!("the start of in-out binding {}: {e}", b.binding))
+            })?;
+            starts.insert(b.binding, bytes);
+        }
+    }
+    Ok(starts)
+}
+
+/// Every writable binding's size and starting contents: its in-out file from
+/// `starts`, or the merge rule's identity.
+pub(crate) fn bases<'a>(
+    spec: &TaskSpec,
+    starts: &'a BTreeMap<u32, Vec<u8>>,
+) -> BTreeMap<u32, (u64, Base<'a>)> {
+    let fill = merge::identity(spec.merge);
+    spec.bindings
+        .iter()
+        .filter(|b| b.role.is_writable())
+        .map(|b| {
+            let base = match starts.get(&b.binding) {
+                Some(bytes) => Base::Bytes(bytes),
+                None => Base::Fill(fill),
+            };
+            (b.binding, (b.role.size(), base))
+        })
+        .collect()
 }
 
 /// Merges the accepted results of every shard of `task` into its outputs.
@@ -73,30 +111,8 @@ pub(crate) async fn merge_shards(
             .map_err(|e| MergeError::Fatal(format!("the result of shard {i} is malformed: {e}")))?;
         shards.push(changes);
     }
-    let submitter = task.submitter.parse().ok();
-    let mut starts: BTreeMap<u32, Vec<u8>> = BTreeMap::new();
-    for b in &task.spec.bindings {
-        if let gpumesh_protocol::BindingRole::InOut { blob, .. } = b.role {
-            let bytes = pull(shared, blob, submitter).await.map_err(|e| {
-                unavailable(format!("the start of in-out binding {}: {e}", b.binding))
-            })?;
-            starts.insert(b.binding, bytes);
-        }
-    }
-    let fill = merge::identity(task.spec.merge);
-    let bases = task
-        .spec
-        .bindings
-        .iter()
-        .filter(|b| b.role.is_writable())
-        .map(|b| {
-            let base = match starts.get(&b.binding) {
-                Some(bytes) => Base::Bytes(bytes),
-                None => Base::Fill(fill),
-            };
-            (b.binding, (b.role.size(), base))
-        })
-        .collect();
+    let starts = starts(shared, task).await?;
+    let bases = bases(&task.spec, &starts);
     let refs: Vec<&ShardChanges> = shards.iter().collect();
     // Deterministic from here: the same results fail the same way on any node.
     merge::merge(task.spec.merge, &bases, &refs).map_err(|e| MergeError::Fatal(e.to_string()))

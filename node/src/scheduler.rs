@@ -316,37 +316,37 @@ async fn verdict(
     shard: u32,
 ) -> Result<Vec<u32>, String> {
     let found = consensus
-        .read_local(move |s| {
-            s.task(task).and_then(|t| {
-                Some((
-                    t.spec.options.clone(),
-                    t.shards.get(shard as usize)?.reports.clone(),
-                ))
-            })
-        })
+        .read_local(move |s| s.task(task).cloned())
         .await
         .map_err(|e| e.to_string())?;
-    let Some((options, reports)) = found else {
-        return Err("the shard is gone".into());
+    let Some(t) = found else {
+        return Err("the task is gone".into());
     };
+    let reports = t
+        .shards
+        .get(shard as usize)
+        .ok_or("the shard is gone")?
+        .reports
+        .clone();
     let mut outputs = Vec::new();
     for r in &reports {
-        let holder = s_peer(shared, r.node);
-        crate::mesh::fetch_blob(shared, r.blob, holder)
-            .await
-            .map_err(|e| e.to_string())?;
-        let bytes = shared
-            .blobs
-            .get(&r.blob)
-            .map_err(|e| e.to_string())?
-            .ok_or("blob vanished")?;
+        let bytes = crate::outputs::pull(shared, r.blob, s_peer(shared, r.node)).await?;
         outputs.push((
             r.epoch,
             gpumesh_protocol::ShardChanges::decode(&bytes).map_err(|e| e.to_string())?,
         ));
     }
+    // Replicas that changed different words are compared over whole buffers.
+    let starts = crate::outputs::starts(shared, &t)
+        .await
+        .map_err(|e| e.to_string())?;
+    let bases: BTreeMap<u32, gpumesh_protocol::Base<'_>> = crate::outputs::bases(&t.spec, &starts)
+        .into_iter()
+        .map(|(b, (_, base))| (b, base))
+        .collect();
+    let tolerance = t.spec.options.tolerance;
     let agree = |a: &gpumesh_protocol::ShardChanges, b: &gpumesh_protocol::ShardChanges| {
-        a.agrees(b, options.tolerance)
+        a.agrees(b, tolerance, &bases)
     };
     let mut best: Vec<u32> = Vec::new();
     for (i, (_, a)) in outputs.iter().enumerate() {

@@ -288,17 +288,33 @@ impl ShardChanges {
         Ok(ShardChanges(out))
     }
 
-    /// Whether two results of the same shard agree: the same buffers with the same
-    /// changed words, whose values are equal bit for bit (`tolerance` `None`) or as
-    /// f32 within the relative `tolerance`. Two replicas that changed different
-    /// words disagree, even if one left a word at a value that equals its start.
-    pub fn agrees(&self, other: &ShardChanges, tolerance: Option<f32>) -> bool {
+    /// Whether two results of the same shard agree: equal bit for bit (`tolerance`
+    /// `None`), or as f32 values within the relative `tolerance`. Results with the
+    /// same changed words compare those; otherwise each buffer is compared whole,
+    /// starting from `bases` (binding → starting contents), so a float that came out
+    /// exactly at its starting value on one adapter and a hair off it on another
+    /// still agrees. A buffer missing from `bases` compares by its changes alone.
+    pub fn agrees(
+        &self,
+        other: &ShardChanges,
+        tolerance: Option<f32>,
+        bases: &BTreeMap<u32, Base<'_>>,
+    ) -> bool {
         self.0.len() == other.0.len()
             && self.0.iter().zip(&other.0).all(|((ka, a), (kb, b))| {
-                ka == kb
-                    && a.size == b.size
-                    && a.runs == b.runs
-                    && crate::task::values_agree(&a.data, &b.data, tolerance)
+                if ka != kb || a.size != b.size {
+                    return false;
+                }
+                if a.runs == b.runs {
+                    return crate::task::values_agree(&a.data, &b.data, tolerance);
+                }
+                match (tolerance, bases.get(ka)) {
+                    (Some(_), Some(base)) => {
+                        crate::task::values_agree(&a.applied(*base), &b.applied(*base), tolerance)
+                    }
+                    // Bit for bit, different changed words are different buffers.
+                    _ => false,
+                }
             })
     }
 }
@@ -444,9 +460,38 @@ mod tests {
             0,
             BufferChanges::whole(&1.000_001f32.to_le_bytes()),
         )]));
-        assert!(a.agrees(&a, None));
-        assert!(!a.agrees(&b, None));
-        assert!(a.agrees(&b, Some(1e-5)));
-        assert!(!a.agrees(&ShardChanges::default(), Some(1e-5)));
+        let none = BTreeMap::new();
+        assert!(a.agrees(&a, None, &none));
+        assert!(!a.agrees(&b, None, &none));
+        assert!(a.agrees(&b, Some(1e-5), &none));
+        assert!(!a.agrees(&ShardChanges::default(), Some(1e-5), &none));
+    }
+
+    #[test]
+    fn floats_at_their_start_on_one_side_agree_within_tolerance() {
+        // One replica left word 1 at its start (0.0), the other wrote 1e-38 there.
+        let start = [0u8; 8];
+        let x: Vec<u8> = [1.0f32, 0.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let y: Vec<u8> = [1.0f32, 1e-38]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let a = ShardChanges(BTreeMap::from([(
+            0,
+            BufferChanges::diff(Base::Bytes(&start), &x),
+        )]));
+        let b = ShardChanges(BTreeMap::from([(
+            0,
+            BufferChanges::diff(Base::Bytes(&start), &y),
+        )]));
+        let bases = BTreeMap::from([(0, Base::Bytes(&start))]);
+        assert!(a.agrees(&b, Some(1e-5), &bases));
+        assert!(!a.agrees(&b, None, &bases));
+        let z: Vec<u8> = [1.0f32, 0.5].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let c = ShardChanges(BTreeMap::from([(
+            0,
+            BufferChanges::diff(Base::Bytes(&start), &z),
+        )]));
+        assert!(!a.agrees(&c, Some(1e-5), &bases));
     }
 }
