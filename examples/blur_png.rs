@@ -58,6 +58,7 @@ async fn main() -> anyhow::Result<()> {
         grid: Grid([SIDE / 16, SIDE / 16, 1]),
         shards: 8,
         merge: MergeRule::Changes,
+        merges: Default::default(),
         options: Default::default(),
     };
     let task = client.submit(spec, None).await?;

@@ -57,6 +57,7 @@ async fn main() -> anyhow::Result<()> {
             grid: Grid([(N / 64) as u32, 1, 1]),
             shards: 4,
             merge: MergeRule::Changes,
+            merges: Default::default(),
             options: Default::default(),
         };
         let task = client.submit(spec, None).await?;

@@ -80,6 +80,7 @@ async fn main() -> anyhow::Result<()> {
             grid: Grid([ROWS / 256, 1, 1]),
             shards: 4,
             merge: MergeRule::Sum(ElemType::F32),
+            merges: Default::default(),
             options: Default::default(),
         };
         let task = client.submit(spec, None).await?;

@@ -52,6 +52,7 @@ fn main() -> anyhow::Result<()> {
             grid: Grid([n / 64, 1, 1]),
             shards,
             merge: MergeRule::Changes,
+            merges: Default::default(),
             options: Default::default(),
         };
         Job::new(spec, kernel.clone(), |id| (*id == blob).then(|| xs.clone()))

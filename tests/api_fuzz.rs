@@ -277,6 +277,7 @@ fn spec(uploaded: Vec<(BlobId, u64)>) -> impl Strategy<Value = TaskSpec> {
                 grid: Grid(grid),
                 shards,
                 merge,
+                merges: Default::default(),
                 options,
             },
         )

@@ -310,6 +310,49 @@ fn an_atomic_counter_split_under_the_default_merge_is_refused() {
 }
 
 #[test]
+fn a_merge_rule_for_one_binding_splits_a_kernel_with_an_atomic_total() {
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = write(dir.path(), "k.wgsl", kernels::DOUBLE_AND_COUNT.as_bytes());
+    let values: Vec<u32> = (0..1000).map(|i| i * 7 + 3).collect();
+    let odd = values.iter().filter(|v| *v % 2 == 1).count() as u32;
+    let input = write(dir.path(), "v.bin", &kernels::u32_bytes(&values));
+    let out_dir = dir.path().join("out");
+    let mut args = vec![
+        "run",
+        kernel.as_str(),
+        "--input",
+        "",
+        "--output",
+        "1:4000",
+        "--output",
+        "2:4",
+        "--grid",
+        "16",
+        "--shards",
+        "4",
+        "--merge",
+        "2=sum-u32",
+        "--out-dir",
+        out_dir.to_str().unwrap(),
+    ];
+    let input_arg = format!("0={input}");
+    args[3] = &input_arg;
+    let o = gpumesh(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let doubled = kernels::u32s(&std::fs::read(out_dir.join("1.bin")).unwrap());
+    assert_eq!(doubled, values.iter().map(|v| v * 2).collect::<Vec<_>>());
+    assert_eq!(
+        kernels::u32s(&std::fs::read(out_dir.join("2.bin")).unwrap()),
+        [odd]
+    );
+    // One rule per binding.
+    args.extend(["--merge", "2=max-u32"]);
+    let o = gpumesh(&args);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("twice"), "{}", stderr(&o));
+}
+
+#[test]
 fn a_file_for_a_read_write_binding_is_pointed_to_inout() {
     let in_place = "@group(0) @binding(0) var<storage, read_write> a: array<u32>;\n\
 @group(0) @binding(1) var<storage, read_write> b: array<u32>;\n\

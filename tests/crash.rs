@@ -67,6 +67,7 @@ fn spec(shards: u32) -> TaskSpec {
         grid: Grid([GROUPS, 1, 1]),
         shards,
         merge: MergeRule::Changes,
+        merges: Default::default(),
         options: Default::default(),
     }
 }

@@ -247,6 +247,7 @@ async fn a_shader_that_never_ends_fails_its_task_and_the_node_keeps_serving() {
             grid: Grid([groups, 1, 1]),
             shards: 1,
             merge: MergeRule::Changes,
+            merges: Default::default(),
             options: gpumesh::protocol::TaskOptions {
                 deadline_ms: Some(1000),
                 ..Default::default()

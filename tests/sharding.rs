@@ -60,6 +60,7 @@ impl Task {
             grid: Grid(grid),
             shards,
             merge: MergeRule::Changes,
+            merges: Default::default(),
             options: Default::default(),
         }
     }

@@ -526,7 +526,7 @@ fn view(t: &gpumesh_consensus::Task) -> TaskView {
         reason,
         kernel: kernel_name(&t.spec),
         submitter: t.submitter.clone(),
-        merge: t.spec.merge.to_string(),
+        merge: t.spec.merge_label(),
         grid: t.spec.grid.to_string(),
         shards_done: t
             .shards

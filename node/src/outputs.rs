@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use gpumesh_consensus::{Command, ConsensusHandle, MergedOutput, Task, TaskId, TaskStatus};
-use gpumesh_protocol::{Base, BlobId, ShardChanges, TaskSpec};
+use gpumesh_protocol::{BlobId, ShardChanges};
 use gpumesh_shaders::merge;
 
 use crate::mesh::Shared;
@@ -71,26 +71,6 @@ pub(crate) async fn starts(
     Ok(starts)
 }
 
-/// Every writable binding's size and starting contents: its in-out file from
-/// `starts`, or the merge rule's identity.
-pub(crate) fn bases<'a>(
-    spec: &TaskSpec,
-    starts: &'a BTreeMap<u32, Vec<u8>>,
-) -> BTreeMap<u32, (u64, Base<'a>)> {
-    let fill = merge::identity(spec.merge);
-    spec.bindings
-        .iter()
-        .filter(|b| b.role.is_writable())
-        .map(|b| {
-            let base = match starts.get(&b.binding) {
-                Some(bytes) => Base::Bytes(bytes),
-                None => Base::Fill(fill),
-            };
-            (b.binding, (b.role.size(), base))
-        })
-        .collect()
-}
-
 /// Merges the accepted results of every shard of `task` into its outputs.
 pub(crate) async fn merge_shards(
     shared: &Arc<Shared>,
@@ -112,10 +92,10 @@ pub(crate) async fn merge_shards(
         shards.push(changes);
     }
     let starts = starts(shared, task).await?;
-    let bases = bases(&task.spec, &starts);
+    let targets = merge::targets(&task.spec, |b| starts.get(&b).map(Vec::as_slice));
     let refs: Vec<&ShardChanges> = shards.iter().collect();
     // Deterministic from here: the same results fail the same way on any node.
-    merge::merge(task.spec.merge, &bases, &refs).map_err(|e| MergeError::Fatal(e.to_string()))
+    merge::merge(&targets, &refs).map_err(|e| MergeError::Fatal(e.to_string()))
 }
 
 /// On the leader: merges a task awaiting its merge, keeps the outputs on two nodes

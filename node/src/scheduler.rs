@@ -340,10 +340,11 @@ async fn verdict(
     let starts = crate::outputs::starts(shared, &t)
         .await
         .map_err(|e| e.to_string())?;
-    let bases: BTreeMap<u32, gpumesh_protocol::Base<'_>> = crate::outputs::bases(&t.spec, &starts)
-        .into_iter()
-        .map(|(b, (_, base))| (b, base))
-        .collect();
+    let bases: BTreeMap<u32, gpumesh_protocol::Base<'_>> =
+        gpumesh_shaders::merge::targets(&t.spec, |b| starts.get(&b).map(Vec::as_slice))
+            .into_iter()
+            .map(|(b, target)| (b, target.base))
+            .collect();
     let tolerance = t.spec.options.tolerance;
     let agree = |a: &gpumesh_protocol::ShardChanges, b: &gpumesh_protocol::ShardChanges| {
         a.agrees(b, tolerance, &bases)

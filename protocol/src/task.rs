@@ -217,7 +217,12 @@ pub struct TaskSpec {
     pub grid: Grid,
     /// How many shards the grid is split into (1 = unsharded).
     pub shards: u32,
+    /// How every writable binding's shard results merge…
     pub merge: MergeRule,
+    /// …except the bindings named here (an atomic total summed beside outputs
+    /// merged by changes, say).
+    #[serde(default)]
+    pub merges: std::collections::BTreeMap<u32, MergeRule>,
     #[serde(default)]
     pub options: TaskOptions,
 }
@@ -280,6 +285,20 @@ pub(crate) fn values_agree(a: &[u8], b: &[u8], tolerance: Option<f32>) -> bool {
 }
 
 impl TaskSpec {
+    /// The merge rule of writable binding `binding`.
+    pub fn merge_of(&self, binding: u32) -> MergeRule {
+        self.merges.get(&binding).copied().unwrap_or(self.merge)
+    }
+
+    /// Every merge rule in use, for display: `changes`, or `changes, 2=sum-u32`.
+    pub fn merge_label(&self) -> String {
+        let mut label = self.merge.to_string();
+        for (binding, rule) in &self.merges {
+            label.push_str(&format!(", {binding}={rule}"));
+        }
+        label
+    }
+
     /// A stable hash of the spec, for deduplication and the replicated record.
     pub fn hash(&self) -> Result<[u8; 32]> {
         Ok(*blake3::hash(&crate::codec::to_bytes(self)?).as_bytes())
@@ -346,6 +365,18 @@ impl TaskSpec {
                     )));
                 }
                 _ => {}
+            }
+        }
+        for &binding in self.merges.keys() {
+            if !self
+                .bindings
+                .iter()
+                .any(|b| b.binding == binding && b.role.is_writable())
+            {
+                return Err(invalid(format!(
+                    "a merge rule names binding {binding}, which is not an output or in-out \
+                     binding of the task"
+                )));
             }
         }
         if outputs == 0 {

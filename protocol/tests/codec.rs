@@ -66,6 +66,7 @@ fn task() -> impl Strategy<Value = TaskSpec> {
                 grid: Grid(grid),
                 shards,
                 merge,
+                merges: Default::default(),
                 options: Default::default(),
             },
         )
@@ -347,6 +348,37 @@ fn a_huge_length_prefix_is_refused_without_allocating() {
     bytes.push(253); // varint marker for a u64
     bytes.extend_from_slice(&u64::MAX.to_le_bytes());
     assert!(open::<Vec<u8>>(&bytes).is_err());
+}
+
+#[test]
+fn a_merge_rule_for_a_binding_that_is_not_written_is_refused() {
+    let mut spec = TaskSpec {
+        shader: ShaderSource::Builtin("x".into()),
+        entry_point: "main".into(),
+        bindings: vec![
+            BindingSpec {
+                binding: 0,
+                role: BindingRole::Param { data: vec![0; 16] },
+            },
+            BindingSpec {
+                binding: 1,
+                role: BindingRole::Output { size: 16 },
+            },
+        ],
+        grid: Grid([1, 1, 1]),
+        shards: 1,
+        merge: MergeRule::Changes,
+        merges: [(1, MergeRule::Sum(ElemType::U32))].into(),
+        options: Default::default(),
+    };
+    spec.check_shape().unwrap();
+    assert_eq!(spec.merge_of(1), MergeRule::Sum(ElemType::U32));
+    assert_eq!(spec.merge_label(), "changes, 1=sum-u32");
+    for binding in [0, 7] {
+        spec.merges = [(binding, MergeRule::Sum(ElemType::U32))].into();
+        let e = spec.check_shape().unwrap_err().to_string();
+        assert!(e.contains(&format!("binding {binding}")), "{e}");
+    }
 }
 
 #[test]

@@ -54,7 +54,7 @@ pub enum ExecError {
         "conflict: binding {binding}, byte offset {offset}: shard {} changed the word to \
          {:#010x} and shard {} to {:#010x}, so no merge gives the unsharded answer. Run it \
          with --shards 1, or, if the binding holds partial sums, minima or maxima, merge it \
-         with a reduction (--merge sum|min|max-u32|i32|f32)",
+         with a reduction (--merge {binding}=sum|min|max-u32|i32|f32)",
         shards.0, values.0, shards.1, values.1
     )]
     Conflict {

@@ -68,7 +68,6 @@ impl Job {
         let plan = kernel.check(&spec)?;
         let mut inputs = BTreeMap::new();
         let mut writable = BTreeMap::new();
-        let fill = crate::merge::identity(spec.merge);
         for b in &spec.bindings {
             let uniform = kernel
                 .interface
@@ -115,7 +114,7 @@ impl Job {
                     );
                 }
                 BindingRole::Output { size } => {
-                    let start = Start::Fill(fill);
+                    let start = Start::Fill(crate::merge::identity(spec.merge_of(b.binding)));
                     writable.insert(b.binding, Writable { size: *size, start });
                 }
             }
@@ -136,12 +135,11 @@ impl Job {
 
     /// Merges shard results (in shard order) into the task's outputs.
     pub fn merge(&self, shards: &[&ShardChanges]) -> Result<BTreeMap<u32, Vec<u8>>> {
-        let bases = self
-            .writable
-            .iter()
-            .map(|(&b, w)| (b, (w.size, w.base())))
-            .collect();
-        crate::merge::merge(self.spec.merge, &bases, shards)
+        let targets = crate::merge::targets(&self.spec, |b| match &self.writable.get(&b)?.start {
+            Start::Blob(input) => Some(&input.bytes[..]),
+            Start::Fill(_) => None,
+        });
+        crate::merge::merge(&targets, shards)
     }
 }
 

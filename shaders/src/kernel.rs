@@ -222,7 +222,8 @@ impl Kernel {
                 });
             }
             if is_output {
-                if let Some(want) = spec.merge.elem() {
+                let rule = spec.merge_of(b.binding);
+                if let Some(want) = rule.elem() {
                     // atomic<u32> holding f32 bit patterns is the WGSL idiom for
                     // float atomics (a compare-exchange loop), so it may merge as f32.
                     let float_atomic = want == ElemType::F32
@@ -233,7 +234,7 @@ impl Kernel {
                             binding: b.binding,
                             problem: format!(
                                 "merge {} needs {} elements but the shader declares {}",
-                                spec.merge,
+                                rule,
                                 want.name(),
                                 declared.elem.map_or("another type", ElemType::name)
                             ),
@@ -279,16 +280,18 @@ impl Kernel {
                 continue;
             };
             let name = declared.name.as_deref().unwrap_or("_");
-            match (spec.merge, &b.role) {
+            let rule = spec.merge_of(b.binding);
+            match (rule, &b.role) {
                 // Shards counting from the same start would each report their own
                 // count: equal counts look like agreement and the total is lost.
                 (MergeRule::Changes, _) if declared.has_atomics => {
                     return Err(ExecError::Unsplittable(format!(
-                        "binding {} ({name}) is updated with atomics, and shards that each \
-                         start from the same counter or bins cannot be merged word by word. \
-                         Run it with --shards 1; if the binding holds sums, minima or maxima \
-                         (a histogram, a total), merge it with --merge sum|min|max-u32|i32|f32",
-                        b.binding
+                        "binding {binding} ({name}) is updated with atomics, and shards that \
+                         each start from the same counter or bins cannot be merged word by \
+                         word. Run it with --shards 1; if the binding holds sums, minima or \
+                         maxima (a histogram, a total), merge it with a reduction: --merge \
+                         {binding}=sum|min|max-u32|i32|f32",
+                        binding = b.binding
                     )));
                 }
                 (
@@ -300,7 +303,7 @@ impl Kernel {
                          partials that each start from the reduction's identity, not from \
                          the file. Pass it with --output (it then starts from the identity), \
                          use the default merge, or run it with --shards 1",
-                        b.binding, spec.merge
+                        b.binding, rule
                     )));
                 }
                 _ => {}

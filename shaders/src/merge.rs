@@ -16,7 +16,7 @@
 
 use std::collections::BTreeMap;
 
-use gpumesh_protocol::{Base, BufferChanges, ElemType, MergeRule, Run, ShardChanges};
+use gpumesh_protocol::{Base, BufferChanges, ElemType, MergeRule, Run, ShardChanges, TaskSpec};
 
 use crate::error::{ExecError, Result};
 
@@ -33,18 +33,46 @@ pub fn identity(rule: MergeRule) -> [u8; 4] {
     }
 }
 
+/// One writable binding to merge into: its rule, size and starting contents.
+#[derive(Clone, Copy, Debug)]
+pub struct Target<'a> {
+    pub rule: MergeRule,
+    pub size: u64,
+    pub base: Base<'a>,
+}
+
+/// Every writable binding of `spec` as a merge target; `start` gives the bytes an
+/// in-out binding starts as (the others start as their rule's identity).
+pub fn targets<'a>(
+    spec: &TaskSpec,
+    start: impl Fn(u32) -> Option<&'a [u8]>,
+) -> BTreeMap<u32, Target<'a>> {
+    spec.bindings
+        .iter()
+        .filter(|b| b.role.is_writable())
+        .map(|b| {
+            let rule = spec.merge_of(b.binding);
+            let base = match start(b.binding) {
+                Some(bytes) => Base::Bytes(bytes),
+                None => Base::Fill(identity(rule)),
+            };
+            let size = b.role.size();
+            (b.binding, Target { rule, size, base })
+        })
+        .collect()
+}
+
 /// Merges shard results, given in shard order, into each writable binding's final
-/// bytes. `bases` gives each writable binding's size and starting contents.
+/// bytes.
 pub fn merge(
-    rule: MergeRule,
-    bases: &BTreeMap<u32, (u64, Base<'_>)>,
+    targets: &BTreeMap<u32, Target<'_>>,
     shards: &[&ShardChanges],
 ) -> Result<BTreeMap<u32, Vec<u8>>> {
     if shards.is_empty() {
         return Err(ExecError::Merge("no shard results to merge".into()));
     }
     let mut merged = BTreeMap::new();
-    for (&binding, &(size, base)) in bases {
+    for (&binding, &Target { rule, size, base }) in targets {
         let fits = match base {
             Base::Bytes(b) => b.len() as u64 == size,
             Base::Fill(_) => true,
@@ -205,9 +233,13 @@ mod tests {
 
     fn run(rule: MergeRule, start: &[u32], shards: &[ShardChanges]) -> Result<Vec<u32>> {
         let s = words(start);
-        let bases = BTreeMap::from([(0, (s.len() as u64, Base::Bytes(&s)))]);
+        let target = Target {
+            rule,
+            size: s.len() as u64,
+            base: Base::Bytes(&s),
+        };
         let refs: Vec<&ShardChanges> = shards.iter().collect();
-        let out = merge(rule, &bases, &refs)?;
+        let out = merge(&BTreeMap::from([(0, target)]), &refs)?;
         Ok(out[&0]
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))

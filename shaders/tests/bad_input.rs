@@ -30,6 +30,7 @@ fn spec(source: &str, bindings: Vec<BindingSpec>, grid: [u32; 3], merge: MergeRu
         grid: Grid(grid),
         shards: 1,
         merge,
+        merges: Default::default(),
         options: Default::default(),
     }
 }

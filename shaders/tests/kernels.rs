@@ -25,6 +25,7 @@ use proptest::prelude::*;
 struct Task {
     bindings: Vec<BindingSpec>,
     blobs: BTreeMap<BlobId, Arc<[u8]>>,
+    merges: BTreeMap<u32, MergeRule>,
 }
 
 impl Task {
@@ -50,6 +51,12 @@ impl Task {
         self.blob(binding, bytes, true)
     }
 
+    /// A merge rule for one binding (`--merge BINDING=RULE`).
+    fn merge(mut self, binding: u32, rule: MergeRule) -> Self {
+        self.merges.insert(binding, rule);
+        self
+    }
+
     /// A `read_write` binding that starts as zeros (`--output`).
     fn output(mut self, binding: u32, size: u64) -> Self {
         self.bindings.push(BindingSpec {
@@ -67,6 +74,7 @@ impl Task {
             grid: Grid(grid),
             shards,
             merge,
+            merges: self.merges.clone(),
             options: Default::default(),
         }
     }
@@ -453,6 +461,42 @@ fn an_atomic_counter_sums_under_sum_u32() {
         MergeRule::Sum(ElemType::U32),
         |out| {
             assert_eq!(u32s(&out[&1]), [evens]);
+        },
+    );
+}
+
+#[test]
+fn an_atomic_total_summed_beside_an_output_merged_by_changes() {
+    let n = 1000u32;
+    let mut rng = Rng(8);
+    let values: Vec<u32> = (0..n).map(|_| rng.below(1 << 20)).collect();
+    let odd = values.iter().filter(|v| *v % 2 == 1).count() as u32;
+    let task = Task::default()
+        .input(0, u32_bytes(&values))
+        .output(1, u64::from(n) * 4)
+        .output(2, 4);
+    // By changes alone the total cannot be split, and the error says how to merge it.
+    let e = task
+        .job(DOUBLE_AND_COUNT, [16, 1, 1], 3, MergeRule::Changes)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("binding 2") && e.contains("--merge 2=sum"),
+        "{e}"
+    );
+    let task = task.merge(2, MergeRule::Sum(ElemType::U32));
+    split_1_to_7(
+        "double and count",
+        DOUBLE_AND_COUNT,
+        &task,
+        [16, 1, 1],
+        MergeRule::Changes,
+        |out| {
+            assert_eq!(
+                u32s(&out[&1]),
+                values.iter().map(|v| v * 2).collect::<Vec<_>>()
+            );
+            assert_eq!(u32s(&out[&2]), [odd]);
         },
     );
 }

@@ -97,6 +97,7 @@ fn custom(
         grid: Grid(grid),
         shards,
         merge,
+        merges: Default::default(),
         options: Default::default(),
     };
     let kernel = Arc::new(Kernel::compile(source, "main").unwrap());

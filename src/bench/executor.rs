@@ -67,6 +67,7 @@ fn spin_job(groups: u32, shards: u32) -> anyhow::Result<Job> {
         grid: Grid([groups, 1, 1]),
         shards,
         merge: MergeRule::Changes,
+        merges: Default::default(),
         options: Default::default(),
     };
     Ok(Job::new(

@@ -59,6 +59,7 @@ pub(super) fn spec(source: &str, groups: u32, shards: u32) -> TaskSpec {
         grid: Grid([groups, 1, 1]),
         shards,
         merge: MergeRule::Changes,
+        merges: Default::default(),
         options: Default::default(),
     }
 }

@@ -51,6 +51,7 @@ fn double_job(elements: u32, shards: u32) -> anyhow::Result<Job> {
         grid: Grid([elements.div_ceil(64), 1, 1]),
         shards,
         merge: MergeRule::Changes,
+        merges: Default::default(),
         options: Default::default(),
     };
     let input: Arc<[u8]> = Arc::from(input);
@@ -124,10 +125,15 @@ pub fn sections(
         BufferChanges::diff(Base::Fill([0; 4]), &words),
     )]));
     let refs = vec![&whole; 4];
-    let bases = BTreeMap::from([(0u32, (size as u64, Base::Fill([0; 4])))]);
+    let target = merge::Target {
+        rule: MergeRule::Changes,
+        size: size as u64,
+        base: Base::Fill([0; 4]),
+    };
+    let targets = BTreeMap::from([(0u32, target)]);
     let t = median_of(runs, || -> anyhow::Result<_> {
         let t0 = Instant::now();
-        merge::merge(MergeRule::Changes, &bases, &refs)?;
+        merge::merge(&targets, &refs)?;
         Ok(t0.elapsed())
     })?;
     let mib = 4.0 * size as f64 / f64::from(1 << 20);

@@ -96,13 +96,16 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
     }
     // Validated here first, with the same messages as `gpumesh run`.
     let mut prepared = super::run::prepare(&args.task)?;
+    // Float sums and extremes from different hardware differ in the last bits.
+    let spec = &prepared.spec;
+    let float = std::iter::once(&spec.merge)
+        .chain(spec.merges.values())
+        .any(|m| m.elem() == Some(gpumesh::protocol::ElemType::F32));
     let options = &mut prepared.spec.options;
     options.replicas = args.replicas;
-    options.tolerance = args.tolerance.or_else(|| {
-        // Float sums and extremes from different hardware differ in the last bits.
-        let float = prepared.spec.merge.elem() == Some(gpumesh::protocol::ElemType::F32);
-        (args.replicas > 1 && float).then_some(1e-5)
-    });
+    options.tolerance = args
+        .tolerance
+        .or_else(|| (args.replicas > 1 && float).then_some(1e-5));
     if let Some(secs) = args.deadline {
         if !(secs.is_finite() && secs > 0.0) {
             bail!("--deadline must be a positive number of seconds");

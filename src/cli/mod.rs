@@ -155,9 +155,10 @@ pub struct TaskArgs {
     pub shards: u32,
     /// How shard results merge: changes (the default: each shard's changed words,
     /// a conflict if two shards change one word differently), or a reduction of
-    /// partials, sum|min|max-u32|i32|f32.
-    #[arg(long, value_parser = parse_merge)]
-    pub merge: Option<MergeRule>,
+    /// partials, sum|min|max-u32|i32|f32. RULE sets every writable binding's rule;
+    /// BINDING=RULE (repeatable) sets one binding's.
+    #[arg(long = "merge", value_name = "[BINDING=]RULE", value_parser = parse_merge)]
+    pub merges: Vec<(Option<u32>, MergeRule)>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -221,9 +222,20 @@ fn parse_grid(s: &str) -> Result<Grid, String> {
         .map_err(|e: gpumesh_protocol::ProtocolError| e.to_string())
 }
 
-fn parse_merge(s: &str) -> Result<MergeRule, String> {
-    s.parse()
-        .map_err(|e: gpumesh_protocol::ProtocolError| e.to_string())
+fn parse_merge(s: &str) -> Result<(Option<u32>, MergeRule), String> {
+    let (binding, rule) = match s.split_once('=') {
+        Some((b, rule)) => {
+            let b = b
+                .parse()
+                .map_err(|_| format!("{b:?} in {s:?} is not a binding number"))?;
+            (Some(b), rule)
+        }
+        None => (None, s),
+    };
+    let rule = rule
+        .parse()
+        .map_err(|e: gpumesh_protocol::ProtocolError| e.to_string())?;
+    Ok((binding, rule))
 }
 
 pub fn parse_backend(s: &str) -> Result<BackendChoice, String> {

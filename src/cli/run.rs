@@ -221,7 +221,7 @@ pub fn prepare(args: &TaskArgs) -> anyhow::Result<Prepared> {
             (!args.outputs.is_empty(), "--output"),
             (!args.inouts.is_empty(), "--inout"),
             (args.grid.is_some(), "--grid"),
-            (args.merge.is_some(), "--merge"),
+            (!args.merges.is_empty(), "--merge"),
         ] {
             if given {
                 bail!("{flag} cannot be used with --builtin: the built-in kernel {name} fixes its own");
@@ -276,13 +276,30 @@ pub fn prepare(args: &TaskArgs) -> anyhow::Result<Prepared> {
             role: BindingRole::Output { size },
         });
     }
+    let mut merge = None;
+    let mut merges = BTreeMap::new();
+    for &(binding, rule) in &args.merges {
+        let repeated = match binding {
+            None => merge.replace(rule).is_some(),
+            Some(b) => merges.insert(b, rule).is_some(),
+        };
+        if repeated {
+            bail!(
+                "--merge gives {} twice",
+                binding.map_or("the rule of every binding".into(), |b| format!(
+                    "the rule of binding {b}"
+                ))
+            );
+        }
+    }
     let spec = TaskSpec {
         shader: ShaderSource::Wgsl(source),
         entry_point: args.entry.clone(),
         bindings,
         grid,
         shards: args.shards,
-        merge: args.merge.unwrap_or_default(),
+        merge: merge.unwrap_or_default(),
+        merges,
         options: Default::default(),
     };
     kernel.check(&spec)?;

@@ -49,6 +49,7 @@ pub fn spec(n: u32) -> TaskSpec {
         grid: Grid([n, 1, 1]),
         shards: 2,
         merge: MergeRule::Changes,
+        merges: Default::default(),
         options: Default::default(),
     }
 }

@@ -216,6 +216,7 @@ impl Problem {
             grid: self.grid,
             shards,
             merge: self.merge,
+            merges: Default::default(),
             options: Default::default(),
         }
     }

@@ -386,6 +386,26 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
+/// A per-element output beside an atomic total: splittable when the total is merged
+/// as a sum (`--merge 2=sum-u32`) and the output by changes.
+pub const DOUBLE_AND_COUNT: &str = r#"
+@group(0) @binding(0) var<storage, read> values: array<u32>;
+@group(0) @binding(1) var<storage, read_write> doubled: array<u32>;
+@group(0) @binding(2) var<storage, read_write> odd_count: atomic<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i >= arrayLength(&values)) {
+        return;
+    }
+    doubled[i] = values[i] * 2u;
+    if (values[i] % 2u == 1u) {
+        atomicAdd(&odd_count, 1u);
+    }
+}
+"#;
+
 /// Deterministic values (splitmix64), so a failure reproduces.
 pub struct Rng(pub u64);
 
