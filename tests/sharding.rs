@@ -11,60 +11,38 @@ mod common;
 
 #[path = "../shaders/tests/common/kernels.rs"]
 mod kernels;
+#[path = "../shaders/tests/common/task.rs"]
+mod task;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use common::{client, config, have, stop, wait_ready, LIMIT};
 use gpumesh::node::{Formation, MeshNode};
-use gpumesh::protocol::{
-    BackendKind, BindingRole, BindingSpec, BlobId, Grid, MergeRule, ShaderSource, TaskSpec,
-};
+use gpumesh::protocol::{BackendKind, MergeRule};
 use gpumesh::shaders::{BackendChoice, Executor, Job, Kernel};
 use gpumesh::{Client, ClientError};
 use kernels::*;
+use task::Task;
 
-/// A task's bindings and the blobs they name.
-#[derive(Default)]
-struct Task {
-    bindings: Vec<BindingSpec>,
-    blobs: BTreeMap<BlobId, Vec<u8>>,
+/// Running a test task here (unsharded) and on the mesh.
+trait Run {
+    fn local(
+        &self,
+        executor: &mut Executor,
+        source: &str,
+        grid: [u32; 3],
+    ) -> BTreeMap<u32, Vec<u8>>;
+    async fn submit(
+        &self,
+        via: &Client,
+        source: &str,
+        grid: [u32; 3],
+        shards: u32,
+    ) -> Result<u64, ClientError>;
 }
 
-impl Task {
-    fn blob(mut self, binding: u32, bytes: Vec<u8>, inout: bool) -> Self {
-        let (blob, size) = (BlobId::of(&bytes), bytes.len() as u64);
-        self.blobs.insert(blob, bytes);
-        let role = if inout {
-            BindingRole::InOut { blob, size }
-        } else {
-            BindingRole::Input { blob, size }
-        };
-        self.bindings.push(BindingSpec { binding, role });
-        self
-    }
-
-    fn output(mut self, binding: u32, size: u64) -> Self {
-        self.bindings.push(BindingSpec {
-            binding,
-            role: BindingRole::Output { size },
-        });
-        self
-    }
-
-    fn spec(&self, source: &str, grid: [u32; 3], shards: u32) -> TaskSpec {
-        TaskSpec {
-            shader: ShaderSource::Wgsl(source.into()),
-            entry_point: "main".into(),
-            bindings: self.bindings.clone(),
-            grid: Grid(grid),
-            shards,
-            merge: MergeRule::Changes,
-            merges: Default::default(),
-            options: Default::default(),
-        }
-    }
-
+impl Run for Task {
     /// The unsharded run on this process's own adapter.
     fn local(
         &self,
@@ -73,10 +51,8 @@ impl Task {
         grid: [u32; 3],
     ) -> BTreeMap<u32, Vec<u8>> {
         let kernel = Arc::new(Kernel::compile(source, "main").unwrap());
-        let job = Job::new(self.spec(source, grid, 1), kernel, |id| {
-            self.blobs.get(id).map(|b| Arc::from(b.as_slice()))
-        })
-        .unwrap();
+        let spec = self.spec(source, grid, 1, MergeRule::Changes);
+        let job = Job::new(spec, kernel, |id| self.blobs.get(id).cloned()).unwrap();
         executor.run(&job, None).unwrap().outputs
     }
 
@@ -88,9 +64,10 @@ impl Task {
         shards: u32,
     ) -> Result<u64, ClientError> {
         for bytes in self.blobs.values() {
-            via.upload(bytes.clone()).await?;
+            via.upload(bytes.to_vec()).await?;
         }
-        via.submit(self.spec(source, grid, shards), None).await
+        via.submit(self.spec(source, grid, shards, MergeRule::Changes), None)
+            .await
     }
 }
 
@@ -130,29 +107,27 @@ async fn kernels_split_over_vulkan_and_gl_nodes_equal_the_unsharded_local_run() 
 
         // In place: one read_write buffer from a file, 13 ragged workgroups.
         let start: Vec<u32> = (0..777).map(|_| rng.below(100_000)).collect();
-        let collatz = Task::default().blob(0, u32_bytes(&start), true);
+        let collatz = Task::default().inout(0, u32_bytes(&start));
         // A bounds check and a ragged last workgroup.
         let input: Vec<f32> = (0..1000).map(|_| rng.unit() * 100.0).collect();
-        let double = Task::default()
-            .blob(0, f32_bytes(&input), false)
-            .output(1, 4000);
+        let double = Task::default().input(0, f32_bytes(&input)).output(1, 4000);
         // A 2-D grid with its dimensions in a uniform, split along y.
         let (w, h) = (61u32, 77u32);
         let src: Vec<u32> = (0..w * h).map(|_| rng.below(1 << 24)).collect();
         let transpose = Task::default()
-            .blob(0, u32_bytes(&[w, h]), false)
-            .blob(1, u32_bytes(&src), false)
+            .input(0, u32_bytes(&[w, h]))
+            .input(1, u32_bytes(&src))
             .output(2, u64::from(w * h) * 4);
         // Uniforms, an input, two in-out buffers and an output together.
         let x: Vec<u32> = (0..300).map(|_| rng.below(1000)).collect();
         let y: Vec<u32> = (0..300).map(|_| rng.below(1000)).collect();
         let mixed = Task::default()
-            .blob(0, u32_bytes(&[7, 11]), false)
-            .blob(1, u32_bytes(&x), false)
-            .blob(2, u32_bytes(&y), true)
-            .blob(3, u32_bytes(&[5; 300]), true)
+            .input(0, u32_bytes(&[7, 11]))
+            .input(1, u32_bytes(&x))
+            .inout(2, u32_bytes(&y))
+            .inout(3, u32_bytes(&[5; 300]))
             .output(4, 1200)
-            .blob(5, u32_bytes(&[300, 0, 0, 0]), false);
+            .input(5, u32_bytes(&[300, 0, 0, 0]));
 
         let cases: [(&str, &str, &Task, [u32; 3], u32); 4] = [
             ("collatz", COLLATZ, &collatz, [13, 1, 1], 5),
@@ -210,8 +185,8 @@ async fn kernels_split_over_vulkan_and_gl_nodes_equal_the_unsharded_local_run() 
         let p = particles(1000, 12);
         let flat: Vec<f32> = p.iter().flatten().copied().collect();
         let particles_task = Task::default()
-            .blob(0, f32_bytes(&PARTICLE_PARAMS), false)
-            .blob(1, f32_bytes(&flat), false)
+            .input(0, f32_bytes(&PARTICLE_PARAMS))
+            .input(1, f32_bytes(&flat))
             .output(2, 16_000);
         let id = particles_task
             .submit(&submit_via, PARTICLES, [16, 1, 1], 6)
@@ -241,9 +216,7 @@ async fn unmergeable_kernels_fail_with_the_conflict_or_are_refused_and_the_mesh_
 
         // Shards that change one word to different values: the task fails, and says
         // where and what to do.
-        let running_max = Task::default()
-            .blob(0, u32_bytes(&values), false)
-            .output(1, 8);
+        let running_max = Task::default().input(0, u32_bytes(&values)).output(1, 8);
         let id = running_max
             .submit(&c, RUNNING_MAX, [10, 1, 1], 4)
             .await
@@ -270,7 +243,7 @@ async fn unmergeable_kernels_fail_with_the_conflict_or_are_refused_and_the_mesh_
         // An atomic append is refused split, before anything is committed...
         let before = c.tasks().await.unwrap().len();
         let append = Task::default()
-            .blob(0, u32_bytes(&values), false)
+            .input(0, u32_bytes(&values))
             .output(1, 4 + 4 * 640);
         let e = append
             .submit(&c, APPEND, [10, 1, 1], 3)
@@ -291,7 +264,7 @@ async fn unmergeable_kernels_fail_with_the_conflict_or_are_refused_and_the_mesh_
 
         // Every node still takes and runs work.
         let flags: Vec<u8> = [-1i32, 2, 3].iter().flat_map(|v| v.to_le_bytes()).collect();
-        let flag = Task::default().blob(0, flags, false).output(1, 4);
+        let flag = Task::default().input(0, flags).output(1, 4);
         for n in &nodes {
             let id = flag
                 .submit(&client(n), ANY_NEGATIVE, [1, 1, 1], 1)

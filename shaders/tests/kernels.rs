@@ -10,75 +10,27 @@
 mod common;
 
 use common::kernels::*;
+use common::task::Task;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use gpumesh_protocol::{
-    BindingRole, BindingSpec, BlobId, ElemType, Grid, MergeRule, ShaderSource, TaskSpec,
-};
+use gpumesh_protocol::{ElemType, MergeRule};
 use gpumesh_shaders::{ExecError, Job, Kernel};
 use proptest::prelude::*;
 
-/// A task under construction: its bindings and the blobs they name.
-#[derive(Default, Clone)]
-struct Task {
-    bindings: Vec<BindingSpec>,
-    blobs: BTreeMap<BlobId, Arc<[u8]>>,
-    merges: BTreeMap<u32, MergeRule>,
+/// Running a test task on this process's executor.
+trait Build {
+    fn job(
+        &self,
+        source: &str,
+        grid: [u32; 3],
+        shards: u32,
+        merge: MergeRule,
+    ) -> Result<Job, ExecError>;
 }
 
-impl Task {
-    fn blob(mut self, binding: u32, bytes: Vec<u8>, inout: bool) -> Self {
-        let (blob, size) = (BlobId::of(&bytes), bytes.len() as u64);
-        self.blobs.insert(blob, Arc::from(bytes));
-        let role = if inout {
-            BindingRole::InOut { blob, size }
-        } else {
-            BindingRole::Input { blob, size }
-        };
-        self.bindings.push(BindingSpec { binding, role });
-        self
-    }
-
-    /// A `var<storage, read>` or `var<uniform>` binding filled from a file.
-    fn input(self, binding: u32, bytes: Vec<u8>) -> Self {
-        self.blob(binding, bytes, false)
-    }
-
-    /// A `read_write` binding that starts as `bytes` (`--inout`).
-    fn inout(self, binding: u32, bytes: Vec<u8>) -> Self {
-        self.blob(binding, bytes, true)
-    }
-
-    /// A merge rule for one binding (`--merge BINDING=RULE`).
-    fn merge(mut self, binding: u32, rule: MergeRule) -> Self {
-        self.merges.insert(binding, rule);
-        self
-    }
-
-    /// A `read_write` binding that starts as zeros (`--output`).
-    fn output(mut self, binding: u32, size: u64) -> Self {
-        self.bindings.push(BindingSpec {
-            binding,
-            role: BindingRole::Output { size },
-        });
-        self
-    }
-
-    fn spec(&self, source: &str, grid: [u32; 3], shards: u32, merge: MergeRule) -> TaskSpec {
-        TaskSpec {
-            shader: ShaderSource::Wgsl(source.into()),
-            entry_point: "main".into(),
-            bindings: self.bindings.clone(),
-            grid: Grid(grid),
-            shards,
-            merge,
-            merges: self.merges.clone(),
-            options: Default::default(),
-        }
-    }
-
+impl Build for Task {
     fn job(
         &self,
         source: &str,

@@ -4,6 +4,7 @@
 //! test. Elsewhere a missing adapter is reported loudly and its cases are skipped.
 
 pub mod kernels;
+pub mod task;
 
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
