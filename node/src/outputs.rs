@@ -146,18 +146,11 @@ pub(crate) async fn merge_and_record(
 
 /// A completed task's outputs, binding → blob, made local to this node: the merged
 /// blobs the leader recorded, or (one shard) its result over the starting contents.
+/// Remembered in the node's result cache, which the API reads first.
 pub(crate) async fn task_outputs(
     shared: &Arc<Shared>,
     task: &Task,
 ) -> Result<BTreeMap<u32, BlobId>, MergeError> {
-    if let Some(done) = shared
-        .results
-        .lock()
-        .ok()
-        .and_then(|r| r.get(&task.id).cloned())
-    {
-        return Ok(done);
-    }
     let mut ids = BTreeMap::new();
     if task.outputs.is_empty() {
         for (binding, bytes) in merge_shards(shared, task).await? {
