@@ -48,6 +48,8 @@ async fn run(root: &std::path::Path) -> anyhow::Result<()> {
     for name in ["node-b", "node-c"] {
         let mut c = config(name, Formation::Join);
         c.peers = vec![seed.clone()];
+        // The first node made the mesh's cluster key: the others join with it.
+        c.cluster_key = nodes[0].cluster_key;
         nodes.push(MeshNode::start(c).await?);
     }
     println!("3 nodes up in {:.2}s", started.elapsed().as_secs_f64());

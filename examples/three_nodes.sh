@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Three separate `gpumesh node` processes on one machine, each with its own data dir
-# and ports: the multi-machine recipe, on loopback. Submits a sharded task through
-# one node, fetches the result through another, and shows the mesh.
+# and ports: the multi-machine recipe, on loopback. Node a forms the mesh (and makes
+# its cluster key), b and c join with a's ticket. Submits a sharded task through one
+# node, fetches the result through another, shows the mesh; then kills a (the node
+# everyone joined through) with SIGKILL and submits again through b.
 #
 #   bash examples/three_nodes.sh        (builds gpumesh in release mode first)
 set -euo pipefail
@@ -32,13 +34,18 @@ start() { # name listen-port api-port extra-args...
 }
 
 start a 47001 47101 --init
-seed=$(grep -o '/ip4/127.0.0.1/tcp/47001/p2p/[A-Za-z0-9]*' "$work/a.log" | head -1)
-start b 47002 47102 --peer "$seed"
-start c 47003 47103 --peer "$seed"
-echo "three nodes up; seed $seed"
+ticket=$("$bin" ticket --data-dir "$work/a" | tail -n 1)
+start b 47002 47102 --join "$ticket"
+start c 47003 47103 --join "$ticket"
+echo "three nodes up; b and c joined with a's ticket ${ticket:0:24}…"
 
 GPUMESH_API=127.0.0.1:47102 "$bin" submit --builtin matmul --size 512 --shards 6 --wait --verify
 task=$(GPUMESH_API=127.0.0.1:47101 "$bin" tasks --json | grep -o '"id": *[0-9]*' | tail -1 | grep -o '[0-9]*$')
 GPUMESH_API=127.0.0.1:47103 "$bin" result "t$task" --out-dir "$work/out"
 GPUMESH_API=127.0.0.1:47101 "$bin" status
 GPUMESH_API=127.0.0.1:47101 "$bin" tasks
+
+echo "kill -9 of node a, the one b and c joined through"
+kill -9 "${pids[0]}"
+GPUMESH_API=127.0.0.1:47102 "$bin" submit --builtin matmul --size 256 --shards 4 --wait --verify
+GPUMESH_API=127.0.0.1:47103 "$bin" status

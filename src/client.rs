@@ -3,7 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use gpumesh_consensus::RequestId;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpumesh_consensus::{RequestId, RequestIds};
 use gpumesh_node::api::{
     BlobReply, ErrorBody, OutputView, StatusView, SubmitReply, SubmitRequest, TaskView,
 };
@@ -23,6 +26,14 @@ pub enum ClientError {
     Unreachable { addr: String, reason: String },
     #[error("{0}")]
     Refused(String),
+    /// The node answered 503: it cannot serve the request now (no Raft leader, an
+    /// election under way, no member to keep a second copy). Retried by every call
+    /// for [`Client::retry_for`] before it is returned.
+    #[error("{reason} (still so after retrying for {waited:.1?})")]
+    Unavailable {
+        reason: String,
+        waited: std::time::Duration,
+    },
     #[error("unexpected answer from {addr}: {reason}")]
     Protocol { addr: String, reason: String },
 }
@@ -55,11 +66,44 @@ fn root_cause(e: &reqwest::Error) -> String {
     cause.to_string()
 }
 
+/// How long calls retry through a leader change by default.
+pub const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(30);
+
+/// Told what a call is waiting for while it retries.
+type Notice = Arc<dyn Fn(&str) + Send + Sync>;
+
 /// A client of one node's API.
-#[derive(Clone, Debug)]
+///
+/// Every call retries while the node answers 503 (no Raft leader: an election is
+/// under way; no member to keep a second copy of an input) for up to
+/// [`Client::retry_for`], then returns [`ClientError::Unavailable`]. A submit keeps
+/// one request id through its retries, so the mesh creates the task once however
+/// many attempts reach it.
+#[derive(Clone)]
 pub struct Client {
     addr: String,
     http: reqwest::Client,
+    retry_for: Duration,
+    notice: Option<Notice>,
+    ids: Arc<RequestIds>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("addr", &self.addr)
+            .field("retry_for", &self.retry_for)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A client id no other process is likely to have: request ids are unique per
+/// (client id, sequence).
+fn random_client_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.finish() | 1
 }
 
 impl Client {
@@ -68,6 +112,86 @@ impl Client {
         Client {
             addr: addr.into(),
             http: reqwest::Client::new(),
+            retry_for: DEFAULT_RETRY_FOR,
+            notice: None,
+            ids: Arc::new(RequestIds::new(random_client_id())),
+        }
+    }
+
+    /// Sends `Authorization: Bearer TOKEN` with every request: what a node whose API
+    /// is off loopback requires (its `api.token`).
+    pub fn with_token(mut self, token: &str) -> ClientResult<Self> {
+        let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {}", token.trim()))
+            .map_err(|_| {
+                ClientError::Refused("the API token holds characters a header cannot".into())
+            })?;
+        value.set_sensitive(true);
+        let mut headers = reqwest::header::HeaderMap::new();
+        headers.insert(reqwest::header::AUTHORIZATION, value);
+        self.http = reqwest::Client::builder()
+            .default_headers(headers)
+            .build()
+            .map_err(|e| ClientError::Refused(format!("cannot build the HTTP client: {e}")))?;
+        Ok(self)
+    }
+
+    /// How long each call retries while the node cannot serve it (default 30 s;
+    /// zero: no retries).
+    pub fn retry_for(mut self, limit: Duration) -> Self {
+        self.retry_for = limit;
+        self
+    }
+
+    /// Calls `notice` with a line saying what a call waits for each time that
+    /// changes while it retries (for a terminal), and once more when the node
+    /// answers again.
+    pub fn on_wait(mut self, notice: impl Fn(&str) + Send + Sync + 'static) -> Self {
+        self.notice = Some(Arc::new(notice));
+        self
+    }
+
+    /// Runs `call` until it succeeds, fails for a reason a retry cannot fix, or
+    /// [`Client::retry_for`] passes while the node answers 503.
+    async fn retrying<T, F, Fut>(&self, mut call: F) -> ClientResult<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = ClientResult<T>>,
+    {
+        let start = Instant::now();
+        let mut pause = Duration::from_millis(50);
+        let mut said: Option<String> = None;
+        loop {
+            match call().await {
+                Err(ClientError::Unavailable { reason, .. }) => {
+                    let waited = start.elapsed();
+                    if waited >= self.retry_for {
+                        return Err(ClientError::Unavailable { reason, waited });
+                    }
+                    if said.as_deref() != Some(reason.as_str()) {
+                        if let Some(notice) = &self.notice {
+                            notice(&format!(
+                                "waiting for the mesh (up to {:.0?} in all): {reason}",
+                                self.retry_for
+                            ));
+                        }
+                        said = Some(reason);
+                    }
+                    let left = self.retry_for.saturating_sub(waited);
+                    tokio::time::sleep(pause.min(left)).await;
+                    pause = (pause * 2).min(Duration::from_millis(500));
+                }
+                other => {
+                    if let (Some(notice), Some(_)) = (&self.notice, &said) {
+                        if other.is_ok() {
+                            notice(&format!(
+                                "the mesh answers again after {:.1?}",
+                                start.elapsed()
+                            ));
+                        }
+                    }
+                    return other;
+                }
+            }
         }
     }
 
@@ -109,6 +233,12 @@ impl Client {
         let status = resp.status();
         let body = resp.bytes().await.unwrap_or_default();
         Err(match serde_json::from_slice::<ErrorBody>(&body) {
+            Ok(e) if status == reqwest::StatusCode::SERVICE_UNAVAILABLE => {
+                ClientError::Unavailable {
+                    reason: e.error,
+                    waited: Duration::ZERO,
+                }
+            }
             Ok(e) => ClientError::Refused(e.error),
             Err(_) => ClientError::Protocol {
                 addr: self.addr.clone(),
@@ -134,7 +264,7 @@ impl Client {
     /// Stores `bytes` on the node as an input blob.
     pub async fn upload(&self, bytes: Vec<u8>) -> ClientResult<BlobId> {
         let reply: BlobReply = self
-            .json(self.http.post(self.url("/v1/blobs")).body(bytes))
+            .retrying(|| self.json(self.http.post(self.url("/v1/blobs")).body(bytes.clone())))
             .await?;
         reply.id.parse().map_err(|e| ClientError::Protocol {
             addr: self.addr.clone(),
@@ -143,26 +273,31 @@ impl Client {
     }
 
     /// Submits a task whose inputs were uploaded; returns its id once committed.
+    /// Without a `request_id` the client makes one; every retry sends the same, so
+    /// the task is created once.
     pub async fn submit(&self, spec: TaskSpec, request_id: Option<RequestId>) -> ClientResult<u64> {
+        let request = SubmitRequest {
+            spec,
+            request_id: Some(request_id.unwrap_or_else(|| self.ids.next_id())),
+        };
         let reply: SubmitReply = self
-            .json(
-                self.http
-                    .post(self.url("/v1/tasks"))
-                    .json(&SubmitRequest { spec, request_id }),
-            )
+            .retrying(|| self.json(self.http.post(self.url("/v1/tasks")).json(&request)))
             .await?;
         Ok(reply.task)
     }
 
     pub async fn task(&self, id: u64) -> ClientResult<TaskView> {
-        self.json(self.http.get(self.url(&format!("/v1/tasks/{id}"))))
+        self.retrying(|| self.json(self.http.get(self.url(&format!("/v1/tasks/{id}")))))
             .await
     }
 
     pub async fn tasks(&self) -> ClientResult<Vec<TaskView>> {
-        self.json(self.http.get(self.url("/v1/tasks"))).await
+        self.retrying(|| self.json(self.http.get(self.url("/v1/tasks"))))
+            .await
     }
 
+    /// The mesh as this node sees it; not retried (a status without a leader is
+    /// still an answer).
     pub async fn status(&self) -> ClientResult<StatusView> {
         self.json(self.http.get(self.url("/v1/status"))).await
     }
@@ -177,12 +312,9 @@ impl Client {
     ) -> ClientResult<TaskView> {
         let mut last = usize::MAX;
         loop {
+            let url = self.url(&format!("/v1/tasks/{id}/wait?done={last}&timeout_ms=30000"));
             let t: TaskView = self
-                .json(
-                    self.http.get(
-                        self.url(&format!("/v1/tasks/{id}/wait?done={last}&timeout_ms=30000")),
-                    ),
-                )
+                .retrying(|| self.json(self.http.get(url.clone())))
                 .await?;
             if t.shards_done != last {
                 last = t.shards_done;
@@ -204,7 +336,7 @@ impl Client {
 
     /// The merged outputs' bindings, sizes and hashes.
     pub async fn outputs(&self, id: u64) -> ClientResult<Vec<OutputView>> {
-        self.json(self.http.get(self.url(&format!("/v1/tasks/{id}/outputs"))))
+        self.retrying(|| self.json(self.http.get(self.url(&format!("/v1/tasks/{id}/outputs")))))
             .await
     }
 
@@ -218,7 +350,7 @@ impl Client {
     /// GETs `path` and checks the body against `id`, so a wrong byte is an error.
     async fn checked_bytes(&self, path: &str, id: BlobId, what: &str) -> ClientResult<Vec<u8>> {
         let bytes = self
-            .send(self.http.get(self.url(path)))
+            .retrying(|| self.send(self.http.get(self.url(path))))
             .await?
             .bytes()
             .await

@@ -5,9 +5,11 @@
 //! - [`shaders`]: the executor that runs WGSL on any local adapter, sharded and
 //!   merged, and the built-in kernels with their CPU references;
 //! - [`node`]: a mesh node ([`node::MeshNode`]) to embed in a program;
+//! - [`process`]: `gpumesh node` as a child process, for local multi-process meshes;
 //! - [`Client`]: submit tasks to a mesh and fetch results through any node's API.
 
 mod client;
+pub mod process;
 
 pub use client::{Client, ClientError, ClientResult, DEFAULT_API};
 pub use gpumesh_consensus as consensus;

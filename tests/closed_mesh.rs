@@ -62,13 +62,21 @@ async fn only_nodes_holding_the_cluster_key_join_and_the_mesh_keeps_serving() {
         let b = MeshNode::start(c).await.unwrap();
         assert_eq!(members(&a).await, 2);
 
-        // Another key, then no key at all: pnet fails the handshake either way.
+        // Without a key and without --open a node does not even try.
+        let mut c = config(&dir.path().join("keyless"), Formation::Join, &[seed(&a)]);
+        c.cluster_key = None;
+        let msg = refused(c).await;
+        assert!(msg.contains("--join TICKET"), "{msg}");
+
+        // Another key, then an open node (no key at all): pnet fails the handshake
+        // either way.
         for (name, outsider_key) in [
             ("other-key", Some(ClusterKey::generate())),
             ("no-key", None),
         ] {
             let mut c = config(&dir.path().join(name), Formation::Join, &[seed(&a)]);
             c.cluster_key = outsider_key;
+            c.open = outsider_key.is_none();
             c.join_timeout = OUTSIDER_JOIN;
             let msg = refused(c).await;
             assert!(

@@ -7,12 +7,9 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use common::procs::Proc;
 use common::{accepted_once, have_any};
 use gpumesh::node::api::StatusView;
 use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
@@ -72,118 +69,12 @@ fn spec(shards: u32) -> TaskSpec {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// One `gpumesh node` process and what it needs to be started again.
-struct Proc {
-    name: String,
-    dir: PathBuf,
-    p2p: u16,
-    api: u16,
-    child: Option<Child>,
-    raft_id: u64,
-    seed: String,
-}
-
-impl Proc {
-    fn new(root: &Path, name: &str) -> Proc {
-        Proc {
-            name: name.into(),
-            dir: root.join(name),
-            p2p: free_port(),
-            api: free_port(),
-            child: None,
-            raft_id: 0,
-            seed: String::new(),
-        }
-    }
-
-    /// Starts the process and waits for "API on", reading its raft id and seed.
-    fn start(&mut self, extra: &[&str]) {
-        let listen = format!("/ip4/127.0.0.1/tcp/{}", self.p2p);
-        let api = format!("127.0.0.1:{}", self.api);
-        let log = std::fs::File::create(self.dir.with_extension("log")).unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_gpumesh"))
-            .args([
-                "node",
-                "--data-dir",
-                self.dir.to_str().unwrap(),
-                "--listen",
-                &listen,
-            ])
-            .args(["--api", &api, "--no-mdns"])
-            .args(extra)
-            .env("RUST_LOG", "info,wgpu_hal=error,wgpu_core=error,naga=error")
-            .env("XDG_RUNTIME_DIR", std::env::temp_dir())
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let (tx, lines) = mpsc::channel();
-        let out = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(90);
-        let mut seen = String::new();
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = lines.recv_timeout(left).unwrap_or_else(|_| {
-                panic!(
-                    "node {} did not start: {seen}\n{}",
-                    self.name,
-                    std::fs::read_to_string(self.dir.with_extension("log")).unwrap_or_default()
-                )
-            });
-            if let Some(rest) = line.strip_prefix("gpumesh node ") {
-                let hex = rest.split("raft id ").nth(1).unwrap().trim_end_matches(')');
-                self.raft_id = u64::from_str_radix(hex, 16).unwrap();
-            }
-            if let Some(addr) = line.trim().strip_prefix("listening on ") {
-                self.seed = addr.to_string();
-            }
-            seen.push_str(&line);
-            seen.push('\n');
-            if line.contains("API on") {
-                break;
-            }
-        }
-        self.child = Some(child);
-    }
-
-    /// SIGKILL: no goodbye, no flush, no leadership hand-over.
-    fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            c.kill().unwrap();
-            c.wait().unwrap();
-        }
-    }
-
-    fn client(&self) -> Client {
-        Client::new(format!("127.0.0.1:{}", self.api))
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
-
 /// Waits until one leader counts three voters with adapters.
 async fn ready(procs: &[Proc]) -> StatusView {
     let deadline = Instant::now() + Duration::from_secs(90);
     loop {
-        for p in procs.iter().filter(|p| p.child.is_some()) {
-            if let Ok(st) = p.client().status().await {
+        for p in procs.iter().filter(|p| p.started()) {
+            if let Ok(st) = p.client().unwrap().status().await {
                 let voters = st.members.iter().filter(|m| m.role == "voter").count();
                 if st.leader != 0
                     && voters == 3
@@ -256,13 +147,8 @@ async fn finished_and_right(via: &Client, task: u64) {
 /// SIGKILLs node `i` and starts it again on its data dir, pointed at the others.
 fn kill9_and_restart(procs: &mut [Proc], i: usize) {
     procs[i].kill9();
-    let mut args = Vec::new();
-    for p in procs.iter().filter(|p| p.child.is_some()) {
-        args.push("--peer".to_string());
-        args.push(p.seed.clone());
-    }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    procs[i].start(&args);
+    // No --peer: the data dir holds the key and where every member listens.
+    procs[i].start(&[]).unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -273,21 +159,21 @@ async fn kill_9_of_the_leader_and_of_a_worker_mid_task_loses_nothing() {
     let root = tempfile::tempdir().unwrap();
     let mut procs: Vec<Proc> = ["a", "b", "c"]
         .iter()
-        .map(|n| Proc::new(root.path(), n))
+        .map(|n| common::procs::node(root.path(), n))
         .collect();
-    procs[0].start(&["--init"]);
-    let seed = procs[0].seed.clone();
+    procs[0].start(&["--init"]).unwrap();
+    let ticket = procs[0].ticket().unwrap();
     for p in &mut procs[1..] {
-        p.start(&["--peer", &seed]);
+        p.start(&["--join", &ticket]).unwrap();
     }
     let st = ready(&procs).await;
 
     // 1. The leader dies mid-task and comes back.
     let leader = procs.iter().position(|p| p.raft_id == st.leader).unwrap();
     let via = (leader + 1) % 3;
-    let (t1, _) = submit_and_wait_running(&procs[via].client(), &[]).await;
+    let (t1, _) = submit_and_wait_running(&procs[via].client().unwrap(), &[]).await;
     kill9_and_restart(&mut procs, leader);
-    finished_and_right(&procs[via].client(), t1).await;
+    finished_and_right(&procs[via].client().unwrap(), t1).await;
     ready(&procs).await;
 
     // 2. A worker (not the leader) dies while running a shard and comes back.
@@ -298,16 +184,16 @@ async fn kill_9_of_the_leader_and_of_a_worker_mid_task_loses_nothing() {
         .map(|p| p.raft_id)
         .filter(|&id| id != st.leader)
         .collect();
-    let (t2, busy) = submit_and_wait_running(&procs[leader].client(), &followers).await;
+    let (t2, busy) = submit_and_wait_running(&procs[leader].client().unwrap(), &followers).await;
     let worker = procs.iter().position(|p| p.raft_id == busy).unwrap();
     kill9_and_restart(&mut procs, worker);
-    finished_and_right(&procs[leader].client(), t2).await;
+    finished_and_right(&procs[leader].client().unwrap(), t2).await;
 
     // 3. Both restarted nodes serve both tasks from their own state and disks.
     ready(&procs).await;
     for p in &procs {
         for t in [t1, t2] {
-            finished_and_right(&p.client(), t).await;
+            finished_and_right(&p.client().unwrap(), t).await;
         }
     }
 }

@@ -150,6 +150,9 @@ pub enum Command {
         raft_id: u64,
         capability: NodeCapability,
     },
+    /// The addresses a member listens on (multiaddrs in text form), published by
+    /// the member itself when they differ from its record.
+    NodeAddresses { raft_id: u64, addrs: Vec<String> },
     /// A liveness beacon; `at_ms` is the proposer's wall clock (ms since the epoch).
     Heartbeat { raft_id: u64, at_ms: u64 },
     /// The results of every shard of a task in `Merging` were merged (by the
@@ -215,6 +218,7 @@ impl Command {
             Command::NodePromoted { .. } => "node-promoted",
             Command::NodeLeft { .. } => "node-left",
             Command::NodeCapabilities { .. } => "node-capabilities",
+            Command::NodeAddresses { .. } => "node-addresses",
             Command::Heartbeat { .. } => "heartbeat",
             Command::TaskMerged { .. } => "task-merged",
             Command::MergeFailed { .. } => "merge-failed",

@@ -55,6 +55,10 @@ pub struct Member {
     pub last_heartbeat: Option<Liveness>,
     /// Log index at which the node joined (0 for founding members).
     pub joined_index: u64,
+    /// Where the node listens (multiaddrs in text form, without `/p2p/`), as it
+    /// last published them: every member dials every other member at these, so the
+    /// mesh's connections do not depend on the node each one bootstrapped from.
+    pub addrs: Vec<String>,
 }
 
 /// Where a task stands.
@@ -280,6 +284,7 @@ impl StateMachine {
                         capability: None,
                         last_heartbeat: None,
                         joined_index: 0,
+                        addrs: Vec::new(),
                     },
                 )
             })
@@ -656,6 +661,7 @@ impl StateMachine {
                         capability: capability.clone(),
                         last_heartbeat: None,
                         joined_index: index,
+                        addrs: Vec::new(),
                     },
                 );
                 Outcome::Applied
@@ -677,6 +683,13 @@ impl StateMachine {
             } => match self.members.get_mut(raft_id) {
                 Some(m) => {
                     m.capability = Some(capability.clone());
+                    Outcome::Applied
+                }
+                None => Outcome::Rejected(format!("node {raft_id} is not a member")),
+            },
+            Command::NodeAddresses { raft_id, addrs } => match self.members.get_mut(raft_id) {
+                Some(m) => {
+                    m.addrs = addrs.clone();
                     Outcome::Applied
                 }
                 None => Outcome::Rejected(format!("node {raft_id} is not a member")),

@@ -20,20 +20,23 @@ impl LocalMesh {
             .try_init()
             .ok();
         let root = std::env::temp_dir().join(format!("gpumesh-{name}-{}", std::process::id()));
-        let config = |i: usize, formation, peers: Vec<Multiaddr>| {
+        let config = |i: usize, formation, peers: Vec<Multiaddr>, key| {
             let mut c = NodeConfig::new(root.join(format!("node-{i}")));
             c.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().expect("multiaddr")];
             c.api = "127.0.0.1:0".parse().expect("socket address");
             c.mdns = false;
             c.formation = formation;
             c.peers = peers;
+            // The first node makes the mesh's cluster key; the others join with it.
+            c.cluster_key = key;
             c
         };
-        let first = MeshNode::start(config(0, Formation::Init, vec![])).await?;
+        let first = MeshNode::start(config(0, Formation::Init, vec![], None)).await?;
+        let key = first.cluster_key;
         let seed: Multiaddr = format!("{}/p2p/{}", first.listen_addrs[0], first.peer_id).parse()?;
         let mut nodes = vec![first];
         for i in 1..n {
-            nodes.push(MeshNode::start(config(i, Formation::Join, vec![seed.clone()])).await?);
+            nodes.push(MeshNode::start(config(i, Formation::Join, vec![seed.clone()], key)).await?);
         }
         Ok(LocalMesh { nodes, root })
     }

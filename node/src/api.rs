@@ -134,7 +134,14 @@ pub struct MemberView {
     pub raft_id: u64,
     pub peer_id: String,
     pub role: String,
+    /// Heard from within the heartbeat window and not known unreachable.
     pub alive: bool,
+    /// This node's connections to it closed and it could not be dialled again.
+    #[serde(default)]
+    pub unreachable: bool,
+    /// Where it listens, from its membership record.
+    #[serde(default)]
+    pub addrs: Vec<String>,
     pub adapter: Option<String>,
     pub backend: Option<String>,
     pub gflops: Option<f64>,
@@ -188,12 +195,19 @@ fn not_found(id: u64) -> ApiError {
 pub(crate) type ApiResult<T> = std::result::Result<T, ApiError>;
 
 /// Binds `addr` and serves until `cancel`; returns the bound address.
+/// Serves the API on `addr`. On a loopback address anyone on this machine may call
+/// it, as before; on any other every request but the dashboard's page must carry
+/// `Authorization: Bearer TOKEN` (the node's `api.token`).
 pub(crate) async fn serve(
     addr: SocketAddr,
+    token: String,
     shared: Arc<Shared>,
     cancel: CancellationToken,
 ) -> Result<(SocketAddr, JoinHandle<()>)> {
     let caps = BodyCaps::of(&shared.limits);
+    let gate = Gate {
+        token: (!addr.ip().is_loopback()).then(|| Arc::new(token)),
+    };
     let app = Router::new()
         .route(
             "/v1/blobs",
@@ -214,6 +228,7 @@ pub(crate) async fn serve(
         // Every route but the blob upload above, which sets its own.
         .layer(DefaultBodyLimit::max(caps.request.max()))
         .layer(middleware::from_fn_with_state(caps, announced_within))
+        .layer(middleware::from_fn_with_state(gate, bearer))
         .with_state(shared);
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
         NodeError::Config(format!(
@@ -328,6 +343,53 @@ impl BodyCaps {
         } else {
             self.request
         }
+    }
+}
+
+/// Who may call the API: anyone (loopback), or holders of the token.
+#[derive(Clone)]
+struct Gate {
+    token: Option<Arc<String>>,
+}
+
+/// Compares in time independent of where the first difference is.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Refuses, with 401 and a JSON error, a request off loopback without the token. The
+/// dashboard's page itself is served (it holds no data; it sends the token it is
+/// given in its address, `/#token=TOKEN`, with each request it makes).
+async fn bearer(State(gate): State<Gate>, request: Request, next: Next) -> Response {
+    let Some(token) = &gate.token else {
+        return next.run(request).await;
+    };
+    if request.uri().path() == "/" {
+        return next.run(request).await;
+    }
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match given {
+        Some(t) if same_secret(t.as_bytes(), token.as_bytes()) => next.run(request).await,
+        Some(_) => ApiError(
+            StatusCode::UNAUTHORIZED,
+            "wrong API token: the node's token is in its data dir (api.token); give it \
+             with --token, GPUMESH_TOKEN or --data-dir"
+                .into(),
+        )
+        .into_response(),
+        None => ApiError(
+            StatusCode::UNAUTHORIZED,
+            "this node's API is served off loopback and requires `Authorization: Bearer \
+             TOKEN`; the token is in the node's data dir (api.token): give it with --token, \
+             GPUMESH_TOKEN or --data-dir"
+                .into(),
+        )
+        .into_response(),
     }
 }
 
@@ -737,6 +799,11 @@ async fn status(State(shared): State<Arc<Shared>>) -> ApiResult<Json<StatusView>
     let c = consensus(&shared)?;
     let st = c.status().await.map_err(unavailable)?;
     let now = crate::scheduler::now_ms();
+    let lost = shared
+        .unreachable
+        .read()
+        .map(|u| u.clone())
+        .unwrap_or_default();
     let members = c
         .read_local(move |s| {
             let queue = queues(s);
@@ -746,7 +813,9 @@ async fn status(State(shared): State<Arc<Shared>>) -> ApiResult<Json<StatusView>
                     raft_id: m.raft_id,
                     peer_id: m.peer_id.clone(),
                     role: format!("{:?}", m.role).to_lowercase(),
-                    alive: heard_recently(m, now),
+                    alive: heard_recently(m, now) && !lost.contains(&m.raft_id),
+                    unreachable: lost.contains(&m.raft_id),
+                    addrs: m.addrs.clone(),
                     adapter: m.capability.as_ref().map(|c| c.adapter_name.clone()),
                     backend: m.capability.as_ref().map(|c| c.backend.name().to_string()),
                     gflops: m.capability.as_ref().map(|c| c.gflops),

@@ -12,7 +12,6 @@
 //! Talks to nobody: the net actor takes the key through `NetConfig::psk`.
 
 use std::fmt;
-use std::io::Write;
 use std::path::Path;
 use std::str::FromStr;
 
@@ -38,6 +37,25 @@ impl ClusterKey {
     /// The key in the standard key-file form (three lines). This is the secret.
     pub fn to_key_file(&self) -> String {
         self.0.to_string()
+    }
+
+    /// The key from its 32 bytes.
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        ClusterKey(PreSharedKey::new(bytes))
+    }
+
+    /// The key's 32 bytes. This is the secret.
+    pub fn to_bytes(&self) -> [u8; 32] {
+        let text = self.to_key_file();
+        let hex = text.lines().nth(2).unwrap_or_default();
+        let mut out = [0u8; 32];
+        for (i, byte) in out.iter_mut().enumerate() {
+            *byte = hex
+                .get(2 * i..2 * i + 2)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .unwrap_or_default();
+        }
+        out
     }
 
     /// What the transport takes.
@@ -69,14 +87,7 @@ impl ClusterKey {
     /// Unix). Refuses to replace an existing file: nodes holding the old key would be
     /// locked out of the mesh.
     pub fn write_new(&self, path: &Path) -> Result<()> {
-        let mut options = std::fs::OpenOptions::new();
-        options.write(true).create_new(true);
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::OpenOptionsExt;
-            options.mode(0o600);
-        }
-        let mut file = options.open(path).map_err(|e| {
+        crate::admission::write_private(path, self.to_key_file().as_bytes()).map_err(|e| {
             if e.kind() == std::io::ErrorKind::AlreadyExists {
                 NodeError::Config(format!(
                     "{} already exists; not overwriting it (nodes holding that key would \
@@ -86,10 +97,7 @@ impl ClusterKey {
             } else {
                 NodeError::io(path, e)
             }
-        })?;
-        file.write_all(self.to_key_file().as_bytes())
-            .and_then(|()| file.sync_all())
-            .map_err(|e| NodeError::io(path, e))
+        })
     }
 }
 
@@ -171,6 +179,7 @@ mod tests {
         assert!(!debug.contains(&hex), "{debug}");
         assert!(debug.contains(&key.fingerprint()), "{debug}");
         assert_ne!(ClusterKey::generate(), key, "keys are random");
+        assert_eq!(ClusterKey::from_bytes(key.to_bytes()), key);
     }
 
     #[test]

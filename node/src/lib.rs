@@ -16,9 +16,12 @@
 //! - [`metrics`]: the node's own Prometheus registry and what it counts.
 //! - [`blob`]: the content-addressed blob store on disk.
 //! - [`limits`]: what one request may ask of a node, with defaults and flags.
+//! - [`admission`]: closed by default — the cluster key in the data dir, join
+//!   tickets, the API's bearer token.
 //! - [`cluster_key`]: the pnet pre-shared key that closes a mesh to strangers.
 //! - [`identity`]: the node key and the raft id derived from it.
 
+pub mod admission;
 pub mod api;
 pub mod blob;
 pub mod cluster_key;

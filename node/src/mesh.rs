@@ -69,9 +69,13 @@ pub struct NodeConfig {
     pub max_voters: u32,
     /// What one request may ask of this node (sizes, grid, queue).
     pub limits: Limits,
-    /// The mesh's shared secret; `None` leaves the transport open to anyone who
-    /// reaches the listen addresses. `Debug` shows only its fingerprint.
+    /// The mesh's shared secret (a `--cluster-key` file's or a join ticket's). When
+    /// `None`, the key in the data dir (`cluster.key`); a node forming a mesh with
+    /// `Formation::Init` makes one there. `Debug` shows only its fingerprint.
     pub cluster_key: Option<ClusterKey>,
+    /// A mesh without a cluster key, open to anyone who reaches the listen
+    /// addresses. Off by default: a node with no key and no `open` refuses to start.
+    pub open: bool,
     /// When not empty, the only peers this node keeps connections with.
     pub allow_peers: Vec<PeerId>,
     /// Caps on connections per peer, in total, and half-open.
@@ -113,6 +117,7 @@ impl NodeConfig {
             faults: Faults::default(),
             limits: Limits::default(),
             cluster_key: None,
+            open: false,
             allow_peers: Vec::new(),
             connections: ConnectionCaps::default(),
         }
@@ -166,6 +171,8 @@ pub struct MeshNode {
     pub net: NetHandle,
     pub blobs: BlobStore,
     pub capability: Option<NodeCapability>,
+    /// The key its transport holds; `None` in an open mesh.
+    pub cluster_key: Option<ClusterKey>,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
     gpu_thread: Option<std::thread::JoinHandle<()>>,
@@ -212,7 +219,10 @@ impl Shared {
     }
 }
 
-const CLUSTER_FILE: &str = "cluster-id";
+/// The file a node leaves in its data dir once it formed or joined a mesh.
+pub(crate) const CLUSTER_FILE: &str = "cluster-id";
+/// How long a member restarting on its data dir waits for a leader before serving.
+const RESTART_WAIT: Duration = Duration::from_secs(5);
 /// How long [`MeshNode::stop`] waits for a dispatch under way to end.
 const GPU_STOP_WAIT: Duration = Duration::from_secs(30);
 
@@ -223,6 +233,9 @@ impl MeshNode {
         let cancel = CancellationToken::new();
         let dir = &config.data_dir;
         std::fs::create_dir_all(dir).map_err(|e| NodeError::io(dir, e))?;
+        let cluster_key =
+            crate::admission::settle_key(dir, config.cluster_key, config.open, config.formation)?;
+        let api_token = crate::admission::api_token(dir)?;
         let keypair = identity::load_or_create(dir)?;
         let peer_id = keypair.public().to_peer_id();
         let raft_id = identity::raft_id(&peer_id);
@@ -243,14 +256,14 @@ impl MeshNode {
         net_config.listen = config.listen.clone();
         net_config.peers = config.peers.clone();
         net_config.mdns = config.mdns;
-        net_config.psk = config.cluster_key.map(|k| k.psk());
+        net_config.psk = cluster_key.map(|k| k.psk());
         net_config.allow_peers = config.allow_peers.clone();
         net_config.connections = config.connections;
         net_config.metrics = metrics.net.clone();
-        match &config.cluster_key {
+        match &cluster_key {
             Some(key) => tracing::info!(fingerprint = %key.fingerprint(), "cluster key loaded"),
-            None => tracing::info!(
-                "no cluster key: anyone who reaches the listen addresses can connect"
+            None => tracing::warn!(
+                "no cluster key (--open): anyone who reaches the listen addresses can connect"
             ),
         }
         if !config.allow_peers.is_empty() {
@@ -286,8 +299,11 @@ impl MeshNode {
             cancel.clone(),
         )));
 
+        // A member restarting on its data dir (not joining, not forming).
+        let restarting = config.data_dir.join(CLUSTER_FILE).exists();
         let result = async {
             let (storage, joined_through) = open_or_form(&config, &shared).await?;
+            let restarting = restarting && joined_through.is_none();
             let mut rc = ReplicaConfig::new(raft_id);
             rc.tick_interval = config.raft_tick;
             let transport = Arc::new(NetTransport {
@@ -297,14 +313,28 @@ impl MeshNode {
             let consensus = ConsensusHandle::start(rc, storage, transport)?;
             let _ = shared.consensus.set(consensus.clone());
             shared.metrics.follow(consensus.clone());
+            // Dial every member at once: a node restarted with no --peer finds the
+            // mesh through the addresses in its own copy of the membership.
+            let members = tokio::spawn(learn_members(
+                shared.clone(),
+                config.data_dir.clone(),
+                cancel.clone(),
+            ));
             if let Some(peer) = joined_through {
                 join_through(&shared, peer, config.join_timeout).await?;
             }
             // Serve nothing until this node knows a leader and sees itself in the
             // membership it has applied (a joiner has caught up): reads and
-            // proposals before that would only time out or look empty.
+            // proposals before that would only time out or look empty. A member
+            // restarting while no quorum is reachable serves anyway after a short
+            // wait (its API answers 503 until a leader is back) rather than exit.
             let me = raft_id;
-            let ready = tokio::time::timeout(config.join_timeout, async {
+            let wait = if restarting {
+                config.join_timeout.min(RESTART_WAIT)
+            } else {
+                config.join_timeout
+            };
+            let ready = tokio::time::timeout(wait, async {
                 loop {
                     let leader = consensus.watch_status().borrow().leader_id;
                     let member = consensus
@@ -319,24 +349,36 @@ impl MeshNode {
             })
             .await;
             if ready.is_err() {
-                return Err(NodeError::Config(format!(
-                    "no Raft leader accepted this node within {:?}; a majority of the mesh's \
-                     voters must be running",
-                    config.join_timeout
-                )));
+                if !restarting {
+                    return Err(NodeError::Config(format!(
+                        "no Raft leader accepted this node within {:?}; a majority of the \
+                         mesh's voters must be running",
+                        config.join_timeout
+                    )));
+                }
+                tracing::warn!(
+                    "no Raft leader within {wait:?} of restarting: serving anyway; the API \
+                     answers 503 until a majority of the mesh's voters is reachable"
+                );
             }
-            Ok::<_, NodeError>(consensus)
+            Ok::<_, NodeError>((consensus, members))
         }
         .await;
         let consensus = match result {
-            Ok(c) => c,
+            Ok((c, members)) => {
+                tasks.push(members);
+                c
+            }
             Err(e) => {
                 cancel.cancel();
                 return Err(e);
             }
         };
 
-        tasks.push(tokio::spawn(learn_members(shared.clone(), cancel.clone())));
+        // Before the API answers, so `gpumesh ticket` works as soon as the node is up.
+        if let Some(records) = member_records(&consensus).await {
+            record_mesh_addrs(&shared, &records, &config.data_dir, &mut Vec::new()).await;
+        }
         tasks.push(tokio::spawn(
             shared
                 .throughput
@@ -373,7 +415,7 @@ impl MeshNode {
             ));
         }
         let (api_addr, api_task) =
-            crate::api::serve(config.api, shared.clone(), cancel.clone()).await?;
+            crate::api::serve(config.api, api_token, shared.clone(), cancel.clone()).await?;
         tasks.push(api_task);
         tracing::info!(%peer_id, raft_id, %api_addr, "node started");
         Ok(MeshNode {
@@ -385,6 +427,7 @@ impl MeshNode {
             net,
             blobs,
             capability,
+            cluster_key,
             cancel,
             tasks,
             gpu_thread,
@@ -874,28 +917,78 @@ async fn answer(shared: &Arc<Shared>, from: PeerId, request: MeshRequest) -> Mes
 
 /// The peer ids in this replica's membership table.
 async fn member_peers(consensus: &ConsensusHandle) -> Option<Vec<PeerId>> {
+    Some(
+        member_records(consensus)
+            .await?
+            .into_iter()
+            .map(|(p, _)| p)
+            .collect(),
+    )
+}
+
+/// Every member's peer id and the addresses in its membership record.
+async fn member_records(consensus: &ConsensusHandle) -> Option<Vec<(PeerId, Vec<Multiaddr>)>> {
     consensus
         .read_local(|s| {
             s.members()
                 .values()
-                .filter_map(|m| m.peer_id.parse::<PeerId>().ok())
+                .filter_map(|m| {
+                    let peer = m.peer_id.parse::<PeerId>().ok()?;
+                    let addrs = m.addrs.iter().filter_map(|a| a.parse().ok()).collect();
+                    Some((peer, addrs))
+                })
                 .collect()
         })
         .await
         .ok()
 }
 
-/// Keeps the peer book in step with the membership table.
-async fn learn_members(shared: Arc<Shared>, cancel: CancellationToken) {
+/// Keeps the data dir's list of where members listen (what `gpumesh ticket` hands
+/// out) in step with the membership records, this node's own addresses included
+/// before its record has them. `recorded` is what was last written.
+async fn record_mesh_addrs(
+    shared: &Arc<Shared>,
+    records: &[(PeerId, Vec<Multiaddr>)],
+    data_dir: &std::path::Path,
+    recorded: &mut Vec<Multiaddr>,
+) {
+    let mine = shared.net.listen_addrs().await.unwrap_or_default();
+    let mut everyone: Vec<Multiaddr> = records
+        .iter()
+        .filter(|(peer, _)| *peer != shared.peer_id)
+        .chain(std::iter::once(&(shared.peer_id, mine)))
+        .flat_map(|(peer, addrs)| addrs.iter().filter_map(|a| a.clone().with_p2p(*peer).ok()))
+        .collect();
+    everyone.sort_by_key(|a| a.to_string());
+    everyone.dedup();
+    if everyone != *recorded && !everyone.is_empty() {
+        match crate::admission::write_mesh_addrs(data_dir, &everyone) {
+            Ok(()) => *recorded = everyone,
+            Err(e) => tracing::warn!(error = %e, "could not record the members' addresses"),
+        }
+    }
+}
+
+/// How often a node looks for members it has no connection to.
+const MEMBER_SWEEP: Duration = Duration::from_millis(500);
+
+/// Keeps a connection to every member: the peer book follows the membership table,
+/// and every member this node is not connected to is dialled at the addresses in its
+/// membership record (and any learned otherwise), whoever this node bootstrapped
+/// from. So losing any one node, the seed included, leaves the others connected.
+async fn learn_members(shared: Arc<Shared>, data_dir: PathBuf, cancel: CancellationToken) {
     let Some(consensus) = shared.consensus.get().cloned() else {
         return;
     };
+    let mut recorded: Vec<Multiaddr> = Vec::new();
     loop {
-        if let Some(peers) = member_peers(&consensus).await {
+        if let Some(records) = member_records(&consensus).await {
+            record_mesh_addrs(&shared, &records, &data_dir, &mut recorded).await;
             let connected = shared.net.connected_peers().await.unwrap_or_default();
             let mut missing = Vec::new();
-            for peer in peers {
+            for (peer, addrs) in records {
                 shared.peers.insert(peer);
+                shared.learn_addrs(peer, &addrs);
                 if peer != shared.peer_id && !connected.contains(&peer) {
                     missing.push(peer);
                 }
@@ -906,7 +999,7 @@ async fn learn_members(shared: Arc<Shared>, cancel: CancellationToken) {
         }
         tokio::select! {
             _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = tokio::time::sleep(MEMBER_SWEEP) => {}
         }
     }
 }
@@ -958,31 +1051,51 @@ pub(crate) async fn fetch_blob(
     Err(format!("blob {id} could not be fetched: {last}"))
 }
 
-/// Has one other node keep a copy of `blob` (the submitter when it is another node,
-/// else any member that answers), so that losing this node after the result is
-/// recorded loses nothing. Succeeds at once in a one-node mesh.
+/// Has one other member keep a copy of `blob` (the submitter first when it is
+/// another node, then every other member, connected ones first), so that losing this
+/// node after the result is recorded loses nothing. Succeeds at once in a one-node
+/// mesh. Fails only when no other member can be reached or every one refused, and
+/// then says how many were reachable.
 pub(crate) async fn replicate(
     shared: &Arc<Shared>,
     blob: gpumesh_protocol::BlobId,
     prefer: Option<PeerId>,
 ) -> std::result::Result<(), String> {
-    let mut targets: Vec<PeerId> = prefer
-        .into_iter()
+    let members: Vec<PeerId> = match shared.consensus.get() {
+        Some(c) => member_peers(c).await.unwrap_or_default(),
+        None => Vec::new(),
+    };
+    let others: Vec<PeerId> = members
+        .iter()
+        .copied()
         .filter(|p| *p != shared.peer_id)
         .collect();
-    for p in shared.net.connected_peers().await.unwrap_or_default() {
-        if !targets.contains(&p) && p != shared.peer_id {
-            targets.push(p);
-        }
-    }
-    let members = match shared.consensus.get() {
-        Some(c) => c.read_local(|s| s.members().len()).await.unwrap_or(1),
-        None => 1,
-    };
-    if members < 2 {
+    if others.is_empty() {
         return Ok(());
     }
-    let mut last = String::from("no other member is connected");
+    let mut connected = shared.net.connected_peers().await.unwrap_or_default();
+    let unconnected: Vec<PeerId> = others
+        .iter()
+        .copied()
+        .filter(|p| !connected.contains(p))
+        .collect();
+    if unconnected.len() == others.len() {
+        // No connection to any other member (this node just lost them, or is just
+        // back): try to reach them before giving up.
+        connect_members(shared, &connected, &unconnected).await;
+        connected = shared.net.connected_peers().await.unwrap_or_default();
+    }
+    let mut targets: Vec<PeerId> = prefer
+        .into_iter()
+        .filter(|p| others.contains(p) && connected.contains(p))
+        .collect();
+    for p in &others {
+        if connected.contains(p) && !targets.contains(p) {
+            targets.push(*p);
+        }
+    }
+    let reachable = targets.len();
+    let mut refusals = Vec::new();
     for peer in targets {
         let asked = shared
             .net
@@ -996,25 +1109,41 @@ pub(crate) async fn replicate(
             _ => None,
         }) {
             Ok(Some(NodeReply::Replicated)) => return Ok(()),
-            Ok(Some(NodeReply::Refused(why))) => last = why,
-            Ok(_) => last = format!("{peer} gave an unexpected answer"),
-            Err(e) => last = e.to_string(),
+            Ok(Some(NodeReply::Refused(why))) => refusals.push(format!("{peer}: {why}")),
+            Ok(_) => refusals.push(format!("{peer}: unexpected answer")),
+            Err(e) => refusals.push(format!("{peer}: {e}")),
         }
     }
-    Err(format!("no second copy of blob {blob}: {last}"))
+    let n = others.len();
+    Err(if reachable == 0 {
+        format!(
+            "no second copy of blob {blob}: none of the {n} other member(s) of the mesh is \
+             reachable from this node"
+        )
+    } else {
+        format!(
+            "no second copy of blob {blob}: {reachable} of the {n} other member(s) are \
+             reachable, and none kept a copy ({})",
+            refusals.join("; ")
+        )
+    })
 }
 
-/// Dials members this node has no connection to, learning their addresses from
-/// the peers it is connected to when it has none.
+/// How long one dial of a member may take before the sweep moves on.
+const MEMBER_DIAL_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Dials members this node has no connection to, all at once, at every address
+/// known for each (its membership record, identify, mDNS); asks the connected peers
+/// for their address books first when some member's addresses are unknown.
 async fn connect_members(shared: &Arc<Shared>, connected: &[PeerId], missing: &[PeerId]) {
-    let unknown = missing.iter().any(|p| {
+    let known = |p: &PeerId| {
         shared
             .addrs
             .read()
-            .map(|b| !b.contains_key(p))
-            .unwrap_or(true)
-    });
-    if unknown {
+            .map(|b| b.get(p).is_some_and(|a| !a.is_empty()))
+            .unwrap_or(false)
+    };
+    if missing.iter().any(|p| !known(p)) {
         for peer in connected {
             let reply = shared
                 .net
@@ -1033,27 +1162,54 @@ async fn connect_members(shared: &Arc<Shared>, connected: &[PeerId], missing: &[
             }
         }
     }
-    for peer in missing {
+    let mut dials = tokio::task::JoinSet::new();
+    for &peer in missing {
         let addrs = shared
             .addrs
             .read()
             .ok()
-            .and_then(|b| b.get(peer).cloned())
+            .and_then(|b| b.get(&peer).cloned())
             .unwrap_or_default();
-        for addr in addrs {
-            let _ = shared.net.add_address(*peer, addr.clone()).await;
-            let with_id = if addr
-                .iter()
-                .any(|p| matches!(p, libp2p::multiaddr::Protocol::P2p(_)))
-            {
-                addr
-            } else {
-                addr.with(libp2p::multiaddr::Protocol::P2p(*peer))
-            };
-            if shared.net.dial(with_id).await.is_ok() {
-                break;
+        let net = shared.net.clone();
+        dials.spawn(async move {
+            for addr in addrs {
+                let _ = net.add_address(peer, addr.clone()).await;
+                let with_id = match addr.iter().last() {
+                    Some(libp2p::multiaddr::Protocol::P2p(_)) => addr,
+                    _ => addr.with(libp2p::multiaddr::Protocol::P2p(peer)),
+                };
+                match tokio::time::timeout(MEMBER_DIAL_TIMEOUT, net.dial(with_id)).await {
+                    Ok(Ok(_)) => return,
+                    Ok(Err(e)) => tracing::debug!(%peer, error = %e, "member dial failed"),
+                    Err(_) => tracing::debug!(%peer, "member dial timed out"),
+                }
             }
-        }
+        });
+    }
+    while dials.join_next().await.is_some() {}
+}
+
+/// Publishes where this node listens into its membership record when the record
+/// says otherwise (a new member, or one restarted on other addresses).
+async fn publish_addrs(shared: &Arc<Shared>, consensus: &ConsensusHandle, recorded: &[String]) {
+    let Ok(mine) = shared.net.listen_addrs().await else {
+        return;
+    };
+    let mut mine: Vec<String> = mine.iter().map(|a| a.to_string()).collect();
+    // Loopback last: a peer on another machine reaching its own loopback finds
+    // itself, not this node.
+    mine.sort_by_key(|a| a.starts_with("/ip4/127.") || a.starts_with("/ip6/::1/"));
+    if mine.is_empty() || mine == recorded {
+        return;
+    }
+    let proposed = consensus
+        .propose(Command::NodeAddresses {
+            raft_id: shared.raft_id,
+            addrs: mine,
+        })
+        .await;
+    if let Err(e) = proposed {
+        tracing::debug!(error = %e, "listen addresses not yet recorded");
     }
 }
 
@@ -1078,6 +1234,7 @@ async fn heartbeats(shared: Arc<Shared>, interval: Duration, cancel: Cancellatio
             Duration::from_millis(200)
         };
         if let Some(member) = member {
+            publish_addrs(&shared, &consensus, &member.addrs).await;
             if !published {
                 match (&shared.capability, &member.capability) {
                     (Some(mine), theirs) if theirs.as_ref() != Some(mine) => {

@@ -28,6 +28,9 @@ pub struct FaultsBenchArgs {
     /// Tasks in flight at once during the throughput runs.
     #[arg(long, default_value_t = 32)]
     pub in_flight: usize,
+    /// Print one JSON object (every measurement, in ms) instead of the table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 pub fn faults(args: FaultsBenchArgs) -> anyhow::Result<ExitCode> {
@@ -50,6 +53,7 @@ fn config(dir: &Path, formation: Formation, peers: Vec<Multiaddr>) -> NodeConfig
     c.mdns = false;
     c.formation = formation;
     c.peers = peers;
+    c.cluster_key = Some(super::mesh_key());
     c
 }
 
@@ -295,13 +299,15 @@ fn median(mut v: Vec<Duration>) -> Duration {
 }
 
 async fn run(args: FaultsBenchArgs) -> anyhow::Result<ExitCode> {
+    let rounds = args.rounds.max(1);
+    if !args.json {
+        println!("gpumesh bench faults — 3 nodes on loopback, default timeouts, {rounds} rounds");
+    }
+    // Separate processes first, started as the README starts them.
+    let procs = super::failover::run(rounds).await?;
+
     let root = std::env::temp_dir().join(format!("gpumesh-bench-faults-{}", std::process::id()));
     let mut mesh = Mesh::start(root.clone()).await?;
-    println!(
-        "gpumesh bench faults — 3 nodes on loopback in one process, default timeouts, {} rounds",
-        args.rounds
-    );
-    let rounds = args.rounds.max(1);
     let mut acked = Vec::new();
     let mut completed = Vec::new();
     for round in 0..rounds {
@@ -325,7 +331,68 @@ async fn run(args: FaultsBenchArgs) -> anyhow::Result<ExitCode> {
         two.push(throughput(&mesh, &args, 2).await?);
     }
     let (one, two) = (one.iter().sum::<f64>() / 2.0, two.iter().sum::<f64>() / 2.0);
+    mesh.stop().await;
+    let _ = std::fs::remove_dir_all(&root);
 
+    let seeds = procs.iter().filter(|r| r.seed).count();
+    let proc_rows: [(&str, &str, Vec<Duration>); 3] = [
+        (
+            "process_new_leader",
+            "kill -9 of the leader → every survivor names a new one",
+            procs.iter().map(|r| r.new_leader).collect(),
+        ),
+        (
+            "process_next_task_acknowledged",
+            "kill -9 of the leader → next task acknowledged",
+            procs.iter().map(|r| r.acked).collect(),
+        ),
+        (
+            "process_shown_unreachable",
+            "kill -9 of the leader → status shows it unreachable",
+            procs.iter().map(|r| r.shown_down).collect(),
+        ),
+    ];
+    let inproc_rows: [(&str, &str, Vec<Duration>); 4] = [
+        (
+            "leader_killed_next_task_acknowledged",
+            "leader killed → next task acknowledged",
+            acked,
+        ),
+        (
+            "leader_killed_task_completed",
+            "leader killed → that task completed",
+            completed,
+        ),
+        (
+            "worker_killed_shard_placed",
+            "worker killed → its shard placed on another node",
+            placed,
+        ),
+        (
+            "worker_killed_shard_running",
+            "worker killed → its shard running on another node",
+            moved,
+        ),
+    ];
+    if args.json {
+        let mut out = serde_json::Map::new();
+        out.insert("rounds".into(), rounds.into());
+        out.insert("process_rounds_killing_the_seed".into(), seeds.into());
+        for (key, _, v) in proc_rows.iter().chain(inproc_rows.iter()) {
+            out.insert(
+                (*key).into(),
+                serde_json::json!({
+                    "median_ms": ms(median(v.clone())),
+                    "max_ms": ms(v.iter().max().copied().unwrap_or_default()),
+                    "all_ms": v.iter().map(|d| ms(*d)).collect::<Vec<_>>(),
+                }),
+            );
+        }
+        out.insert("throughput_replicas1_per_s".into(), one.into());
+        out.insert("throughput_replicas2_per_s".into(), two.into());
+        println!("{}", serde_json::Value::Object(out));
+        return Ok(ExitCode::SUCCESS);
+    }
     let row = |name: &str, v: &[Duration]| {
         let max = v.iter().max().copied().unwrap_or_default();
         println!(
@@ -335,11 +402,19 @@ async fn run(args: FaultsBenchArgs) -> anyhow::Result<ExitCode> {
             ms(max)
         );
     };
-    println!("\n{:<58} {:>11} {:>11}", "measurement", "median", "max");
-    row("leader killed → next task acknowledged", &acked);
-    row("leader killed → that task completed", &completed);
-    row("worker killed → its shard placed on another node", &placed);
-    row("worker killed → its shard running on another node", &moved);
+    println!(
+        "\nseparate `gpumesh node` processes, b and c joined through a's ticket; the \
+         leader killed each round ({seeds} of {rounds} times the seed a)"
+    );
+    println!("{:<58} {:>11} {:>11}", "measurement", "median", "max");
+    for (_, name, v) in &proc_rows {
+        row(name, v);
+    }
+    println!("\none process (a killed node stops its Raft and network at once)");
+    println!("{:<58} {:>11} {:>11}", "measurement", "median", "max");
+    for (_, name, v) in &inproc_rows {
+        row(name, v);
+    }
     println!(
         "\n{:<58} {:>10.0} /s",
         format!(
@@ -350,7 +425,5 @@ async fn run(args: FaultsBenchArgs) -> anyhow::Result<ExitCode> {
     );
     println!("{:<58} {:>10.0} /s", "throughput, replicas=2", two);
     println!("{:<58} {:>13.2}", "replicas=2 / replicas=1", two / one);
-    mesh.stop().await;
-    let _ = std::fs::remove_dir_all(&root);
     Ok(ExitCode::SUCCESS)
 }

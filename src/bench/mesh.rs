@@ -84,6 +84,7 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         c.mdns = false;
         c.formation = formation;
         c.peers = peers;
+        c.cluster_key = Some(super::mesh_key());
         c
     };
     let first = MeshNode::start(config("a", Formation::Init, vec![])).await?;

@@ -3,6 +3,7 @@
 mod consensus;
 mod direct;
 mod executor;
+mod failover;
 mod faults;
 mod mesh;
 mod sharding;
@@ -30,4 +31,10 @@ pub fn median_of<E>(
 
 pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+/// The cluster key of the meshes a bench starts (meshes are closed by default).
+fn mesh_key() -> gpumesh::node::ClusterKey {
+    static KEY: std::sync::OnceLock<gpumesh::node::ClusterKey> = std::sync::OnceLock::new();
+    *KEY.get_or_init(gpumesh::node::ClusterKey::generate)
 }

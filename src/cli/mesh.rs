@@ -6,21 +6,16 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context};
 use gpumesh::node::api::TaskView;
-use gpumesh::node::{ClusterKey, MeshNode};
-use gpumesh::Client;
+use gpumesh::node::{admission, MeshNode};
 
 use super::console::Progress;
 use super::settings::NodeSettings;
 use super::{ApiArgs, TaskArgs};
 
 pub fn node(settings: NodeSettings) -> anyhow::Result<ExitCode> {
-    // Before anything starts: a bad key file stops the node with the file's name.
-    let cluster_key = settings
-        .cluster_key
-        .as_deref()
-        .map(ClusterKey::load)
-        .transpose()?;
-    let config = settings.node_config(cluster_key)?;
+    // Before anything starts: a bad key file or ticket stops the node, named.
+    let config = settings.node_config(settings.given_key()?)?;
+    let data_dir = config.data_dir.clone();
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let node = MeshNode::start(config).await?;
@@ -28,12 +23,30 @@ pub fn node(settings: NodeSettings) -> anyhow::Result<ExitCode> {
         for a in &node.listen_addrs {
             println!("  listening on {a}/p2p/{}", node.peer_id);
         }
-        match &cluster_key {
-            Some(key) => println!("  cluster key: fingerprint {}", key.fingerprint()),
-            None => println!(
-                "  cluster key: none (anyone who reaches the listen address can connect; \
-                 see `gpumesh keygen`)"
-            ),
+        match &node.cluster_key {
+            Some(key) => {
+                println!(
+                    "  cluster key: fingerprint {} ({})",
+                    key.fingerprint(),
+                    data_dir.join(admission::KEY_FILE).display()
+                );
+                println!(
+                    "  join ticket: gpumesh ticket --data-dir {}",
+                    data_dir.display()
+                );
+            }
+            None => {
+                let warning = "OPEN MESH (--open): no cluster key; anyone who reaches the \
+                               listen address can join and run code on this GPU";
+                println!("  {warning}");
+                eprintln!("gpumesh: WARNING: {warning}");
+            }
+        }
+        if !node.api_addr.ip().is_loopback() {
+            println!(
+                "  API token required off loopback: {}",
+                data_dir.join(admission::TOKEN_FILE).display()
+            );
         }
         match &node.capability {
             Some(c) => println!(
@@ -113,7 +126,7 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
         options.deadline_ms = Some((secs * 1000.0).ceil() as u64);
     }
     prepared.spec.check_shape()?;
-    let client = Client::new(args.api.api.clone());
+    let client = args.api.client()?;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         for (id, bytes) in &prepared.blobs {
@@ -210,7 +223,7 @@ fn task_id(s: &str) -> anyhow::Result<u64> {
 
 pub fn result(args: ResultArgs) -> anyhow::Result<ExitCode> {
     let task = task_id(&args.task)?;
-    let client = Client::new(args.api.api.clone());
+    let client = args.api.client()?;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let results = client.results(task).await?;
@@ -241,18 +254,23 @@ pub fn result(args: ResultArgs) -> anyhow::Result<ExitCode> {
 }
 
 pub fn status(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
-    let client = Client::new(api.api);
+    let client = api.client()?;
     let st = tokio::runtime::Runtime::new()?.block_on(client.status())?;
     if json {
         println!("{}", serde_json::to_string_pretty(&st)?);
         return Ok(ExitCode::SUCCESS);
     }
+    let leader = if st.leader == 0 {
+        "none (an election is under way, or no quorum is reachable)".to_string()
+    } else {
+        format!("{:x}", st.leader)
+    };
     println!(
-        "leader {:x}, term {}, commit {}",
-        st.leader, st.term, st.commit_index
+        "leader {leader}, term {}, commit {}",
+        st.term, st.commit_index
     );
     println!(
-        "{:<17} {:<54} {:<8} {:<6} {:<34} {:<7} {:>8} {:>6} {:>5}",
+        "{:<17} {:<54} {:<8} {:<16} {:<34} {:<7} {:>8} {:>6} {:>5}",
         "raft id", "peer id", "role", "alive", "adapter", "backend", "GFLOP/s", "GB/s", "queue"
     );
     for m in &st.members {
@@ -262,11 +280,17 @@ pub fn status(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
             m.role.clone()
         };
         println!(
-            "{:<17x} {:<54} {:<8} {:<6} {:<34} {:<7} {:>8.1} {:>6.1} {:>5}",
+            "{:<17x} {:<54} {:<8} {:<16} {:<34} {:<7} {:>8.1} {:>6.1} {:>5}",
             m.raft_id,
             m.peer_id,
             role,
-            if m.alive { "yes" } else { "NO" },
+            if m.alive {
+                "yes"
+            } else if m.unreachable {
+                "NO (unreachable)"
+            } else {
+                "NO (silent)"
+            },
             m.adapter.as_deref().unwrap_or("none"),
             m.backend.as_deref().unwrap_or("-"),
             m.gflops.unwrap_or(0.0),
@@ -278,7 +302,7 @@ pub fn status(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
 }
 
 pub fn tasks(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
-    let client = Client::new(api.api);
+    let client = api.client()?;
     let tasks = tokio::runtime::Runtime::new()?.block_on(client.tasks())?;
     if json {
         println!("{}", serde_json::to_string_pretty(&tasks)?);
@@ -307,7 +331,7 @@ pub fn tasks(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
 
 pub fn task(id: &str, api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
     let id = task_id(id)?;
-    let client = Client::new(api.api);
+    let client = api.client()?;
     let t = tokio::runtime::Runtime::new()?.block_on(client.task(id))?;
     if json {
         println!("{}", serde_json::to_string_pretty(&t)?);
@@ -378,4 +402,25 @@ fn print_task(t: &TaskView) {
             println!("  {:>8}  {:>5}  {}", h.index, shard, h.what);
         }
     }
+}
+
+#[derive(clap::Args, Debug)]
+pub struct TicketArgs {
+    /// The data dir of a node of the mesh (running or not).
+    #[arg(long, env = "GPUMESH_DATA_DIR", default_value = "gpumesh-data")]
+    pub data_dir: PathBuf,
+}
+
+/// Prints the join ticket of the mesh a node belongs to, as the last line.
+pub fn ticket(args: TicketArgs) -> anyhow::Result<ExitCode> {
+    let ticket = admission::Ticket::from_data_dir(&args.data_dir)?;
+    println!(
+        "join ticket of the mesh with cluster key {} ({} member address(es)); it holds \
+         the key, so hand it over as you would a password:",
+        ticket.key.fingerprint(),
+        ticket.addrs.len()
+    );
+    println!("  gpumesh node --join TICKET   (on the new node)");
+    println!("{ticket}");
+    Ok(ExitCode::SUCCESS)
 }

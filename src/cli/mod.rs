@@ -58,6 +58,9 @@ pub enum Command {
     /// Make a cluster key: the shared secret without which no node can connect to a
     /// mesh started with `--cluster-key`.
     Keygen(keygen::KeygenArgs),
+    /// Print a join ticket (last line) for the mesh of the node whose data dir is
+    /// given: the cluster key and the members' addresses, for `node --join`.
+    Ticket(crate::cli::mesh::TicketArgs),
     /// Run a mesh node until Ctrl-C (then leave the mesh gracefully).
     ///
     /// Each setting comes from its flag, else its GPUMESH_* variable, else the
@@ -192,6 +195,50 @@ pub struct ApiArgs {
     /// A node's API address (HOST:PORT).
     #[arg(long, env = "GPUMESH_API", default_value = gpumesh::DEFAULT_API)]
     pub api: String,
+    /// While the mesh cannot answer (a leader change under way), retry for this many
+    /// seconds, saying on stderr what is awaited; 0: fail at once.
+    #[arg(
+        long,
+        env = "GPUMESH_RETRY_FOR",
+        value_name = "SECONDS",
+        default_value_t = 30.0
+    )]
+    pub retry_for: f64,
+    /// The node's API token, needed when its API is off loopback (else read from
+    /// DATA_DIR/api.token).
+    #[arg(
+        long,
+        env = "GPUMESH_TOKEN",
+        value_name = "TOKEN",
+        hide_env_values = true
+    )]
+    pub token: Option<String>,
+    /// The data dir of the node at --api, to read its API token from.
+    #[arg(long, env = "GPUMESH_DATA_DIR", default_value = "gpumesh-data")]
+    pub data_dir: PathBuf,
+}
+
+impl ApiArgs {
+    /// A client of the node at `--api`, retrying as `--retry-for` says and telling
+    /// stderr what it waits for.
+    pub fn client(&self) -> anyhow::Result<gpumesh::Client> {
+        anyhow::ensure!(
+            self.retry_for.is_finite() && self.retry_for >= 0.0,
+            "--retry-for must be a number of seconds, 0 or more (got {})",
+            self.retry_for
+        );
+        let token = self
+            .token
+            .clone()
+            .or_else(|| gpumesh::node::admission::read_api_token(&self.data_dir));
+        let mut client = gpumesh::Client::new(self.api.clone());
+        if let Some(token) = token {
+            client = client.with_token(&token)?;
+        }
+        Ok(client
+            .retry_for(std::time::Duration::from_secs_f64(self.retry_for))
+            .on_wait(|line| eprintln!("gpumesh: {line}")))
+    }
 }
 
 fn parse_input(s: &str) -> Result<(u32, PathBuf), String> {
@@ -254,6 +301,7 @@ pub fn execute(cli: Cli, matches: &ArgMatches) -> anyhow::Result<ExitCode> {
         Command::Adapters { json, no_calibrate } => adapters::run(json, !no_calibrate),
         Command::Run(args) => run::run(args),
         Command::Keygen(args) => keygen::keygen(args),
+        Command::Ticket(args) => crate::cli::mesh::ticket(args),
         Command::Node(args) => {
             let settings = settings::NodeSettings::resolve(
                 &args,

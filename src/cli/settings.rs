@@ -18,6 +18,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context};
 use clap::parser::ValueSource;
 use clap::ArgMatches;
+use gpumesh::node::admission::Ticket;
 use gpumesh::node::scheduler::SchedulerConfig;
 use gpumesh::node::{ClusterKey, ConnectionCaps, Formation, Limits, Multiaddr, NodeConfig, PeerId};
 use gpumesh_shaders::BackendChoice;
@@ -85,9 +86,18 @@ pub struct NodeArgs {
     )]
     pub join_timeout: f64,
     /// The mesh's cluster key file (`gpumesh keygen --out FILE`): only nodes holding
-    /// the same key can connect. Without one, anyone who reaches --listen can.
+    /// the same key can connect. Without it the key in the data dir is used (made
+    /// there by --init, stored there by --join).
     #[arg(long, env = "GPUMESH_CLUSTER_KEY", value_name = "FILE")]
     pub cluster_key: Option<PathBuf>,
+    /// Join the mesh of this ticket (`gpumesh ticket` on a member prints one): it
+    /// holds the cluster key, stored into the data dir, and the members' addresses.
+    #[arg(long, env = "GPUMESH_JOIN", value_name = "TICKET")]
+    pub join: Option<String>,
+    /// A mesh without a cluster key: anyone who reaches --listen can join and run
+    /// code on this node's GPU. Meshes are closed unless every node is started so.
+    #[arg(long, env = "GPUMESH_OPEN", value_parser = clap::builder::BoolishValueParser::new())]
+    pub open: bool,
     /// Admit only this peer id (repeatable; the node's own id is printed at start).
     /// Without any, every peer holding the cluster key is admitted.
     #[arg(
@@ -166,6 +176,8 @@ struct NodeFile {
     mdns: Option<bool>,
     join_timeout: Option<f64>,
     cluster_key: Option<PathBuf>,
+    join: Option<String>,
+    open: Option<bool>,
     #[serde(default, deserialize_with = "parsed_list")]
     allow_peers: Option<Vec<PeerId>>,
     max_connections_per_peer: Option<u32>,
@@ -219,6 +231,9 @@ pub struct NodeSettings {
     pub join_timeout: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_key: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub join: Option<String>,
+    pub open: bool,
     #[serde(serialize_with = "displayed_list")]
     pub allow_peers: Vec<PeerId>,
     pub max_connections_per_peer: u32,
@@ -294,6 +309,12 @@ impl NodeSettings {
             } else {
                 file.cluster_key
             },
+            join: if given.set("join") {
+                args.join.clone()
+            } else {
+                file.join
+            },
+            open: given.pick("open", args.open, file.open),
             allow_peers: given.pick("allow_peers", args.allow_peers.clone(), file.allow_peers),
             max_connections_per_peer: given.pick(
                 "max_connections_per_peer",
@@ -347,6 +368,16 @@ impl NodeSettings {
 
     /// Refuses values no node could run with, naming the setting.
     fn check(&self) -> anyhow::Result<()> {
+        let keys = [self.cluster_key.is_some(), self.join.is_some(), self.open];
+        if keys.iter().filter(|k| **k).count() > 1 {
+            bail!(
+                "give one of --cluster-key FILE, --join TICKET and --open: a mesh has one \
+                 key (a ticket carries it), or none when it is open"
+            );
+        }
+        if self.join.is_some() && (self.init || self.bootstrap_expect.is_some()) {
+            bail!("--join joins an existing mesh; --init and --bootstrap-expect form a new one");
+        }
         if self.bootstrap_expect == Some(0) {
             bail!("{} must be at least 1", names("bootstrap_expect"));
         }
@@ -413,8 +444,23 @@ impl NodeSettings {
         }
     }
 
-    /// The node's configuration; `cluster_key` is the key loaded from
-    /// [`NodeSettings::cluster_key`].
+    /// The key given to this node: the `--cluster-key` file's, or the join
+    /// ticket's. `None` leaves it to the data dir (see [`NodeConfig::cluster_key`]).
+    pub fn given_key(&self) -> anyhow::Result<Option<ClusterKey>> {
+        if let Some(path) = &self.cluster_key {
+            return Ok(Some(ClusterKey::load(path)?));
+        }
+        Ok(self.ticket()?.map(|t| t.key))
+    }
+
+    fn ticket(&self) -> anyhow::Result<Option<Ticket>> {
+        self.join
+            .as_deref()
+            .map(|t| t.parse::<Ticket>().map_err(|e| anyhow!("--join: {e}")))
+            .transpose()
+    }
+
+    /// The node's configuration; `cluster_key` is [`NodeSettings::given_key`].
     pub fn node_config(&self, cluster_key: Option<ClusterKey>) -> anyhow::Result<NodeConfig> {
         let mut config = NodeConfig::new(&self.data_dir);
         config.listen = vec![self.listen.clone()];
@@ -425,6 +471,10 @@ impl NodeSettings {
             (false, None) => Formation::Join,
         };
         config.peers = self.peers.clone();
+        if let Some(ticket) = self.ticket()? {
+            config.peers.extend(ticket.addrs);
+        }
+        config.open = self.open;
         config.backend = self.backend;
         config.mdns = self.mdns;
         config.join_timeout = seconds("join_timeout", self.join_timeout)?;
@@ -517,6 +567,16 @@ const KEYS: &[(&str, &str, &str)] = &[
         "cluster_key",
         "The mesh's cluster key file (`gpumesh keygen --out FILE`); none: an open mesh.",
         "\"mesh.key\"",
+    ),
+    (
+        "join",
+        "A join ticket (`gpumesh ticket` on a member): the cluster key and members' addresses.",
+        "\"gpumesh1...\"",
+    ),
+    (
+        "open",
+        "A mesh without a cluster key: anyone who reaches the listen address can join.",
+        "",
     ),
     (
         "allow_peers",

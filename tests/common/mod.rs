@@ -4,13 +4,15 @@
 // Each test file uses its own subset of these.
 #![allow(dead_code)]
 
+pub mod procs;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
 use gpumesh::consensus::MAX_HISTORY;
 use gpumesh::node::api::TaskView;
-use gpumesh::node::{Formation, MeshNode, Multiaddr, NodeConfig};
+use gpumesh::node::{ClusterKey, Formation, MeshNode, Multiaddr, NodeConfig};
 use gpumesh::protocol::BackendKind;
 use gpumesh::shaders::builtins::Problem;
 use gpumesh::shaders::BackendChoice;
@@ -29,9 +31,17 @@ pub fn config(dir: &Path, formation: Formation, peers: &[Multiaddr]) -> NodeConf
     c.calibrate = false;
     c.formation = formation;
     c.peers = peers.to_vec();
+    c.cluster_key = Some(mesh_key());
     c.raft_tick = Duration::from_millis(50);
     c.join_timeout = Duration::from_secs(20);
     c
+}
+
+/// The cluster key of every mesh a test process starts (meshes are closed by
+/// default); the closed-mesh tests give some nodes other keys.
+pub fn mesh_key() -> ClusterKey {
+    static KEY: std::sync::OnceLock<ClusterKey> = std::sync::OnceLock::new();
+    *KEY.get_or_init(ClusterKey::generate)
 }
 
 /// The node's first listen address with its peer id, as `--peer` takes it.

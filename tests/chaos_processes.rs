@@ -1,0 +1,512 @@
+//! Chaos on real processes: `gpumesh node` processes started the way the README
+//! starts them (one `--init`, the rest `--join` its ticket), while tasks stream in,
+//! a seeded schedule kills nodes with SIGKILL (the seed first) and restarts them on
+//! their data dirs, and cuts links between them.
+//!
+//! Links are cut for real where the test may: run as root with `ip`, each node lives
+//! in its own network namespace behind a veth pair on a bridge the test makes (and
+//! removes), and a cut is a blackhole route each way, so packets vanish as on a
+//! broken network. Elsewhere the schedule only kills and restarts, and says so.
+//!
+//! Then every fault is undone and the test checks that enough submissions were
+//! acknowledged, that every acknowledged task completed exactly once with the CPU
+//! reference's answer, that no submission made two tasks, and that every node
+//! reports the same outputs for every task.
+//!
+//!   GPUMESH_CHAOS_STEPS=30 GPUMESH_CHAOS_SEEDS=1,2 cargo test --test chaos_processes -- --nocapture
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::procs::Proc;
+use common::{accepted_once, have_any};
+use gpumesh::consensus::RequestId;
+use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
+use gpumesh::Client;
+
+const KERNEL: &str = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i >= arrayLength(&out)) { return; }
+    out[i] = i * 2654435761u + SALTu;
+}
+";
+const N: u32 = 1000;
+
+fn spec(salt: u32) -> TaskSpec {
+    TaskSpec {
+        shader: ShaderSource::Wgsl(KERNEL.replace("SALT", &salt.to_string())),
+        entry_point: "main".into(),
+        bindings: vec![BindingSpec {
+            binding: 0,
+            role: BindingRole::Output {
+                size: u64::from(N) * 4,
+            },
+        }],
+        grid: Grid([N.div_ceil(64), 1, 1]),
+        shards: 2,
+        merge: MergeRule::Changes,
+        merges: Default::default(),
+        options: Default::default(),
+    }
+}
+
+/// The CPU reference; word 0 is the salt, which names the submission.
+fn expected(salt: u32) -> Vec<u8> {
+    (0..N)
+        .flat_map(|i| {
+            i.wrapping_mul(2_654_435_761)
+                .wrapping_add(salt)
+                .to_le_bytes()
+        })
+        .collect()
+}
+
+/// SplitMix64: the schedule from the seed alone.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+fn env_number(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+fn ip(args: &[&str]) -> bool {
+    Command::new("ip")
+        .args(args)
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Network namespaces, one per node, on a bridge: made by the test, removed on drop.
+struct Namespaces {
+    tag: u32,
+    nodes: usize,
+    cuts: BTreeSet<(usize, usize)>,
+}
+
+impl Namespaces {
+    /// Makes them, or says why it cannot (and leaves nothing behind).
+    fn make(nodes: usize) -> Result<Namespaces, String> {
+        let tag = std::process::id() % 100_000;
+        let ns = Namespaces {
+            tag,
+            nodes,
+            cuts: BTreeSet::new(),
+        };
+        let bridge = ns.bridge();
+        let gateway = format!("{}/24", ns.addr(253));
+        let steps: Vec<Vec<String>> = [
+            vec!["link", "add", &bridge, "type", "bridge"]
+                .into_iter()
+                .map(String::from)
+                .collect(),
+            vec![
+                "addr".into(),
+                "add".into(),
+                gateway,
+                "dev".into(),
+                bridge.clone(),
+            ],
+            vec!["link".into(), "set".into(), bridge.clone(), "up".into()],
+        ]
+        .into_iter()
+        .chain((0..nodes).flat_map(|i| {
+            let (name, veth, addr) = (ns.name(i), ns.veth(i), format!("{}/24", ns.addr(i)));
+            vec![
+                vec!["netns".into(), "add".into(), name.clone()],
+                vec![
+                    "link".into(),
+                    "add".into(),
+                    veth.clone(),
+                    "type".into(),
+                    "veth".into(),
+                    "peer".into(),
+                    "name".into(),
+                    "eth0".into(),
+                    "netns".into(),
+                    name.clone(),
+                ],
+                vec![
+                    "link".into(),
+                    "set".into(),
+                    veth,
+                    "master".into(),
+                    bridge.clone(),
+                    "up".into(),
+                ],
+                vec![
+                    "-n".into(),
+                    name.clone(),
+                    "addr".into(),
+                    "add".into(),
+                    addr,
+                    "dev".into(),
+                    "eth0".into(),
+                ],
+                vec![
+                    "-n".into(),
+                    name.clone(),
+                    "link".into(),
+                    "set".into(),
+                    "eth0".into(),
+                    "up".into(),
+                ],
+                vec![
+                    "-n".into(),
+                    name,
+                    "link".into(),
+                    "set".into(),
+                    "lo".into(),
+                    "up".into(),
+                ],
+            ]
+        }))
+        .collect();
+        for step in &steps {
+            let args: Vec<&str> = step.iter().map(String::as_str).collect();
+            if !ip(&args) {
+                return Err(format!("`ip {}` failed", args.join(" ")));
+            }
+        }
+        Ok(ns)
+    }
+
+    fn bridge(&self) -> String {
+        format!("gmb{}", self.tag)
+    }
+
+    fn name(&self, i: usize) -> String {
+        format!("gpumesh-chaos-{}-{i}", self.tag)
+    }
+
+    fn veth(&self, i: usize) -> String {
+        format!("gmv{}n{i}", self.tag)
+    }
+
+    /// Node i's address; 253 is the bridge's (the test's own side).
+    fn addr(&self, i: usize) -> String {
+        format!("10.213.{}.{}", self.tag % 250, i + 1)
+    }
+
+    fn route(&self, verb: &str, from: usize, to: usize) -> bool {
+        ip(&[
+            "-n",
+            &self.name(from),
+            "route",
+            verb,
+            "blackhole",
+            &format!("{}/32", self.addr(to)),
+        ])
+    }
+
+    /// Packets between i and j vanish, both ways; connections stay open, unanswered.
+    fn cut(&mut self, i: usize, j: usize) {
+        let key = (i.min(j), i.max(j));
+        if self.cuts.insert(key) {
+            assert!(
+                self.route("add", i, j) && self.route("add", j, i),
+                "cut {i}-{j}"
+            );
+        }
+    }
+
+    fn mend_all(&mut self) {
+        for (i, j) in std::mem::take(&mut self.cuts) {
+            self.route("del", i, j);
+            self.route("del", j, i);
+        }
+    }
+}
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for i in 0..self.nodes {
+            ip(&["netns", "del", &self.name(i)]);
+            ip(&["link", "del", &self.veth(i)]);
+        }
+        ip(&["link", "del", &self.bridge()]);
+    }
+}
+
+/// Where the test starts its nodes.
+fn nodes(root: &std::path::Path, n: usize, ns: Option<&Namespaces>) -> Vec<Proc> {
+    (0..n)
+        .map(|i| {
+            let mut p = common::procs::node(root, &format!("n{i}"));
+            p.log_filter = "info,wgpu_hal=error,wgpu_core=error,naga=error,raft=warn".into();
+            if let Some(ns) = ns {
+                p.prefix = vec!["ip".into(), "netns".into(), "exec".into(), ns.name(i)];
+                p.host = ns.addr(i);
+                // Off loopback: every request of the test carries the node's token.
+                p.api_host = ns.addr(i);
+                p.p2p = 4070;
+                p.api = 7070;
+            }
+            p
+        })
+        .collect()
+}
+
+/// Waits until every node answers with one leader and all of them live voters.
+async fn settled(procs: &[Proc], limit: Duration) {
+    let deadline = Instant::now() + limit;
+    let n = procs.len();
+    loop {
+        let mut leaders = Vec::new();
+        for p in procs {
+            match p.client().unwrap().status().await {
+                Ok(st)
+                    if st.members.len() == n
+                        && st.members.iter().all(|m| m.alive && m.adapter.is_some()) =>
+                {
+                    leaders.push(st.leader)
+                }
+                _ => leaders.push(0),
+            }
+        }
+        if leaders.iter().all(|&l| l != 0 && l == leaders[0]) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the mesh did not settle: leaders {leaders:x?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// What the submitter saw: salt → task id for every acknowledged submission, and
+/// every salt it tried.
+#[derive(Default)]
+struct Ledger {
+    acked: BTreeMap<u32, u64>,
+    tried: BTreeSet<u32>,
+}
+
+async fn chaos(seed: u64, nodes_n: usize, steps: usize) {
+    let root = tempfile::tempdir().unwrap();
+    let namespaces = match Namespaces::make(nodes_n) {
+        Ok(ns) => Some(ns),
+        Err(why) => {
+            assert!(
+                std::env::var("GPUMESH_REQUIRE_NETNS").is_err(),
+                "GPUMESH_REQUIRE_NETNS is set but network namespaces cannot be made: {why}"
+            );
+            eprintln!(
+                "\n!!!!! NO NETWORK NAMESPACES ({why}): links are NOT cut in this run, \
+                 nodes are only killed and restarted !!!!!\n"
+            );
+            None
+        }
+    };
+    let mut procs = nodes(root.path(), nodes_n, namespaces.as_ref());
+    let mut namespaces = namespaces;
+    procs[0].start(&["--init"]).unwrap();
+    let ticket = procs[0].ticket().unwrap();
+    for p in &mut procs[1..] {
+        p.start(&["--join", &ticket]).unwrap();
+    }
+    settled(&procs, Duration::from_secs(90)).await;
+    eprintln!("chaos seed {seed}: {nodes_n} processes, {steps} steps");
+
+    // The submitter: one task every 150 ms through a random node until told to
+    // stop, each submit retried by its client for a few seconds.
+    let ledger = Arc::new(Mutex::new(Ledger::default()));
+    let clients: Vec<Client> = procs
+        .iter()
+        .map(|p| p.client().unwrap().retry_for(Duration::from_secs(4)))
+        .collect();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let submitter = {
+        let (ledger, stop) = (ledger.clone(), stop.clone());
+        let mut rng = Rng(seed ^ 0x5eed);
+        tokio::spawn(async move {
+            let mut salt = 1u32;
+            let mut running = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && salt <= 400 {
+                let via = clients[rng.below(clients.len())].clone();
+                let ledger = ledger.clone();
+                let id = RequestId::new(0xC4A05, u64::from(salt));
+                ledger.lock().unwrap().tried.insert(salt);
+                running.push(tokio::spawn(async move {
+                    let sent = tokio::time::timeout(
+                        Duration::from_secs(10),
+                        via.submit(spec(salt), Some(id)),
+                    )
+                    .await;
+                    if let Ok(Ok(task)) = sent {
+                        ledger.lock().unwrap().acked.insert(salt, task);
+                    }
+                }));
+                salt += 1;
+                tokio::time::sleep(Duration::from_millis(150)).await;
+            }
+            for r in running {
+                let _ = r.await;
+            }
+        })
+    };
+
+    // The schedule. At most one node is down at a time, so a majority can exist.
+    let mut rng = Rng(seed);
+    let mut down: Option<usize> = None;
+    for step in 0..steps {
+        let pick = if step == 0 { 0 } else { rng.below(4) };
+        match (pick, down) {
+            // The seed dies first; later, any node.
+            (0 | 1, None) => {
+                let victim = if step == 0 { 0 } else { rng.below(nodes_n) };
+                eprintln!("step {step}: kill -9 node {victim}");
+                procs[victim].kill9();
+                down = Some(victim);
+            }
+            (0 | 1, Some(i)) => {
+                eprintln!("step {step}: restart node {i} on its data dir");
+                procs[i].start(&[]).unwrap();
+                down = None;
+            }
+            (2, _) if namespaces.is_some() => {
+                let i = rng.below(nodes_n);
+                let j = (i + 1 + rng.below(nodes_n - 1)) % nodes_n;
+                eprintln!("step {step}: cut the link between nodes {i} and {j}");
+                namespaces.as_mut().unwrap().cut(i, j);
+            }
+            _ => {
+                eprintln!("step {step}: mend every cut link");
+                if let Some(ns) = namespaces.as_mut() {
+                    ns.mend_all();
+                }
+            }
+        }
+        let pause = 1500 + rng.below(1500) as u64;
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    submitter.await.unwrap();
+
+    // Undo every fault.
+    if let Some(ns) = namespaces.as_mut() {
+        ns.mend_all();
+    }
+    if let Some(i) = down {
+        procs[i].start(&[]).unwrap();
+    }
+    settled(&procs, Duration::from_secs(120)).await;
+
+    let ledger = Arc::try_unwrap(ledger).ok().unwrap().into_inner().unwrap();
+    eprintln!(
+        "chaos seed {seed}: {} of {} submissions acknowledged",
+        ledger.acked.len(),
+        ledger.tried.len()
+    );
+    let least = (ledger.tried.len() / 4).max(3);
+    assert!(
+        ledger.acked.len() >= least,
+        "only {} of {} submissions were acknowledged (at least {least} must be): the mesh \
+         was down for most of the run",
+        ledger.acked.len(),
+        ledger.tried.len()
+    );
+
+    // Every acknowledged task completes once with the CPU reference's answer.
+    let first = procs[0].client().unwrap();
+    for (&salt, &task) in &ledger.acked {
+        let view = tokio::time::timeout(Duration::from_secs(120), first.wait(task, |_, _| {}))
+            .await
+            .unwrap_or_else(|_| panic!("t{task} did not finish"))
+            .unwrap();
+        assert_eq!(view.status, "completed", "{view:#?}");
+        accepted_once(&view);
+        let out = first.results(task).await.unwrap().remove(&0).unwrap();
+        assert!(
+            out == expected(salt),
+            "t{task} (salt {salt}) differs from the CPU reference"
+        );
+    }
+    // No submission made two tasks: word 0 of each output is its salt.
+    let tasks = first.tasks().await.unwrap();
+    let mut made: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+    for t in &tasks {
+        if t.status != "completed" {
+            continue;
+        }
+        let out = first.results(t.id).await.unwrap().remove(&0).unwrap();
+        let salt = u32::from_le_bytes(out[..4].try_into().unwrap());
+        made.entry(salt).or_default().push(t.id);
+    }
+    for (salt, ids) in &made {
+        assert!(
+            ledger.tried.contains(salt),
+            "a task no one submitted: {ids:?}"
+        );
+        assert_eq!(ids.len(), 1, "submission {salt} made tasks {ids:?}");
+    }
+    // Every node reports the same outcome and the same outputs for every task.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut views = Vec::new();
+        for p in &procs {
+            let c = p.client().unwrap();
+            let mut per_task = BTreeMap::new();
+            for t in c.tasks().await.unwrap() {
+                let outputs = match t.status.as_str() {
+                    "completed" => c.outputs(t.id).await.unwrap(),
+                    _ => Vec::new(),
+                };
+                let hashes: Vec<String> = outputs.into_iter().map(|o| o.blake3).collect();
+                per_task.insert(t.id, (t.status, hashes));
+            }
+            views.push(per_task);
+        }
+        if views.iter().all(|v| *v == views[0]) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nodes disagree on the tasks' outcomes: {views:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    for p in &mut procs {
+        assert!(p.running(), "node {} stopped by itself", p.name);
+        p.kill9();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_on_three_processes() {
+    if !have_any() {
+        return;
+    }
+    let seeds: Vec<u64> = std::env::var("GPUMESH_CHAOS_SEEDS")
+        .ok()
+        .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![7]);
+    let steps = env_number("GPUMESH_CHAOS_STEPS", 8) as usize;
+    for seed in seeds {
+        chaos(seed, 3, steps).await;
+    }
+}
