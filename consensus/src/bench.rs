@@ -15,13 +15,13 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use raft::eraftpb::Entry;
 
+use crate::cluster::ClusterId;
 use crate::command::{Command, LogEntry, RequestId};
 use crate::error::{ConsensusError, Result};
 use crate::replica::{ConsensusHandle, RaftRole, ReplicaConfig};
 use crate::sim::SimNetwork;
 use crate::state::ClusterSettings;
 use crate::storage::RedbStorage;
-use crate::wire::ClusterId;
 
 /// What to measure.
 #[derive(Clone, Debug)]

@@ -2,8 +2,8 @@
 
 use thiserror::Error;
 
+use crate::cluster::ClusterId;
 use crate::command::RequestId;
-use crate::wire::ClusterId;
 
 /// Everything that can go wrong in the replicated record.
 #[derive(Debug, Error)]

@@ -12,7 +12,8 @@
 //! - [`command`]: what the log carries ([`Command`], [`LogEntry`]), request ids for
 //!   idempotency, and the [`Outcome`] a proposer gets.
 //! - [`transport`]: the [`Transport`] trait the node crate implements over libp2p.
-//! - [`wire`]: the frames replicas exchange ([`ClusterId`], [`Frame`]).
+//! - `cluster`: [`ClusterId`], the name of one mesh.
+//! - [`wire`]: the frames replicas exchange ([`Frame`]).
 //! - [`sim`]: an in-process network with faults, for tests and the benchmark.
 //! - [`mod@bench`]: the `gpumesh bench consensus` measurement.
 //! - `tracing_drain`: raft-rs's slog output forwarded into `tracing`.
@@ -65,6 +66,7 @@
 //! ```
 
 pub mod bench;
+mod cluster;
 pub mod command;
 mod error;
 pub mod replica;
@@ -75,6 +77,7 @@ mod tracing_drain;
 pub mod transport;
 pub mod wire;
 
+pub use cluster::ClusterId;
 pub use command::{
     Command, Committed, LogEntry, MergedOutput, Outcome, RequestId, RequestIds, TaskId,
 };
@@ -87,4 +90,4 @@ pub use state::{
 pub use storage::RedbStorage;
 pub use tracing_drain::{raft_logger, TracingDrain};
 pub use transport::{Transport, Unreachable};
-pub use wire::{ClusterId, Frame, FrameBody};
+pub use wire::{Frame, FrameBody};

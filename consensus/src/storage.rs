@@ -21,9 +21,9 @@ use raft::{GetEntriesContext, RaftState, Storage, StorageError};
 use redb::backends::InMemoryBackend;
 use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition, TableHandle};
 
+use crate::cluster::ClusterId;
 use crate::error::{ConsensusError, Result};
 use crate::state::{ClusterSettings, StateMachine};
-use crate::wire::ClusterId;
 
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("log");

@@ -7,46 +7,14 @@
 //!
 //! [`Transport`]: crate::transport::Transport
 
-use std::fmt;
-use std::str::FromStr;
-
 use gpumesh_protocol::envelope;
 use protobuf::Message as _;
 use raft::eraftpb::Message as RaftMessage;
 use serde::{Deserialize, Serialize};
 
+use crate::cluster::ClusterId;
 use crate::command::{LogEntry, RequestId};
-use crate::error::{ConsensusError, Result};
-
-/// Names one mesh. Stored in the storage at init and carried by every frame.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct ClusterId(pub u64);
-
-impl ClusterId {
-    /// A cluster id derived from arbitrary bytes (e.g. the cluster key), via blake3.
-    pub fn derive(seed: &[u8]) -> Self {
-        let hash = gpumesh_protocol::BlobId::of(seed).0;
-        let mut first = [0u8; 8];
-        first.copy_from_slice(&hash[..8]);
-        Self(u64::from_le_bytes(first))
-    }
-}
-
-impl fmt::Display for ClusterId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:016x}", self.0)
-    }
-}
-
-impl FromStr for ClusterId {
-    type Err = ConsensusError;
-
-    fn from_str(s: &str) -> Result<Self> {
-        u64::from_str_radix(s, 16)
-            .map(Self)
-            .map_err(|_| ConsensusError::Invalid(format!("cluster id {s:?} is not 16 hex digits")))
-    }
-}
+use crate::error::Result;
 
 /// One message between replicas.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

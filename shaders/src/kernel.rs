@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use gpumesh_protocol::{BindingRole, ElemType, MergeRule, ShaderSource, TaskSpec};
 use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
 
-use crate::builtins;
+use crate::builtins::sources;
 use crate::error::{ExecError, Result};
 use crate::shard::{self, ShardRange};
 
@@ -162,7 +162,7 @@ impl Kernel {
     pub fn for_source(shader: &ShaderSource, entry_point: &str) -> Result<Self> {
         match shader {
             ShaderSource::Wgsl(source) => Self::compile(source, entry_point),
-            ShaderSource::Builtin(name) => Self::compile(builtins::source(name)?, entry_point),
+            ShaderSource::Builtin(name) => Self::compile(sources::source(name)?, entry_point),
         }
     }
 

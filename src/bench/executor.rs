@@ -24,7 +24,7 @@ pub struct ExecutorBenchArgs {
     /// Timed runs per measurement (the median is reported).
     #[arg(long, default_value_t = 5)]
     pub runs: usize,
-    #[arg(long, default_value = "auto", value_parser = crate::cli::parse_backend)]
+    #[arg(long, default_value = "auto", value_parser = <BackendChoice as std::str::FromStr>::from_str)]
     pub backend: BackendChoice,
 }
 

@@ -172,7 +172,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "DIR")]
     pub out_dir: Option<PathBuf>,
     /// Backend: vulkan, gl, metal, dx12 (default: the best adapter available).
-    #[arg(long, default_value = "auto", value_parser = parse_backend)]
+    #[arg(long, default_value = "auto", value_parser = <BackendChoice as std::str::FromStr>::from_str)]
     pub backend: BackendChoice,
     /// Compare with the CPU reference (built-in kernels); exit non-zero on mismatch.
     #[arg(long)]
@@ -283,11 +283,6 @@ fn parse_merge(s: &str) -> Result<(Option<u32>, MergeRule), String> {
         .parse()
         .map_err(|e: gpumesh_protocol::ProtocolError| e.to_string())?;
     Ok((binding, rule))
-}
-
-pub fn parse_backend(s: &str) -> Result<BackendChoice, String> {
-    s.parse()
-        .map_err(|e: gpumesh_shaders::ExecError| e.to_string())
 }
 
 /// Runs the command; `matches` are what `cli` was parsed from, for where each of

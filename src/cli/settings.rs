@@ -25,7 +25,6 @@ use gpumesh_shaders::BackendChoice;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::console::LogFormat;
-use super::parse_backend;
 
 /// The flags of `gpumesh node`, each also read from its `GPUMESH_*` variable.
 #[derive(clap::Args, Debug)]
@@ -62,7 +61,7 @@ pub struct NodeArgs {
     )]
     pub peers: Vec<Multiaddr>,
     /// Backend: vulkan, gl, metal, dx12, or auto (the best adapter available).
-    #[arg(long, env = "GPUMESH_BACKEND", default_value = "auto", value_parser = parse_backend)]
+    #[arg(long, env = "GPUMESH_BACKEND", default_value = "auto", value_parser = <BackendChoice as std::str::FromStr>::from_str)]
     pub backend: BackendChoice,
     /// Discover peers on the LAN with mDNS.
     #[arg(

@@ -15,6 +15,7 @@
 mod counting;
 mod dense;
 mod image;
+pub mod sources;
 
 pub use counting::montecarlo_reference;
 pub use dense::{jacobi_system, linreg_reference, matmul_reference};
@@ -68,7 +69,7 @@ pub static ALL: &[Builtin] = &[
         size_means: "elements",
         default_size: 1 << 22,
         test_size: 1 << 14,
-        source: include_str!("../../kernels/vector_add.wgsl"),
+        source: sources::VECTOR_ADD,
         make: dense::vector_add,
     },
     Builtin {
@@ -77,7 +78,7 @@ pub static ALL: &[Builtin] = &[
         size_means: "matrix side (multiple of 64)",
         default_size: 1024,
         test_size: 256,
-        source: include_str!("../../kernels/matmul.wgsl"),
+        source: sources::MATMUL,
         make: dense::matmul,
     },
     Builtin {
@@ -86,7 +87,7 @@ pub static ALL: &[Builtin] = &[
         size_means: "image side in pixels (multiple of 16)",
         default_size: 1024,
         test_size: 128,
-        source: include_str!("../../kernels/mandelbrot.wgsl"),
+        source: sources::MANDELBROT,
         make: image::mandelbrot,
     },
     Builtin {
@@ -95,7 +96,7 @@ pub static ALL: &[Builtin] = &[
         size_means: "invocations (multiple of 64), 256 samples each",
         default_size: 1 << 16,
         test_size: 4096,
-        source: include_str!("../../kernels/montecarlo_pi.wgsl"),
+        source: sources::MONTECARLO_PI,
         make: counting::montecarlo_pi,
     },
     Builtin {
@@ -104,7 +105,7 @@ pub static ALL: &[Builtin] = &[
         size_means: "values (multiple of 2048)",
         default_size: 1 << 22,
         test_size: 1 << 16,
-        source: include_str!("../../kernels/histogram.wgsl"),
+        source: sources::HISTOGRAM,
         make: counting::histogram,
     },
     Builtin {
@@ -113,7 +114,7 @@ pub static ALL: &[Builtin] = &[
         size_means: "rows of 8 features (multiple of 256)",
         default_size: 1 << 18,
         test_size: 1 << 12,
-        source: include_str!("../../kernels/linreg_grad.wgsl"),
+        source: sources::LINREG_GRAD,
         make: dense::linreg_grad,
     },
     Builtin {
@@ -122,7 +123,7 @@ pub static ALL: &[Builtin] = &[
         size_means: "unknowns (multiple of 64)",
         default_size: 2048,
         test_size: 256,
-        source: include_str!("../../kernels/jacobi.wgsl"),
+        source: sources::JACOBI,
         make: dense::jacobi,
     },
     Builtin {
@@ -131,7 +132,7 @@ pub static ALL: &[Builtin] = &[
         size_means: "image side in pixels (multiple of 16)",
         default_size: 1024,
         test_size: 128,
-        source: include_str!("../../kernels/blur.wgsl"),
+        source: sources::BLUR,
         make: image::blur,
     },
 ];
@@ -146,10 +147,7 @@ pub fn get(name: &str) -> Result<&'static Builtin> {
         })
 }
 
-/// The WGSL source of the built-in kernel called `name`.
-pub fn source(name: &str) -> Result<&'static str> {
-    get(name).map(|b| b.source)
-}
+pub use sources::source;
 
 /// A built-in kernel instantiated at one size: its bindings, inputs and reference.
 pub struct Problem {
