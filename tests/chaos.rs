@@ -76,7 +76,7 @@ struct Chaos {
 
 fn tune(c: &mut NodeConfig) {
     // Silent failures (a cut link gives no refused dial) are found in 3 s, not 8.
-    c.scheduler.down_after = Duration::from_secs(3);
+    c.down_after = Duration::from_secs(3);
     c.heartbeat_interval = Duration::from_millis(500);
 }
 

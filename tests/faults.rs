@@ -29,7 +29,7 @@ async fn a_node_that_dies_mid_task_has_its_shards_moved_and_the_task_completes()
     let dir = tempfile::tempdir().unwrap();
     tokio::time::timeout(LIMIT, async {
         let mut nodes = mesh_with(dir.path(), 3, |i, c| {
-            c.scheduler.down_after = Duration::from_secs(2);
+            c.down_after = Duration::from_secs(2);
             c.scheduler.straggler_min = Duration::from_secs(600);
             if i == 2 {
                 // Holds its shards until it dies.
@@ -82,7 +82,7 @@ async fn the_leader_dies_mid_task_and_the_new_leader_finishes_it() {
     let dir = tempfile::tempdir().unwrap();
     tokio::time::timeout(LIMIT, async {
         let mut nodes = mesh_with(dir.path(), 3, |_, c| {
-            c.scheduler.down_after = Duration::from_secs(2);
+            c.down_after = Duration::from_secs(2);
             c.faults.gpu_delay = Some(Duration::from_millis(700));
         })
         .await;

@@ -44,13 +44,14 @@ use tokio::task::JoinHandle;
 use tokio::time::{self, Instant, MissedTickBehavior};
 use tracing::{debug, error, info, warn};
 
+use crate::cluster::ClusterId;
 use crate::command::{Command, Committed, LogEntry, Outcome, RequestId, RequestIds};
 use crate::error::{ConsensusError, Result};
 use crate::state::{Applied, StateMachine};
 use crate::storage::RedbStorage;
 use crate::tracing_drain::raft_logger;
 use crate::transport::Transport;
-use crate::wire::{decode_raft, encode_raft, ClusterId, Frame, FrameBody};
+use crate::wire::{decode_raft, encode_raft, Frame, FrameBody};
 
 /// Tuning of one replica. The defaults suit a LAN mesh; tests shrink the tick.
 #[derive(Clone, Debug)]

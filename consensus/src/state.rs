@@ -367,6 +367,20 @@ impl StateMachine {
         self.active.iter().filter_map(|id| self.tasks.get(id))
     }
 
+    /// Attempts running or queued on each node: the one measure of a node's load,
+    /// read by placement, the API and the dashboard. Nodes with none are absent.
+    pub fn queue_by_node(&self) -> BTreeMap<u64, u32> {
+        let mut queue = BTreeMap::new();
+        for t in self.active_tasks() {
+            for sh in &t.shards {
+                for a in &sh.attempts {
+                    *queue.entry(a.node).or_default() += 1;
+                }
+            }
+        }
+        queue
+    }
+
     /// The task a submit with this idempotency key created, if any.
     pub fn task_by_request(&self, request_id: &RequestId) -> Option<TaskId> {
         self.task_by_request.get(request_id).copied()

@@ -47,6 +47,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::{NodeError, Result};
 use crate::limits::Limits;
+use crate::liveness::{LivenessView, Presence};
 use crate::mesh::Shared;
 
 /// Merged outputs already computed on this node: task → binding → blob.
@@ -134,7 +135,7 @@ pub struct MemberView {
     pub raft_id: u64,
     pub peer_id: String,
     pub role: String,
-    /// Heard from within the heartbeat window and not known unreachable.
+    /// Heard from within `down_after` and not known unreachable (see `liveness`).
     pub alive: bool,
     /// This node's connections to it closed and it could not be dialled again.
     #[serde(default)]
@@ -775,46 +776,27 @@ async fn output_bytes(
         .ok_or_else(|| unavailable("merged output vanished"))
 }
 
-/// Attempts in flight per node: its queue.
-pub(crate) fn queues(s: &StateMachine) -> HashMap<u64, u32> {
-    let mut queue: HashMap<u64, u32> = HashMap::new();
-    for t in s.active_tasks() {
-        for sh in &t.shards {
-            for a in &sh.attempts {
-                *queue.entry(a.node).or_default() += 1;
-            }
-        }
-    }
-    queue
-}
-
-/// Whether the member's last heartbeat is fresher than `STALE_AFTER` at `now_ms`.
-pub(crate) fn heard_recently(m: &gpumesh_consensus::Member, now_ms: u64) -> bool {
-    m.last_heartbeat.is_some_and(|h| {
-        now_ms.saturating_sub(h.at_ms) < crate::scheduler::STALE_AFTER.as_millis() as u64
-    })
+/// How members look from this node (see [`crate::liveness`]); before the liveness
+/// actor runs, everyone counts as alive.
+pub(crate) fn liveness_view(shared: &Shared) -> Arc<LivenessView> {
+    shared.liveness.get().map(|l| l.view()).unwrap_or_default()
 }
 
 async fn status(State(shared): State<Arc<Shared>>) -> ApiResult<Json<StatusView>> {
     let c = consensus(&shared)?;
     let st = c.status().await.map_err(unavailable)?;
-    let now = crate::scheduler::now_ms();
-    let lost = shared
-        .unreachable
-        .read()
-        .map(|u| u.clone())
-        .unwrap_or_default();
+    let liveness = liveness_view(&shared);
     let members = c
         .read_local(move |s| {
-            let queue = queues(s);
+            let queue = s.queue_by_node();
             s.members()
                 .values()
                 .map(|m| MemberView {
                     raft_id: m.raft_id,
                     peer_id: m.peer_id.clone(),
                     role: format!("{:?}", m.role).to_lowercase(),
-                    alive: heard_recently(m, now) && !lost.contains(&m.raft_id),
-                    unreachable: lost.contains(&m.raft_id),
+                    alive: liveness.is_alive(m.raft_id),
+                    unreachable: liveness.presence(m.raft_id) == Presence::Unreachable,
                     addrs: m.addrs.clone(),
                     adapter: m.capability.as_ref().map(|c| c.adapter_name.clone()),
                     backend: m.capability.as_ref().map(|c| c.backend.name().to_string()),

@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{consensus, unavailable, ApiResult};
+use crate::liveness::{LivenessView, Presence};
 use crate::mesh::Shared;
 
 /// Tasks the overview lists in full, newest first; older ones are only counted.
@@ -188,14 +189,9 @@ fn hex(id: u64) -> String {
 pub(crate) async fn overview(State(shared): State<Arc<Shared>>) -> ApiResult<Json<Overview>> {
     let c = consensus(&shared)?;
     let st = c.status().await.map_err(unavailable)?;
-    let unreachable = shared
-        .unreachable
-        .read()
-        .map(|u| u.clone())
-        .unwrap_or_default();
-    let now = crate::scheduler::now_ms();
+    let liveness = crate::api::liveness_view(&shared);
     let (members, counts, tasks) = c
-        .read_local(move |s| summarize(s, now, &unreachable))
+        .read_local(move |s| summarize(s, &liveness))
         .await
         .map_err(unavailable)?;
     Ok(Json(Overview {
@@ -222,12 +218,8 @@ type Summary = (
     Vec<OverviewTask>,
 );
 
-fn summarize(
-    s: &StateMachine,
-    now_ms: u64,
-    unreachable: &std::collections::HashSet<u64>,
-) -> Summary {
-    let queue = crate::api::queues(s);
+fn summarize(s: &StateMachine, liveness: &LivenessView) -> Summary {
+    let queue = s.queue_by_node();
     let mut done: HashMap<u64, u64> = HashMap::new();
     let mut counts: HashMap<String, usize> = HashMap::new();
     for t in s.tasks().values() {
@@ -241,22 +233,18 @@ fn summarize(
     let members = s
         .members()
         .values()
-        .map(|m| {
-            let lost = unreachable.contains(&m.raft_id);
-            let fresh = crate::api::heard_recently(m, now_ms);
-            OverviewMember {
-                id: hex(m.raft_id),
-                peer_id: m.peer_id.clone(),
-                role: format!("{:?}", m.role).to_lowercase(),
-                alive: fresh && !lost,
-                unreachable: lost,
-                adapter: m.capability.as_ref().map(|c| c.adapter_name.clone()),
-                backend: m.capability.as_ref().map(|c| c.backend.name().to_string()),
-                gflops: m.capability.as_ref().map(|c| c.gflops),
-                gbps: m.capability.as_ref().map(|c| c.gbps),
-                queue: queue.get(&m.raft_id).copied().unwrap_or(0),
-                shards_done: done.get(&m.raft_id).copied().unwrap_or(0),
-            }
+        .map(|m| OverviewMember {
+            id: hex(m.raft_id),
+            peer_id: m.peer_id.clone(),
+            role: format!("{:?}", m.role).to_lowercase(),
+            alive: liveness.is_alive(m.raft_id),
+            unreachable: liveness.presence(m.raft_id) == Presence::Unreachable,
+            adapter: m.capability.as_ref().map(|c| c.adapter_name.clone()),
+            backend: m.capability.as_ref().map(|c| c.backend.name().to_string()),
+            gflops: m.capability.as_ref().map(|c| c.gflops),
+            gbps: m.capability.as_ref().map(|c| c.gbps),
+            queue: queue.get(&m.raft_id).copied().unwrap_or(0),
+            shards_done: done.get(&m.raft_id).copied().unwrap_or(0),
         })
         .collect();
     let tasks = s

@@ -15,6 +15,8 @@
 //!   and `GET /metrics` for Prometheus.
 //! - [`metrics`]: the node's own Prometheus registry and what it counts.
 //! - [`blob`]: the content-addressed blob store on disk.
+//! - [`liveness`]: the one judge of whether a member is alive, silent or
+//!   unreachable, read by the scheduler, the API and the dashboard.
 //! - [`limits`]: what one request may ask of a node, with defaults and flags.
 //! - [`admission`]: closed by default — the cluster key in the data dir, join
 //!   tickets, the API's bearer token.
@@ -29,6 +31,7 @@ pub mod dashboard;
 mod error;
 pub mod identity;
 pub mod limits;
+pub mod liveness;
 pub mod mesh;
 pub mod metrics;
 pub mod net;

@@ -8,7 +8,7 @@
 //! local HTTP API. Raft frames travel over libp2p; a peer's raft id is derived from
 //! its Noise-authenticated peer id, so no frame can claim another sender.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicUsize;
@@ -32,6 +32,7 @@ use crate::cluster_key::ClusterKey;
 use crate::error::{NodeError, Result};
 use crate::identity;
 use crate::limits::Limits;
+use crate::liveness::LivenessHandle;
 use crate::metrics::Metrics;
 use crate::net::{ConnectionCaps, NetConfig, NetEvent, NetHandle};
 use crate::scheduler::{self, Scheduler, SchedulerConfig};
@@ -80,7 +81,10 @@ pub struct NodeConfig {
     pub allow_peers: Vec<PeerId>,
     /// Caps on connections per peer, in total, and half-open.
     pub connections: ConnectionCaps,
-    /// When the leader declares a node down and an attempt a straggler.
+    /// How long a member may be silent before every node counts it as down (its
+    /// attempts are placed elsewhere, status shows it silent).
+    pub down_after: Duration,
+    /// How often the leader places work, and when an attempt is a straggler.
     pub scheduler: SchedulerConfig,
     /// How long a shard may run on the GPU unless its task says otherwise.
     pub default_deadline: Duration,
@@ -112,6 +116,7 @@ impl NodeConfig {
             heartbeat_interval: Duration::from_secs(2),
             raft_tick: Duration::from_millis(100),
             max_voters: 5,
+            down_after: crate::liveness::DEFAULT_DOWN_AFTER,
             scheduler: SchedulerConfig::default(),
             default_deadline: Duration::from_secs(60),
             faults: Faults::default(),
@@ -195,11 +200,8 @@ pub(crate) struct Shared {
     pub submits_in_flight: AtomicUsize,
     /// Where peers listen, from identify, mDNS and other nodes' address books.
     pub addrs: RwLock<HashMap<PeerId, Vec<Multiaddr>>>,
-    /// Raft ids of peers whose connections closed and could not be reopened; cleared
-    /// when the peer connects again. The scheduler treats them as down at once.
-    pub unreachable: RwLock<HashSet<u64>>,
-    /// Wakes the scheduler when a peer becomes unreachable.
-    pub lost: tokio::sync::Notify,
+    /// Which members are alive; started with consensus.
+    pub liveness: tokio::sync::OnceCell<LivenessHandle>,
     /// Shard results per node per second, for the dashboard.
     pub(crate) throughput: Arc<crate::dashboard::Throughput>,
     /// This node's metrics, served at `GET /metrics`.
@@ -286,8 +288,7 @@ impl MeshNode {
             limits: config.limits,
             submits_in_flight: AtomicUsize::new(0),
             addrs: RwLock::new(HashMap::new()),
-            unreachable: RwLock::new(HashSet::new()),
-            lost: tokio::sync::Notify::new(),
+            liveness: tokio::sync::OnceCell::new(),
             throughput: Arc::default(),
             metrics,
         });
@@ -313,6 +314,13 @@ impl MeshNode {
             let consensus = ConsensusHandle::start(rc, storage, transport)?;
             let _ = shared.consensus.set(consensus.clone());
             shared.metrics.follow(consensus.clone());
+            let (liveness, liveness_task) = LivenessHandle::start(
+                raft_id,
+                consensus.clone(),
+                config.down_after,
+                cancel.clone(),
+            );
+            let _ = shared.liveness.set(liveness);
             // Dial every member at once: a node restarted with no --peer finds the
             // mesh through the addresses in its own copy of the membership.
             let members = tokio::spawn(learn_members(
@@ -361,12 +369,12 @@ impl MeshNode {
                      answers 503 until a majority of the mesh's voters is reachable"
                 );
             }
-            Ok::<_, NodeError>((consensus, members))
+            Ok::<_, NodeError>((consensus, [members, liveness_task]))
         }
         .await;
         let consensus = match result {
-            Ok((c, members)) => {
-                tasks.push(members);
+            Ok((c, started)) => {
+                tasks.extend(started);
                 c
             }
             Err(e) => {
@@ -394,6 +402,9 @@ impl MeshNode {
             Scheduler {
                 consensus: consensus.clone(),
                 shared: shared.clone(),
+                liveness: shared.liveness.get().cloned().ok_or_else(|| {
+                    NodeError::Config("liveness did not start with consensus".into())
+                })?,
                 config: config.scheduler,
             }
             .run(cancel.clone()),
@@ -782,10 +793,9 @@ async fn confirm_lost(shared: Arc<Shared>, peer: PeerId) {
     }
     let id = shared.peers.insert(peer);
     tracing::info!(%peer, raft_id = id, "peer unreachable: its connections closed and it cannot be dialled");
-    if let Ok(mut lost) = shared.unreachable.write() {
-        lost.insert(id);
+    if let Some(liveness) = shared.liveness.get() {
+        liveness.unreachable(id).await;
     }
-    shared.lost.notify_one();
     if let Some(c) = shared.consensus.get() {
         let _ = c.peer_unreachable(id).await;
     }
@@ -814,8 +824,8 @@ async fn dispatch(
             }
             NetEvent::PeerConnected { peer, .. } => {
                 let id = shared.peers.insert(peer);
-                if let Ok(mut lost) = shared.unreachable.write() {
-                    lost.remove(&id);
+                if let Some(liveness) = shared.liveness.get() {
+                    liveness.reachable(id);
                 }
             }
             NetEvent::PeerDiscovered { peer, addrs } => {

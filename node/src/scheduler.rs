@@ -5,12 +5,11 @@
 //! queued + 1) / measured GFLOP/s among those whose adapter limits fit the task's
 //! buffers, so placement is proportional to capability and current queue; replicas
 //! of one shard go to distinct nodes, different adapters or backends first. Members
-//! without an adapter stay in the mesh and get nothing. The leader watches liveness
-//! itself (when it last applied a heartbeat from each member, with a grace period
-//! after it takes over): the attempts of a node that is down or gone move to another
-//! node under a new epoch. An attempt running far past its expected time gets a
+//! without an adapter stay in the mesh and get nothing. Which members are down is
+//! [`crate::liveness`]'s to say: the attempts of a node that is down or gone move to
+//! another node under a new epoch. An attempt running far past its expected time gets a
 //! speculative copy elsewhere; the first valid result wins. Talks to: raft (reads
-//! state, proposes), the mesh (pulls replica outputs to compare them).
+//! state, proposes), liveness, the mesh (pulls replica outputs to compare them).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
@@ -23,18 +22,14 @@ use gpumesh_protocol::TaskSpec;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::liveness::LivenessHandle;
+
 /// Failures of one shard before its task is cancelled.
 pub const MAX_FAILURES: u32 = 3;
-/// A member whose last heartbeat is older than this shows as not alive.
-pub const STALE_AFTER: Duration = Duration::from_secs(15);
-
 /// When the leader gives up on a node and on a slow attempt.
 #[derive(Clone, Copy, Debug)]
 pub struct SchedulerConfig {
     pub interval: Duration,
-    /// A member the leader has heard nothing from for this long is down: its
-    /// attempts are placed elsewhere.
-    pub down_after: Duration,
     /// An attempt is a straggler once it has run this many times its expected time…
     pub straggler_factor: f64,
     /// …and at least this long.
@@ -45,7 +40,6 @@ impl Default for SchedulerConfig {
     fn default() -> Self {
         SchedulerConfig {
             interval: Duration::from_millis(250),
-            down_after: Duration::from_secs(8),
             straggler_factor: 4.0,
             straggler_min: Duration::from_secs(30),
         }
@@ -55,6 +49,8 @@ impl Default for SchedulerConfig {
 pub(crate) struct Scheduler {
     pub consensus: ConsensusHandle,
     pub shared: Arc<crate::mesh::Shared>,
+    /// Which members are down: their attempts are placed elsewhere.
+    pub liveness: LivenessHandle,
     pub config: SchedulerConfig,
 }
 
@@ -84,15 +80,15 @@ pub struct Plan {
 impl Scheduler {
     pub async fn run(self, cancel: CancellationToken) {
         let mut events = self.consensus.subscribe();
+        let mut liveness = self.liveness.watch();
         let mut tick = tokio::time::interval(self.config.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Proposals not yet applied, so a pass does not repeat them.
         let mut in_flight: HashSet<(TaskId, u32)> = HashSet::new();
         let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
         let mut was_leader = false;
-        // Leader-local clocks: last word from each member, start of each attempt,
-        // and how long finished attempts of each task took.
-        let mut heard: HashMap<u64, Instant> = HashMap::new();
+        // Leader-local clocks: the start of each attempt, and how long finished
+        // attempts of each task took.
         let mut started: HashMap<(TaskId, u32, u32), Instant> = HashMap::new();
         let mut took: HashMap<TaskId, Vec<Duration>> = HashMap::new();
         loop {
@@ -103,7 +99,6 @@ impl Scheduler {
                 event = events.recv() => {
                     if let Ok(AppliedEvent::Entry { entry, .. }) = event {
                         let now = Instant::now();
-                        heard.insert(entry.origin, now);
                         match &entry.command {
                             Command::ShardStarted { task, shard, epoch, .. } => {
                                 started.insert((*task, *shard, *epoch), now);
@@ -118,7 +113,7 @@ impl Scheduler {
                     }
                 }
                 _ = tick.tick() => {}
-                _ = self.shared.lost.notified() => {}
+                Ok(()) = liveness.changed() => {}
             }
             if self.consensus.watch_status().borrow().role != RaftRole::Leader {
                 in_flight.clear();
@@ -127,19 +122,16 @@ impl Scheduler {
             }
             let now = Instant::now();
             if !was_leader {
-                // A new leader knows nothing first-hand yet: everyone gets the full
-                // grace period, and running attempts start their clocks now.
+                // A new leader has not seen running attempts start: their clocks
+                // start now.
                 was_leader = true;
-                heard.clear();
                 started.clear();
             }
             let config = self.config;
             let snapshot = self
                 .consensus
                 .read_local(|s| {
-                    let members: Vec<u64> = s.members().keys().copied().collect();
-                    let running: Vec<(TaskId, u32, u32, u64)> = s
-                        .active_tasks()
+                    s.active_tasks()
                         .flat_map(|t| {
                             t.shards.iter().enumerate().flat_map(move |(i, sh)| {
                                 sh.attempts
@@ -147,26 +139,16 @@ impl Scheduler {
                                     .map(move |a| (t.id, i as u32, a.epoch, a.node))
                             })
                         })
-                        .collect();
-                    (members, running)
+                        .collect::<Vec<(TaskId, u32, u32, u64)>>()
                 })
                 .await;
-            let Ok((members, running)) = snapshot else {
+            let Ok(running) = snapshot else {
                 continue;
             };
-            let mut observed = Observed::default();
-            let unreachable = self
-                .shared
-                .unreachable
-                .read()
-                .map(|u| u.clone())
-                .unwrap_or_default();
-            for m in members {
-                let last = *heard.entry(m).or_insert(now);
-                if now - last > config.down_after || unreachable.contains(&m) {
-                    observed.down.insert(m);
-                }
-            }
+            let mut observed = Observed {
+                down: self.liveness.view().down().collect(),
+                ..Observed::default()
+            };
             let live: HashSet<(TaskId, u32, u32)> =
                 running.iter().map(|(t, s, e, _)| (*t, *s, *e)).collect();
             started.retain(|k, _| live.contains(k));
@@ -183,12 +165,7 @@ impl Scheduler {
                     observed.slow.insert((*task, *shard, *epoch));
                 }
             }
-            let now_ms = now_ms();
-            let Ok(plan) = self
-                .consensus
-                .read_local(move |s| plan(s, now_ms, &observed))
-                .await
-            else {
+            let Ok(plan) = self.consensus.read_local(move |s| plan(s, &observed)).await else {
                 continue;
             };
             self.carry_out(plan, &mut in_flight, &done_tx);
@@ -411,27 +388,17 @@ fn taken(s: &StateMachine, sh: &Shard) -> (BTreeSet<u64>, Vec<(String, String)>)
 
 /// One scheduling pass over the replicated state and what the leader observed
 /// (pure, so it is tested directly).
-pub fn plan(s: &StateMachine, now_ms: u64, observed: &Observed) -> Plan {
-    let mut load: BTreeMap<u64, u32> = BTreeMap::new();
-    for t in s.active_tasks() {
-        for sh in &t.shards {
-            for a in &sh.attempts {
-                *load.entry(a.node).or_default() += 1;
-            }
-        }
-    }
+pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
+    let mut load = s.queue_by_node();
     let workers: Vec<Worker> = s
         .members()
         .values()
         .filter(|m| !observed.down.contains(&m.raft_id))
         .filter_map(|m| {
             let cap = m.capability.as_ref()?;
-            let fresh = m
-                .last_heartbeat
-                .is_none_or(|h| now_ms.saturating_sub(h.at_ms) < STALE_AFTER.as_millis() as u64);
             let fits = u64::from(cap.limits.max_storage_buffer_binding_size)
                 .min(cap.limits.max_buffer_size);
-            fresh.then(|| Worker {
+            Some(Worker {
                 node: m.raft_id,
                 gflops: cap.gflops.max(0.1),
                 fits,
@@ -612,7 +579,7 @@ mod tests {
             ],
             8,
         );
-        let plan = plan(&s, now_ms(), &Observed::default());
+        let plan = plan(&s, &Observed::default());
         assert_eq!(plan.assign.len(), 8);
         assert_eq!(per_node(&plan), BTreeMap::from([(1, 2), (2, 6)]));
     }
@@ -628,7 +595,7 @@ mod tests {
             ],
             6,
         );
-        let plan = plan(&s, now_ms(), &Observed::default());
+        let plan = plan(&s, &Observed::default());
         assert_eq!(per_node(&plan), BTreeMap::from([(1, 6)]));
     }
 
@@ -653,7 +620,7 @@ mod tests {
             );
         }
         assert!(
-            plan(&s, now_ms(), &Observed::default()).assign.is_empty(),
+            plan(&s, &Observed::default()).assign.is_empty(),
             "nothing to place while node 2 works"
         );
         // Declared down by the leader: its attempts move, under new epochs.
@@ -661,7 +628,7 @@ mod tests {
             down: BTreeSet::from([2]),
             ..Observed::default()
         };
-        let moved = plan(&s, now_ms(), &down);
+        let moved = plan(&s, &down);
         assert!(moved.assign.is_empty(), "{moved:?}");
         assert_eq!(moved.reassign.len(), 4, "{moved:?}");
         assert!(moved
@@ -671,7 +638,7 @@ mod tests {
                 && *node == 1
                 && why.contains("answering")));
         apply(&mut s, Command::NodeLeft { raft_id: 2 });
-        let again = plan(&s, now_ms(), &Observed::default());
+        let again = plan(&s, &Observed::default());
         assert_eq!(again.reassign.len(), 4, "{again:?}");
         assert!(again
             .reassign
@@ -701,7 +668,7 @@ mod tests {
             slow: BTreeSet::from([(task, 0, 1)]),
             ..Observed::default()
         };
-        let p = plan(&s, now_ms(), &slow);
+        let p = plan(&s, &slow);
         assert_eq!(p.assign, vec![(task, 0, 2)]);
         apply(
             &mut s,
@@ -711,7 +678,7 @@ mod tests {
                 node: 2,
             },
         );
-        assert!(plan(&s, now_ms(), &slow).assign.is_empty(), "only one copy");
+        assert!(plan(&s, &slow).assign.is_empty(), "only one copy");
     }
 
     #[test]
@@ -740,7 +707,7 @@ mod tests {
                 submitter: "peer-1".into(),
             },
         );
-        let p = plan(&s, now_ms(), &Observed::default());
+        let p = plan(&s, &Observed::default());
         let nodes: BTreeSet<u64> = p.assign.iter().map(|a| a.2).collect();
         assert_eq!(p.assign.len(), 2, "{p:?}");
         assert!(nodes.contains(&3), "the GL node gets one replica: {p:?}");
@@ -771,7 +738,7 @@ mod tests {
         // Either the record already failed the task, or this pass cancels it;
         // either way the last error is what the user sees.
         let status = s.task(task).unwrap().status.clone();
-        let plan = plan(&s, now_ms(), &Observed::default());
+        let plan = plan(&s, &Observed::default());
         match status {
             gpumesh_consensus::TaskStatus::Failed(reason) => {
                 assert!(reason.contains("device lost"), "{reason}");

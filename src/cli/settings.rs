@@ -138,10 +138,11 @@ pub struct NodeArgs {
     #[arg(long, env = "GPUMESH_MAX_REQUEST_BYTES", value_name = "BYTES",
           default_value_t = Limits::default().max_request_bytes)]
     pub max_request_bytes: u64,
-    /// Seconds the leader waits without word from a member before declaring it down
-    /// and moving its unfinished shards elsewhere.
+    /// Seconds a member may go without an entry of its own being applied before it
+    /// counts as down: the leader moves its unfinished shards elsewhere and status
+    /// shows it silent.
     #[arg(long, env = "GPUMESH_DOWN_AFTER", value_name = "SECONDS",
-          default_value_t = SchedulerConfig::default().down_after.as_secs_f64())]
+          default_value_t = gpumesh::node::liveness::DEFAULT_DOWN_AFTER.as_secs_f64())]
     pub down_after: f64,
     /// A running shard is a straggler, and gets a speculative copy on another node,
     /// once it has run this many times as long as its task's finished shards…
@@ -485,7 +486,7 @@ impl NodeSettings {
             pending_incoming: self.max_pending_incoming,
         };
         config.limits = self.limits();
-        config.scheduler.down_after = seconds("down_after", self.down_after)?;
+        config.down_after = seconds("down_after", self.down_after)?;
         config.scheduler.straggler_factor = self.straggler_factor;
         config.scheduler.straggler_min = seconds("straggler_min", self.straggler_min)?;
         config.default_deadline = seconds("default_deadline", self.default_deadline)?;
