@@ -1,0 +1,129 @@
+//! Applying committed entries: commands to the state machine, membership changes to
+//! raft-rs, and their outcomes back to whoever proposed them.
+
+use super::*;
+
+impl Actor {
+    pub(super) fn apply_entries(&mut self, entries: Vec<Entry>) {
+        for entry in entries {
+            let (index, term) = (entry.index, entry.term);
+            if index <= self.state.applied_index() {
+                continue;
+            }
+            match entry.get_entry_type() {
+                EntryType::EntryNormal if entry.data.is_empty() => {
+                    // A new leader's empty entry.
+                    self.state.skip(index, term);
+                    self.settle(index, None);
+                }
+                EntryType::EntryNormal => match codec::from_bytes::<LogEntry>(&entry.data) {
+                    Ok(le) => {
+                        let applied = self.state.apply(index, term, &le);
+                        self.finish(index, term, le, applied);
+                    }
+                    Err(e) => {
+                        // Every replica skips the same bytes alike: still deterministic.
+                        error!(
+                            raft_id = self.cfg.id,
+                            index, "skipping undecodable entry: {e}"
+                        );
+                        self.state.skip(index, term);
+                        self.settle(index, None);
+                    }
+                },
+                EntryType::EntryConfChange => self.apply_conf_change(&entry),
+                EntryType::EntryConfChangeV2 => {
+                    warn!(
+                        raft_id = self.cfg.id,
+                        index, "skipping unexpected ConfChangeV2"
+                    );
+                    self.state.skip(index, term);
+                    self.settle(index, None);
+                }
+            }
+        }
+    }
+
+    pub(super) fn apply_conf_change(&mut self, entry: &Entry) {
+        let (index, term) = (entry.index, entry.term);
+        let decoded = ConfChange::parse_from_bytes(&entry.data)
+            .map_err(|e| e.to_string())
+            .and_then(|cc| {
+                codec::from_bytes::<LogEntry>(&cc.context)
+                    .map(|le| (cc, le))
+                    .map_err(|e| e.to_string())
+            });
+        let (cc, le) = match decoded {
+            Ok(x) => x,
+            Err(e) => {
+                error!(
+                    raft_id = self.cfg.id,
+                    index, "skipping undecodable conf change: {e}"
+                );
+                self.state.skip(index, term);
+                self.settle(index, None);
+                return;
+            }
+        };
+        let applied = if self.state.outcome_of(&le.request_id).is_some() {
+            self.state.apply(index, term, &le)
+        } else {
+            match self.state.membership_verdict(&le.command) {
+                Ok(()) => match self.raw.apply_conf_change(&cc) {
+                    Ok(cs) => {
+                        self.conf_state = cs;
+                        self.state.apply(index, term, &le)
+                    }
+                    Err(e) => self.state.conclude(
+                        index,
+                        term,
+                        &le,
+                        Outcome::Rejected(format!("raft refused: {e}")),
+                    ),
+                },
+                Err(outcome) => self.state.conclude(index, term, &le, outcome),
+            }
+        };
+        info!(
+            raft_id = self.cfg.id,
+            index,
+            change = le.command.kind(),
+            node = cc.node_id,
+            outcome = ?applied.committed.outcome,
+            "membership change applied"
+        );
+        self.finish(index, term, le, applied);
+    }
+
+    pub(super) fn finish(&mut self, index: u64, term: u64, entry: LogEntry, applied: Applied) {
+        let request_id = entry.request_id;
+        if entry.origin == self.cfg.id {
+            self.resolve(request_id, &applied.committed);
+        }
+        self.settle(index, Some(request_id));
+        let _ = self.events.send(AppliedEvent::Entry {
+            index,
+            term,
+            entry: Arc::new(entry),
+            committed: applied.committed,
+            duplicate: applied.duplicate,
+        });
+    }
+
+    /// Index `index` is applied with `request_id` (if any): other proposals placed
+    /// there lost their slot.
+    pub(super) fn settle(&mut self, index: u64, request_id: Option<RequestId>) {
+        if self.placed_at.is_empty() {
+            return;
+        }
+        // Placements below are settled too (they may be skipped by a snapshot).
+        let done: Vec<u64> = self.placed_at.range(..=index).map(|(i, _)| *i).collect();
+        for i in done {
+            for id in self.placed_at.remove(&i).unwrap_or_default() {
+                if Some(id) != request_id || i != index {
+                    self.unplace(id, i);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,502 @@
+//! The consensus actor: owns the raft-rs `RawNode`, its [`RedbStorage`] and the
+//! [`StateMachine`]; talks to peers only through a [`Transport`], and to the rest
+//! of the node through a [`ConsensusHandle`].
+//!
+//! One loop: tick on a timer, step messages from peers, collect proposals, then
+//! handle every Ready in the order raft-rs documents — send the leader's messages
+//! at once (a leader may replicate before its own fsync, Raft thesis §10.2.1),
+//! persist snapshot + entries + hard state in one durable redb transaction, apply
+//! committed entries, and only then send the messages that depend on the persisted
+//! state (votes, append responses). Then `advance`, and the same for the LightReady.
+//!
+//! Proposals are idempotent by request id. A proposal made on a follower is
+//! forwarded to the leader; the proposer learns the outcome when its own replica
+//! applies the entry, so no reply has to survive a leader change. The leader tells
+//! the proposer where it appended the entry (index, term): if a different entry
+//! commits at that index, the proposal certainly failed; if nothing can be told
+//! before the deadline, the proposer gets [`ConsensusError::OutcomeUnknown`] and a
+//! retry with the same request id is safe.
+//!
+//! Linearizable reads use Raft's ReadIndex, batched as in etcd: one request is in
+//! flight per replica and covers every read that arrived before it was sent. raft-rs
+//! drops a ReadIndex silently when no leader is known, when the leader has not yet
+//! committed an entry in its term, or when the message is lost, so a request is only
+//! sent once this replica has seen a commit in the current term, and is sent again
+//! (with a fresh context) when the leader changes or no answer came within a few
+//! heartbeats. Contexts carry the replica id and a never-reused sequence number:
+//! the leader ignores a context it already holds, and a restarted replica must not
+//! take an old answer for a new read.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gpumesh_protocol::{codec, NodeCapability};
+use protobuf::Message as _;
+use raft::eraftpb::{
+    ConfChange, ConfChangeType, ConfState, Entry, EntryType, Message as RaftMessage, MessageType,
+    Snapshot,
+};
+use raft::{RawNode, StateRole};
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+use tokio::time::{self, Instant, MissedTickBehavior};
+use tracing::{debug, error, info, warn};
+
+use crate::cluster::ClusterId;
+use crate::command::{Command, Committed, LogEntry, Outcome, RequestId, RequestIds};
+use crate::error::{ConsensusError, Result};
+use crate::state::{Applied, StateMachine};
+use crate::storage::RedbStorage;
+use crate::tracing_drain::raft_logger;
+use crate::transport::Transport;
+use crate::wire::{decode_raft, encode_raft, Frame, FrameBody};
+
+mod apply;
+mod handle;
+mod proposals;
+mod reads;
+mod ready;
+mod snapshots;
+
+pub use handle::ConsensusHandle;
+
+/// Tuning of one replica. The defaults suit a LAN mesh; tests shrink the tick.
+#[derive(Clone, Debug)]
+pub struct ReplicaConfig {
+    /// This replica's raft id (non-zero).
+    pub id: u64,
+    /// One Raft tick.
+    pub tick_interval: Duration,
+    /// Ticks without a leader before a follower campaigns.
+    pub election_tick: usize,
+    /// Ticks between leader heartbeats.
+    pub heartbeat_tick: usize,
+    /// Take a snapshot and compact the log after this many applied entries.
+    pub snapshot_interval: u64,
+    /// Entries kept in the log behind a snapshot, so a follower that lags a little
+    /// catches up from the log rather than a full snapshot.
+    pub log_retain: u64,
+    /// How long a proposal may take before its caller gets an answer anyway.
+    pub proposal_timeout: Duration,
+    /// How long a linearizable read may wait for a quorum.
+    pub read_timeout: Duration,
+    /// Leader-side: promote caught-up learners while voters are below the cap.
+    pub auto_promote: bool,
+    /// Capacity of the actor's inbox.
+    pub inbox_capacity: usize,
+    /// Capacity of the applied-event broadcast (slow subscribers see `Lagged`).
+    pub event_capacity: usize,
+}
+
+impl ReplicaConfig {
+    pub fn new(id: u64) -> Self {
+        Self {
+            id,
+            tick_interval: Duration::from_millis(100),
+            election_tick: 10,
+            heartbeat_tick: 2,
+            snapshot_interval: 10_000,
+            log_retain: 1_000,
+            proposal_timeout: Duration::from_secs(10),
+            read_timeout: Duration::from_secs(5),
+            auto_promote: true,
+            inbox_capacity: 8192,
+            event_capacity: 8192,
+        }
+    }
+
+    fn raft_config(&self, applied: u64) -> raft::Config {
+        raft::Config {
+            id: self.id,
+            election_tick: self.election_tick,
+            heartbeat_tick: self.heartbeat_tick,
+            applied,
+            max_size_per_msg: 1 << 20,
+            max_inflight_msgs: 256,
+            // A leader cut off from a quorum steps down, and a partitioned node does
+            // not disrupt the group with higher terms when it returns.
+            check_quorum: true,
+            pre_vote: true,
+            // Off: raft-rs 0.7's append batching can merge new entries into an
+            // already queued empty MsgAppend whose prev index is the first new entry,
+            // producing an append whose follower acknowledges one entry more than it
+            // stored (found by the randomized test: "to_commit out of range").
+            // Proposals are batched before they reach Raft instead.
+            batch_append: false,
+            ..Default::default()
+        }
+    }
+}
+
+/// The Raft role of a replica.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RaftRole {
+    Follower,
+    Candidate,
+    PreCandidate,
+    Leader,
+}
+
+impl From<StateRole> for RaftRole {
+    fn from(r: StateRole) -> Self {
+        match r {
+            StateRole::Follower => RaftRole::Follower,
+            StateRole::Candidate => RaftRole::Candidate,
+            StateRole::PreCandidate => RaftRole::PreCandidate,
+            StateRole::Leader => RaftRole::Leader,
+        }
+    }
+}
+
+/// A replica's view of the group.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Status {
+    pub id: u64,
+    pub role: RaftRole,
+    /// The leader this replica follows (0 if none is known).
+    pub leader_id: u64,
+    pub term: u64,
+    pub commit_index: u64,
+    pub applied_index: u64,
+    pub first_index: u64,
+    pub last_index: u64,
+    pub snapshot_index: u64,
+    pub voters: Vec<u64>,
+    pub learners: Vec<u64>,
+    pub pending_proposals: usize,
+    /// How many times, since this replica started, the leader it knows became a
+    /// different node (the first leader it learns of counts; "no leader" during an
+    /// election does not).
+    pub leader_changes: u64,
+}
+
+/// How the proposals made through one replica's handles ended, counted as each
+/// proposer got its answer. A proposal forwarded to the leader counts on the replica
+/// whose client made it, not on the leader.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProposalCounts {
+    /// Committed and took effect ([`Outcome::Applied`], `TaskSubmitted`,
+    /// `ShardAssigned`).
+    pub applied: u64,
+    /// Committed without effect ([`Outcome::Ignored`]: a stale epoch, a late result).
+    pub ignored: u64,
+    /// Committed and refused by the state machine ([`Outcome::Rejected`]).
+    pub rejected: u64,
+    /// Certainly not committed: no leader, dropped by a new leader, the actor stopped.
+    pub dropped: u64,
+    /// Perhaps committed, perhaps not ([`ConsensusError::OutcomeUnknown`]).
+    pub unknown: u64,
+}
+
+/// The shared, atomically counted form of [`ProposalCounts`].
+#[derive(Debug, Default)]
+struct ProposalTally {
+    applied: AtomicU64,
+    ignored: AtomicU64,
+    rejected: AtomicU64,
+    dropped: AtomicU64,
+    unknown: AtomicU64,
+}
+
+impl ProposalTally {
+    fn count(&self, answer: &Result<Committed>) {
+        let counter = match answer {
+            Ok(c) => match c.outcome {
+                Outcome::Ignored(_) => &self.ignored,
+                Outcome::Rejected(_) => &self.rejected,
+                Outcome::Applied
+                | Outcome::TaskSubmitted { .. }
+                | Outcome::ShardAssigned { .. } => &self.applied,
+            },
+            Err(ConsensusError::OutcomeUnknown { .. }) => &self.unknown,
+            Err(_) => &self.dropped,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn counts(&self) -> ProposalCounts {
+        ProposalCounts {
+            applied: self.applied.load(Ordering::Relaxed),
+            ignored: self.ignored.load(Ordering::Relaxed),
+            rejected: self.rejected.load(Ordering::Relaxed),
+            dropped: self.dropped.load(Ordering::Relaxed),
+            unknown: self.unknown.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Something the state machine did, in log order.
+#[derive(Clone, Debug)]
+pub enum AppliedEvent {
+    /// A committed entry was applied (`duplicate`: its request id had been applied
+    /// before, so it had no effect and `committed` repeats the first outcome).
+    Entry {
+        index: u64,
+        term: u64,
+        entry: Arc<LogEntry>,
+        committed: Committed,
+        duplicate: bool,
+    },
+    /// The state was replaced by a snapshot taken at `index`.
+    Restored { index: u64, term: u64 },
+}
+
+type Reply<T> = oneshot::Sender<Result<T>>;
+type ReadFn = Box<dyn FnOnce(Result<&StateMachine>) + Send>;
+
+enum Msg {
+    Propose {
+        entry: LogEntry,
+        respond_to: Reply<Committed>,
+    },
+    Receive {
+        from: u64,
+        frame: Vec<u8>,
+    },
+    ReadLocal {
+        read: ReadFn,
+    },
+    ReadLinearizable {
+        read: ReadFn,
+    },
+    Status {
+        respond_to: oneshot::Sender<Status>,
+    },
+    Campaign {
+        respond_to: Reply<()>,
+    },
+    TransferLeader {
+        to: u64,
+    },
+    PeerUnreachable {
+        id: u64,
+    },
+    Shutdown {
+        respond_to: oneshot::Sender<()>,
+    },
+}
+
+/// A proposal of this replica that has no outcome yet.
+struct Pending {
+    entry: LogEntry,
+    waiters: Vec<Reply<Committed>>,
+    /// Where leaders said they appended it (index, term).
+    placements: Vec<(u64, u64)>,
+    /// Forwards sent and neither accepted nor refused yet.
+    unacked: u32,
+    /// Whether it ever left this replica or entered its log (if not, it certainly
+    /// did not commit).
+    sent: bool,
+    /// Sitting in the current batch of this (leading) replica.
+    batched: bool,
+    deadline: Instant,
+    next_retry: Instant,
+}
+
+/// A linearizable read waiting for its read index or for apply to reach it.
+struct PendingRead {
+    read: ReadFn,
+    deadline: Instant,
+}
+
+/// Where a batched proposal came from.
+enum Source {
+    Local,
+    Forwarded(u64),
+}
+
+struct Actor {
+    cfg: ReplicaConfig,
+    cluster: ClusterId,
+    raw: RawNode<RedbStorage>,
+    state: StateMachine,
+    /// The conf state as of the applied index (goes into snapshots).
+    conf_state: ConfState,
+    transport: Arc<dyn Transport>,
+    inbox: mpsc::Receiver<Msg>,
+    events: broadcast::Sender<AppliedEvent>,
+    status_tx: Option<watch::Sender<Status>>,
+    pending: BTreeMap<RequestId, Pending>,
+    /// Log index → proposals of ours a leader placed there.
+    placed_at: BTreeMap<u64, Vec<RequestId>>,
+    /// Normal proposals collected this round, proposed together as one message.
+    batch: Vec<(LogEntry, Source)>,
+    /// Linearizable reads still waiting for a read index, by arrival number.
+    reads: BTreeMap<u64, PendingRead>,
+    /// ReadIndex requests in flight: context sequence → the newest read (arrival
+    /// number) it covers. An answer to any of them serves the reads it covers.
+    read_requests: BTreeMap<u64, u64>,
+    /// The leader the newest ReadIndex request went to, and when to send again if
+    /// no answer came.
+    read_sent: Option<(u64, Instant)>,
+    /// Reads whose index is known, waiting for apply to reach it.
+    confirmed_reads: Vec<(u64, PendingRead)>,
+    /// Arrival number of the newest read.
+    next_read: u64,
+    ids: Arc<RequestIds>,
+    ticks: u64,
+    /// The leader as of the last tick; a change re-sends unplaced proposals at once.
+    last_leader: u64,
+    /// The last non-zero leader seen when publishing the status, and how many
+    /// times it changed (see [`Status::leader_changes`]).
+    known_leader: u64,
+    leader_changes: u64,
+}
+
+/// Messages handled per round before the Ready is processed: large enough to batch
+/// many proposals into one fsync, small enough to keep ticks on time.
+const MAX_MSGS_PER_ROUND: usize = 4096;
+
+/// Unanswered ReadIndex requests remembered per replica (each retry adds one).
+const MAX_READ_REQUESTS: usize = 16;
+
+impl Actor {
+    async fn run(mut self) {
+        let mut ticker = time::interval(self.cfg.tick_interval);
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut shutdown = None;
+        // Apply what an earlier run committed but had not applied.
+        if let Err(e) = self.drive() {
+            error!(raft_id = self.cfg.id, "consensus stopped: {e}");
+            return;
+        }
+        loop {
+            tokio::select! {
+                biased;
+                _ = ticker.tick() => self.on_tick(),
+                msg = self.inbox.recv() => {
+                    let Some(msg) = msg else { break };
+                    if let Some(done) = self.handle(msg) {
+                        shutdown = Some(done);
+                        break;
+                    }
+                    for _ in 0..MAX_MSGS_PER_ROUND {
+                        let Ok(msg) = self.inbox.try_recv() else { break };
+                        if let Some(done) = self.handle(msg) {
+                            shutdown = Some(done);
+                            break;
+                        }
+                    }
+                    if shutdown.is_some() {
+                        break;
+                    }
+                }
+            }
+            self.flush_batch();
+            if let Err(e) = self.drive() {
+                // A storage failure leaves Raft unable to go on safely.
+                error!(raft_id = self.cfg.id, "consensus stopped: {e}");
+                break;
+            }
+        }
+        let id = self.cfg.id;
+        self.fail_all();
+        // Close the storage before telling the caller we are done.
+        drop(self);
+        info!(raft_id = id, "consensus replica stopped");
+        if let Some(done) = shutdown {
+            let _ = done.send(());
+        }
+    }
+
+    fn is_leader(&self) -> bool {
+        self.raw.raft.state == StateRole::Leader
+    }
+
+    fn leader(&self) -> u64 {
+        self.raw.raft.leader_id
+    }
+
+    /// Returns the shutdown responder when asked to stop.
+    fn handle(&mut self, msg: Msg) -> Option<oneshot::Sender<()>> {
+        match msg {
+            Msg::Propose { entry, respond_to } => self.on_propose(entry, respond_to),
+            Msg::Receive { from, frame } => self.on_frame(from, &frame),
+            Msg::ReadLocal { read } => read(Ok(&self.state)),
+            Msg::ReadLinearizable { read } => {
+                // Sent in `issue_reads`, batched with the other reads of this round.
+                self.next_read += 1;
+                let deadline = Instant::now() + self.cfg.read_timeout;
+                self.reads
+                    .insert(self.next_read, PendingRead { read, deadline });
+            }
+            Msg::Status { respond_to } => {
+                let _ = respond_to.send(self.status());
+            }
+            Msg::Campaign { respond_to } => {
+                let _ = respond_to.send(self.raw.campaign().map_err(Into::into));
+            }
+            Msg::TransferLeader { to } => self.raw.transfer_leader(to),
+            Msg::PeerUnreachable { id } => self.on_peer_unreachable(id),
+            Msg::Shutdown { respond_to } => return Some(respond_to),
+        }
+        None
+    }
+
+    fn status(&self) -> Status {
+        let raft = &self.raw.raft;
+        let store = self.raw.store();
+        let conf = raft.prs().conf().to_conf_state();
+        let mut voters = conf.voters.clone();
+        voters.sort_unstable();
+        let mut learners = conf.learners.clone();
+        learners.sort_unstable();
+        Status {
+            id: self.cfg.id,
+            role: raft.state.into(),
+            leader_id: raft.leader_id,
+            term: raft.term,
+            commit_index: raft.raft_log.committed,
+            applied_index: self.state.applied_index(),
+            first_index: store.first(),
+            last_index: raft.raft_log.last_index(),
+            snapshot_index: store.snapshot_metadata().index,
+            voters,
+            learners,
+            pending_proposals: self.pending.len(),
+            leader_changes: self.leader_changes,
+        }
+    }
+
+    fn publish_status(&mut self) {
+        let leader = self.leader();
+        if leader != 0 && leader != self.known_leader {
+            self.known_leader = leader;
+            self.leader_changes += 1;
+        }
+        let status = self.status();
+        if let Some(tx) = &self.status_tx {
+            tx.send_if_modified(|s| {
+                if *s != status {
+                    *s = status;
+                    true
+                } else {
+                    false
+                }
+            });
+        }
+    }
+
+    fn fail_all(&mut self) {
+        for (id, p) in std::mem::take(&mut self.pending) {
+            for w in p.waiters {
+                let _ = w.send(Err(if p.sent {
+                    ConsensusError::OutcomeUnknown {
+                        request_id: id,
+                        reason: "the consensus actor stopped".into(),
+                    }
+                } else {
+                    ConsensusError::Stopped
+                }));
+            }
+        }
+        for (_, r) in std::mem::take(&mut self.reads) {
+            (r.read)(Err(ConsensusError::Stopped));
+        }
+        for (_, r) in self.confirmed_reads.drain(..) {
+            (r.read)(Err(ConsensusError::Stopped));
+        }
+    }
+}

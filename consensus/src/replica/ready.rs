@@ -1,0 +1,316 @@
+//! The Ready loop: ticks, frames from peers, and each Ready handled in the order
+//! raft-rs documents (send the leader's messages, persist, apply, send the rest).
+
+use super::*;
+
+impl Actor {
+    /// Handles every pending Ready (see the module docs for the order).
+    pub(super) fn drive(&mut self) -> Result<()> {
+        loop {
+            // Before each Ready: a read answered in the last one may let the next
+            // batch go out at once.
+            self.issue_reads();
+            if !self.raw.has_ready() {
+                break;
+            }
+            let mut ready = self.raw.ready();
+            tracing::trace!(
+                raft_id = self.cfg.id,
+                number = ready.number(),
+                entries = ?ready.entries().first().map(|e| (e.index, ready.entries().len())),
+                msgs = ready.messages().len(),
+                persisted_msgs = ready.persisted_messages().len(),
+                committed = ready.committed_entries().len(),
+                "ready"
+            );
+            if !ready.messages().is_empty() {
+                self.send_raft(ready.take_messages());
+            }
+            let snapshot = (!ready.snapshot().is_empty()).then(|| ready.snapshot().clone());
+            if snapshot.is_some() || !ready.entries().is_empty() || ready.hs().is_some() {
+                self.raw
+                    .mut_store()
+                    .persist(snapshot.as_ref(), ready.entries(), ready.hs())?;
+            }
+            if let Some(snapshot) = snapshot {
+                self.restore(&snapshot)?;
+            }
+            self.on_read_states(ready.take_read_states());
+            self.apply_entries(ready.take_committed_entries());
+            if !ready.persisted_messages().is_empty() {
+                self.send_raft(ready.take_persisted_messages());
+            }
+            let mut light = self.raw.advance(ready);
+            if let Some(commit) = light.commit_index() {
+                self.raw.mut_store().set_commit(commit);
+            }
+            self.send_raft(light.take_messages());
+            self.apply_entries(light.take_committed_entries());
+            self.raw.advance_apply();
+        }
+        self.serve_reads();
+        self.maybe_snapshot()?;
+        self.publish_status();
+        Ok(())
+    }
+
+    pub(super) fn send_raft(&mut self, msgs: Vec<RaftMessage>) {
+        for msg in msgs {
+            let to = msg.to;
+            let is_snapshot = msg.get_msg_type() == MessageType::MsgSnapshot;
+            let delivered = match encode_raft(&msg) {
+                Ok(bytes) => self.send_frame(to, FrameBody::Raft(bytes)),
+                Err(e) => {
+                    error!(raft_id = self.cfg.id, to, "cannot encode raft message: {e}");
+                    false
+                }
+            };
+            if !delivered {
+                self.raw.report_unreachable(to);
+            }
+            if is_snapshot {
+                // The transport gives no receipt: report at once. If the snapshot is
+                // lost, the follower rejects the next append and Raft sends it again.
+                let status = if delivered {
+                    raft::SnapshotStatus::Finish
+                } else {
+                    raft::SnapshotStatus::Failure
+                };
+                self.raw.report_snapshot(to, status);
+            }
+        }
+    }
+
+    /// Sends a frame; false if the transport says the peer is unreachable.
+    pub(super) fn send_frame(&self, to: u64, body: FrameBody) -> bool {
+        let frame = Frame {
+            cluster: self.cluster,
+            from: self.cfg.id,
+            body,
+        };
+        match frame.encode() {
+            Ok(bytes) => self.transport.send(to, bytes).is_ok(),
+            Err(e) => {
+                error!(raft_id = self.cfg.id, to, "cannot encode frame: {e}");
+                false
+            }
+        }
+    }
+
+    pub(super) fn on_frame(&mut self, from: u64, bytes: &[u8]) {
+        let frame = match Frame::decode(bytes) {
+            Ok(f) => f,
+            Err(e) => {
+                warn!(raft_id = self.cfg.id, from, "dropping malformed frame: {e}");
+                return;
+            }
+        };
+        if frame.cluster != self.cluster {
+            warn!(
+                raft_id = self.cfg.id,
+                from,
+                theirs = %frame.cluster,
+                ours = %self.cluster,
+                "dropping frame from another cluster"
+            );
+            return;
+        }
+        if frame.from != from {
+            warn!(
+                raft_id = self.cfg.id,
+                from,
+                claimed = frame.from,
+                "dropping frame whose sender does not match the transport's"
+            );
+            return;
+        }
+        match frame.body {
+            FrameBody::Raft(bytes) => self.on_raft_message(from, &bytes),
+            FrameBody::Forward(entry) => self.on_forward(from, entry),
+            FrameBody::ForwardAccepted {
+                request_id,
+                index,
+                term,
+            } => {
+                if let Some(p) = self.pending.get_mut(&request_id) {
+                    p.unacked = p.unacked.saturating_sub(1);
+                    self.record_placement(request_id, (index, term));
+                }
+            }
+            FrameBody::ForwardRefused {
+                request_id,
+                leader,
+                reason,
+            } => {
+                debug!(raft_id = self.cfg.id, %request_id, leader, "forward refused: {reason}");
+                if let Some(p) = self.pending.get_mut(&request_id) {
+                    p.unacked = p.unacked.saturating_sub(1);
+                    // Retry at the next tick, when the leader may be known.
+                    p.next_retry = Instant::now();
+                }
+            }
+        }
+    }
+
+    pub(super) fn on_raft_message(&mut self, from: u64, bytes: &[u8]) {
+        let msg = match decode_raft(bytes) {
+            Ok(m) => m,
+            Err(e) => {
+                warn!(
+                    raft_id = self.cfg.id,
+                    from, "dropping malformed raft message: {e}"
+                );
+                return;
+            }
+        };
+        if msg.from != from || msg.to != self.cfg.id {
+            warn!(
+                raft_id = self.cfg.id,
+                from,
+                msg_from = msg.from,
+                msg_to = msg.to,
+                "dropping misaddressed raft message"
+            );
+            return;
+        }
+        if raft::raw_node::is_local_msg(msg.get_msg_type()) {
+            warn!(
+                raft_id = self.cfg.id,
+                from, "dropping local-only raft message type"
+            );
+            return;
+        }
+        if msg.get_msg_type() == MessageType::MsgSnapshot {
+            // Check the state inside before raft-rs adopts it: a snapshot we cannot
+            // restore must not replace our log.
+            if let Err(e) = StateMachine::from_bytes(&msg.get_snapshot().data) {
+                warn!(
+                    raft_id = self.cfg.id,
+                    from, "dropping snapshot with bad state: {e}"
+                );
+                return;
+            }
+        }
+        tracing::trace!(
+            raft_id = self.cfg.id,
+            from,
+            kind = ?msg.get_msg_type(),
+            index = msg.index,
+            entries = ?msg.entries.iter().map(|e| (e.index, e.term)).collect::<Vec<_>>(),
+            last = self.raw.raft.raft_log.last_index(),
+            "step"
+        );
+        if let Err(e) = self.raw.step(msg) {
+            debug!(raft_id = self.cfg.id, from, "raft ignored message: {e}");
+        }
+    }
+
+    pub(super) fn on_tick(&mut self) {
+        self.raw.tick();
+        self.ticks += 1;
+        let now = Instant::now();
+
+        // A new leader: proposals forwarded to the old one (now lost) go to it at
+        // once rather than after the retry interval.
+        let leader = self.leader();
+        if leader != self.last_leader {
+            self.last_leader = leader;
+            if leader != 0 {
+                for p in self.pending.values_mut() {
+                    p.next_retry = now;
+                }
+            }
+        }
+
+        // Proposals: answer the expired, retry the unplaced.
+        let mut expired = Vec::new();
+        let mut retry = Vec::new();
+        for (id, p) in &self.pending {
+            if now >= p.deadline {
+                expired.push(*id);
+            } else if p.placements.is_empty() && !p.batched && now >= p.next_retry {
+                retry.push(*id);
+            }
+        }
+        for id in expired {
+            if let Some(p) = self.pending.remove(&id) {
+                let err = || {
+                    if p.sent {
+                        ConsensusError::OutcomeUnknown {
+                            request_id: id,
+                            reason: "no commit seen before the deadline".into(),
+                        }
+                    } else {
+                        ConsensusError::NoLeader
+                    }
+                };
+                for w in p.waiters {
+                    let _ = w.send(Err(err()));
+                }
+            }
+        }
+        for id in retry {
+            self.place(id);
+        }
+
+        self.expire_reads(now);
+
+        if self.cfg.auto_promote && self.is_leader() && self.ticks % 5 == 0 {
+            self.maybe_promote();
+        }
+    }
+
+    pub(super) fn on_peer_unreachable(&mut self, id: u64) {
+        if id == self.cfg.id {
+            return;
+        }
+        self.raw.report_unreachable(id);
+        let raft = &mut self.raw.raft;
+        if raft.state == StateRole::Follower && raft.leader_id == id {
+            let stagger = 1 + (self.cfg.id % 3) as usize;
+            let elapsed = raft
+                .randomized_election_timeout()
+                .saturating_sub(stagger)
+                .max(raft.election_timeout());
+            if elapsed > raft.election_elapsed {
+                tracing::info!(
+                    leader = id,
+                    "lost the connection to the leader; campaigning without waiting out its lease"
+                );
+                raft.election_elapsed = elapsed;
+            }
+        }
+    }
+
+    /// Promotes one caught-up learner while voters are below the cap.
+    pub(super) fn maybe_promote(&mut self) {
+        if self.raw.raft.has_pending_conf()
+            || self.state.voter_count() >= self.state.settings().max_voters as usize
+        {
+            return;
+        }
+        let last = self.raw.raft.raft_log.last_index();
+        let learner = self.state.members().values().find(|m| {
+            m.role == crate::state::Role::Learner
+                && self
+                    .raw
+                    .raft
+                    .prs()
+                    .get(m.raft_id)
+                    .is_some_and(|p| p.matched + 100 >= last)
+        });
+        let Some(learner) = learner.map(|m| m.raft_id) else {
+            return;
+        };
+        let entry = LogEntry {
+            origin: self.cfg.id,
+            request_id: self.ids.next_id(),
+            command: Command::NodePromoted { raft_id: learner },
+        };
+        match self.propose_conf_change(&entry) {
+            Ok(Some(_)) => info!(raft_id = self.cfg.id, learner, "promoting learner"),
+            Ok(None) => {}
+            Err(e) => debug!(raft_id = self.cfg.id, "not promoting: {e}"),
+        }
+    }
+}

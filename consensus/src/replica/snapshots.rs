@@ -1,0 +1,73 @@
+//! Snapshots: restoring one received from the leader, and taking one when the log
+//! has grown past the compaction threshold.
+
+use super::*;
+
+impl Actor {
+    pub(super) fn restore(&mut self, snapshot: &Snapshot) -> Result<()> {
+        let meta = snapshot.get_metadata();
+        self.state = StateMachine::from_bytes(&snapshot.data)?;
+        self.conf_state = meta.get_conf_state().clone();
+        info!(
+            raft_id = self.cfg.id,
+            index = meta.index,
+            term = meta.term,
+            "restored state from a snapshot"
+        );
+        let _ = self.events.send(AppliedEvent::Restored {
+            index: meta.index,
+            term: meta.term,
+        });
+        // Proposals placed at or below the snapshot: the state says what happened.
+        let covered: Vec<u64> = self
+            .placed_at
+            .range(..=meta.index)
+            .map(|(i, _)| *i)
+            .collect();
+        for index in covered {
+            for request_id in self.placed_at.remove(&index).unwrap_or_default() {
+                match self.state.outcome_of(&request_id) {
+                    Some(done) => self.resolve(request_id, &done),
+                    None => self.unplace(request_id, index),
+                }
+            }
+        }
+        // Our own proposals may also be inside without a known placement.
+        let inside: Vec<(RequestId, Committed)> = self
+            .pending
+            .keys()
+            .filter_map(|id| self.state.outcome_of(id).map(|c| (*id, c)))
+            .collect();
+        for (id, done) in inside {
+            self.resolve(id, &done);
+        }
+        Ok(())
+    }
+
+    pub(super) fn maybe_snapshot(&mut self) -> Result<()> {
+        let applied = self.state.applied_index();
+        let snap_index = self.raw.store().snapshot_metadata().index;
+        let requested = self.raw.store().take_snapshot_request();
+        if applied <= snap_index
+            || (!requested && applied - snap_index < self.cfg.snapshot_interval)
+        {
+            return Ok(());
+        }
+        let mut snapshot = Snapshot {
+            data: self.state.to_bytes()?.into(),
+            ..Default::default()
+        };
+        let meta = snapshot.mut_metadata();
+        meta.index = applied;
+        meta.term = self.state.applied_term();
+        meta.set_conf_state(self.conf_state.clone());
+        let compact_to = (applied + 1).saturating_sub(self.cfg.log_retain);
+        self.raw.mut_store().compact(snapshot, compact_to)?;
+        debug!(
+            raft_id = self.cfg.id,
+            index = applied,
+            "snapshot taken, log compacted"
+        );
+        Ok(())
+    }
+}
