@@ -24,6 +24,10 @@ pub enum NodeError {
     },
     #[error("{0}")]
     Config(String),
+    /// A node message that could not be encoded, or bytes that are not one (a peer
+    /// of another version, or garbage).
+    #[error("node message codec: {0}")]
+    Codec(#[from] gpumesh_protocol::ProtocolError),
     #[error(transparent)]
     Consensus(#[from] gpumesh_consensus::ConsensusError),
     // Network (net actor) errors.

@@ -1212,7 +1212,7 @@ impl NetActor {
                     let _ = replies.send((channel, response)).await;
                 });
             }
-            request @ (MeshRequest::Join { .. } | MeshRequest::Node(_)) => {
+            request @ MeshRequest::Node(_) => {
                 let (reply, answer) = oneshot::channel();
                 let kind = request.kind();
                 self.emit(NetEvent::Request {

@@ -1,7 +1,12 @@
 //! Node-level messages, carried inside `MeshRequest::Node` / `MeshResponse::Node`.
 
+use gpumesh_protocol::mesh::{MeshRequest, MeshResponse};
 use gpumesh_protocol::NodeCapability;
+use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
+
+use crate::error::{NodeError, Result};
+use crate::net::NetHandle;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum NodeRequest {
@@ -9,8 +14,6 @@ pub enum NodeRequest {
     Hello,
     /// Add me (the authenticated sender) to your mesh as a learner.
     Join { capability: Option<NodeCapability> },
-    /// Remove me from the mesh: I am shutting down.
-    Leave,
     /// Which peers do you know, and where do they listen?
     Peers,
     /// Keep a copy of this blob, pulled from me, before I report it done.
@@ -25,7 +28,6 @@ pub enum NodeReply {
         cluster: Option<u64>,
     },
     Joined,
-    Left,
     /// Peer ids with their listen addresses, as text.
     Peers(Vec<(String, Vec<String>)>),
     /// The blob is stored here (fsync'd).
@@ -33,10 +35,31 @@ pub enum NodeReply {
     Refused(String),
 }
 
-pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
-    gpumesh_protocol::codec::to_bytes(value).unwrap_or_default()
+pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
+    Ok(gpumesh_protocol::codec::to_bytes(value)?)
 }
 
-pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Option<T> {
-    gpumesh_protocol::codec::from_bytes(bytes).ok()
+/// The value in `bytes`, or why they are not one.
+pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T> {
+    Ok(gpumesh_protocol::codec::from_bytes(bytes)?)
+}
+
+/// Asks `peer` one node request and decodes its answer. A refusal from the network
+/// layer (`MeshResponse::Error`) is [`NodeError::PeerRefused`]; an answer that is no
+/// node reply is [`NodeError::Codec`].
+pub async fn call(net: &NetHandle, peer: PeerId, request: &NodeRequest) -> Result<NodeReply> {
+    match net
+        .request(peer, MeshRequest::Node(encode(request)?))
+        .await?
+    {
+        MeshResponse::Node(bytes) => decode(&bytes),
+        MeshResponse::Error(reason) => Err(NodeError::PeerRefused {
+            peer: peer.to_string(),
+            reason,
+        }),
+        other => Err(NodeError::Request {
+            peer: peer.to_string(),
+            reason: format!("answered {other:?} to a node request"),
+        }),
+    }
 }

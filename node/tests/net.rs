@@ -8,7 +8,7 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, StreamExt};
@@ -254,14 +254,11 @@ async fn a_ten_megabyte_blob_arrives_in_chunks_byte_for_byte() {
     let id = server.blobs.put(&data).unwrap();
     let peer = client.net.dial(server.addr.clone()).await.unwrap();
 
-    let started = Instant::now();
     client.net.fetch_blob(peer, id).await.unwrap();
-    let took = started.elapsed();
     assert!(
         client.blobs.get(&id).unwrap().unwrap() == data,
         "bytes differ"
     );
-    eprintln!("10 MB fetched in {took:?}");
     // Already here: a second fetch does not touch the network.
     client.net.fetch_blob(peer, id).await.unwrap();
 
@@ -323,16 +320,8 @@ async fn node_requests_reach_the_node_and_its_answer_comes_back() {
     let asking = tokio::spawn({
         let net = b.net.clone();
         async move {
-            net.request(
-                a_id,
-                MeshRequest::Join {
-                    raft_id: 9,
-                    peer_id: "x".into(),
-                    addrs: vec![],
-                    capability: None,
-                },
-            )
-            .await
+            net.request(a_id, MeshRequest::Node(b"hello?".to_vec()))
+                .await
         }
     });
     let reply = a
@@ -348,7 +337,7 @@ async fn node_requests_reach_the_node_and_its_answer_comes_back() {
         .unwrap()
         .unwrap();
     assert!(
-        matches!(answer, MeshResponse::Error(ref e) if e.contains("join")),
+        matches!(answer, MeshResponse::Error(ref e) if e.contains("did not handle the node request")),
         "{answer:?}"
     );
 
@@ -599,24 +588,20 @@ async fn garbage_on_a_raft_stream_closes_that_stream_and_nothing_else() {
 }
 
 #[tokio::test]
-async fn dialling_a_closed_port_fails_fast_naming_the_address() {
-    let node = Node::start(|_| {}).await;
+async fn dialling_a_closed_port_is_refused_not_timed_out_naming_the_address() {
+    // A dial timeout far longer than the test may take: the error must come from
+    // the refusal itself, not from waiting the timeout out.
+    let node = Node::start(|c| c.dial_timeout = Duration::from_secs(600)).await;
     let port = {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.local_addr().unwrap().port()
     }; // closed again here
     let addr: Multiaddr = format!("/ip4/127.0.0.1/tcp/{port}").parse().unwrap();
-    let started = Instant::now();
     let err = node.net.dial(addr.clone()).await.unwrap_err();
     assert!(matches!(err, NodeError::Dial { .. }), "{err:?}");
     let text = err.to_string();
     assert!(text.contains(&addr.to_string()), "{text}");
     assert!(text.to_lowercase().contains("refused"), "{text}");
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "{:?}",
-        started.elapsed()
-    );
     node.stop().await;
 }
 
@@ -633,15 +618,13 @@ async fn a_peer_that_never_answers_times_out_naming_the_address() {
         }
     });
     let addr: Multiaddr = format!("/ip4/127.0.0.1/tcp/{port}").parse().unwrap();
-    let started = Instant::now();
     let err = node.net.dial(addr.clone()).await.unwrap_err();
-    let took = started.elapsed();
-    assert!(matches!(err, NodeError::DialTimeout { .. }), "{err:?}");
+    // The configured timeout ended it, and the error says which address and how long.
+    match &err {
+        NodeError::DialTimeout { secs, .. } => assert!((secs - 0.8).abs() < 0.05, "{err}"),
+        other => panic!("expected a dial timeout, got {other:?}"),
+    }
     assert!(err.to_string().contains(&addr.to_string()), "{err}");
-    assert!(
-        took >= Duration::from_millis(700) && took < Duration::from_secs(3),
-        "{took:?}"
-    );
     holder.abort();
     node.stop().await;
 }
@@ -710,9 +693,10 @@ async fn the_transfer_bench_reports_all_three_paths() {
     let report = bench_blob_transfer_with(2 << 20, 256 << 10, 4)
         .await
         .unwrap();
-    eprintln!("{report}");
+    // How the paths compare is the benchmark's to measure (`gpumesh bench mesh`); this
+    // test checks that every path ran and is reported.
     assert!(report.raw_tcp > Duration::ZERO && report.mesh_pull > Duration::ZERO);
-    assert!(report.fetch_blob >= report.mesh_pull / 4);
+    assert!(report.fetch_blob > Duration::ZERO);
     let text = report.to_string();
     assert!(
         text.contains("raw TCP") && text.contains("fetch_blob"),

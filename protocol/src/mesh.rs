@@ -10,7 +10,6 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::capability::NodeCapability;
 use crate::ids::BlobId;
 
 /// A request from one peer to another.
@@ -21,18 +20,8 @@ pub enum MeshRequest {
     /// [`MeshResponse::NotFound`]. The fetcher checks the assembled blob against `id`,
     /// so a chunk needs no hash of its own.
     BlobChunk { id: BlobId, offset: u64, len: u32 },
-    /// A node asks a member to add it to the mesh. `peer_id` is the libp2p peer id in
-    /// its text form and `addrs` are multiaddrs in text form, so that this crate does
-    /// not depend on libp2p. Answered with [`MeshResponse::Joined`] or
-    /// [`MeshResponse::Error`].
-    Join {
-        raft_id: u64,
-        peer_id: String,
-        addrs: Vec<String>,
-        capability: Option<NodeCapability>,
-    },
-    /// An opaque node-level request (e.g. a client call forwarded to the leader); its
-    /// encoding belongs to the node crate. Answered with [`MeshResponse::Node`] or
+    /// An opaque node-level request (hello, join, peers, replicate); its encoding
+    /// belongs to the node crate. Answered with [`MeshResponse::Node`] or
     /// [`MeshResponse::Error`].
     Node(#[serde(with = "bytes")] Vec<u8>),
 }
@@ -42,7 +31,6 @@ impl MeshRequest {
     pub fn kind(&self) -> &'static str {
         match self {
             MeshRequest::BlobChunk { .. } => "blob-chunk",
-            MeshRequest::Join { .. } => "join",
             MeshRequest::Node(_) => "node",
         }
     }
@@ -51,8 +39,6 @@ impl MeshRequest {
 /// The answer to one [`MeshRequest`].
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
 pub enum MeshResponse {
-    /// The request was received and needs no other answer.
-    Ack,
     /// Bytes of a blob; `total` is the whole blob's size, so the first chunk tells the
     /// fetcher how many more to ask for.
     BlobChunk {
@@ -62,9 +48,6 @@ pub enum MeshResponse {
     },
     /// The peer does not have the blob that was asked for.
     NotFound,
-    /// The join was accepted; `leader_hint` is the Raft id of the leader if known, so
-    /// the new node knows whom to expect traffic from.
-    Joined { leader_hint: Option<u64> },
     /// The answer to [`MeshRequest::Node`], encoded by the node crate.
     Node(#[serde(with = "bytes")] Vec<u8>),
     /// The peer could not serve the request; the text says why, for the user.
@@ -75,17 +58,12 @@ pub enum MeshResponse {
 impl fmt::Debug for MeshResponse {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            MeshResponse::Ack => f.write_str("Ack"),
             MeshResponse::BlobChunk { total, data } => f
                 .debug_struct("BlobChunk")
                 .field("total", total)
                 .field("len", &data.len())
                 .finish(),
             MeshResponse::NotFound => f.write_str("NotFound"),
-            MeshResponse::Joined { leader_hint } => f
-                .debug_struct("Joined")
-                .field("leader_hint", leader_hint)
-                .finish(),
             MeshResponse::Node(bytes) => write!(f, "Node({} bytes)", bytes.len()),
             MeshResponse::Error(reason) => f.debug_tuple("Error").field(reason).finish(),
         }
@@ -153,12 +131,6 @@ mod tests {
                 offset: 1 << 40,
                 len: 1 << 20,
             },
-            MeshRequest::Join {
-                raft_id: 7,
-                peer_id: "12D3KooW".into(),
-                addrs: vec!["/ip4/127.0.0.1/tcp/4001".into()],
-                capability: None,
-            },
             MeshRequest::Node(vec![]),
         ];
         for request in requests {
@@ -166,15 +138,11 @@ mod tests {
             assert_eq!(back, request);
         }
         let responses = [
-            MeshResponse::Ack,
             MeshResponse::BlobChunk {
                 total: 9,
                 data: vec![7; 9],
             },
             MeshResponse::NotFound,
-            MeshResponse::Joined {
-                leader_hint: Some(3),
-            },
             MeshResponse::Node(vec![0; 3]),
             MeshResponse::Error("no".into()),
         ];

@@ -114,30 +114,15 @@ fn request() -> impl Strategy<Value = MeshRequest> {
                 len,
             }
         }),
-        (
-            any::<u64>(),
-            ".{0,60}",
-            proptest::collection::vec(".{0,40}", 0..4),
-            proptest::option::of(capability()),
-        )
-            .prop_map(|(raft_id, peer_id, addrs, capability)| MeshRequest::Join {
-                raft_id,
-                peer_id,
-                addrs,
-                capability,
-            }),
         bytes(256).prop_map(MeshRequest::Node),
     ]
 }
 
 fn response() -> impl Strategy<Value = MeshResponse> {
     prop_oneof![
-        Just(MeshResponse::Ack),
         (any::<u64>(), bytes(256))
             .prop_map(|(total, data)| MeshResponse::BlobChunk { total, data }),
         Just(MeshResponse::NotFound),
-        proptest::option::of(any::<u64>())
-            .prop_map(|leader_hint| MeshResponse::Joined { leader_hint }),
         bytes(256).prop_map(MeshResponse::Node),
         ".{0,80}".prop_map(MeshResponse::Error),
     ]

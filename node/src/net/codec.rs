@@ -68,7 +68,7 @@ impl Bulk for MeshRequest {
     fn detach(&mut self) -> Vec<u8> {
         match self {
             MeshRequest::Node(bytes) => std::mem::take(bytes),
-            MeshRequest::BlobChunk { .. } | MeshRequest::Join { .. } => Vec::new(),
+            MeshRequest::BlobChunk { .. } => Vec::new(),
         }
     }
 
@@ -85,7 +85,7 @@ impl Bulk for MeshRequest {
     fn lane(&self) -> Lane {
         match self {
             MeshRequest::BlobChunk { .. } => Lane::Blob,
-            MeshRequest::Node(_) | MeshRequest::Join { .. } => Lane::Call,
+            MeshRequest::Node(_) => Lane::Call,
         }
     }
 }
@@ -94,10 +94,7 @@ impl Bulk for MeshResponse {
     fn detach(&mut self) -> Vec<u8> {
         match self {
             MeshResponse::BlobChunk { data, .. } | MeshResponse::Node(data) => std::mem::take(data),
-            MeshResponse::Ack
-            | MeshResponse::NotFound
-            | MeshResponse::Joined { .. }
-            | MeshResponse::Error(_) => Vec::new(),
+            MeshResponse::NotFound | MeshResponse::Error(_) => Vec::new(),
         }
     }
 
@@ -115,10 +112,7 @@ impl Bulk for MeshResponse {
         match self {
             // Only blob chunk requests are answered `NotFound`.
             MeshResponse::BlobChunk { .. } | MeshResponse::NotFound => Lane::Blob,
-            MeshResponse::Node(_)
-            | MeshResponse::Ack
-            | MeshResponse::Joined { .. }
-            | MeshResponse::Error(_) => Lane::Call,
+            MeshResponse::Node(_) | MeshResponse::Error(_) => Lane::Call,
         }
     }
 }
@@ -332,7 +326,6 @@ mod tests {
                 data: vec![3; 70_000],
             },
             MeshResponse::Node(vec![1]),
-            MeshResponse::Ack,
             MeshResponse::Error("no".into()),
         ];
         for response in responses {
@@ -359,11 +352,10 @@ mod tests {
     #[tokio::test]
     async fn garbage_oversize_and_short_frames_are_errors_not_panics() {
         let mut codec = MeshCodec::new(1024);
-        let join = seal(&MeshRequest::Join {
-            raft_id: 1,
-            peer_id: "p".into(),
-            addrs: vec![],
-            capability: None,
+        let blob = seal(&MeshRequest::BlobChunk {
+            id: gpumesh_protocol::BlobId::of(b"p"),
+            offset: 0,
+            len: 1,
         })
         .unwrap();
         let node = seal(&MeshRequest::Node(vec![])).unwrap();
@@ -382,7 +374,7 @@ mod tests {
                 [framed(&node), framed(&[1; 100])[..50].to_vec()].concat(),
                 "cut short",
             ),
-            ([framed(&join), framed(&[1; 10])].concat(), "bulk bytes"),
+            ([framed(&blob), framed(&[1; 10])].concat(), "bulk bytes"),
             (framed(&node), "end of file"),
         ];
         for (bytes, expect) in cases {
