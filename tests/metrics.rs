@@ -191,7 +191,15 @@ async fn tasks_move_each_nodes_own_counters_and_one_leader_is_reported() {
             );
             assert!(s.get("gpumesh_blob_store_blobs") > 0.0, "{s:#?}");
             assert!(s.get("gpumesh_blob_store_bytes") > 0.0, "{s:#?}");
+            // Two kernels in the mesh: a node compiles each at most once, however
+            // often it validates a submit of it or runs one of its shards.
+            assert!(s.get("gpumesh_kernels_compiled") <= 2.0, "{s:#?}");
         }
+        // Node 1 validated task A's submit (twice) and so compiled vector_add.
+        assert!(
+            scrapes[1].get("gpumesh_kernels_compiled") >= 1.0,
+            "{scrapes:#?}"
+        );
         raft_ids.sort();
         raft_ids.dedup();
         assert_eq!(raft_ids.len(), 3, "each node answers for itself");

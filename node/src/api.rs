@@ -40,7 +40,6 @@ use gpumesh_consensus::{
     Command, Outcome, RequestId, ShardState, StateMachine, TaskId, TaskStatus,
 };
 use gpumesh_protocol::{BlobId, TaskSpec};
-use gpumesh_shaders::Kernel;
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -524,7 +523,10 @@ async fn submit(
     );
     let slot = queue_slot(&shared, &c, request_id, &limits).await?;
     // The same checks `gpumesh run` makes, before anything is committed.
-    let kernel = Kernel::for_source(&req.spec.shader, &req.spec.entry_point).map_err(bad)?;
+    let kernel = shared
+        .kernels
+        .get(&req.spec.shader, &req.spec.entry_point)
+        .map_err(bad)?;
     kernel.check(&req.spec).map_err(bad)?;
     for b in &req.spec.bindings {
         if let Some(blob) = b.role.blob() {
@@ -822,7 +824,7 @@ async fn status(State(shared): State<Arc<Shared>>) -> ApiResult<Json<StatusView>
 /// This node's metrics in the OpenMetrics text format; what is read rather than
 /// counted (tasks by status, the blob store) is refreshed first.
 async fn metrics(State(shared): State<Arc<Shared>>) -> ApiResult<Response> {
-    shared.metrics.refresh(&shared.blobs).await;
+    shared.metrics.refresh(&shared.blobs, &shared.kernels).await;
     let text = shared
         .metrics
         .encode()

@@ -31,6 +31,7 @@
 //! | `gpumesh_net_sent_bytes_total{lane}` | counter | bytes of gpumesh frames written to libp2p streams |
 //! | `gpumesh_net_received_bytes_total{lane}` | counter | bytes of gpumesh frames read from libp2p streams |
 //! | `gpumesh_net_connected_peers` | gauge | peers with at least one open connection |
+//! | `gpumesh_kernels_compiled` | gauge | kernels compiled on this node since it started (each source once while it stays cached) |
 //! | `gpumesh_blob_store_blobs` | gauge | blobs in this node's store |
 //! | `gpumesh_blob_store_bytes` | gauge | bytes of those blobs |
 //!
@@ -49,7 +50,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use gpumesh_consensus::{ConsensusHandle, RaftRole, TaskStatus};
-use gpumesh_shaders::ExecutorCounters;
+use gpumesh_shaders::{ExecutorCounters, KernelCache};
 use libp2p::PeerId;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -86,6 +87,8 @@ pub struct Metrics {
     /// Blobs in the store and their bytes, refreshed on scrape.
     blobs: Gauge,
     blob_bytes: Gauge,
+    /// Compiles done by the node's kernel cache, refreshed on scrape.
+    kernels_compiled: Gauge,
 }
 
 impl Metrics {
@@ -203,6 +206,13 @@ impl Metrics {
             blob_bytes.clone(),
         );
 
+        let kernels_compiled = Gauge::default();
+        registry.register(
+            "kernels_compiled",
+            "Kernels compiled on this node since it started",
+            kernels_compiled.clone(),
+        );
+
         Metrics {
             registry,
             consensus,
@@ -213,6 +223,7 @@ impl Metrics {
             net,
             blobs,
             blob_bytes,
+            kernels_compiled,
         }
     }
 
@@ -223,7 +234,9 @@ impl Metrics {
 
     /// Refreshes what is read rather than counted: the tasks in the record (one
     /// walk of this replica's tasks) and the blob store (one directory listing).
-    pub(crate) async fn refresh(&self, blobs: &BlobStore) {
+    pub(crate) async fn refresh(&self, blobs: &BlobStore, kernels: &KernelCache) {
+        self.kernels_compiled
+            .set(saturating_i64(kernels.compiled()));
         let store = blobs.clone();
         if let Ok((count, bytes)) = tokio::task::spawn_blocking(move || store.stats()).await {
             self.blobs.set(saturating_i64(count));

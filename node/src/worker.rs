@@ -7,13 +7,13 @@
 //! proposes), net (fetches blobs), the blob store. Counts its shards, and the GPU
 //! thread its work, in the node's [`crate::metrics`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpumesh_consensus::{AppliedEvent, Command, ConsensusHandle, Outcome, TaskId};
 use gpumesh_protocol::{BlobId, NodeCapability, ShardChanges, TaskSpec};
-use gpumesh_shaders::{calibrate, BackendChoice, ExecError, Executor, Job, Kernel, ShardOutput};
+use gpumesh_shaders::{calibrate, BackendChoice, ExecError, Executor, Job, ShardOutput};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -140,7 +140,6 @@ impl Worker {
     pub async fn run(self, cancel: CancellationToken) {
         let mut events = self.consensus.subscribe();
         let mut queue: VecDeque<Assignment> = VecDeque::new();
-        let mut kernels: HashMap<[u8; 32], Arc<Kernel>> = HashMap::new();
         // Anything already assigned to us (a restart) comes first.
         queue.extend(self.assigned_to_me().await);
         loop {
@@ -148,7 +147,7 @@ impl Worker {
                 if cancel.is_cancelled() {
                     return;
                 }
-                self.execute(a, &mut kernels).await;
+                self.execute(a).await;
             }
             tokio::select! {
                 biased;
@@ -195,12 +194,12 @@ impl Worker {
             .unwrap_or_default()
     }
 
-    async fn execute(&self, a: Assignment, kernels: &mut HashMap<[u8; 32], Arc<Kernel>>) {
+    async fn execute(&self, a: Assignment) {
         let span = tracing::info_span!("shard", task = %a.task, shard = a.shard, epoch = a.epoch);
-        self.execute_in_span(a, kernels).instrument(span).await
+        self.execute_in_span(a).instrument(span).await
     }
 
-    async fn execute_in_span(&self, a: Assignment, kernels: &mut HashMap<[u8; 32], Arc<Kernel>>) {
+    async fn execute_in_span(&self, a: Assignment) {
         let me = self.me;
         let current = self
             .consensus
@@ -243,7 +242,7 @@ impl Worker {
             reason,
         };
         let started = Instant::now();
-        let outputs = match self.run_shard(&spec, &submitter, a.shard, kernels).await {
+        let outputs = match self.run_shard(&spec, &submitter, a.shard).await {
             Ok(outputs) => {
                 counts.run_seconds.observe(started.elapsed().as_secs_f64());
                 outputs
@@ -323,7 +322,6 @@ impl Worker {
         spec: &TaskSpec,
         submitter: &str,
         shard: u32,
-        kernels: &mut HashMap<[u8; 32], Arc<Kernel>>,
     ) -> Result<ShardChanges, ShardError> {
         for b in &spec.bindings {
             if let Some(blob) = b.role.blob() {
@@ -335,22 +333,11 @@ impl Worker {
         if let Some(delay) = self.faults.gpu_delay {
             tokio::time::sleep(delay).await;
         }
-        let key =
-            *blake3::hash(format!("{:?}\0{}", spec.shader, spec.entry_point).as_bytes()).as_bytes();
-        let kernel = match kernels.get(&key) {
-            Some(k) => k.clone(),
-            None => {
-                let k = Arc::new(
-                    Kernel::for_source(&spec.shader, &spec.entry_point)
-                        .map_err(|e| ShardError::Retry(e.to_string()))?,
-                );
-                if kernels.len() > 64 {
-                    kernels.clear();
-                }
-                kernels.insert(key, k.clone());
-                k
-            }
-        };
+        let kernel = self
+            .shared
+            .kernels
+            .get(&spec.shader, &spec.entry_point)
+            .map_err(|e| ShardError::Retry(e.to_string()))?;
         let blobs = self.shared.blobs.clone();
         let job = Job::new(spec.clone(), kernel, |id| {
             blobs.get(id).ok().flatten().map(Arc::from)

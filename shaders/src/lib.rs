@@ -3,6 +3,7 @@
 //! - [`adapter`]: enumerate adapters, choose one (`--backend`), describe it.
 //! - [`kernel`]: parse and validate WGSL with naga (line:column errors), reflect the
 //!   entry point's `@group(0)` bindings, check a task against them.
+//! - [`kernel_cache`]: compiled kernels by source hash, so a node compiles each once.
 //! - [`shard`]: split a grid into shards and rewrite the module (naga IR) so each
 //!   shard sees full-grid builtins; tile grids past the per-dimension limit.
 //! - [`job`]: a task resolved against its kernel and input bytes.
@@ -19,6 +20,7 @@ mod error;
 pub mod executor;
 pub mod job;
 pub mod kernel;
+pub mod kernel_cache;
 pub mod merge;
 mod pin;
 pub mod shard;
@@ -28,3 +30,4 @@ pub use error::{ExecError, Result};
 pub use executor::{Executor, ExecutorCounters, ExecutorLimits, TaskOutput};
 pub use job::{Job, ShardOutput};
 pub use kernel::Kernel;
+pub use kernel_cache::KernelCache;

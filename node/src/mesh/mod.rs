@@ -131,6 +131,9 @@ pub(crate) struct Shared {
     pub submits_in_flight: AtomicUsize,
     /// Where peers listen, from identify, mDNS and other nodes' address books.
     pub addrs: RwLock<HashMap<PeerId, Vec<Multiaddr>>>,
+    /// Kernels compiled on this node, by source hash: the API's validation and the
+    /// worker's runs share them.
+    pub kernels: Arc<gpumesh_shaders::KernelCache>,
     /// Which members are alive; started with consensus.
     pub liveness: tokio::sync::OnceCell<LivenessHandle>,
     /// Shard results per node per second, for the dashboard.
@@ -222,6 +225,7 @@ impl MeshNode {
             submits_in_flight: AtomicUsize::new(0),
             addrs: RwLock::new(HashMap::new()),
             liveness: tokio::sync::OnceCell::new(),
+            kernels: Arc::default(),
             throughput: Arc::default(),
             metrics,
         });
