@@ -315,10 +315,10 @@ async fn chaos(seed: u64, nodes_n: usize, steps: usize) {
                 std::env::var("GPUMESH_REQUIRE_NETNS").is_err(),
                 "GPUMESH_REQUIRE_NETNS is set but network namespaces cannot be made: {why}"
             );
-            eprintln!(
-                "\n!!!!! NO NETWORK NAMESPACES ({why}): links are NOT cut in this run, \
-                 nodes are only killed and restarted !!!!!\n"
-            );
+            common::skipped(&format!(
+                "NO NETWORK NAMESPACES ({why}): link cuts are skipped in this run, nodes \
+                 are only killed and restarted"
+            ));
             None
         }
     };

@@ -49,7 +49,12 @@ fn backends() -> Vec<&'static str> {
                 !required.split(',').any(|r| r.trim() == name),
                 "GPUMESH_REQUIRE_BACKENDS names {name} but `gpumesh adapters` does not list it"
             );
-            eprintln!("\n!!!!! NO {name} ADAPTER: its CLI cases are SKIPPED !!!!!\n");
+            // Straight to stderr: `eprintln!` is swallowed for a passing test.
+            use std::io::Write as _;
+            let _ = writeln!(
+                std::io::stderr(),
+                "\n!!!!! SKIPPED: NO {name} ADAPTER, so its CLI cases are skipped !!!!!\n"
+            );
         }
     }
     out

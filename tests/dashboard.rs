@@ -38,7 +38,7 @@ fn chromium() -> Option<PathBuf> {
             std::env::var("GPUMESH_REQUIRE_CHROMIUM").is_err(),
             "GPUMESH_REQUIRE_CHROMIUM is set but no chromium is on PATH"
         );
-        eprintln!("\n!!!!! NO CHROMIUM ON PATH: the dashboard browser test is SKIPPED !!!!!\n");
+        common::skipped("NO CHROMIUM ON PATH: the dashboard browser test is skipped");
     }
     found
 }
