@@ -1,0 +1,308 @@
+//! The replicated state machine: members, tasks, shards and results.
+//!
+//! `apply` is a plain deterministic function of (state, index, entry): no clocks, no
+//! randomness, no I/O, so every replica that applies the same log reaches the same
+//! state, and a replica restored from a snapshot equals one that replayed the log.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use gpumesh_protocol::{codec, BlobId, NodeCapability, TaskSpec};
+use serde::{Deserialize, Serialize};
+
+use crate::command::{Command, Committed, LogEntry, MergedOutput, Outcome, RequestId, TaskId};
+use crate::error::Result;
+
+mod commands;
+mod types;
+
+pub use types::*;
+
+/// The replicated record.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StateMachine {
+    applied_index: u64,
+    applied_term: u64,
+    settings: ClusterSettings,
+    members: BTreeMap<u64, Member>,
+    tasks: BTreeMap<TaskId, Task>,
+    task_by_request: BTreeMap<RequestId, TaskId>,
+    requests: BTreeMap<RequestId, Committed>,
+    /// Insertion order of `requests`, oldest first, to forget deterministically.
+    request_order: VecDeque<RequestId>,
+    /// Tasks not yet finished: derived from `tasks` (rebuilt on restore, not
+    /// stored), so a scheduling pass costs the live tasks, not the whole history.
+    #[serde(skip)]
+    active: BTreeSet<TaskId>,
+}
+
+impl StateMachine {
+    /// The state of a new mesh whose founding members are all voters.
+    pub fn bootstrap(founders: &[(u64, String)], settings: ClusterSettings) -> Self {
+        let members = founders
+            .iter()
+            .map(|(raft_id, peer_id)| {
+                (
+                    *raft_id,
+                    Member {
+                        raft_id: *raft_id,
+                        peer_id: peer_id.clone(),
+                        role: Role::Voter,
+                        capability: None,
+                        last_heartbeat: None,
+                        joined_index: 0,
+                        addrs: Vec::new(),
+                    },
+                )
+            })
+            .collect();
+        Self {
+            applied_index: 0,
+            applied_term: 0,
+            settings,
+            members,
+            tasks: BTreeMap::new(),
+            task_by_request: BTreeMap::new(),
+            requests: BTreeMap::new(),
+            request_order: VecDeque::new(),
+            active: BTreeSet::new(),
+        }
+    }
+
+    /// An empty state (for a node that has not yet received a snapshot).
+    pub fn empty() -> Self {
+        Self::bootstrap(
+            &[],
+            ClusterSettings {
+                max_voters: DEFAULT_MAX_VOTERS,
+            },
+        )
+    }
+
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        Ok(codec::to_bytes(self)?)
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let mut state: StateMachine = codec::from_bytes(bytes)?;
+        state.active = state
+            .tasks
+            .values()
+            .filter(|t| !t.status.is_terminal())
+            .map(|t| t.id)
+            .collect();
+        Ok(state)
+    }
+
+    pub fn applied_index(&self) -> u64 {
+        self.applied_index
+    }
+
+    pub fn applied_term(&self) -> u64 {
+        self.applied_term
+    }
+
+    pub fn settings(&self) -> &ClusterSettings {
+        &self.settings
+    }
+
+    pub fn members(&self) -> &BTreeMap<u64, Member> {
+        &self.members
+    }
+
+    pub fn member(&self, raft_id: u64) -> Option<&Member> {
+        self.members.get(&raft_id)
+    }
+
+    pub fn voter_count(&self) -> usize {
+        self.members
+            .values()
+            .filter(|m| m.role == Role::Voter)
+            .count()
+    }
+
+    pub fn tasks(&self) -> &BTreeMap<TaskId, Task> {
+        &self.tasks
+    }
+
+    pub fn task(&self, id: TaskId) -> Option<&Task> {
+        self.tasks.get(&id)
+    }
+
+    /// Tasks still pending or running, oldest first.
+    pub fn active_tasks(&self) -> impl Iterator<Item = &Task> {
+        self.active.iter().filter_map(|id| self.tasks.get(id))
+    }
+
+    /// Attempts running or queued on each node: the one measure of a node's load,
+    /// read by placement, the API and the dashboard. Nodes with none are absent.
+    pub fn queue_by_node(&self) -> BTreeMap<u64, u32> {
+        let mut queue = BTreeMap::new();
+        for t in self.active_tasks() {
+            for sh in &t.shards {
+                for a in &sh.attempts {
+                    *queue.entry(a.node).or_default() += 1;
+                }
+            }
+        }
+        queue
+    }
+
+    /// The task a submit with this idempotency key created, if any.
+    pub fn task_by_request(&self, request_id: &RequestId) -> Option<TaskId> {
+        self.task_by_request.get(request_id).copied()
+    }
+
+    /// The outcome of an applied request id, while it is remembered.
+    pub fn prior(&self, request_id: &RequestId) -> Option<&Committed> {
+        self.requests.get(request_id)
+    }
+
+    /// The outcome a request id already got, if it is still remembered (submits: for
+    /// as long as their task exists).
+    pub fn outcome_of(&self, request_id: &RequestId) -> Option<Committed> {
+        if let Some(c) = self.requests.get(request_id) {
+            return Some(c.clone());
+        }
+        self.task_by_request.get(request_id).map(|task| Committed {
+            index: task.0,
+            outcome: Outcome::TaskSubmitted { task: *task },
+        })
+    }
+
+    /// Advances the applied position for an entry that carries no command (a new
+    /// leader's empty entry, or an undecodable one).
+    pub fn skip(&mut self, index: u64, term: u64) {
+        if index > self.applied_index {
+            self.applied_index = index;
+            self.applied_term = term;
+        }
+    }
+
+    /// Whether a membership change may take effect. `Err` carries the outcome to
+    /// record instead; the caller then must not apply the Raft ConfChange.
+    pub fn membership_verdict(&self, command: &Command) -> Result<(), Outcome> {
+        match command {
+            Command::NodeJoined { raft_id, .. } => match self.members.get(raft_id) {
+                Some(_) => Err(Outcome::Ignored(format!(
+                    "node {raft_id} is already a member"
+                ))),
+                None => Ok(()),
+            },
+            Command::NodePromoted { raft_id } => match self.members.get(raft_id) {
+                None => Err(Outcome::Rejected(format!("node {raft_id} is not a member"))),
+                Some(m) if m.role == Role::Voter => Err(Outcome::Ignored(format!(
+                    "node {raft_id} is already a voter"
+                ))),
+                Some(_) if self.voter_count() >= self.settings.max_voters as usize => {
+                    Err(Outcome::Rejected(format!(
+                        "the voter cap of {} is reached; node {raft_id} stays a learner",
+                        self.settings.max_voters
+                    )))
+                }
+                Some(_) => Ok(()),
+            },
+            Command::NodeLeft { raft_id } => match self.members.get(raft_id) {
+                None => Err(Outcome::Ignored(format!("node {raft_id} is not a member"))),
+                Some(m) if m.role == Role::Voter && self.voter_count() <= 1 => Err(
+                    Outcome::Rejected(format!("node {raft_id} is the last voter")),
+                ),
+                Some(_) => Ok(()),
+            },
+            _ => Err(Outcome::Rejected(format!(
+                "{} is not a membership change",
+                command.kind()
+            ))),
+        }
+    }
+
+    /// Records `outcome` for `entry` without running its command (a refused
+    /// membership change).
+    pub fn conclude(
+        &mut self,
+        index: u64,
+        term: u64,
+        entry: &LogEntry,
+        outcome: Outcome,
+    ) -> Applied {
+        if let Some(prior) = self.requests.get(&entry.request_id) {
+            let committed = prior.clone();
+            self.skip(index, term);
+            return Applied {
+                committed,
+                duplicate: true,
+            };
+        }
+        self.skip(index, term);
+        let committed = Committed { index, outcome };
+        self.remember(entry.request_id, committed.clone());
+        Applied {
+            committed,
+            duplicate: false,
+        }
+    }
+
+    /// Applies one committed entry. Entries at or below the applied index are
+    /// ignored (replays after a restart), and a repeated request id has no effect.
+    pub fn apply(&mut self, index: u64, term: u64, entry: &LogEntry) -> Applied {
+        if let Some(prior) = self.requests.get(&entry.request_id) {
+            let committed = prior.clone();
+            self.skip(index, term);
+            return Applied {
+                committed,
+                duplicate: true,
+            };
+        }
+        if let Some(task) = self.task_by_request.get(&entry.request_id) {
+            let committed = Committed {
+                index: task.0,
+                outcome: Outcome::TaskSubmitted { task: *task },
+            };
+            self.skip(index, term);
+            return Applied {
+                committed,
+                duplicate: true,
+            };
+        }
+        if index <= self.applied_index {
+            // Not a new entry: already part of this state. Report without effect.
+            return Applied {
+                committed: Committed {
+                    index,
+                    outcome: Outcome::Ignored("already applied".into()),
+                },
+                duplicate: true,
+            };
+        }
+        self.applied_index = index;
+        self.applied_term = term;
+        let outcome = self.run(index, entry);
+        if let Some(task) = entry.command.task().or(match outcome {
+            Outcome::TaskSubmitted { task } => Some(task),
+            _ => None,
+        }) {
+            match self.tasks.get(&task) {
+                Some(t) if !t.status.is_terminal() => self.active.insert(task),
+                _ => self.active.remove(&task),
+            };
+        }
+        let committed = Committed { index, outcome };
+        // Submits are remembered through their task instead (see `task_by_request`).
+        if !matches!(committed.outcome, Outcome::TaskSubmitted { .. }) {
+            self.remember(entry.request_id, committed.clone());
+        }
+        Applied {
+            committed,
+            duplicate: false,
+        }
+    }
+
+    fn remember(&mut self, request_id: RequestId, committed: Committed) {
+        self.requests.insert(request_id, committed);
+        self.request_order.push_back(request_id);
+        while self.request_order.len() > REMEMBERED_REQUESTS {
+            if let Some(old) = self.request_order.pop_front() {
+                self.requests.remove(&old);
+            }
+        }
+    }
+}
