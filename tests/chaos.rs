@@ -372,21 +372,17 @@ impl Chaos {
         let acked: BTreeMap<RequestId, u64> =
             self.acked.iter().map(|a| (a.request, a.task)).collect();
         let unacked = self.unacked.clone();
-        let (count, by_request, stray) = nodes[0]
-            .consensus
-            .read_local(move |s| {
-                let by_request: Vec<(RequestId, Option<u64>)> = acked
-                    .keys()
-                    .map(|r| (*r, s.task_by_request(r).map(|t| t.0)))
-                    .collect();
-                let stray = unacked
-                    .iter()
-                    .filter(|r| s.task_by_request(r).is_some())
-                    .count();
-                (s.tasks().len(), by_request, stray)
-            })
-            .await
-            .unwrap();
+        let (count, by_request, stray) = nodes[0].consensus.read_local(move |s| {
+            let by_request: Vec<(RequestId, Option<u64>)> = acked
+                .keys()
+                .map(|r| (*r, s.task_by_request(r).map(|t| t.0)))
+                .collect();
+            let stray = unacked
+                .iter()
+                .filter(|r| s.task_by_request(r).is_some())
+                .count();
+            (s.tasks().len(), by_request, stray)
+        });
         for (request, task) in by_request {
             assert_eq!(
                 task,
@@ -407,16 +403,12 @@ impl Chaos {
         loop {
             let mut seen = Vec::new();
             for n in &nodes {
-                let digest = n
-                    .consensus
-                    .read_local(|s| {
-                        (
-                            s.applied_index(),
-                            *blake3::hash(&s.to_bytes().unwrap()).as_bytes(),
-                        )
-                    })
-                    .await
-                    .unwrap();
+                let digest = n.consensus.read_local(|s| {
+                    (
+                        s.applied_index(),
+                        *blake3::hash(&s.to_bytes().unwrap()).as_bytes(),
+                    )
+                });
                 seen.push(digest);
             }
             if seen.iter().all(|d| d.0 == seen[0].0) {

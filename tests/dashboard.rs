@@ -15,7 +15,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
-use gpumesh::node::dashboard::Overview;
+use gpumesh::node::api::Overview;
 use gpumesh::shaders::builtins;
 
 fn chromium() -> Option<PathBuf> {

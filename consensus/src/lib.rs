@@ -33,8 +33,9 @@
 //!     `ProposalDropped`) or may have (`OutcomeUnknown`: retry with the same id).
 //!   - `add_learner`, `promote`, `remove`: membership (voters capped by
 //!     `ClusterSettings::max_voters`; the leader auto-promotes caught-up learners).
-//!   - `read_linearizable(|&StateMachine| ..)` (ReadIndex) and
-//!     `read_local(|&StateMachine| ..)` (this replica's applied state, may be stale).
+//!   - `read_linearizable(|&StateMachine| ..)` (ReadIndex, through the actor) and
+//!     `read_local(|&StateMachine| ..)` (synchronous: the applied state the replica
+//!     publishes after each apply, may be stale), `watch_state()` to wake on changes.
 //!   - `status() -> Status` (role, leader, term, commit/applied, voters/learners,
 //!     leader changes seen), `watch_status()`,
 //!     `subscribe() -> broadcast::Receiver<AppliedEvent>`.

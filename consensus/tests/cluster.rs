@@ -53,11 +53,7 @@ async fn elects_and_replicates(n: u64) {
         .expect("forwarded submit");
     assert!(matches!(done.outcome, Outcome::TaskSubmitted { .. }));
     // Applied on the proposer before it answers: a local read sees it.
-    let n_tasks = c
-        .node(follower)
-        .read_local(|s| s.tasks().len())
-        .await
-        .expect("read");
+    let n_tasks = c.node(follower).read_local(|s| s.tasks().len());
     assert_eq!(n_tasks, 1);
     let ids = c.ids();
     c.wait_applied(&ids, done.index, 5 * SEC).await;
@@ -98,11 +94,7 @@ async fn leader_loss_elects_a_new_leader_and_keeps_the_record() {
         let all = c.ids();
         c.wait_applied(&all, after.index, 10 * SEC).await;
         c.converged(&all, 10 * SEC).await;
-        let tasks = c
-            .node(old)
-            .read_local(|s| s.tasks().len())
-            .await
-            .expect("read");
+        let tasks = c.node(old).read_local(|s| s.tasks().len());
         assert_eq!(tasks, 2);
         c.shutdown().await;
     }
@@ -297,11 +289,9 @@ async fn linearizable_read_on_a_follower_sees_the_latest_commit() {
         matches!(r, Err(ConsensusError::ReadTimeout { .. })),
         "{r:?}"
     );
-    // A local read still answers, with stated staleness.
-    c.node(follower)
-        .read_local(|s| s.applied_index())
-        .await
-        .expect("local read");
+    // A local read still answers, from what the follower applied before the cut.
+    let local = c.node(follower).read_local(|s| s.applied_index());
+    assert!(local > 0, "the follower applied nothing");
     c.shutdown().await;
 }
 
@@ -513,15 +503,11 @@ async fn crashes_at_random_points_keep_acknowledged_state() {
     c.converged(&all, 10 * SEC).await;
     for id in all {
         let acked = acked.clone();
-        let ok = c
-            .node(id)
-            .read_local(move |s| {
-                acked
-                    .iter()
-                    .all(|(rid, done)| s.outcome_of(rid).as_ref() == Some(done))
-            })
-            .await
-            .expect("read");
+        let ok = c.node(id).read_local(move |s| {
+            acked
+                .iter()
+                .all(|(rid, done)| s.outcome_of(rid).as_ref() == Some(done))
+        });
         assert!(ok, "node {id} lost an acknowledged proposal");
     }
     c.shutdown().await;

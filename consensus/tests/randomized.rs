@@ -253,18 +253,14 @@ async fn run_seed(seed: u64) {
     // No acknowledged proposal lost, each with the outcome its client was told.
     let acks = acks.lock().expect("acks").clone();
     for &id in &all {
-        let (tasks, outcomes) = c
-            .node(id)
-            .read_local({
-                let ids: Vec<RequestId> = acks.keys().copied().collect();
-                move |s| {
-                    let outcomes: Vec<(RequestId, Option<Committed>)> =
-                        ids.iter().map(|r| (*r, s.outcome_of(r))).collect();
-                    (s.tasks().clone(), outcomes)
-                }
-            })
-            .await
-            .expect("read");
+        let (tasks, outcomes) = c.node(id).read_local({
+            let ids: Vec<RequestId> = acks.keys().copied().collect();
+            move |s| {
+                let outcomes: Vec<(RequestId, Option<Committed>)> =
+                    ids.iter().map(|r| (*r, s.outcome_of(r))).collect();
+                (s.tasks().clone(), outcomes)
+            }
+        });
         for (rid, got) in outcomes {
             assert_eq!(
                 got.as_ref(),

@@ -10,15 +10,13 @@
 //!
 //! Files only; talks to nobody.
 
-use std::io::Write;
 use std::path::Path;
 use std::str::FromStr;
 
 use libp2p::Multiaddr;
 
-use crate::cluster_key::ClusterKey;
+use crate::cluster_key::{write_private, ClusterKey};
 use crate::error::{NodeError, Result};
-use crate::mesh::{Formation, CLUSTER_FILE};
 
 /// The cluster key in a node's data dir.
 pub const KEY_FILE: &str = "cluster.key";
@@ -27,20 +25,19 @@ pub const TOKEN_FILE: &str = "api.token";
 /// Where every member listens (`…/p2p/<peer id>`, one per line), as this node last
 /// saw the membership: what `gpumesh ticket` hands out.
 pub const ADDRS_FILE: &str = "mesh-addrs";
+/// The mesh a node formed or joined: it is a member (restarting, not joining).
+pub const CLUSTER_FILE: &str = "cluster-id";
 
-/// Writes `bytes` to a new file at `path` readable and writable only by its owner
-/// (0600 on Unix); an existing file is an error, never replaced.
-pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let mut options = std::fs::OpenOptions::new();
-    options.write(true).create_new(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        options.mode(0o600);
-    }
-    let mut file = options.open(path)?;
-    file.write_all(bytes)?;
-    file.sync_all()
+/// How a node comes into a mesh the first time it starts with an empty data dir.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Formation {
+    /// Form a new one-node mesh.
+    Init,
+    /// Wait until this many nodes (this one included) see each other, then form a
+    /// mesh of all of them as voters.
+    BootstrapExpect(usize),
+    /// Join an existing mesh through any member reached.
+    Join,
 }
 
 /// The key this node's transport holds: `given` (a `--cluster-key` file or a join

@@ -87,7 +87,7 @@ impl ClusterKey {
     /// Unix). Refuses to replace an existing file: nodes holding the old key would be
     /// locked out of the mesh.
     pub fn write_new(&self, path: &Path) -> Result<()> {
-        crate::admission::write_private(path, self.to_key_file().as_bytes()).map_err(|e| {
+        write_private(path, self.to_key_file().as_bytes()).map_err(|e| {
             if e.kind() == std::io::ErrorKind::AlreadyExists {
                 NodeError::Config(format!(
                     "{} already exists; not overwriting it (nodes holding that key would \
@@ -158,6 +158,22 @@ fn warn_if_readable_by_others(path: &Path) {
 
 #[cfg(not(unix))]
 fn warn_if_readable_by_others(_: &Path) {}
+
+/// Writes `bytes` to a new file at `path` readable and writable only by its owner
+/// (0600 on Unix); an existing file is an error, never replaced.
+pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    let mut file = options.open(path)?;
+    file.write_all(bytes)?;
+    file.sync_all()
+}
 
 #[cfg(test)]
 mod tests {

@@ -1,8 +1,8 @@
 //! A gpumesh node: the libp2p swarm actor, the scheduler, the worker, the blob store
 //! and the local API, wiring the protocol, consensus and executor crates together.
 //!
-//! - [`mesh`]: [`MeshNode`], one node with every actor wired together; forming,
-//!   joining and leaving a mesh.
+//! - [`mesh`]: [`MeshNode`], one node with every actor started in order; forming,
+//!   joining and leaving a mesh; the event router.
 //! - [`net`]: the libp2p swarm actor (TCP + optional cluster key + Noise + Yamux,
 //!   allow-list and connection caps, mDNS, identify, request-response for node
 //!   requests and blob chunks, streams for Raft frames).
@@ -11,10 +11,13 @@
 //!   and has tasks whose shards are all done merged.
 //! - `outputs`: merging shard results into a task's outputs (on the leader), and a
 //!   completed task's outputs as local blobs.
-//! - [`api`]: the local HTTP+JSON API for the CLI, the client and the dashboard,
-//!   and `GET /metrics` for Prometheus.
+//! - [`api`]: the local HTTP+JSON API for the CLI, the client and the dashboard
+//!   (served by it too), and `GET /metrics` for Prometheus.
+//! - [`peers`]: the peers actor — who the other nodes are, where they listen, a
+//!   connection to every member.
 //! - [`metrics`]: the node's own Prometheus registry and what it counts.
-//! - [`blob`]: the content-addressed blob store on disk.
+//! - [`blobs`]: the blobs actor — the content-addressed store on disk, one pull
+//!   per blob however many want it, second copies on another member.
 //! - [`liveness`]: the one judge of whether a member is alive, silent or
 //!   unreachable, read by the scheduler, the API and the dashboard.
 //! - [`limits`]: what one request may ask of a node, with defaults and flags.
@@ -25,9 +28,8 @@
 
 pub mod admission;
 pub mod api;
-pub mod blob;
+pub mod blobs;
 pub mod cluster_key;
-pub mod dashboard;
 mod error;
 pub mod identity;
 pub mod limits;
@@ -36,6 +38,7 @@ pub mod mesh;
 pub mod metrics;
 pub mod net;
 mod outputs;
+pub mod peers;
 pub mod scheduler;
 mod wire;
 pub mod worker;

@@ -172,13 +172,9 @@ impl LivenessActor {
     }
 
     async fn publish(&mut self) {
-        let Ok(members) = self
+        let members = self
             .consensus
-            .read_local(|s| s.members().keys().copied().collect::<Vec<u64>>())
-            .await
-        else {
-            return;
-        };
+            .read_local(|s| s.members().keys().copied().collect::<Vec<u64>>());
         let now = Instant::now();
         let view = LivenessView {
             members: members

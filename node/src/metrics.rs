@@ -46,7 +46,7 @@
 
 use std::fmt;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, OnceLock};
+
 use std::time::Duration;
 
 use gpumesh_consensus::{ConsensusHandle, RaftRole, TaskStatus};
@@ -62,7 +62,7 @@ use prometheus_client::metrics::info::Info;
 use prometheus_client::metrics::TypedMetric;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::blob::BlobStore;
+use crate::blobs::store::BlobStore;
 
 /// The content type of the text [`Metrics::encode`] writes.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -74,16 +74,12 @@ type Label = [(&'static str, &'static str); 1];
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
-    /// The replica the Raft metrics are read from, once it runs.
-    consensus: Arc<OnceLock<ConsensusHandle>>,
     /// Tasks submitted through this node's API and committed; a retried submit of a
     /// task already created does not count again.
     pub(crate) tasks_submitted: Counter,
     /// Tasks by status in this node's copy of the record, refreshed on scrape.
     tasks: Family<Label, Gauge>,
     pub(crate) shards: ShardMetrics,
-    pub(crate) gpu: GpuMetrics,
-    pub(crate) net: NetMetrics,
     /// Blobs in the store and their bytes, refreshed on scrape.
     blobs: Gauge,
     blob_bytes: Gauge,
@@ -92,8 +88,9 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// A fresh registry for the node `peer_id` / `raft_id`, every metric at zero.
-    pub fn new(peer_id: PeerId, raft_id: u64) -> Metrics {
+    /// A fresh registry for the node `peer_id` / `raft_id`, every metric at zero but
+    /// those the GPU thread and the net actor count from their start.
+    pub fn new(peer_id: PeerId, raft_id: u64, gpu: GpuMetrics, net: NetMetrics) -> Metrics {
         let mut registry = Registry::with_prefix("gpumesh");
         registry.register(
             "node",
@@ -103,8 +100,6 @@ impl Metrics {
                 ("raft_id".to_string(), raft_id.to_string()),
             ]),
         );
-        let consensus = Arc::new(OnceLock::new());
-        registry.register_collector(Box::new(RaftCollector(consensus.clone())));
 
         let tasks_submitted = Counter::default();
         registry.register(
@@ -144,7 +139,6 @@ impl Metrics {
             shards.run_seconds.clone(),
         );
 
-        let gpu = GpuMetrics::default();
         registry.register_with_unit(
             "gpu_busy",
             "Time the GPU thread spent running shards (upload, dispatch, wait, readback)",
@@ -164,7 +158,6 @@ impl Metrics {
             gpu.bytes.clone(),
         );
 
-        let net = NetMetrics::default();
         // Every label value from the start, so a rate over a lane that has been quiet
         // so far starts at zero instead of at nothing.
         for lane in [Lane::Raft, Lane::Blob, Lane::Call] {
@@ -215,26 +208,30 @@ impl Metrics {
 
         Metrics {
             registry,
-            consensus,
             tasks_submitted,
             tasks,
             shards,
-            gpu,
-            net,
             blobs,
             blob_bytes,
             kernels_compiled,
         }
     }
 
-    /// Reads the Raft metrics from `consensus` from now on.
-    pub(crate) fn follow(&self, consensus: ConsensusHandle) {
-        let _ = self.consensus.set(consensus);
+    /// Adds the Raft metrics, read from `consensus` on every scrape.
+    pub(crate) fn with_raft(mut self, consensus: ConsensusHandle) -> Metrics {
+        self.registry
+            .register_collector(Box::new(RaftCollector(consensus)));
+        self
     }
 
-    /// Refreshes what is read rather than counted: the tasks in the record (one
-    /// walk of this replica's tasks) and the blob store (one directory listing).
-    pub(crate) async fn refresh(&self, blobs: &BlobStore, kernels: &KernelCache) {
+    /// Refreshes what is read rather than counted: the tasks in `consensus`'s record
+    /// (one walk of this replica's tasks) and the blob store (one directory listing).
+    pub(crate) async fn refresh(
+        &self,
+        consensus: &ConsensusHandle,
+        blobs: &BlobStore,
+        kernels: &KernelCache,
+    ) {
         self.kernels_compiled
             .set(saturating_i64(kernels.compiled()));
         let store = blobs.clone();
@@ -242,24 +239,17 @@ impl Metrics {
             self.blobs.set(saturating_i64(count));
             self.blob_bytes.set(saturating_i64(bytes));
         }
-        let Some(consensus) = self.consensus.get() else {
-            return;
-        };
-        let counted = consensus
-            .read_local(|s| {
-                let mut by_status = [0u64; TASK_STATUSES.len()];
-                for task in s.tasks().values() {
-                    by_status[status_index(&task.status)] += 1;
-                }
-                by_status
-            })
-            .await;
-        if let Ok(by_status) = counted {
-            for (name, n) in TASK_STATUSES.iter().zip(by_status) {
-                self.tasks
-                    .get_or_create(&[("status", name)])
-                    .set(saturating_i64(n));
+        let by_status = consensus.read_local(|s| {
+            let mut by_status = [0u64; TASK_STATUSES.len()];
+            for task in s.tasks().values() {
+                by_status[status_index(&task.status)] += 1;
             }
+            by_status
+        });
+        for (name, n) in TASK_STATUSES.iter().zip(by_status) {
+            self.tasks
+                .get_or_create(&[("status", name)])
+                .set(saturating_i64(n));
         }
     }
 
@@ -410,16 +400,13 @@ impl NetMetrics {
 }
 
 /// Reads the Raft metrics from the replica on every scrape: its published status
-/// (term, indexes, role, leader changes) and its proposal counts. Nothing before the
-/// replica runs.
+/// (term, indexes, role, leader changes) and its proposal counts.
 #[derive(Debug)]
-struct RaftCollector(Arc<OnceLock<ConsensusHandle>>);
+struct RaftCollector(ConsensusHandle);
 
 impl Collector for RaftCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), fmt::Error> {
-        let Some(consensus) = self.0.get() else {
-            return Ok(());
-        };
+        let consensus = &self.0;
         let status = consensus.watch_status().borrow().clone();
         let gauges = [
             ("raft_term", "The replica's current Raft term.", status.term),
@@ -478,10 +465,11 @@ mod tests {
 
     #[test]
     fn every_metric_is_named_with_the_prefix_and_encoded_as_openmetrics() {
-        let metrics = Metrics::new(PeerId::random(), 7);
+        let (gpu, net) = (GpuMetrics::default(), NetMetrics::default());
+        let metrics = Metrics::new(PeerId::random(), 7, gpu.clone(), net.clone());
         metrics.tasks_submitted.inc();
         metrics.shards.run_seconds.observe(0.5);
-        metrics.gpu.record(
+        gpu.record(
             Duration::from_millis(250),
             ExecutorCounters {
                 dispatches: 2,
@@ -489,9 +477,9 @@ mod tests {
                 bytes_from_device: 40,
             },
         );
-        metrics.net.sent(Lane::Blob, 1000);
-        metrics.net.received(Lane::Raft, 12);
-        metrics.net.set_connected_peers(2);
+        net.sent(Lane::Blob, 1000);
+        net.received(Lane::Raft, 12);
+        net.set_connected_peers(2);
         let text = metrics.encode().expect("encodes");
         for line in [
             "gpumesh_node_info{peer_id=",
@@ -513,7 +501,7 @@ mod tests {
         for sample in text.lines().filter(|l| !l.starts_with('#')) {
             assert!(sample.starts_with("gpumesh_"), "{sample}");
         }
-        // No replica yet: no Raft metrics rather than made-up zeros.
+        // No replica given: no Raft metrics rather than made-up zeros.
         assert!(!text.contains("gpumesh_raft_"), "{text}");
     }
 }

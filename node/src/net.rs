@@ -62,7 +62,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::blob::BlobStore;
+use crate::blobs::store::BlobStore;
 use crate::error::{NodeError, Result};
 use crate::metrics::NetMetrics;
 

@@ -13,13 +13,16 @@
 //! and copies blobs), the blob store.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use gpumesh_consensus::{Command, ConsensusHandle, MergedOutput, Task, TaskId, TaskStatus};
 use gpumesh_protocol::{BlobId, ShardChanges};
 use gpumesh_shaders::merge;
 
-use crate::mesh::Shared;
+use crate::blobs::BlobsHandle;
+use crate::peers::PeersHandle;
+
+/// Completed tasks' outputs made local to this node, binding → blob, by task.
+pub type ResultCache = std::sync::Mutex<std::collections::HashMap<TaskId, BTreeMap<u32, BlobId>>>;
 
 /// Why outputs could not be produced.
 #[derive(Debug)]
@@ -39,30 +42,16 @@ impl std::fmt::Display for MergeError {
     }
 }
 
-/// Reads blob `id`, pulling it first if it is not here (from `holder` first).
-pub(crate) async fn pull(
-    shared: &Arc<Shared>,
-    id: BlobId,
-    holder: Option<libp2p::PeerId>,
-) -> Result<Vec<u8>, String> {
-    crate::mesh::fetch_blob(shared, id, holder).await?;
-    shared
-        .blobs
-        .get(&id)
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("blob {id} vanished from the store"))
-}
-
 /// The starting contents of `task`'s in-out bindings, pulled from the mesh.
 pub(crate) async fn starts(
-    shared: &Arc<Shared>,
+    blobs: &BlobsHandle,
     task: &Task,
 ) -> Result<BTreeMap<u32, Vec<u8>>, MergeError> {
     let submitter = task.submitter.parse().ok();
     let mut starts = BTreeMap::new();
     for b in &task.spec.bindings {
         if let gpumesh_protocol::BindingRole::InOut { blob, .. } = b.role {
-            let bytes = pull(shared, blob, submitter).await.map_err(|e| {
+            let bytes = blobs.pull(blob, submitter).await.map_err(|e| {
                 MergeError::Unavailable(format!("the start of in-out binding {}: {e}", b.binding))
             })?;
             starts.insert(b.binding, bytes);
@@ -73,7 +62,8 @@ pub(crate) async fn starts(
 
 /// Merges the accepted results of every shard of `task` into its outputs.
 pub(crate) async fn merge_shards(
-    shared: &Arc<Shared>,
+    blobs: &BlobsHandle,
+    peers: &PeersHandle,
     task: &Task,
 ) -> Result<BTreeMap<u32, Vec<u8>>, MergeError> {
     let unavailable = MergeError::Unavailable;
@@ -82,7 +72,8 @@ pub(crate) async fn merge_shards(
         let out = sh
             .output
             .ok_or_else(|| unavailable(format!("shard {i} has no result")))?;
-        let bytes = pull(shared, out.blob, shared.peers.get(out.node))
+        let bytes = blobs
+            .pull(out.blob, peers.peer(out.node))
             .await
             .map_err(|e| unavailable(format!("the result of shard {i}: {e}")))?;
         // The blob matched its hash, so a result that does not decode will not
@@ -91,11 +82,17 @@ pub(crate) async fn merge_shards(
             .map_err(|e| MergeError::Fatal(format!("the result of shard {i} is malformed: {e}")))?;
         shards.push(changes);
     }
-    let starts = starts(shared, task).await?;
-    let targets = merge::targets(&task.spec, |b| starts.get(&b).map(Vec::as_slice));
-    let refs: Vec<&ShardChanges> = shards.iter().collect();
-    // Deterministic from here: the same results fail the same way on any node.
-    merge::merge(&targets, &refs).map_err(|e| MergeError::Fatal(e.to_string()))
+    let starts = starts(blobs, task).await?;
+    let spec = task.spec.clone();
+    // Deterministic from here: the same results fail the same way on any node. Off
+    // the async runtime: a merge walks every changed word of every shard.
+    tokio::task::spawn_blocking(move || {
+        let targets = merge::targets(&spec, |b| starts.get(&b).map(Vec::as_slice));
+        let refs: Vec<&ShardChanges> = shards.iter().collect();
+        merge::merge(&targets, &refs).map_err(|e| MergeError::Fatal(e.to_string()))
+    })
+    .await
+    .map_err(|e| MergeError::Unavailable(format!("the merge did not finish: {e}")))?
 }
 
 /// On the leader: merges a task awaiting its merge, keeps the outputs on two nodes
@@ -103,33 +100,29 @@ pub(crate) async fn merge_shards(
 /// for the next scheduling pass.
 pub(crate) async fn merge_and_record(
     consensus: &ConsensusHandle,
-    shared: &Arc<Shared>,
+    blobs: &BlobsHandle,
+    peers: &PeersHandle,
     id: TaskId,
 ) -> Result<(), String> {
     let task = consensus
         .read_local(move |s| s.task(id).cloned())
-        .await
-        .map_err(|e| e.to_string())?
         .ok_or("the task is gone")?;
     if task.status != TaskStatus::Merging {
         return Ok(());
     }
-    let command = match merge_shards(shared, &task).await {
+    let command = match merge_shards(blobs, peers, &task).await {
         Ok(merged) => {
             let mut outputs = Vec::with_capacity(merged.len());
             for (binding, bytes) in merged {
                 let size = bytes.len() as u64;
-                let blobs = shared.blobs.clone();
-                let blob = tokio::task::spawn_blocking(move || blobs.put(&bytes))
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .map_err(|e| e.to_string())?;
-                crate::mesh::replicate(shared, blob, task.submitter.parse().ok()).await?;
+                let blob = blobs
+                    .put_and_copy(bytes, task.submitter.parse().ok())
+                    .await?;
                 outputs.push(MergedOutput {
                     binding,
                     blob,
                     size,
-                    node: shared.raft_id,
+                    node: consensus.id(),
                 });
             }
             Command::TaskMerged { task: id, outputs }
@@ -148,29 +141,29 @@ pub(crate) async fn merge_and_record(
 /// blobs the leader recorded, or (one shard) its result over the starting contents.
 /// Remembered in the node's result cache, which the API reads first.
 pub(crate) async fn task_outputs(
-    shared: &Arc<Shared>,
+    blobs: &BlobsHandle,
+    peers: &PeersHandle,
+    results: &ResultCache,
     task: &Task,
 ) -> Result<BTreeMap<u32, BlobId>, MergeError> {
     let mut ids = BTreeMap::new();
     if task.outputs.is_empty() {
-        for (binding, bytes) in merge_shards(shared, task).await? {
-            let id = shared
-                .blobs
+        for (binding, bytes) in merge_shards(blobs, peers, task).await? {
+            let id = blobs
+                .store()
                 .put(&bytes)
                 .map_err(|e| MergeError::Unavailable(e.to_string()))?;
             ids.insert(binding, id);
         }
     } else {
         for o in &task.outputs {
-            crate::mesh::fetch_blob(shared, o.blob, shared.peers.get(o.node))
-                .await
-                .map_err(|e| {
-                    MergeError::Unavailable(format!("output of binding {}: {e}", o.binding))
-                })?;
+            blobs.fetch(o.blob, peers.peer(o.node)).await.map_err(|e| {
+                MergeError::Unavailable(format!("output of binding {}: {e}", o.binding))
+            })?;
             ids.insert(o.binding, o.blob);
         }
     }
-    if let Ok(mut r) = shared.results.lock() {
+    if let Ok(mut r) = results.lock() {
         r.insert(task.id, ids.clone());
     }
     Ok(ids)

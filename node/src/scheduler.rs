@@ -12,7 +12,6 @@
 //! state, proposes), liveness, the mesh (pulls replica outputs to compare them).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use gpumesh_consensus::{
@@ -22,7 +21,9 @@ use gpumesh_protocol::TaskSpec;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::blobs::BlobsHandle;
 use crate::liveness::LivenessHandle;
+use crate::peers::PeersHandle;
 
 /// When the leader gives up on a node and on a slow attempt.
 #[derive(Clone, Copy, Debug)]
@@ -46,7 +47,9 @@ impl Default for SchedulerConfig {
 
 pub(crate) struct Scheduler {
     pub consensus: ConsensusHandle,
-    pub shared: Arc<crate::mesh::Shared>,
+    /// Pulls replica outputs to compare them, and shard results to merge them.
+    pub blobs: BlobsHandle,
+    pub peers: PeersHandle,
     /// Which members are down: their attempts are placed elsewhere.
     pub liveness: LivenessHandle,
     pub config: SchedulerConfig,
@@ -126,23 +129,18 @@ impl Scheduler {
                 started.clear();
             }
             let config = self.config;
-            let snapshot = self
-                .consensus
-                .read_local(|s| {
-                    s.active_tasks()
-                        .flat_map(|t| {
-                            t.shards.iter().enumerate().flat_map(move |(i, sh)| {
-                                sh.attempts
-                                    .iter()
-                                    .map(move |a| (t.id, i as u32, a.epoch, a.node))
-                            })
+            let snapshot = self.consensus.read_local(|s| {
+                s.active_tasks()
+                    .flat_map(|t| {
+                        t.shards.iter().enumerate().flat_map(move |(i, sh)| {
+                            sh.attempts
+                                .iter()
+                                .map(move |a| (t.id, i as u32, a.epoch, a.node))
                         })
-                        .collect::<Vec<(TaskId, u32, u32, u64)>>()
-                })
-                .await;
-            let Ok(running) = snapshot else {
-                continue;
-            };
+                    })
+                    .collect::<Vec<(TaskId, u32, u32, u64)>>()
+            });
+            let running = snapshot;
             let mut observed = Observed {
                 down: self.liveness.view().down().collect(),
                 ..Observed::default()
@@ -163,9 +161,7 @@ impl Scheduler {
                     observed.slow.insert((*task, *shard, *epoch));
                 }
             }
-            let Ok(plan) = self.consensus.read_local(move |s| plan(s, &observed)).await else {
-                continue;
-            };
+            let plan = self.consensus.read_local(move |s| plan(s, &observed));
             self.carry_out(plan, &mut in_flight, &done_tx);
         }
     }
@@ -225,10 +221,10 @@ impl Scheduler {
                 continue;
             }
             let consensus = self.consensus.clone();
-            let shared = self.shared.clone();
+            let (blobs, peers) = (self.blobs.clone(), self.peers.clone());
             let done = done_tx.clone();
             tokio::spawn(async move {
-                match verdict(&consensus, &shared, task, shard).await {
+                match verdict(&consensus, &blobs, &peers, task, shard).await {
                     Ok(agreeing) => {
                         let _ = consensus
                             .propose(Command::ShardVerdict {
@@ -251,12 +247,12 @@ impl Scheduler {
                 continue;
             }
             let consensus = self.consensus.clone();
-            let shared = self.shared.clone();
+            let (blobs, peers) = (self.blobs.clone(), self.peers.clone());
             let done = done_tx.clone();
             tokio::spawn(
                 async move {
                     if let Err(e) =
-                        crate::outputs::merge_and_record(&consensus, &shared, task).await
+                        crate::outputs::merge_and_record(&consensus, &blobs, &peers, task).await
                     {
                         tracing::warn!("could not merge yet: {e}");
                     }
@@ -286,14 +282,12 @@ fn median(d: &[Duration]) -> Option<Duration> {
 /// group that agree under the task's tolerance.
 async fn verdict(
     consensus: &ConsensusHandle,
-    shared: &Arc<crate::mesh::Shared>,
+    blobs: &BlobsHandle,
+    peers: &PeersHandle,
     task: TaskId,
     shard: u32,
 ) -> Result<Vec<u32>, String> {
-    let found = consensus
-        .read_local(move |s| s.task(task).cloned())
-        .await
-        .map_err(|e| e.to_string())?;
+    let found = consensus.read_local(move |s| s.task(task).cloned());
     let Some(t) = found else {
         return Err("the task is gone".into());
     };
@@ -305,14 +299,14 @@ async fn verdict(
         .clone();
     let mut outputs = Vec::new();
     for r in &reports {
-        let bytes = crate::outputs::pull(shared, r.blob, s_peer(shared, r.node)).await?;
+        let bytes = blobs.pull(r.blob, peers.peer(r.node)).await?;
         outputs.push((
             r.epoch,
             gpumesh_protocol::ShardChanges::decode(&bytes).map_err(|e| e.to_string())?,
         ));
     }
     // Replicas that changed different words are compared over whole buffers.
-    let starts = crate::outputs::starts(shared, &t)
+    let starts = crate::outputs::starts(blobs, &t)
         .await
         .map_err(|e| e.to_string())?;
     let bases: BTreeMap<u32, gpumesh_protocol::Base<'_>> =
@@ -337,10 +331,6 @@ async fn verdict(
         }
     }
     Ok(best)
-}
-
-fn s_peer(shared: &Arc<crate::mesh::Shared>, raft_id: u64) -> Option<libp2p::PeerId> {
-    shared.peers.get(raft_id)
 }
 
 pub fn now_ms() -> u64 {

@@ -18,7 +18,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::metrics::GpuMetrics;
+use crate::blobs::BlobsHandle;
+use crate::metrics::{GpuMetrics, ShardMetrics};
 
 struct GpuRequest {
     job: Job,
@@ -128,12 +129,16 @@ struct Assignment {
 pub(crate) struct Worker {
     pub me: u64,
     pub consensus: ConsensusHandle,
-    pub shared: Arc<crate::mesh::Shared>,
+    pub blobs: BlobsHandle,
+    /// Compiled kernels, shared with the API's submit validation.
+    pub kernels: Arc<gpumesh_shaders::KernelCache>,
+    /// What this node's shards did, for `/metrics`.
+    pub counts: ShardMetrics,
     pub gpu: GpuHandle,
     /// Bounds the shard results being stored and reported at once.
     pub post: Arc<tokio::sync::Semaphore>,
     pub default_deadline: Duration,
-    pub faults: crate::mesh::Faults,
+    pub faults: Faults,
 }
 
 impl Worker {
@@ -174,24 +179,21 @@ impl Worker {
 
     async fn assigned_to_me(&self) -> Vec<Assignment> {
         let me = self.me;
-        self.consensus
-            .read_local(move |s| {
-                let mut out = Vec::new();
-                for t in s.active_tasks() {
-                    for (i, sh) in t.shards.iter().enumerate() {
-                        for a in sh.attempts.iter().filter(|a| a.node == me) {
-                            out.push(Assignment {
-                                task: t.id,
-                                shard: i as u32,
-                                epoch: a.epoch,
-                            });
-                        }
+        self.consensus.read_local(move |s| {
+            let mut out = Vec::new();
+            for t in s.active_tasks() {
+                for (i, sh) in t.shards.iter().enumerate() {
+                    for a in sh.attempts.iter().filter(|a| a.node == me) {
+                        out.push(Assignment {
+                            task: t.id,
+                            shard: i as u32,
+                            epoch: a.epoch,
+                        });
                     }
                 }
-                out
-            })
-            .await
-            .unwrap_or_default()
+            }
+            out
+        })
     }
 
     async fn execute(&self, a: Assignment) {
@@ -201,22 +203,17 @@ impl Worker {
 
     async fn execute_in_span(&self, a: Assignment) {
         let me = self.me;
-        let current = self
-            .consensus
-            .read_local(move |s| {
-                s.task(a.task).and_then(|t| {
-                    let sh = t.shards.get(a.shard as usize)?;
-                    (!t.status.is_terminal() && sh.attempt(a.epoch, me).is_some())
-                        .then(|| (t.spec.clone(), t.submitter.clone(), sh.failures > 0))
-                })
+        let current = self.consensus.read_local(move |s| {
+            s.task(a.task).and_then(|t| {
+                let sh = t.shards.get(a.shard as usize)?;
+                (!t.status.is_terminal() && sh.attempt(a.epoch, me).is_some())
+                    .then(|| (t.spec.clone(), t.submitter.clone(), sh.failures > 0))
             })
-            .await
-            .ok()
-            .flatten();
+        });
         let Some((spec, submitter, failed_before)) = current else {
             return; // superseded, won by another attempt, finished or cancelled
         };
-        let counts = &self.shared.metrics.shards;
+        let counts = &self.counts;
         if failed_before {
             counts.retried.inc();
         }
@@ -274,14 +271,13 @@ impl Worker {
         // Storing, copying to a second node and recording the result overlap with
         // the next shard on the GPU; the permit bounds how many are in flight.
         let permit = self.post.clone().acquire_owned().await;
-        let shared = self.shared.clone();
+        let (blobs, counts) = (self.blobs.clone(), self.counts.clone());
         let consensus = self.consensus.clone();
         let me = self.me;
         tokio::spawn(
             async move {
                 let _permit = permit;
-                let counts = &shared.metrics.shards;
-                let command = match store_and_copy(&shared, outputs, &submitter).await {
+                let command = match store_and_copy(&blobs, outputs, &submitter).await {
                     Ok((blob, size)) => Command::ShardResult {
                         task: a.task,
                         shard: a.shard,
@@ -334,11 +330,10 @@ impl Worker {
             tokio::time::sleep(delay).await;
         }
         let kernel = self
-            .shared
             .kernels
             .get(&spec.shader, &spec.entry_point)
             .map_err(|e| ShardError::Retry(e.to_string()))?;
-        let blobs = self.shared.blobs.clone();
+        let blobs = self.blobs.store().clone();
         let job = Job::new(spec.clone(), kernel, |id| {
             blobs.get(id).ok().flatten().map(Arc::from)
         })
@@ -375,7 +370,8 @@ impl Worker {
 
     /// Makes blob `id` local: from the submitter first, then from any peer.
     async fn ensure_blob(&self, id: BlobId, submitter: &str) -> Result<(), String> {
-        crate::mesh::fetch_blob(&self.shared, id, submitter.parse().ok())
+        self.blobs
+            .fetch(id, submitter.parse().ok())
             .await
             .map_err(|e| format!("input {e}"))
     }
@@ -384,19 +380,23 @@ impl Worker {
 /// Stores a shard's result (the words it changed) as one blob and has a second node
 /// keep a copy: a result is recorded only once two nodes hold it.
 async fn store_and_copy(
-    shared: &Arc<crate::mesh::Shared>,
+    blobs: &BlobsHandle,
     changes: ShardChanges,
     submitter: &str,
 ) -> Result<(BlobId, u64), String> {
     let bytes = changes.encode();
     let size = bytes.len() as u64;
-    let blobs = shared.blobs.clone();
-    let id = tokio::task::spawn_blocking(move || blobs.put(&bytes))
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| e.to_string())?;
-    crate::mesh::replicate(shared, id, submitter.parse().ok()).await?;
+    let id = blobs.put_and_copy(bytes, submitter.parse().ok()).await?;
     Ok((id, size))
+}
+
+/// Faults a node can be told to inject into its own work.
+#[derive(Clone, Debug, Default)]
+pub struct Faults {
+    /// Sleep this long before each shard (a slow or overloaded GPU).
+    pub gpu_delay: Option<Duration>,
+    /// Flip a bit in every shard output before reporting it (a faulty GPU).
+    pub corrupt_outputs: bool,
 }
 
 /// How long to wait between attempts when nothing is known yet.

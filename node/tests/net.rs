@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, StreamExt};
-use gpumesh_node::blob::BlobStore;
+use gpumesh_node::blobs::BlobStore;
 use gpumesh_node::net::{
     bench_blob_transfer_with, ConnectionCaps, NetConfig, NetEvent, NetHandle, MESH_PROTOCOL,
 };

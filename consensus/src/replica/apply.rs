@@ -7,18 +7,18 @@ impl Actor {
     pub(super) fn apply_entries(&mut self, entries: Vec<Entry>) {
         for entry in entries {
             let (index, term) = (entry.index, entry.term);
-            if index <= self.state.applied_index() {
+            if index <= self.state.get().applied_index() {
                 continue;
             }
             match entry.get_entry_type() {
                 EntryType::EntryNormal if entry.data.is_empty() => {
                     // A new leader's empty entry.
-                    self.state.skip(index, term);
+                    self.state.change(|s| s.skip(index, term));
                     self.settle(index, None);
                 }
                 EntryType::EntryNormal => match codec::from_bytes::<LogEntry>(&entry.data) {
                     Ok(le) => {
-                        let applied = self.state.apply(index, term, &le);
+                        let applied = self.state.change(|s| s.apply(index, term, &le));
                         self.finish(index, term, le, applied);
                     }
                     Err(e) => {
@@ -27,7 +27,7 @@ impl Actor {
                             raft_id = self.cfg.id,
                             index, "skipping undecodable entry: {e}"
                         );
-                        self.state.skip(index, term);
+                        self.state.change(|s| s.skip(index, term));
                         self.settle(index, None);
                     }
                 },
@@ -37,7 +37,7 @@ impl Actor {
                         raft_id = self.cfg.id,
                         index, "skipping unexpected ConfChangeV2"
                     );
-                    self.state.skip(index, term);
+                    self.state.change(|s| s.skip(index, term));
                     self.settle(index, None);
                 }
             }
@@ -60,28 +60,33 @@ impl Actor {
                     raft_id = self.cfg.id,
                     index, "skipping undecodable conf change: {e}"
                 );
-                self.state.skip(index, term);
+                self.state.change(|s| s.skip(index, term));
                 self.settle(index, None);
                 return;
             }
         };
-        let applied = if self.state.outcome_of(&le.request_id).is_some() {
-            self.state.apply(index, term, &le)
+        let decided = self.state.get().outcome_of(&le.request_id).is_some();
+        // Bound first: the verdict borrows the published state, which `change` writes.
+        let verdict = self.state.get().membership_verdict(&le.command);
+        let applied = if decided {
+            self.state.change(|s| s.apply(index, term, &le))
         } else {
-            match self.state.membership_verdict(&le.command) {
+            match verdict {
                 Ok(()) => match self.raw.apply_conf_change(&cc) {
                     Ok(cs) => {
                         self.conf_state = cs;
-                        self.state.apply(index, term, &le)
+                        self.state.change(|s| s.apply(index, term, &le))
                     }
-                    Err(e) => self.state.conclude(
-                        index,
-                        term,
-                        &le,
-                        Outcome::Rejected(format!("raft refused: {e}")),
-                    ),
+                    Err(e) => self.state.change(|s| {
+                        s.conclude(
+                            index,
+                            term,
+                            &le,
+                            Outcome::Rejected(format!("raft refused: {e}")),
+                        )
+                    }),
                 },
-                Err(outcome) => self.state.conclude(index, term, &le, outcome),
+                Err(outcome) => self.state.change(|s| s.conclude(index, term, &le, outcome)),
             }
         };
         info!(

@@ -10,6 +10,7 @@ pub struct ConsensusHandle {
     tx: mpsc::Sender<Msg>,
     events: broadcast::Sender<AppliedEvent>,
     status: watch::Receiver<Status>,
+    state: watch::Receiver<StateMachine>,
     ids: Arc<RequestIds>,
     proposals: Arc<ProposalTally>,
     task: Arc<Mutex<Option<JoinHandle<()>>>>,
@@ -47,10 +48,11 @@ impl ConsensusHandle {
         let (tx, inbox) = mpsc::channel(config.inbox_capacity.max(16));
         let (events, _) = broadcast::channel(config.event_capacity.max(16));
         let ids = Arc::new(RequestIds::new(config.id));
+        let (published, state) = watch::channel(state);
         let mut actor = Actor {
             cluster,
             raw,
-            state,
+            state: Published(published),
             conf_state: snapshot_meta.get_conf_state().clone(),
             transport,
             inbox,
@@ -86,6 +88,7 @@ impl ConsensusHandle {
             tx,
             events,
             status,
+            state,
             ids,
             proposals: Arc::default(),
             task: Arc::new(Mutex::new(Some(task))),
@@ -164,20 +167,20 @@ impl ConsensusHandle {
         self.propose(Command::NodeLeft { raft_id }).await
     }
 
-    /// Reads this replica's state as applied so far. It may lag the leader by
-    /// however far this replica lags (usually a heartbeat; unbounded if it is
-    /// partitioned away). Use for dashboards and listings, not for decisions.
-    pub async fn read_local<R, F>(&self, f: F) -> Result<R>
-    where
-        R: Send + 'static,
-        F: FnOnce(&StateMachine) -> R + Send + 'static,
-    {
-        let (tx, rx) = oneshot::channel();
-        let read: ReadFn = Box::new(move |state| {
-            let _ = tx.send(state.map(f));
-        });
-        self.send(Msg::ReadLocal { read }).await?;
-        rx.await.map_err(|_| ConsensusError::Stopped)?
+    /// Reads this replica's state as applied so far, from the state it publishes
+    /// after each apply: no message to the replica, no wait behind its writes. It
+    /// may lag the leader by however far this replica lags (usually a heartbeat;
+    /// unbounded if it is partitioned away). Use for dashboards, listings and
+    /// plans that the log will judge again, not for decisions that must see every
+    /// committed write ([`Self::read_linearizable`]). `f` must be quick: the replica
+    /// waits for it before its next apply.
+    pub fn read_local<R>(&self, f: impl FnOnce(&StateMachine) -> R) -> R {
+        f(&self.state.borrow())
+    }
+
+    /// Wakes when this replica's applied state changes (see [`Self::read_local`]).
+    pub fn watch_state(&self) -> watch::Receiver<StateMachine> {
+        self.state.clone()
     }
 
     /// Reads a state that includes every write committed before the call (Raft

@@ -255,9 +255,6 @@ enum Msg {
         from: u64,
         frame: Vec<u8>,
     },
-    ReadLocal {
-        read: ReadFn,
-    },
     ReadLinearizable {
         read: ReadFn,
     },
@@ -276,6 +273,31 @@ enum Msg {
     Shutdown {
         respond_to: oneshot::Sender<()>,
     },
+}
+
+/// The state machine as this replica has applied it, published: the replica alone
+/// changes it, in place and between two of its steps, and readers borrow it through
+/// [`ConsensusHandle::read_local`] without queueing behind the Ready loop. A `watch`
+/// keeps one copy behind a read-write lock, so publishing costs no clone; readers
+/// must not hold a borrow across an `.await`.
+struct Published(watch::Sender<StateMachine>);
+
+impl Published {
+    fn get(&self) -> watch::Ref<'_, StateMachine> {
+        self.0.borrow()
+    }
+
+    /// Changes the state and wakes those watching it. No borrow from [`Self::get`]
+    /// may be alive on this thread meanwhile.
+    fn change<R>(&self, f: impl FnOnce(&mut StateMachine) -> R) -> R {
+        let mut out = None;
+        self.0.send_modify(|state| out = Some(f(state)));
+        out.expect("send_modify calls its closure once")
+    }
+
+    fn replace(&self, state: StateMachine) {
+        self.0.send_replace(state);
+    }
 }
 
 /// A proposal of this replica that has no outcome yet.
@@ -311,7 +333,7 @@ struct Actor {
     cfg: ReplicaConfig,
     cluster: ClusterId,
     raw: RawNode<RedbStorage>,
-    state: StateMachine,
+    state: Published,
     /// The conf state as of the applied index (goes into snapshots).
     conf_state: ConfState,
     transport: Arc<dyn Transport>,
@@ -414,7 +436,6 @@ impl Actor {
         match msg {
             Msg::Propose { entry, respond_to } => self.on_propose(entry, respond_to),
             Msg::Receive { from, frame } => self.on_frame(from, &frame),
-            Msg::ReadLocal { read } => read(Ok(&self.state)),
             Msg::ReadLinearizable { read } => {
                 // Sent in `issue_reads`, batched with the other reads of this round.
                 self.next_read += 1;
@@ -449,7 +470,7 @@ impl Actor {
             leader_id: raft.leader_id,
             term: raft.term,
             commit_index: raft.raft_log.committed,
-            applied_index: self.state.applied_index(),
+            applied_index: self.state.get().applied_index(),
             first_index: store.first(),
             last_index: raft.raft_log.last_index(),
             snapshot_index: store.snapshot_metadata().index,

@@ -7,7 +7,7 @@ use super::*;
 impl Actor {
     pub(super) fn on_propose(&mut self, entry: LogEntry, respond_to: Reply<Committed>) {
         let request_id = entry.request_id;
-        if let Some(done) = self.state.outcome_of(&request_id) {
+        if let Some(done) = self.state.get().outcome_of(&request_id) {
             let _ = respond_to.send(Ok(done));
             return;
         }
@@ -65,7 +65,7 @@ impl Actor {
     }
 
     pub(super) fn record_placement(&mut self, request_id: RequestId, (index, term): (u64, u64)) {
-        if index <= self.state.applied_index() {
+        if index <= self.state.get().applied_index() {
             // Already applied here and it was not ours (ours would have resolved the
             // proposal): that placement lost.
             if let Some(p) = self.pending.get_mut(&request_id) {

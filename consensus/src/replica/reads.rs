@@ -74,13 +74,13 @@ impl Actor {
         if self.confirmed_reads.is_empty() {
             return;
         }
-        let applied = self.state.applied_index();
+        let applied = self.state.get().applied_index();
         let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.confirmed_reads)
             .into_iter()
             .partition(|(index, _)| *index <= applied);
         self.confirmed_reads = waiting;
         for (_, r) in ready {
-            (r.read)(Ok(&self.state));
+            (r.read)(Ok(&self.state.get()));
         }
     }
 
@@ -111,7 +111,7 @@ impl Actor {
             }
         }
         if self.confirmed_reads.iter().any(|(_, r)| now >= r.deadline) {
-            let applied = self.state.applied_index();
+            let applied = self.state.get().applied_index();
             let (late, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.confirmed_reads)
                 .into_iter()
                 .partition(|(_, r)| now >= r.deadline);

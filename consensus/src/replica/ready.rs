@@ -284,13 +284,14 @@ impl Actor {
 
     /// Promotes one caught-up learner while voters are below the cap.
     pub(super) fn maybe_promote(&mut self) {
+        let state = self.state.get();
         if self.raw.raft.has_pending_conf()
-            || self.state.voter_count() >= self.state.settings().max_voters as usize
+            || state.voter_count() >= state.settings().max_voters as usize
         {
             return;
         }
         let last = self.raw.raft.raft_log.last_index();
-        let learner = self.state.members().values().find(|m| {
+        let learner = state.members().values().find(|m| {
             m.role == crate::state::Role::Learner
                 && self
                     .raw
@@ -299,7 +300,9 @@ impl Actor {
                     .get(m.raft_id)
                     .is_some_and(|p| p.matched + 100 >= last)
         });
-        let Some(learner) = learner.map(|m| m.raft_id) else {
+        let learner = learner.map(|m| m.raft_id);
+        drop(state);
+        let Some(learner) = learner else {
             return;
         };
         let entry = LogEntry {

@@ -6,7 +6,8 @@ use super::*;
 impl Actor {
     pub(super) fn restore(&mut self, snapshot: &Snapshot) -> Result<()> {
         let meta = snapshot.get_metadata();
-        self.state = StateMachine::from_bytes(&snapshot.data)?;
+        self.state
+            .replace(StateMachine::from_bytes(&snapshot.data)?);
         self.conf_state = meta.get_conf_state().clone();
         info!(
             raft_id = self.cfg.id,
@@ -26,7 +27,8 @@ impl Actor {
             .collect();
         for index in covered {
             for request_id in self.placed_at.remove(&index).unwrap_or_default() {
-                match self.state.outcome_of(&request_id) {
+                let outcome = self.state.get().outcome_of(&request_id);
+                match outcome {
                     Some(done) => self.resolve(request_id, &done),
                     None => self.unplace(request_id, index),
                 }
@@ -36,7 +38,7 @@ impl Actor {
         let inside: Vec<(RequestId, Committed)> = self
             .pending
             .keys()
-            .filter_map(|id| self.state.outcome_of(id).map(|c| (*id, c)))
+            .filter_map(|id| self.state.get().outcome_of(id).map(|c| (*id, c)))
             .collect();
         for (id, done) in inside {
             self.resolve(id, &done);
@@ -45,7 +47,7 @@ impl Actor {
     }
 
     pub(super) fn maybe_snapshot(&mut self) -> Result<()> {
-        let applied = self.state.applied_index();
+        let applied = self.state.get().applied_index();
         let snap_index = self.raw.store().snapshot_metadata().index;
         let requested = self.raw.store().take_snapshot_request();
         if applied <= snap_index
@@ -54,12 +56,12 @@ impl Actor {
             return Ok(());
         }
         let mut snapshot = Snapshot {
-            data: self.state.to_bytes()?.into(),
+            data: self.state.get().to_bytes()?.into(),
             ..Default::default()
         };
         let meta = snapshot.mut_metadata();
         meta.index = applied;
-        meta.term = self.state.applied_term();
+        meta.term = self.state.get().applied_term();
         meta.set_conf_state(self.conf_state.clone());
         let compact_to = (applied + 1).saturating_sub(self.cfg.log_retain);
         self.raw.mut_store().compact(snapshot, compact_to)?;

@@ -194,7 +194,7 @@ impl Cluster {
         let ok = eventually(within, || async {
             let mut first = None;
             for &id in among {
-                let s = self.node(id).read_local(|s| s.clone()).await.expect("read");
+                let s = self.node(id).read_local(|s| s.clone());
                 match &first {
                     None => first = Some(s),
                     Some(f) if *f != s => return None,

@@ -1,19 +1,6 @@
-//! What a node needs to start ([`NodeConfig`]) and how it comes into a mesh
-//! ([`Formation`]).
+//! What a node needs to start ([`NodeConfig`]).
 
 use super::*;
-
-/// How a node comes into a mesh the first time it starts with an empty data dir.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Formation {
-    /// Form a new one-node mesh.
-    Init,
-    /// Wait until this many nodes (this one included) see each other, then form a
-    /// mesh of all of them as voters.
-    BootstrapExpect(usize),
-    /// Join an existing mesh through any member reached.
-    Join,
-}
 
 /// Everything a node needs to start.
 #[derive(Clone, Debug)]
@@ -54,15 +41,6 @@ pub struct NodeConfig {
     pub default_deadline: Duration,
     /// Faults to inject, for tests and `gpumesh bench faults`; none by default.
     pub faults: Faults,
-}
-
-/// Faults a node can be told to inject into its own work.
-#[derive(Clone, Debug, Default)]
-pub struct Faults {
-    /// Sleep this long before each shard (a slow or overloaded GPU).
-    pub gpu_delay: Option<Duration>,
-    /// Flip a bit in every shard output before reporting it (a faulty GPU).
-    pub corrupt_outputs: bool,
 }
 
 impl NodeConfig {

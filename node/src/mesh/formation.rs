@@ -4,12 +4,21 @@
 
 use super::*;
 
+/// Who is coming into a mesh: what forming or joining one needs of this node.
+pub(super) struct Newcomer {
+    pub net: NetHandle,
+    pub peer_id: PeerId,
+    pub raft_id: u64,
+    pub capability: Option<NodeCapability>,
+}
+
 /// Opens the Raft storage of an existing member, or forms/joins a mesh. Returns the
-/// storage and, when joining, the peer to ask for membership once Raft runs.
+/// storage, the mesh's id and, when joining, the peer to ask for membership once
+/// Raft runs.
 pub(super) async fn open_or_form(
     config: &NodeConfig,
-    shared: &Arc<Shared>,
-) -> Result<(RedbStorage, Option<PeerId>)> {
+    me: &Newcomer,
+) -> Result<(RedbStorage, ClusterId, Option<PeerId>)> {
     let dir = &config.data_dir;
     let raft_path = dir.join("raft.redb");
     let cluster_path = dir.join(CLUSTER_FILE);
@@ -19,13 +28,12 @@ pub(super) async fn open_or_form(
                 NodeError::Config(format!("{} is corrupt", cluster_path.display()))
             })?);
         let storage = RedbStorage::open(&raft_path, cluster)?;
-        let _ = shared.cluster.set(cluster);
         if storage.is_initialized() {
-            return Ok((storage, None));
+            return Ok((storage, cluster, None));
         }
         // Joined once but never received the mesh's state: join again.
-        let peer = find_mesh(config, shared, Some(cluster)).await?.1;
-        return Ok((storage, Some(peer)));
+        let peer = find_mesh(config, me, Some(cluster)).await?.1;
+        return Ok((storage, cluster, Some(peer)));
     }
     let settings = ClusterSettings {
         max_voters: config.max_voters,
@@ -33,36 +41,34 @@ pub(super) async fn open_or_form(
     match config.formation {
         Formation::Init => {
             let cluster = ClusterId::derive(
-                format!("{}:{:?}", shared.peer_id, std::time::SystemTime::now()).as_bytes(),
+                format!("{}:{:?}", me.peer_id, std::time::SystemTime::now()).as_bytes(),
             );
             let mut storage = RedbStorage::open(&raft_path, cluster)?;
-            storage.initialize(&[(shared.raft_id, shared.peer_id.to_string())], settings)?;
+            storage.initialize(&[(me.raft_id, me.peer_id.to_string())], settings)?;
             save_cluster(&cluster_path, cluster)?;
-            let _ = shared.cluster.set(cluster);
-            Ok((storage, None))
+            Ok((storage, cluster, None))
         }
         Formation::BootstrapExpect(n) => {
             let deadline = Instant::now() + config.join_timeout;
             loop {
-                let seen = hello_all(shared).await;
+                let seen = hello_all(me).await;
                 if let Some((peer, cluster)) = seen.iter().find_map(|(p, c)| c.map(|c| (*p, c))) {
                     // Someone formed it already: join.
                     let cluster = ClusterId(cluster);
                     let storage = RedbStorage::open(&raft_path, cluster)?;
                     save_cluster(&cluster_path, cluster)?;
-                    let _ = shared.cluster.set(cluster);
-                    return Ok((storage, Some(peer)));
+                    return Ok((storage, cluster, Some(peer)));
                 }
                 let mut founders: Vec<(u64, String)> = seen
                     .iter()
                     .map(|(p, _)| (identity::raft_id(p), p.to_string()))
-                    .chain([(shared.raft_id, shared.peer_id.to_string())])
+                    .chain([(me.raft_id, me.peer_id.to_string())])
                     .collect();
                 founders.sort();
                 founders.dedup();
                 if founders.len() >= n {
                     founders.truncate(n);
-                    if founders.iter().any(|(id, _)| *id == shared.raft_id) {
+                    if founders.iter().any(|(id, _)| *id == me.raft_id) {
                         let seed: String = founders
                             .iter()
                             .map(|(_, p)| p.as_str())
@@ -72,8 +78,7 @@ pub(super) async fn open_or_form(
                         let mut storage = RedbStorage::open(&raft_path, cluster)?;
                         storage.initialize(&founders, settings)?;
                         save_cluster(&cluster_path, cluster)?;
-                        let _ = shared.cluster.set(cluster);
-                        return Ok((storage, None));
+                        return Ok((storage, cluster, None));
                     }
                 }
                 if Instant::now() > deadline {
@@ -88,11 +93,10 @@ pub(super) async fn open_or_form(
             }
         }
         Formation::Join => {
-            let (cluster, peer) = find_mesh(config, shared, None).await?;
+            let (cluster, peer) = find_mesh(config, me, None).await?;
             let storage = RedbStorage::open(&raft_path, cluster)?;
             save_cluster(&cluster_path, cluster)?;
-            let _ = shared.cluster.set(cluster);
-            Ok((storage, Some(peer)))
+            Ok((storage, cluster, Some(peer)))
         }
     }
 }
@@ -102,11 +106,11 @@ pub(super) fn save_cluster(path: &std::path::Path, cluster: ClusterId) -> Result
 }
 
 /// Asks every connected peer which mesh it is in.
-pub(super) async fn hello_all(shared: &Arc<Shared>) -> Vec<(PeerId, Option<u64>)> {
-    let peers = shared.net.connected_peers().await.unwrap_or_default();
+pub(super) async fn hello_all(me: &Newcomer) -> Vec<(PeerId, Option<u64>)> {
+    let peers = me.net.connected_peers().await.unwrap_or_default();
     let mut out = Vec::new();
     for peer in peers {
-        match wire::call(&shared.net, peer, &NodeRequest::Hello).await {
+        match wire::call(&me.net, peer, &NodeRequest::Hello).await {
             Ok(NodeReply::Hello { cluster, .. }) => out.push((peer, cluster)),
             Ok(other) => tracing::debug!(%peer, ?other, "unexpected answer to hello"),
             Err(e) => tracing::debug!(%peer, error = %e, "no answer to hello"),
@@ -118,12 +122,12 @@ pub(super) async fn hello_all(shared: &Arc<Shared>) -> Vec<(PeerId, Option<u64>)
 /// Finds a member of a mesh (of `cluster`, if given) among the reachable peers.
 pub(super) async fn find_mesh(
     config: &NodeConfig,
-    shared: &Arc<Shared>,
+    me: &Newcomer,
     cluster: Option<ClusterId>,
 ) -> Result<(ClusterId, PeerId)> {
     let deadline = Instant::now() + config.join_timeout;
     loop {
-        let seen = hello_all(shared).await;
+        let seen = hello_all(me).await;
         for (peer, theirs) in &seen {
             match (theirs, cluster) {
                 (Some(c), None) => return Ok((ClusterId(*c), *peer)),
@@ -148,7 +152,7 @@ pub(super) async fn find_mesh(
             // Say why, peer by peer, when there are peers to ask.
             let mut why = Vec::new();
             for addr in &config.peers {
-                why.push(probe(shared, addr).await);
+                why.push(probe(me, addr).await);
             }
             return Err(NodeError::Config(if why.is_empty() {
                 format!(
@@ -174,15 +178,15 @@ pub(super) const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// One more attempt at a `--peer`, to say why joining through it failed: a refused or
 /// failed handshake (wrong cluster key, nothing there), or a connection that the other
 /// side closes as soon as it opens (this node is not on its allow-list).
-pub(super) async fn probe(shared: &Arc<Shared>, addr: &Multiaddr) -> String {
-    let me = shared.peer_id;
+pub(super) async fn probe(newcomer: &Newcomer, addr: &Multiaddr) -> String {
+    let (me, net) = (newcomer.peer_id, &newcomer.net);
     let attempt = async {
-        let peer = match shared.net.dial(addr.clone()).await {
+        let peer = match net.dial(addr.clone()).await {
             Ok(peer) => peer,
             // Names the address and hints at the cluster key itself.
             Err(e) => return e.to_string(),
         };
-        match wire::call(&shared.net, peer, &NodeRequest::Hello).await {
+        match wire::call(net, peer, &NodeRequest::Hello).await {
             Ok(NodeReply::Hello { cluster: None, .. }) => {
                 format!("{addr} answered but is not in a mesh yet (start one node with --init)")
             }
@@ -215,17 +219,13 @@ pub(super) async fn probe(shared: &Arc<Shared>, addr: &Multiaddr) -> String {
 }
 
 /// Asks `peer` to add us as a learner, retrying until it is committed.
-pub(super) async fn join_through(
-    shared: &Arc<Shared>,
-    peer: PeerId,
-    timeout: Duration,
-) -> Result<()> {
+pub(super) async fn join_through(me: &Newcomer, peer: PeerId, timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;
     let request = NodeRequest::Join {
-        capability: shared.capability.clone(),
+        capability: me.capability.clone(),
     };
     loop {
-        match wire::call(&shared.net, peer, &request).await {
+        match wire::call(&me.net, peer, &request).await {
             Ok(NodeReply::Joined) => return Ok(()),
             Ok(NodeReply::Refused(why)) if Instant::now() > deadline => {
                 return Err(NodeError::Config(format!(

@@ -1,21 +1,20 @@
-//! This node's heartbeat and capability, proposed through Raft.
+//! This node's heartbeat, capability and listen addresses, proposed through Raft.
 
 use super::*;
-use crate::mesh::members::publish_addrs;
 
-/// Publishes this node's capability once and a heartbeat every `interval`.
-pub(super) async fn heartbeats(shared: Arc<Shared>, interval: Duration, cancel: CancellationToken) {
-    let Some(consensus) = shared.consensus.get().cloned() else {
-        return;
-    };
-    let me = shared.raft_id;
+/// Publishes this node's capability once, its listen addresses whenever its record
+/// says otherwise, and a heartbeat every `interval`.
+pub(super) async fn heartbeats(
+    consensus: ConsensusHandle,
+    net: NetHandle,
+    capability: Option<NodeCapability>,
+    interval: Duration,
+    cancel: CancellationToken,
+) {
+    let me = consensus.id();
     let mut published = false;
     loop {
-        let member = consensus
-            .read_local(move |s| s.member(me).cloned())
-            .await
-            .ok()
-            .flatten();
+        let member = consensus.read_local(move |s| s.member(me).cloned());
         // Until this node sees itself in the membership (a joiner catching up),
         // look again soon rather than after a whole interval.
         let wait = if member.is_some() {
@@ -24,9 +23,9 @@ pub(super) async fn heartbeats(shared: Arc<Shared>, interval: Duration, cancel: 
             Duration::from_millis(200)
         };
         if let Some(member) = member {
-            publish_addrs(&shared, &consensus, &member.addrs).await;
+            publish_addrs(&net, &consensus, &member.addrs).await;
             if !published {
-                match (&shared.capability, &member.capability) {
+                match (&capability, &member.capability) {
                     (Some(mine), theirs) if theirs.as_ref() != Some(mine) => {
                         published = consensus
                             .propose(Command::NodeCapabilities {
@@ -55,5 +54,29 @@ pub(super) async fn heartbeats(shared: Arc<Shared>, interval: Duration, cancel: 
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(wait) => {}
         }
+    }
+}
+
+/// Publishes where this node listens into its membership record when the record
+/// says otherwise (a new member, or one restarted on other addresses).
+async fn publish_addrs(net: &NetHandle, consensus: &ConsensusHandle, recorded: &[String]) {
+    let Ok(mine) = net.listen_addrs().await else {
+        return;
+    };
+    let mut mine: Vec<String> = mine.iter().map(|a| a.to_string()).collect();
+    // Loopback last: a peer on another machine reaching its own loopback finds
+    // itself, not this node.
+    mine.sort_by_key(|a| a.starts_with("/ip4/127.") || a.starts_with("/ip6/::1/"));
+    if mine.is_empty() || mine == recorded {
+        return;
+    }
+    let proposed = consensus
+        .propose(Command::NodeAddresses {
+            raft_id: consensus.id(),
+            addrs: mine,
+        })
+        .await;
+    if let Err(e) = proposed {
+        tracing::debug!(error = %e, "listen addresses not yet recorded");
     }
 }

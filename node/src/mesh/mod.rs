@@ -1,25 +1,22 @@
-//! `MeshNode`: one gpumesh node, every actor wired together.
+//! `MeshNode`: one gpumesh node, every actor started in order.
 //!
 //! Start-up: identity and blob store from the data dir, the GPU thread (calibrated),
-//! the libp2p net actor (behind the cluster key and allow-list, if any), then the
-//! Raft record — reopened from the data dir, or formed (`--init`,
-//! `--bootstrap-expect N`), or joined through any member reached by `--peer` or
-//! mDNS — and finally the worker, the scheduler, heartbeats and the
-//! local HTTP API. Raft frames travel over libp2p; a peer's raft id is derived from
-//! its Noise-authenticated peer id, so no frame can claim another sender.
+//! the libp2p net actor (behind the cluster key and allow-list, if any), the peers
+//! actor and the event router; then the Raft record — reopened from the data dir,
+//! or formed (`--init`, `--bootstrap-expect N`), or joined through any member
+//! reached by `--peer` or a ticket — and only then what needs it: liveness, blobs,
+//! the membership sweep, heartbeats, the scheduler, the worker and the HTTP API.
+//! Raft frames travel over libp2p; a peer's raft id is derived from its
+//! Noise-authenticated peer id, so no frame can claim another sender.
 //!
-//! - `config`: [`NodeConfig`], [`Faults`], [`Formation`].
+//! - `config`: [`NodeConfig`].
 //! - `formation`: reopen, form or join a mesh.
 //! - `routing`: network events to their owners; peers' node requests answered.
-//! - `members`: a connection to every member, and this node's addresses recorded.
-//! - `transfer`: blobs pulled from holders and second copies kept.
-//! - `heartbeats`: heartbeat and capability proposals.
+//! - `heartbeats`: heartbeat, capability and address proposals.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpumesh_consensus::{
@@ -30,18 +27,21 @@ use gpumesh_protocol::mesh::{MeshRequest, MeshResponse};
 use gpumesh_protocol::NodeCapability;
 use gpumesh_shaders::BackendChoice;
 use libp2p::{Multiaddr, PeerId};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::blob::BlobStore;
+use crate::admission::CLUSTER_FILE;
+use crate::api::ApiState;
+use crate::blobs::{BlobStore, BlobsHandle};
 use crate::cluster_key::ClusterKey;
 use crate::error::{NodeError, Result};
 use crate::identity;
 use crate::limits::Limits;
 use crate::liveness::LivenessHandle;
-use crate::metrics::Metrics;
+use crate::metrics::{GpuMetrics, Metrics, NetMetrics};
 use crate::net::{ConnectionCaps, NetConfig, NetEvent, NetHandle};
+use crate::peers::{keep_connected, member_records, record_mesh_addrs, PeersHandle};
 use crate::scheduler::{self, Scheduler, SchedulerConfig};
 use crate::wire::{self, NodeReply, NodeRequest};
 use crate::worker::{GpuHandle, Worker};
@@ -49,50 +49,24 @@ use crate::worker::{GpuHandle, Worker};
 mod config;
 mod formation;
 mod heartbeats;
-mod members;
 mod routing;
-mod transfer;
 
-pub use config::{Faults, Formation, NodeConfig};
-use formation::{join_through, open_or_form};
+pub use crate::admission::Formation;
+pub use crate::worker::Faults;
+pub use config::NodeConfig;
+use formation::{join_through, open_or_form, Newcomer};
 use heartbeats::heartbeats;
-use members::{connect_members, learn_members, member_peers, member_records, record_mesh_addrs};
-use routing::dispatch;
-pub(crate) use transfer::{fetch_blob, replicate};
+use routing::{Membership, Router};
 
-/// Raft id → peer id, learned from connections and from the membership table.
-#[derive(Clone, Default)]
-pub struct PeerBook(Arc<RwLock<HashMap<u64, PeerId>>>);
-
-impl PeerBook {
-    pub fn insert(&self, peer: PeerId) -> u64 {
-        let id = identity::raft_id(&peer);
-        if let Ok(mut m) = self.0.write() {
-            m.insert(id, peer);
-        }
-        id
-    }
-
-    pub fn get(&self, raft_id: u64) -> Option<PeerId> {
-        self.0.read().ok()?.get(&raft_id).copied()
-    }
-
-    pub fn all(&self) -> Vec<PeerId> {
-        self.0
-            .read()
-            .map(|m| m.values().copied().collect())
-            .unwrap_or_default()
-    }
-}
-
+/// Raft frames to the peer behind a raft id, through the net actor.
 struct NetTransport {
     net: NetHandle,
-    peers: PeerBook,
+    peers: PeersHandle,
 }
 
 impl Transport for NetTransport {
     fn send(&self, to: u64, frame: Vec<u8>) -> std::result::Result<(), Unreachable> {
-        let peer = self.peers.get(to).ok_or(Unreachable)?;
+        let peer = self.peers.peer(to).ok_or(Unreachable)?;
         self.net.send_raft(peer, frame).map_err(|_| Unreachable)
     }
 }
@@ -114,50 +88,6 @@ pub struct MeshNode {
     gpu_thread: Option<std::thread::JoinHandle<()>>,
 }
 
-/// What the dispatcher and the API share.
-pub(crate) struct Shared {
-    pub raft_id: u64,
-    pub peer_id: PeerId,
-    pub net: NetHandle,
-    pub blobs: BlobStore,
-    pub peers: PeerBook,
-    pub consensus: tokio::sync::OnceCell<ConsensusHandle>,
-    pub cluster: tokio::sync::OnceCell<ClusterId>,
-    pub capability: Option<NodeCapability>,
-    pub results: crate::api::ResultCache,
-    pub limits: Limits,
-    /// Submits through this node's API not yet applied here: counted with the
-    /// replicated queue so that concurrent submits cannot pass the queue limit.
-    pub submits_in_flight: AtomicUsize,
-    /// Where peers listen, from identify, mDNS and other nodes' address books.
-    pub addrs: RwLock<HashMap<PeerId, Vec<Multiaddr>>>,
-    /// Kernels compiled on this node, by source hash: the API's validation and the
-    /// worker's runs share them.
-    pub kernels: Arc<gpumesh_shaders::KernelCache>,
-    /// Which members are alive; started with consensus.
-    pub liveness: tokio::sync::OnceCell<LivenessHandle>,
-    /// Shard results per node per second, for the dashboard.
-    pub(crate) throughput: Arc<crate::dashboard::Throughput>,
-    /// This node's metrics, served at `GET /metrics`.
-    pub metrics: Metrics,
-}
-
-impl Shared {
-    fn learn_addrs(&self, peer: PeerId, addrs: &[Multiaddr]) {
-        if let Ok(mut book) = self.addrs.write() {
-            let known = book.entry(peer).or_default();
-            for a in addrs {
-                if !known.contains(a) {
-                    known.push(a.clone());
-                }
-            }
-        }
-    }
-}
-
-/// The file a node leaves in its data dir once it formed or joined a mesh.
-pub(crate) const CLUSTER_FILE: &str = "cluster-id";
-
 /// How long a member restarting on its data dir waits for a leader before serving.
 const RESTART_WAIT: Duration = Duration::from_secs(5);
 
@@ -169,6 +99,24 @@ impl MeshNode {
     pub async fn start(config: NodeConfig) -> Result<MeshNode> {
         config.limits.check()?;
         let cancel = CancellationToken::new();
+        let mut tasks = Vec::new();
+        match Self::start_with(config, &cancel, &mut tasks).await {
+            Ok(node) => Ok(node),
+            Err(e) => {
+                cancel.cancel();
+                for t in tasks {
+                    let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn start_with(
+        config: NodeConfig,
+        cancel: &CancellationToken,
+        tasks: &mut Vec<JoinHandle<()>>,
+    ) -> Result<MeshNode> {
         let dir = &config.data_dir;
         std::fs::create_dir_all(dir).map_err(|e| NodeError::io(dir, e))?;
         let cluster_key =
@@ -177,19 +125,25 @@ impl MeshNode {
         let keypair = identity::load_or_create(dir)?;
         let peer_id = keypair.public().to_peer_id();
         let raft_id = identity::raft_id(&peer_id);
-        let blobs = BlobStore::open(dir.join("blobs"), config.limits.max_blob_bytes)?;
-        let metrics = Metrics::new(peer_id, raft_id);
+        let store = BlobStore::open(dir.join("blobs"), config.limits.max_blob_bytes)?;
 
         let backend = config.backend;
         let calibrate = config.calibrate;
-        let gpu_metrics = metrics.gpu.clone();
+        let gpu_metrics = GpuMetrics::default();
+        let counted = gpu_metrics.clone();
         let gpu =
-            tokio::task::spawn_blocking(move || GpuHandle::start(backend, calibrate, gpu_metrics))
+            tokio::task::spawn_blocking(move || GpuHandle::start(backend, calibrate, counted))
                 .await
                 .map_err(|e| NodeError::Config(format!("GPU start-up panicked: {e}")))?;
         let capability = gpu.as_ref().map(|(_, c, _)| c.clone());
+        let mut gpu_thread = None;
+        let gpu = gpu.map(|(gpu, _, thread)| {
+            gpu_thread = Some(thread);
+            gpu
+        });
 
         let (events_tx, events_rx) = mpsc::channel(1024);
+        let net_metrics = NetMetrics::default();
         let mut net_config = NetConfig::new(keypair);
         net_config.listen = config.listen.clone();
         net_config.peers = config.peers.clone();
@@ -197,7 +151,7 @@ impl MeshNode {
         net_config.psk = cluster_key.map(|k| k.psk());
         net_config.allow_peers = config.allow_peers.clone();
         net_config.connections = config.connections;
-        net_config.metrics = metrics.net.clone();
+        net_config.metrics = net_metrics.clone();
         match &cluster_key {
             Some(key) => tracing::info!(fingerprint = %key.fingerprint(), "cluster key loaded"),
             None => tracing::warn!(
@@ -208,152 +162,111 @@ impl MeshNode {
             tracing::info!(peers = ?config.allow_peers, "only these peers are admitted");
         }
         let (net, net_task) =
-            NetHandle::start(net_config, blobs.clone(), events_tx, cancel.clone()).await?;
+            NetHandle::start(net_config, store.clone(), events_tx, cancel.clone()).await?;
+        tasks.push(net_task);
         let listen_addrs = net.listen_addrs().await?;
+        let (peers, peers_task) = PeersHandle::start(net.clone(), cancel.clone());
+        tasks.push(peers_task);
+        let (joined, joined_rx) = oneshot::channel();
+        tasks.push(tokio::spawn(
+            Router {
+                raft_id,
+                net: net.clone(),
+                peers: peers.clone(),
+                events: events_rx,
+                joined: joined_rx,
+            }
+            .run(cancel.clone()),
+        ));
 
-        let shared = Arc::new(Shared {
-            raft_id,
-            peer_id,
+        // Into a mesh first; everything after this needs the replica.
+        let newcomer = Newcomer {
             net: net.clone(),
-            blobs: blobs.clone(),
-            peers: PeerBook::default(),
-            consensus: tokio::sync::OnceCell::new(),
-            cluster: tokio::sync::OnceCell::new(),
+            peer_id,
+            raft_id,
             capability: capability.clone(),
-            results: Default::default(),
-            limits: config.limits,
-            submits_in_flight: AtomicUsize::new(0),
-            addrs: RwLock::new(HashMap::new()),
-            liveness: tokio::sync::OnceCell::new(),
-            kernels: Arc::default(),
-            throughput: Arc::default(),
-            metrics,
-        });
-        shared.peers.insert(peer_id);
-        let mut tasks = vec![net_task];
-        tasks.push(tokio::spawn(dispatch(
-            shared.clone(),
-            events_rx,
-            cancel.clone(),
-        )));
-
+        };
         // A member restarting on its data dir (not joining, not forming).
         let restarting = config.data_dir.join(CLUSTER_FILE).exists();
-        let result = async {
-            let (storage, joined_through) = open_or_form(&config, &shared).await?;
-            let restarting = restarting && joined_through.is_none();
-            let mut rc = ReplicaConfig::new(raft_id);
-            rc.tick_interval = config.raft_tick;
-            let transport = Arc::new(NetTransport {
-                net: net.clone(),
-                peers: shared.peers.clone(),
-            });
-            let consensus = ConsensusHandle::start(rc, storage, transport)?;
-            let _ = shared.consensus.set(consensus.clone());
-            shared.metrics.follow(consensus.clone());
-            let (liveness, liveness_task) = LivenessHandle::start(
-                raft_id,
-                consensus.clone(),
-                config.down_after,
-                cancel.clone(),
-            );
-            let _ = shared.liveness.set(liveness);
-            // Dial every member at once: a node restarted with no --peer finds the
-            // mesh through the addresses in its own copy of the membership.
-            let members = tokio::spawn(learn_members(
-                shared.clone(),
-                config.data_dir.clone(),
-                cancel.clone(),
-            ));
-            if let Some(peer) = joined_through {
-                join_through(&shared, peer, config.join_timeout).await?;
-            }
-            // Serve nothing until this node knows a leader and sees itself in the
-            // membership it has applied (a joiner has caught up): reads and
-            // proposals before that would only time out or look empty. A member
-            // restarting while no quorum is reachable serves anyway after a short
-            // wait (its API answers 503 until a leader is back) rather than exit.
-            let me = raft_id;
-            let wait = if restarting {
-                config.join_timeout.min(RESTART_WAIT)
-            } else {
-                config.join_timeout
-            };
-            let ready = tokio::time::timeout(wait, async {
-                loop {
-                    let leader = consensus.watch_status().borrow().leader_id;
-                    let member = consensus
-                        .read_local(move |s| s.member(me).is_some())
-                        .await
-                        .unwrap_or(false);
-                    if leader != 0 && member {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            })
-            .await;
-            if ready.is_err() {
-                if !restarting {
-                    return Err(NodeError::Config(format!(
-                        "no Raft leader accepted this node within {:?}; a majority of the \
-                         mesh's voters must be running",
-                        config.join_timeout
-                    )));
-                }
-                tracing::warn!(
-                    "no Raft leader within {wait:?} of restarting: serving anyway; the API \
-                     answers 503 until a majority of the mesh's voters is reachable"
-                );
-            }
-            Ok::<_, NodeError>((consensus, [members, liveness_task]))
+        let (storage, cluster, joined_through) = open_or_form(&config, &newcomer).await?;
+        let restarting = restarting && joined_through.is_none();
+        let mut rc = ReplicaConfig::new(raft_id);
+        rc.tick_interval = config.raft_tick;
+        let transport = Arc::new(NetTransport {
+            net: net.clone(),
+            peers: peers.clone(),
+        });
+        let consensus = ConsensusHandle::start(rc, storage, transport)?;
+        let (liveness, liveness_task) = LivenessHandle::start(
+            raft_id,
+            consensus.clone(),
+            config.down_after,
+            cancel.clone(),
+        );
+        tasks.push(liveness_task);
+        let (blobs, blobs_task) = BlobsHandle::start(
+            store.clone(),
+            net.clone(),
+            peers.clone(),
+            consensus.clone(),
+            cancel.clone(),
+        );
+        tasks.push(blobs_task);
+        let _ = joined.send(Membership {
+            cluster,
+            consensus: consensus.clone(),
+            liveness: liveness.clone(),
+            blobs: blobs.clone(),
+        });
+        // Dial every member at once: a node restarted with no --peer finds the mesh
+        // through the addresses in its own copy of the membership.
+        tasks.push(tokio::spawn(keep_connected(
+            peers.clone(),
+            consensus.clone(),
+            config.data_dir.clone(),
+            cancel.clone(),
+        )));
+        if let Some(peer) = joined_through {
+            join_through(&newcomer, peer, config.join_timeout).await?;
         }
-        .await;
-        let consensus = match result {
-            Ok((c, started)) => {
-                tasks.extend(started);
-                c
-            }
-            Err(e) => {
-                cancel.cancel();
-                return Err(e);
-            }
-        };
+        Self::wait_until_serving(&consensus, &config, restarting).await?;
 
         // Before the API answers, so `gpumesh ticket` works as soon as the node is up.
-        if let Some(records) = member_records(&consensus).await {
-            record_mesh_addrs(&shared, &records, &config.data_dir, &mut Vec::new()).await;
-        }
-        tasks.push(tokio::spawn(
-            shared
-                .throughput
-                .clone()
-                .track(consensus.clone(), cancel.clone()),
-        ));
+        record_mesh_addrs(
+            &peers,
+            &member_records(&consensus),
+            &config.data_dir,
+            &mut Vec::new(),
+        )
+        .await;
         tasks.push(tokio::spawn(heartbeats(
-            shared.clone(),
+            consensus.clone(),
+            net.clone(),
+            capability.clone(),
             config.heartbeat_interval,
             cancel.clone(),
         )));
         tasks.push(tokio::spawn(
             Scheduler {
                 consensus: consensus.clone(),
-                shared: shared.clone(),
-                liveness: shared.liveness.get().cloned().ok_or_else(|| {
-                    NodeError::Config("liveness did not start with consensus".into())
-                })?,
+                blobs: blobs.clone(),
+                peers: peers.clone(),
+                liveness: liveness.clone(),
                 config: config.scheduler,
             }
             .run(cancel.clone()),
         ));
-        let mut gpu_thread = None;
-        if let Some((gpu, _, thread)) = gpu {
-            gpu_thread = Some(thread);
+        let metrics =
+            Metrics::new(peer_id, raft_id, gpu_metrics, net_metrics).with_raft(consensus.clone());
+        let kernels = Arc::new(gpumesh_shaders::KernelCache::default());
+        if let Some(gpu) = gpu {
             tasks.push(tokio::spawn(
                 Worker {
                     me: raft_id,
                     consensus: consensus.clone(),
-                    shared: shared.clone(),
+                    blobs: blobs.clone(),
+                    kernels: kernels.clone(),
+                    counts: metrics.shards.clone(),
                     gpu,
                     post: Arc::new(tokio::sync::Semaphore::new(16)),
                     default_deadline: config.default_deadline,
@@ -362,8 +275,17 @@ impl MeshNode {
                 .run(cancel.clone()),
             ));
         }
+        let api = ApiState::new(
+            consensus.clone(),
+            liveness,
+            peers,
+            blobs,
+            kernels,
+            config.limits,
+            metrics,
+        );
         let (api_addr, api_task) =
-            crate::api::serve(config.api, api_token, shared.clone(), cancel.clone()).await?;
+            crate::api::serve(config.api, api_token, api, cancel.clone()).await?;
         tasks.push(api_task);
         tracing::info!(%peer_id, raft_id, %api_addr, "node started");
         Ok(MeshNode {
@@ -373,13 +295,56 @@ impl MeshNode {
             listen_addrs,
             consensus,
             net,
-            blobs,
+            blobs: store,
             capability,
             cluster_key,
-            cancel,
-            tasks,
+            cancel: cancel.clone(),
+            tasks: std::mem::take(tasks),
             gpu_thread,
         })
+    }
+
+    /// Serves nothing until this node knows a leader and sees itself in the
+    /// membership it has applied (a joiner has caught up): reads and proposals
+    /// before that would only time out or look empty. A member restarting while no
+    /// quorum is reachable serves anyway after a short wait (its API answers 503
+    /// until a leader is back) rather than exit.
+    async fn wait_until_serving(
+        consensus: &ConsensusHandle,
+        config: &NodeConfig,
+        restarting: bool,
+    ) -> Result<()> {
+        let me = consensus.id();
+        let wait = if restarting {
+            config.join_timeout.min(RESTART_WAIT)
+        } else {
+            config.join_timeout
+        };
+        let mut status = consensus.watch_status();
+        let ready = tokio::time::timeout(wait, async {
+            loop {
+                let leader = status.borrow_and_update().leader_id;
+                if leader != 0 && consensus.read_local(move |s| s.member(me).is_some()) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        if ready.is_err() {
+            if !restarting {
+                return Err(NodeError::Config(format!(
+                    "no Raft leader accepted this node within {:?}; a majority of the \
+                     mesh's voters must be running",
+                    config.join_timeout
+                )));
+            }
+            tracing::warn!(
+                "no Raft leader within {wait:?} of restarting: serving anyway; the API \
+                 answers 503 until a majority of the mesh's voters is reachable"
+            );
+        }
+        Ok(())
     }
 
     /// Leaves the mesh gracefully: hands leadership away, asks to be removed, stops.

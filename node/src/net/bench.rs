@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{NetConfig, NetHandle};
-use crate::blob::BlobStore;
+use crate::blobs::store::BlobStore;
 use crate::error::{NodeError, Result};
 
 /// Each figure is the best of this many runs, so one scheduling hiccup does not

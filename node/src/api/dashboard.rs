@@ -8,28 +8,25 @@
 //! and each member's count of accepted shards, which the page turns into a
 //! throughput plot.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::Arc;
 
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{Html, IntoResponse};
 use axum::Json;
-use gpumesh_consensus::{
-    AppliedEvent, Command, ConsensusHandle, Outcome, ShardState, StateMachine,
-};
+use gpumesh_consensus::{ShardState, StateMachine};
 use serde::{Deserialize, Serialize};
-use tokio_util::sync::CancellationToken;
 
-use crate::api::{consensus, unavailable, ApiResult};
+use super::error::{unavailable, ApiResult};
+use super::state::ApiState;
+use super::throughput::ThroughputPoint;
+use super::views::hex;
+use super::views::kernel_name;
 use crate::liveness::{LivenessView, Presence};
-use crate::mesh::Shared;
 
 /// Tasks the overview lists in full, newest first; older ones are only counted.
 pub const OVERVIEW_TASKS: usize = 100;
-/// Throughput samples kept: one a second.
-pub const THROUGHPUT_SAMPLES: usize = 120;
 
 const PAGE: &str = include_str!("dashboard.html");
 
@@ -49,82 +46,6 @@ pub struct Overview {
     pub tasks: Vec<OverviewTask>,
     /// Shard results per second, by node (hex), one point a second, oldest first.
     pub throughput: Vec<ThroughputPoint>,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct ThroughputPoint {
-    /// Milliseconds since the Unix epoch at the end of the second.
-    pub at_ms: u64,
-    pub rates: BTreeMap<String, f64>,
-}
-
-/// Each member's count of shard results committed, sampled once a second from the
-/// applied log, so the plot has a history the moment the page opens.
-#[derive(Default)]
-pub(crate) struct Throughput {
-    samples: Mutex<VecDeque<(u64, BTreeMap<u64, u64>)>>,
-}
-
-impl Throughput {
-    /// Counts results as they are applied and samples the counts every second.
-    pub(crate) async fn track(
-        self: Arc<Self>,
-        consensus: ConsensusHandle,
-        cancel: CancellationToken,
-    ) {
-        let mut events = consensus.subscribe();
-        let mut counts: BTreeMap<u64, u64> = BTreeMap::new();
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = cancel.cancelled() => return,
-                event = events.recv() => match event {
-                    Ok(AppliedEvent::Entry { entry, committed, duplicate: false, .. }) => {
-                        if let (Command::ShardResult { node, .. }, Outcome::Applied) =
-                            (&entry.command, &committed.outcome)
-                        {
-                            *counts.entry(*node).or_default() += 1;
-                        }
-                    }
-                    Ok(_) => {}
-                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
-                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
-                },
-                _ = tick.tick() => {
-                    if let Ok(mut samples) = self.samples.lock() {
-                        samples.push_back((crate::scheduler::now_ms(), counts.clone()));
-                        while samples.len() > THROUGHPUT_SAMPLES + 1 {
-                            samples.pop_front();
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    fn points(&self) -> Vec<ThroughputPoint> {
-        let Ok(samples) = self.samples.lock() else {
-            return Vec::new();
-        };
-        samples
-            .iter()
-            .zip(samples.iter().skip(1))
-            .map(|((t0, before), (t1, after))| {
-                let secs = (t1.saturating_sub(*t0) as f64 / 1e3).max(1e-3);
-                ThroughputPoint {
-                    at_ms: *t1,
-                    rates: after
-                        .iter()
-                        .map(|(node, n)| {
-                            let was = before.get(node).copied().unwrap_or(0);
-                            (hex(*node), n.saturating_sub(was) as f64 / secs)
-                        })
-                        .collect(),
-                }
-            })
-            .collect()
-    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -182,21 +103,14 @@ pub(crate) async fn page() -> impl IntoResponse {
     ([(header::CACHE_CONTROL, "no-cache")], Html(PAGE))
 }
 
-fn hex(id: u64) -> String {
-    format!("{id:x}")
-}
-
-pub(crate) async fn overview(State(shared): State<Arc<Shared>>) -> ApiResult<Json<Overview>> {
-    let c = consensus(&shared)?;
+pub(crate) async fn overview(State(api): State<Arc<ApiState>>) -> ApiResult<Json<Overview>> {
+    let c = &api.consensus;
     let st = c.status().await.map_err(unavailable)?;
-    let liveness = crate::api::liveness_view(&shared);
-    let (members, counts, tasks) = c
-        .read_local(move |s| summarize(s, &liveness))
-        .await
-        .map_err(unavailable)?;
+    let liveness = api.liveness.view();
+    let (members, counts, tasks) = c.read_local(move |s| summarize(s, &liveness));
     Ok(Json(Overview {
-        node: hex(shared.raft_id),
-        peer_id: shared.peer_id.to_string(),
+        node: hex(api.raft_id),
+        peer_id: api.peer_id.to_string(),
         leader: if st.leader_id == 0 {
             String::new()
         } else {
@@ -208,7 +122,7 @@ pub(crate) async fn overview(State(shared): State<Arc<Shared>>) -> ApiResult<Jso
         members,
         counts,
         tasks,
-        throughput: shared.throughput.points(),
+        throughput: api.throughput.points(),
     }))
 }
 
@@ -256,7 +170,7 @@ fn summarize(s: &StateMachine, liveness: &LivenessView) -> Summary {
             id: t.id.0,
             status: t.status.name().to_string(),
             reason: t.status.reason().map(str::to_string),
-            kernel: crate::api::kernel_name(&t.spec),
+            kernel: kernel_name(&t.spec),
             shards: t.shards.len(),
             done: t
                 .shards

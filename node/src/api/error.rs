@@ -1,0 +1,36 @@
+//! The API's refusals: a status code and a JSON `error` that says what to do.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+use super::views::ErrorBody;
+
+pub(crate) struct ApiError(pub StatusCode, pub String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(ErrorBody { error: self.1 })).into_response()
+    }
+}
+
+pub(crate) fn bad(e: impl std::fmt::Display) -> ApiError {
+    ApiError(StatusCode::BAD_REQUEST, e.to_string())
+}
+
+pub(crate) fn too_large(e: impl std::fmt::Display) -> ApiError {
+    ApiError(StatusCode::PAYLOAD_TOO_LARGE, e.to_string())
+}
+
+pub(crate) fn unavailable(e: impl std::fmt::Display) -> ApiError {
+    ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+}
+
+pub(crate) fn not_found(id: u64) -> ApiError {
+    ApiError(
+        StatusCode::NOT_FOUND,
+        format!("no task t{id}; `gpumesh tasks` lists the tasks there are"),
+    )
+}
+
+pub(crate) type ApiResult<T> = std::result::Result<T, ApiError>;

@@ -1,0 +1,138 @@
+//! The local HTTP+JSON API (loopback by default), used by the CLI, `gpumesh::Client`
+//! and, later, the dashboard. Talks to: raft (proposes submits, reads state), the
+//! blob store and net (outputs are merged from shard blobs pulled from their nodes).
+//!
+//! It enforces the node's [`Limits`] before anything is stored or committed: request
+//! bodies (blob uploads against `max_blob_bytes`, everything else against
+//! `max_request_bytes`) and shader size answer 413, grid and output size 400, a
+//! submitter's full queue 429; each error names the limit, its value and its flag.
+//!
+//! | method | path | what |
+//! |---|---|---|
+//! | POST | /v1/blobs | store the body as a blob, answer its id |
+//! | GET | /v1/blobs/{id} | a blob's bytes (pulled from the mesh if needed) |
+//! | POST | /v1/tasks | submit a task (validated here first), answer its id |
+//! | GET | /v1/tasks | all tasks |
+//! | GET | /v1/tasks/{id} | one task with its shards |
+//! | GET | /v1/tasks/{id}/wait?done=N&timeout_ms=T | long poll: answers once the task has a shard count other than N done, or has finished, or T ms passed |
+//! | GET | /v1/tasks/{id}/outputs | merged outputs: binding, size, blake3 |
+//! | GET | /v1/tasks/{id}/outputs/{binding} | one merged output's bytes |
+//! | GET | /v1/status | leader, term, members |
+//! | GET | /metrics | this node's Prometheus metrics, OpenMetrics text (see [`crate::metrics`]) |
+//!
+//! Any other path answers 404 and any other method on a known path 405, each with a
+//! JSON `error` like every other refusal.
+
+//!
+//! - `state`: what the handlers share ([`ApiState`]): handles of the node's actors,
+//!   and the API's own results cache and submit count.
+//! - `gate`: the bearer token and body limits; `error`: refusals; `views`: answers.
+//! - `tasks`, `blobs`, `status`, `dashboard`: the handlers; `throughput`: the
+//!   dashboard's series of shard results per second.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::extract::DefaultBodyLimit;
+use axum::http::StatusCode;
+use axum::middleware;
+use axum::routing::{get, post};
+use axum::Router;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{NodeError, Result};
+
+mod blobs;
+mod dashboard;
+mod error;
+mod gate;
+mod state;
+mod status;
+mod tasks;
+mod throughput;
+mod views;
+
+pub use dashboard::{Overview, OverviewMember, OverviewTask, OVERVIEW_TASKS};
+pub(crate) use state::ApiState;
+pub use throughput::{ThroughputPoint, THROUGHPUT_SAMPLES};
+pub use views::*;
+
+use error::ApiError;
+use gate::{BodyCaps, Gate};
+
+/// Serves the API on `addr` until `cancel`; returns the bound address. On a loopback address anyone on this machine may call
+/// it, as before; on any other every request but the dashboard's page must carry
+/// `Authorization: Bearer TOKEN` (the node's `api.token`).
+pub(crate) async fn serve(
+    addr: SocketAddr,
+    token: String,
+    api: ApiState,
+    cancel: CancellationToken,
+) -> Result<(SocketAddr, JoinHandle<()>)> {
+    let caps = BodyCaps::of(&api.limits);
+    // The dashboard's throughput series follows the applied log while the API runs.
+    let tracker = api
+        .throughput
+        .clone()
+        .track(api.consensus.clone(), cancel.clone());
+    let gate = Gate {
+        token: (!addr.ip().is_loopback()).then(|| Arc::new(token)),
+    };
+    let app = Router::new()
+        .route(
+            "/v1/blobs",
+            post(blobs::put_blob).layer(DefaultBodyLimit::max(caps.blob.max())),
+        )
+        .route("/v1/blobs/{id}", get(blobs::get_blob))
+        .route("/v1/tasks", post(tasks::submit).get(tasks::list_tasks))
+        .route("/v1/tasks/{id}", get(tasks::get_task))
+        .route("/v1/tasks/{id}/wait", get(tasks::wait_task))
+        .route("/v1/tasks/{id}/outputs", get(tasks::outputs))
+        .route("/v1/tasks/{id}/outputs/{binding}", get(tasks::output_bytes))
+        .route("/v1/status", get(status::status))
+        .route("/", get(dashboard::page))
+        .route("/v1/overview", get(dashboard::overview))
+        .route("/metrics", get(status::metrics))
+        .fallback(no_such_path)
+        .method_not_allowed_fallback(no_such_method)
+        // Every route but the blob upload above, which sets its own.
+        .layer(DefaultBodyLimit::max(caps.request.max()))
+        .layer(middleware::from_fn_with_state(caps, gate::announced_within))
+        .layer(middleware::from_fn_with_state(gate, gate::bearer))
+        .with_state(Arc::new(api));
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        NodeError::Config(format!(
+            "cannot serve the API on {addr}: {e}; pick another --api address"
+        ))
+    })?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| NodeError::Config(e.to_string()))?;
+    let task = tokio::spawn(async move {
+        let server = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { cancel.cancelled().await });
+        let (served, ()) = tokio::join!(std::future::IntoFuture::into_future(server), tracker);
+        if let Err(e) = served {
+            tracing::warn!(error = %e, "the API stopped serving");
+        }
+    });
+    Ok((bound, task))
+}
+
+async fn no_such_path(uri: axum::http::Uri) -> ApiError {
+    ApiError(
+        StatusCode::NOT_FOUND,
+        format!(
+            "no such path {}; the API serves /v1/blobs, /v1/tasks, /v1/status and /metrics",
+            uri.path()
+        ),
+    )
+}
+
+async fn no_such_method(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{} does not take {method}", uri.path()),
+    )
+}

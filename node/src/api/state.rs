@@ -1,0 +1,67 @@
+//! What the API's handlers share: handles of the node's actors, and what the API
+//! owns itself (the results cache, the submits under way, the dashboard's
+//! throughput series).
+
+use std::sync::atomic::AtomicUsize;
+use std::sync::Arc;
+
+use gpumesh_consensus::ConsensusHandle;
+use gpumesh_shaders::KernelCache;
+use libp2p::PeerId;
+
+use super::throughput::Throughput;
+use crate::blobs::BlobsHandle;
+use crate::limits::Limits;
+use crate::liveness::LivenessHandle;
+use crate::metrics::Metrics;
+use crate::outputs::ResultCache;
+use crate::peers::PeersHandle;
+
+pub(crate) struct ApiState {
+    pub raft_id: u64,
+    pub peer_id: PeerId,
+    pub consensus: ConsensusHandle,
+    pub liveness: LivenessHandle,
+    pub peers: PeersHandle,
+    pub blobs: BlobsHandle,
+    /// Kernels compiled on this node, by source hash, shared with the worker.
+    pub kernels: Arc<KernelCache>,
+    pub limits: Limits,
+    pub metrics: Metrics,
+    /// Completed tasks' outputs made local here: a fetch after the first reads no
+    /// record.
+    pub results: ResultCache,
+    /// Submits through this node's API not yet applied here: counted with the
+    /// replicated queue so that concurrent submits cannot pass the queue limit.
+    pub submits_in_flight: AtomicUsize,
+    /// Shard results per node per second, for the dashboard.
+    pub throughput: Arc<Throughput>,
+}
+
+impl ApiState {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        consensus: ConsensusHandle,
+        liveness: LivenessHandle,
+        peers: PeersHandle,
+        blobs: BlobsHandle,
+        kernels: Arc<KernelCache>,
+        limits: Limits,
+        metrics: Metrics,
+    ) -> Self {
+        ApiState {
+            raft_id: consensus.id(),
+            peer_id: peers.me(),
+            consensus,
+            liveness,
+            peers,
+            blobs,
+            kernels,
+            limits,
+            metrics,
+            results: ResultCache::default(),
+            submits_in_flight: AtomicUsize::new(0),
+            throughput: Arc::default(),
+        }
+    }
+}

@@ -1,0 +1,318 @@
+//! Tasks: submit (validated and kept on two nodes before it is committed), list,
+//! one task, the long poll on one, and a completed task's outputs.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::Json;
+use gpumesh_consensus::{
+    Command, ConsensusHandle, Outcome, RequestId, StateMachine, TaskId, TaskStatus,
+};
+use gpumesh_protocol::BlobId;
+use serde::Deserialize;
+
+use super::error::{bad, not_found, too_large, unavailable, ApiError, ApiResult};
+use super::gate::BodyCaps;
+use super::state::ApiState;
+use super::views::{view, OutputView, SubmitReply, SubmitRequest, TaskView};
+use crate::limits::Limits;
+
+/// A linearizable read (ReadIndex) when the leader confirms it within a second;
+/// otherwise this replica's own state, which may trail the leader by a few entries
+/// (the caller sees at worst a task a step behind, never a wrong one).
+async fn read_current<R: Send + 'static>(
+    c: &ConsensusHandle,
+    f: impl Fn(&StateMachine) -> R + Clone + Send + 'static,
+) -> ApiResult<R> {
+    let g = f.clone();
+    match tokio::time::timeout(std::time::Duration::from_secs(1), c.read_linearizable(f)).await {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "linearizable read failed; reading locally");
+            Ok(c.read_local(g))
+        }
+        Err(_) => {
+            tracing::debug!("linearizable read slow; reading locally");
+            Ok(c.read_local(g))
+        }
+    }
+}
+
+/// A place in this node's queue, held from the limit check until the submit is
+/// answered (by then a committed task is in the replicated queue it counts).
+struct QueueSlot<'a> {
+    under_way: &'a AtomicUsize,
+    /// A task with this submit's request id exists already: the submit is a retry.
+    retry: bool,
+}
+
+impl Drop for QueueSlot<'_> {
+    fn drop(&mut self) {
+        self.under_way.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Refuses a submit when the tasks submitted through this node and still pending or
+/// running, plus the submits under way here, reach the limit. A retried submit of a
+/// task already created passes: it creates nothing.
+async fn queue_slot<'a>(
+    api: &'a ApiState,
+    c: &ConsensusHandle,
+    request_id: RequestId,
+    limits: &Limits,
+) -> ApiResult<QueueSlot<'a>> {
+    // Counted before the state is read, so a submit applied between the two reads is
+    // counted twice (refusing a moment early) but never missed.
+    let under_way = api.submits_in_flight.fetch_add(1, Ordering::SeqCst);
+    let mut slot = QueueSlot {
+        under_way: &api.submits_in_flight,
+        retry: false,
+    };
+    let me = api.peer_id.to_string();
+    let (queued, retry) = c.read_local(move |s| {
+        let queued = s.active_tasks().filter(|t| t.submitter == me).count();
+        (queued, s.task_by_request(&request_id).is_some())
+    });
+    let limit = limits.max_queued_per_submitter;
+    if !retry && queued + under_way >= limit {
+        return Err(ApiError(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!(
+                "{} tasks submitted through this node are pending or running, at the limit \
+                 of {limit} (the node's --max-queued-per-submitter); wait for some to \
+                 finish (`gpumesh tasks`) and submit again",
+                queued + under_way
+            ),
+        ));
+    }
+    slot.retry = retry;
+    Ok(slot)
+}
+
+/// In a `submit{request task}` span: `task` is recorded once committed, so the
+/// task's lines here match the `shard{task ..}` lines of the workers that run it.
+#[tracing::instrument(
+    name = "submit",
+    skip_all,
+    fields(request = tracing::field::Empty, task = tracing::field::Empty)
+)]
+pub(crate) async fn submit(
+    State(api): State<Arc<ApiState>>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<SubmitReply>> {
+    let limits = api.limits;
+    let body = BodyCaps::of(&limits).request.within(body)?;
+    let req: SubmitRequest =
+        serde_json::from_slice(&body).map_err(|e| bad(format!("malformed submit request: {e}")))?;
+    let c = &api.consensus;
+    // The cheap limits first: a huge shader is not parsed, a huge grid not planned.
+    limits.check_shader(&req.spec).map_err(too_large)?;
+    limits.check_work(&req.spec).map_err(bad)?;
+    let request_id = req.request_id.unwrap_or_else(|| c.new_request_id());
+    let span = tracing::Span::current();
+    span.record(
+        "request",
+        tracing::field::display(format_args!("{:x}.{}", request_id.client, request_id.seq)),
+    );
+    let slot = queue_slot(&api, c, request_id, &limits).await?;
+    // The same checks `gpumesh run` makes, before anything is committed.
+    let kernel = api
+        .kernels
+        .get(&req.spec.shader, &req.spec.entry_point)
+        .map_err(bad)?;
+    kernel.check(&req.spec).map_err(bad)?;
+    for b in &req.spec.bindings {
+        if let Some(blob) = b.role.blob() {
+            let size = b.role.size();
+            match api.blobs.store().size(&blob) {
+                Some(s) if s == size => {}
+                Some(s) => return Err(bad(format!("binding {}: blob {blob} holds {s} bytes, the spec says {size}", b.binding))),
+                None => return Err(bad(format!(
+                    "binding {}: input blob {blob} is not on this node; upload it first (POST /v1/blobs)",
+                    b.binding
+                ))),
+            }
+        }
+    }
+    // Inputs live on this node until a worker pulls them: a second copy first, so
+    // that losing this node after the acknowledgement loses no task.
+    for b in &req.spec.bindings {
+        if let Some(blob) = b.role.blob() {
+            api.blobs
+                .replicate(blob, None)
+                .await
+                .map_err(|e| unavailable(format!("input of binding {}: {e}", b.binding)))?;
+        }
+    }
+    let shards = req.spec.shards;
+    let committed = c
+        .propose_with_id(
+            request_id,
+            Command::SubmitTask {
+                spec: req.spec,
+                submitter: api.peer_id.to_string(),
+            },
+        )
+        .await
+        .map_err(unavailable)?;
+    match committed.outcome {
+        Outcome::TaskSubmitted { task } => {
+            span.record("task", tracing::field::display(task));
+            tracing::debug!(shards, "task committed");
+            if !slot.retry {
+                api.metrics.tasks_submitted.inc();
+            }
+            Ok(Json(SubmitReply { task: task.0 }))
+        }
+        Outcome::Rejected(why) => Err(bad(why)),
+        other => Err(unavailable(format!("unexpected outcome {other:?}"))),
+    }
+}
+
+pub(crate) async fn list_tasks(State(api): State<Arc<ApiState>>) -> ApiResult<Json<Vec<TaskView>>> {
+    let c = &api.consensus;
+    let tasks = c.read_local(|s| s.tasks().values().map(view).collect::<Vec<_>>());
+    Ok(Json(tasks))
+}
+
+pub(crate) async fn get_task(
+    State(api): State<Arc<ApiState>>,
+    Path(id): Path<u64>,
+) -> ApiResult<Json<TaskView>> {
+    let c = &api.consensus;
+    // This replica's state: a submit is acknowledged only once the submitting
+    // replica has applied it, and waiting clients long-poll on local applies.
+    c.read_local(move |s| s.task(TaskId(id)).map(view))
+        .map(Json)
+        .ok_or_else(|| not_found(id))
+}
+
+#[derive(Deserialize)]
+pub(crate) struct WaitQuery {
+    done: Option<usize>,
+    timeout_ms: Option<u64>,
+}
+
+pub(crate) async fn wait_task(
+    State(api): State<Arc<ApiState>>,
+    Path(id): Path<u64>,
+    axum::extract::Query(q): axum::extract::Query<WaitQuery>,
+) -> ApiResult<Json<TaskView>> {
+    let c = &api.consensus;
+    // Subscribe before the first read so no change slips between the two.
+    let mut events = c.subscribe();
+    let deadline = tokio::time::Instant::now()
+        + std::time::Duration::from_millis(q.timeout_ms.unwrap_or(30_000).min(60_000));
+    loop {
+        let view = c
+            .read_local(move |s| s.task(TaskId(id)).map(view))
+            .ok_or_else(|| not_found(id))?;
+        let finished = matches!(view.status.as_str(), "completed" | "failed" | "cancelled");
+        if finished || Some(view.shards_done) != q.done {
+            return Ok(Json(view));
+        }
+        // Sleep through entries about other tasks: many clients may be waiting.
+        loop {
+            match tokio::time::timeout_at(deadline, events.recv()).await {
+                Err(_) => return Ok(Json(view)),
+                Ok(Err(tokio::sync::broadcast::error::RecvError::Closed)) => {
+                    return Err(unavailable("the node is shutting down"))
+                }
+                Ok(Ok(gpumesh_consensus::AppliedEvent::Entry { entry, .. })) => {
+                    if concerns(&entry.command, TaskId(id)) {
+                        break;
+                    }
+                }
+                Ok(_) => break,
+            }
+        }
+    }
+}
+
+/// Whether applying `command` can change task `id`.
+fn concerns(command: &Command, id: TaskId) -> bool {
+    command.task() == Some(id)
+}
+
+/// A completed task's outputs as blobs on this node, binding → blob.
+async fn merged(api: &ApiState, id: u64) -> ApiResult<BTreeMap<u32, BlobId>> {
+    // A completed task's outputs never change: once known here, no read of the record.
+    if let Some(done) = api
+        .results
+        .lock()
+        .ok()
+        .and_then(|r| r.get(&TaskId(id)).cloned())
+    {
+        return Ok(done);
+    }
+    let c = &api.consensus;
+    let task = read_current(c, move |s: &StateMachine| s.task(TaskId(id)).cloned())
+        .await?
+        .ok_or_else(|| not_found(id))?;
+    match &task.status {
+        TaskStatus::Completed => {}
+        TaskStatus::Failed(r) | TaskStatus::Cancelled(r) => {
+            return Err(ApiError(
+                StatusCode::CONFLICT,
+                format!("task t{id} did not complete: {r}"),
+            ))
+        }
+        TaskStatus::Merging => {
+            return Err(ApiError(
+                StatusCode::CONFLICT,
+                format!("task t{id} is being merged; `gpumesh submit --wait` or retry in a moment"),
+            ))
+        }
+        _ => {
+            return Err(ApiError(
+                StatusCode::CONFLICT,
+                format!("task t{id} is still running; `gpumesh submit --wait` or retry later"),
+            ))
+        }
+    }
+    crate::outputs::task_outputs(&api.blobs, &api.peers, &api.results, &task)
+        .await
+        .map_err(|e| unavailable(e.to_string()))
+}
+
+pub(crate) async fn outputs(
+    State(api): State<Arc<ApiState>>,
+    Path(id): Path<u64>,
+) -> ApiResult<Json<Vec<OutputView>>> {
+    let ids = merged(&api, id).await?;
+    Ok(Json(
+        ids.into_iter()
+            .map(|(binding, blob)| OutputView {
+                binding,
+                size: api.blobs.store().size(&blob).unwrap_or(0),
+                blake3: blob.to_hex(),
+            })
+            .collect(),
+    ))
+}
+
+pub(crate) async fn output_bytes(
+    State(api): State<Arc<ApiState>>,
+    Path((id, binding)): Path<(u64, u32)>,
+) -> ApiResult<Vec<u8>> {
+    let ids = merged(&api, id).await?;
+    let blob = ids.get(&binding).ok_or_else(|| {
+        ApiError(
+            StatusCode::NOT_FOUND,
+            format!(
+                "task t{id} has no output binding {binding}; it has {:?}",
+                ids.keys().collect::<Vec<_>>()
+            ),
+        )
+    })?;
+    api.blobs
+        .store()
+        .get(blob)
+        .map_err(unavailable)?
+        .ok_or_else(|| unavailable("merged output vanished"))
+}

@@ -1,0 +1,178 @@
+//! What the API answers, as JSON: the types `gpumesh::Client` and the CLI read back,
+//! and how a task of the record becomes a [`TaskView`].
+
+use gpumesh_consensus::{RequestId, ShardState};
+use gpumesh_protocol::TaskSpec;
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SubmitRequest {
+    pub spec: TaskSpec,
+    /// Idempotency key: a retried submit with the same id returns the same task.
+    pub request_id: Option<RequestId>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SubmitReply {
+    pub task: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BlobReply {
+    pub id: String,
+    pub size: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ShardView {
+    pub index: u32,
+    pub state: String,
+    /// The node of the latest attempt in flight, or of the accepted result.
+    pub node: Option<u64>,
+    pub epoch: u32,
+    /// Attempts in flight as (node, epoch); more than one for replicas and
+    /// speculative copies of stragglers.
+    #[serde(default)]
+    pub attempts: Vec<(u64, u32)>,
+    /// Nodes whose results are in, awaiting comparison with other replicas.
+    #[serde(default)]
+    pub reported_by: Vec<u64>,
+    pub failures: u32,
+    pub last_error: Option<String>,
+    pub output: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TaskView {
+    pub id: u64,
+    pub status: String,
+    pub reason: Option<String>,
+    pub kernel: String,
+    pub submitter: String,
+    pub merge: String,
+    pub grid: String,
+    pub shards_done: usize,
+    pub shards: Vec<ShardView>,
+    /// Nodes each shard runs on for verification.
+    #[serde(default = "one")]
+    pub replicas: u32,
+    /// Replica results that disagreed.
+    #[serde(default)]
+    pub mismatches: u32,
+    /// Assignments, retries, replica comparisons, newest last.
+    #[serde(default)]
+    pub history: Vec<HistoryView>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct HistoryView {
+    pub index: u64,
+    pub shard: Option<u32>,
+    pub what: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct OutputView {
+    pub binding: u32,
+    pub size: u64,
+    pub blake3: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct MemberView {
+    pub raft_id: u64,
+    pub peer_id: String,
+    pub role: String,
+    /// Heard from within `down_after` and not known unreachable (see `liveness`).
+    pub alive: bool,
+    /// This node's connections to it closed and it could not be dialled again.
+    #[serde(default)]
+    pub unreachable: bool,
+    /// Where it listens, from its membership record.
+    #[serde(default)]
+    pub addrs: Vec<String>,
+    pub adapter: Option<String>,
+    pub backend: Option<String>,
+    pub gflops: Option<f64>,
+    pub gbps: Option<f64>,
+    pub queue: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StatusView {
+    pub node: u64,
+    pub peer_id: String,
+    pub leader: u64,
+    pub term: u64,
+    pub commit_index: u64,
+    pub applied_index: u64,
+    pub members: Vec<MemberView>,
+}
+
+#[derive(Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: String,
+}
+
+/// A task's kernel as people know it: a built-in's name, or `wgsl:<entry point>`.
+pub(crate) fn kernel_name(spec: &gpumesh_protocol::TaskSpec) -> String {
+    match &spec.shader {
+        gpumesh_protocol::ShaderSource::Builtin(n) => n.clone(),
+        gpumesh_protocol::ShaderSource::Wgsl(_) => format!("wgsl:{}", spec.entry_point),
+    }
+}
+
+pub(crate) fn view(t: &gpumesh_consensus::Task) -> TaskView {
+    let (status, reason) = (t.status.name(), t.status.reason().map(str::to_string));
+    TaskView {
+        id: t.id.0,
+        status: status.into(),
+        reason,
+        kernel: kernel_name(&t.spec),
+        submitter: t.submitter.clone(),
+        merge: t.spec.merge_label(),
+        grid: t.spec.grid.to_string(),
+        shards_done: t
+            .shards
+            .iter()
+            .filter(|s| s.state == ShardState::Done)
+            .count(),
+        shards: t
+            .shards
+            .iter()
+            .enumerate()
+            .map(|(i, s)| ShardView {
+                index: i as u32,
+                state: format!("{:?}", s.state).to_lowercase(),
+                node: s.assigned_to().or(s.output.map(|o| o.node)),
+                epoch: s.epoch,
+                attempts: s.attempts.iter().map(|a| (a.node, a.epoch)).collect(),
+                reported_by: s.reports.iter().map(|r| r.node).collect(),
+                failures: s.failures,
+                last_error: s.last_error.clone(),
+                output: s.output.map(|o| o.blob.to_hex()),
+            })
+            .collect(),
+        replicas: t.spec.options.replicas,
+        mismatches: t.mismatches,
+        history: t
+            .history
+            .iter()
+            .map(|e| HistoryView {
+                index: e.index,
+                shard: e.shard,
+                what: e.what.clone(),
+            })
+            .collect(),
+    }
+}
+
+/// A raft id as the dashboard shows it: hex (JavaScript numbers lose precision past
+/// 2^53, and raft ids are 64-bit).
+pub(crate) fn hex(id: u64) -> String {
+    format!("{id:x}")
+}

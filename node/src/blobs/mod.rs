@@ -1,0 +1,303 @@
+//! The blobs actor: this node's blob store and the moving of blobs between members.
+//!
+//! Owns the store (`store`) and the fetches under way: a blob wanted by several
+//! callers at once (a worker's input, the API's output fetch, a peer's replicate
+//! request) is pulled once, and every caller gets that pull's outcome. Second copies
+//! are made by asking another member to pull the blob from this node.
+//!
+//! Talks to: the net actor (chunks from holders), the peers actor (who they are,
+//! connections to them), consensus (the membership: every member may hold a blob).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use gpumesh_consensus::ConsensusHandle;
+use gpumesh_protocol::BlobId;
+use libp2p::PeerId;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+
+use crate::net::NetHandle;
+use crate::peers::{member_records, PeersHandle};
+use crate::wire::{self, NodeReply, NodeRequest};
+
+pub mod store;
+
+pub use store::BlobStore;
+
+/// How many rounds a fetch makes over every possible holder before giving up.
+const FETCH_ROUNDS: u32 = 5;
+
+type Outcome = std::result::Result<(), String>;
+
+enum BlobsMsg {
+    Fetch {
+        id: BlobId,
+        holder: Option<PeerId>,
+        respond_to: oneshot::Sender<Outcome>,
+    },
+}
+
+/// The blobs actor's handle.
+#[derive(Clone)]
+pub struct BlobsHandle {
+    store: BlobStore,
+    tx: mpsc::Sender<BlobsMsg>,
+    mover: Mover,
+}
+
+/// What a pull or a second copy needs; cloned into each fetch task.
+#[derive(Clone)]
+struct Mover {
+    net: NetHandle,
+    peers: PeersHandle,
+    consensus: ConsensusHandle,
+}
+
+impl BlobsHandle {
+    pub fn start(
+        store: BlobStore,
+        net: NetHandle,
+        peers: PeersHandle,
+        consensus: ConsensusHandle,
+        cancel: CancellationToken,
+    ) -> (Self, JoinHandle<()>) {
+        let (tx, inbox) = mpsc::channel(256);
+        let mover = Mover {
+            net,
+            peers,
+            consensus,
+        };
+        let task = tokio::spawn(
+            BlobsActor {
+                store: store.clone(),
+                mover: mover.clone(),
+                inbox,
+                fetching: HashMap::new(),
+                pulls: JoinSet::new(),
+                pulled: HashMap::new(),
+                cancel,
+            }
+            .run(),
+        );
+        (Self { store, tx, mover }, task)
+    }
+
+    /// The store on this node's disk.
+    pub fn store(&self) -> &BlobStore {
+        &self.store
+    }
+
+    /// Makes blob `id` local, pulling it from `holder` first and then from every
+    /// other member, connecting to them as needed. Concurrent fetches of one blob
+    /// share one pull.
+    pub async fn fetch(&self, id: BlobId, holder: Option<PeerId>) -> Outcome {
+        if self.store.has(&id) {
+            return Ok(());
+        }
+        let (respond_to, done) = oneshot::channel();
+        self.tx
+            .send(BlobsMsg::Fetch {
+                id,
+                holder,
+                respond_to,
+            })
+            .await
+            .map_err(|_| "the node is stopping".to_string())?;
+        done.await.map_err(|_| "the node is stopping".to_string())?
+    }
+
+    /// The bytes of blob `id`, pulled from `holder` (or any member) if not local.
+    pub async fn pull(
+        &self,
+        id: BlobId,
+        holder: Option<PeerId>,
+    ) -> std::result::Result<Vec<u8>, String> {
+        self.fetch(id, holder).await?;
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || store.get(&id))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| format!("blob {id} vanished after it was fetched"))
+    }
+
+    /// Stores `bytes` here (off the async runtime) and has one other member keep a
+    /// copy; returns the blob's id.
+    pub async fn put_and_copy(
+        &self,
+        bytes: Vec<u8>,
+        prefer: Option<PeerId>,
+    ) -> std::result::Result<BlobId, String> {
+        let store = self.store.clone();
+        let id = tokio::task::spawn_blocking(move || store.put(&bytes))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        self.replicate(id, prefer).await?;
+        Ok(id)
+    }
+
+    /// Has one other member keep a copy of `blob` (`prefer` first when it is another
+    /// member, then every other member, connected ones first), so that losing this
+    /// node afterwards loses nothing. Succeeds at once in a one-node mesh. Fails only
+    /// when no other member can be reached or every one refused, and then says how
+    /// many were reachable.
+    pub async fn replicate(&self, blob: BlobId, prefer: Option<PeerId>) -> Outcome {
+        self.mover.replicate(blob, prefer).await
+    }
+}
+
+impl Mover {
+    fn members(&self) -> Vec<PeerId> {
+        member_records(&self.consensus)
+            .into_iter()
+            .map(|(p, _)| p)
+            .collect()
+    }
+
+    async fn pull(&self, id: BlobId, holder: Option<PeerId>) -> Outcome {
+        let me = self.peers.me();
+        let mut last = String::from("no peer to fetch it from");
+        for round in 0..FETCH_ROUNDS {
+            // Every member is a possible holder; a node that just joined learns them
+            // from the replicated membership, not only from its connections.
+            let mut sources: Vec<PeerId> = holder.into_iter().collect();
+            for p in self.members().into_iter().chain(self.peers.view().all()) {
+                if !sources.contains(&p) && p != me {
+                    sources.push(p);
+                }
+            }
+            for &peer in &sources {
+                match self.net.fetch_blob(peer, id).await {
+                    Ok(()) => return Ok(()),
+                    Err(e) => {
+                        tracing::debug!(%peer, error = %e, "blob fetch failed");
+                        last = e.to_string();
+                    }
+                }
+            }
+            // Maybe there is no connection to the holder yet: make them and try again.
+            let connected = self.net.connected_peers().await.unwrap_or_default();
+            let missing: Vec<PeerId> = sources
+                .iter()
+                .copied()
+                .filter(|p| !connected.contains(p))
+                .collect();
+            self.peers.connect(&connected, &missing).await;
+            tokio::time::sleep(Duration::from_millis(100 << round)).await;
+        }
+        Err(format!("blob {id} could not be fetched: {last}"))
+    }
+
+    async fn replicate(&self, blob: BlobId, prefer: Option<PeerId>) -> Outcome {
+        let me = self.peers.me();
+        let others: Vec<PeerId> = self.members().into_iter().filter(|p| *p != me).collect();
+        if others.is_empty() {
+            return Ok(());
+        }
+        let mut connected = self.net.connected_peers().await.unwrap_or_default();
+        let unconnected: Vec<PeerId> = others
+            .iter()
+            .copied()
+            .filter(|p| !connected.contains(p))
+            .collect();
+        if unconnected.len() == others.len() {
+            // No connection to any other member (this node just lost them, or is
+            // just back): try to reach them before giving up.
+            self.peers.connect(&connected, &unconnected).await;
+            connected = self.net.connected_peers().await.unwrap_or_default();
+        }
+        let mut targets: Vec<PeerId> = prefer
+            .into_iter()
+            .filter(|p| others.contains(p) && connected.contains(p))
+            .collect();
+        for p in &others {
+            if connected.contains(p) && !targets.contains(p) {
+                targets.push(*p);
+            }
+        }
+        let reachable = targets.len();
+        let mut refusals = Vec::new();
+        for peer in targets {
+            match wire::call(&self.net, peer, &NodeRequest::Replicate { blob }).await {
+                Ok(NodeReply::Replicated) => return Ok(()),
+                Ok(NodeReply::Refused(why)) => refusals.push(format!("{peer}: {why}")),
+                Ok(other) => refusals.push(format!("{peer}: unexpected answer {other:?}")),
+                Err(e) => refusals.push(format!("{peer}: {e}")),
+            }
+        }
+        let n = others.len();
+        Err(if reachable == 0 {
+            format!(
+                "no second copy of blob {blob}: none of the {n} other member(s) of the mesh \
+                 is reachable from this node"
+            )
+        } else {
+            format!(
+                "no second copy of blob {blob}: {reachable} of the {n} other member(s) are \
+                 reachable, and none kept a copy ({})",
+                refusals.join("; ")
+            )
+        })
+    }
+}
+
+struct BlobsActor {
+    store: BlobStore,
+    mover: Mover,
+    inbox: mpsc::Receiver<BlobsMsg>,
+    /// Blobs being pulled → who waits for each.
+    fetching: HashMap<BlobId, Vec<oneshot::Sender<Outcome>>>,
+    pulls: JoinSet<Outcome>,
+    /// Which blob each pull is for: a pull that panicked still answers its waiters.
+    pulled: HashMap<tokio::task::Id, BlobId>,
+    cancel: CancellationToken,
+}
+
+impl BlobsActor {
+    async fn run(mut self) {
+        loop {
+            tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => return,
+                Some(done) = self.pulls.join_next_with_id(), if !self.pulls.is_empty() => {
+                    let (task, outcome) = match done {
+                        Ok((task, outcome)) => (task, outcome),
+                        Err(e) => (e.id(), Err(format!("the blob fetch failed: {e}"))),
+                    };
+                    let Some(id) = self.pulled.remove(&task) else {
+                        continue;
+                    };
+                    for waiter in self.fetching.remove(&id).unwrap_or_default() {
+                        let _ = waiter.send(outcome.clone());
+                    }
+                }
+                msg = self.inbox.recv() => match msg {
+                    Some(BlobsMsg::Fetch { id, holder, respond_to }) => {
+                        self.fetch(id, holder, respond_to)
+                    }
+                    None => return,
+                },
+            }
+        }
+    }
+
+    fn fetch(&mut self, id: BlobId, holder: Option<PeerId>, respond_to: oneshot::Sender<Outcome>) {
+        if self.store.has(&id) {
+            let _ = respond_to.send(Ok(()));
+            return;
+        }
+        if let Some(waiting) = self.fetching.get_mut(&id) {
+            waiting.push(respond_to);
+            return;
+        }
+        self.fetching.insert(id, vec![respond_to]);
+        let mover = self.mover.clone();
+        let pull = self
+            .pulls
+            .spawn(async move { mover.pull(id, holder).await });
+        self.pulled.insert(pull.id(), id);
+    }
+}

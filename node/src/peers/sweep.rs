@@ -1,0 +1,90 @@
+//! A connection to every member: the sweep that follows the membership records,
+//! dials every member this node is not connected to, and keeps the data dir's list
+//! of where members listen (what `gpumesh ticket` hands out).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use gpumesh_consensus::ConsensusHandle;
+use libp2p::{Multiaddr, PeerId};
+use tokio_util::sync::CancellationToken;
+
+use super::PeersHandle;
+
+/// How often a node looks for members it has no connection to.
+const MEMBER_SWEEP: Duration = Duration::from_millis(500);
+
+/// Every member's peer id and the addresses in its membership record, as this
+/// replica has applied them.
+pub fn member_records(consensus: &ConsensusHandle) -> Vec<(PeerId, Vec<Multiaddr>)> {
+    consensus.read_local(|s| {
+        s.members()
+            .values()
+            .filter_map(|m| {
+                let peer = m.peer_id.parse::<PeerId>().ok()?;
+                let addrs = m.addrs.iter().filter_map(|a| a.parse().ok()).collect();
+                Some((peer, addrs))
+            })
+            .collect()
+    })
+}
+
+/// Keeps the data dir's list of where members listen in step with the membership
+/// records, this node's own addresses included before its record has them.
+/// `recorded` is what was last written.
+pub async fn record_mesh_addrs(
+    peers: &PeersHandle,
+    records: &[(PeerId, Vec<Multiaddr>)],
+    data_dir: &Path,
+    recorded: &mut Vec<Multiaddr>,
+) {
+    let me = peers.me();
+    let mine = peers.net.listen_addrs().await.unwrap_or_default();
+    let mut everyone: Vec<Multiaddr> = records
+        .iter()
+        .filter(|(peer, _)| *peer != me)
+        .chain(std::iter::once(&(me, mine)))
+        .flat_map(|(peer, addrs)| addrs.iter().filter_map(|a| a.clone().with_p2p(*peer).ok()))
+        .collect();
+    everyone.sort_by_key(|a| a.to_string());
+    everyone.dedup();
+    if everyone != *recorded && !everyone.is_empty() {
+        match crate::admission::write_mesh_addrs(data_dir, &everyone) {
+            Ok(()) => *recorded = everyone,
+            Err(e) => tracing::warn!(error = %e, "could not record the members' addresses"),
+        }
+    }
+}
+
+/// Keeps a connection to every member: the peers' directory follows the membership
+/// table, and every member this node is not connected to is dialled at the
+/// addresses in its membership record (and any learned otherwise), whoever this node
+/// bootstrapped from. So losing any one node, the seed included, leaves the others
+/// connected.
+pub async fn keep_connected(
+    peers: PeersHandle,
+    consensus: ConsensusHandle,
+    data_dir: PathBuf,
+    cancel: CancellationToken,
+) {
+    let me = peers.me();
+    let mut recorded: Vec<Multiaddr> = Vec::new();
+    loop {
+        let records = member_records(&consensus);
+        record_mesh_addrs(&peers, &records, &data_dir, &mut recorded).await;
+        let connected = peers.net.connected_peers().await.unwrap_or_default();
+        let missing: Vec<PeerId> = records
+            .iter()
+            .map(|(p, _)| *p)
+            .filter(|p| *p != me && !connected.contains(p))
+            .collect();
+        peers.learn_all(records).await;
+        if !missing.is_empty() {
+            peers.connect(&connected, &missing).await;
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(MEMBER_SWEEP) => {}
+        }
+    }
+}
