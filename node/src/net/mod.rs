@@ -1,0 +1,236 @@
+//! The network actor: the one owner of the libp2p [`Swarm`].
+//!
+//! It owns the transport (TCP + Noise + Yamux, optionally behind a `pnet` cluster
+//! key), one [`NetworkBehaviour`] (admission first: an optional allow-list of peer ids
+//! and [`ConnectionCaps`]; then request-response for joins, node calls and blob
+//! chunks; long-lived streams for Raft, see [`raft_lane`]; identify to learn peers'
+//! listen addresses; mDNS when it can start), and the maps of
+//! requests and dials still waiting for an answer. Everything else reaches the network
+//! through a cloneable [`NetHandle`]; what arrives from peers leaves as [`NetEvent`]s
+//! on one bounded channel to the node.
+//!
+//! Fault injection for tests of partitions: [`NetHandle::cut`] closes every
+//! connection to a peer and refuses new ones both ways (a block list in the
+//! behaviour, so the peer sees a real disconnect), [`NetHandle::mend`] undoes it, and
+//! [`NetHandle::set_delay`] holds every outgoing Raft write and request back by a
+//! fixed time.
+//!
+//! Whom it talks to:
+//! - the node (raft, api): [`NetEvent::Raft`] frames and [`NetEvent::Request`]s for
+//!   `Join` / `Node` requests, which the node answers through a oneshot;
+//! - the [`BlobStore`]: it serves [`MeshRequest::BlobChunk`] itself, reading on the
+//!   blocking pool, and [`NetHandle::fetch_blob`] pulls blobs into it.
+//!
+//! The actor never waits on the node: events go through an outbox it drains only when
+//! the node has room, so a node that sends commands while it is slow to read events
+//! cannot deadlock against it.
+//!
+//! It counts, in [`NetConfig::metrics`], the connected peers and the bytes of every
+//! gpumesh frame it writes or reads whole (the codec and the Raft lane count them;
+//! see [`crate::metrics`] for what that leaves out).
+//!
+//! - `config`: [`NetConfig`], [`ConnectionCaps`]; `events`: [`NetEvent`] and the
+//!   handle's commands.
+//! - `swarm`: transport, behaviour, listening, refusals put into words.
+//! - `actor`: the loop that owns the swarm.
+//! - `pull`: a blob pulled from a peer a window of chunks at a time.
+//! - `codec`: request-response framing; `raft_lane`: long-lived Raft streams.
+//! - `bench`: the blob transfer benchmark behind `gpumesh bench mesh`.
+
+mod actor;
+mod bench;
+mod codec;
+mod config;
+mod events;
+mod pull;
+mod raft_lane;
+mod swarm;
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpumesh_protocol::{MeshRequest, MeshResponse};
+use libp2p::{Multiaddr, PeerId};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::blobs::store::BlobStore;
+use crate::error::{NodeError, Result};
+
+pub use bench::{bench_blob_transfer, bench_blob_transfer_with, BlobTransferReport};
+pub use codec::MESH_PROTOCOL;
+pub use config::{ConnectionCaps, NetConfig};
+pub use events::NetEvent;
+
+use events::Command;
+use swarm::{build_swarm, listen};
+
+/// Commands waiting for the actor.
+const COMMAND_QUEUE: usize = 1024;
+
+/// The node's way into the network; cheap to clone.
+#[derive(Clone)]
+pub struct NetHandle {
+    commands: mpsc::Sender<Command>,
+    raft: std::sync::Arc<raft_lane::RaftLane>,
+    local_peer_id: PeerId,
+    blobs: BlobStore,
+    chunk_bytes: u32,
+    fetch_window: usize,
+    request_timeout: Duration,
+    dial_timeout: Duration,
+    /// Injected delay of every outgoing Raft write and request, in microseconds.
+    delay_us: Arc<AtomicU64>,
+}
+
+impl fmt::Debug for NetHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NetHandle")
+            .field("local_peer_id", &self.local_peer_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NetHandle {
+    /// Builds the swarm, starts listening (returns once every listen address is
+    /// bound, so [`NetHandle::listen_addrs`] is complete), dials the bootstrap peers
+    /// and spawns the actor. The actor stops when `cancel` fires or every handle is
+    /// dropped; await the returned task to know it has.
+    pub async fn start(
+        config: NetConfig,
+        blobs: BlobStore,
+        events: mpsc::Sender<NetEvent>,
+        cancel: CancellationToken,
+    ) -> Result<(NetHandle, JoinHandle<()>)> {
+        config.check()?;
+        let mut swarm = build_swarm(&config)?;
+        listen(&mut swarm, &config.listen).await?;
+        let local_peer_id = *swarm.local_peer_id();
+        let delay_us = Arc::new(AtomicU64::new(0));
+        let raft = raft_lane::RaftLane::start(
+            swarm.behaviour().raft.new_control(),
+            events.clone(),
+            config.max_frame_bytes,
+            delay_us.clone(),
+            config.metrics.clone(),
+            cancel.clone(),
+        )?;
+        let (commands_tx, commands) = mpsc::channel(COMMAND_QUEUE);
+        let task = actor::spawn(swarm, &config, commands, events, blobs.clone(), cancel);
+        let handle = NetHandle {
+            commands: commands_tx,
+            raft,
+            local_peer_id,
+            blobs,
+            chunk_bytes: config.chunk_bytes,
+            fetch_window: config.fetch_window,
+            request_timeout: config.request_timeout,
+            dial_timeout: config.dial_timeout,
+            delay_us,
+        };
+        Ok((handle, task))
+    }
+
+    pub fn local_peer_id(&self) -> PeerId {
+        self.local_peer_id
+    }
+
+    /// The addresses the node listens on (without `/p2p/`).
+    pub async fn listen_addrs(&self) -> Result<Vec<Multiaddr>> {
+        let (reply, rx) = oneshot::channel();
+        self.command(Command::ListenAddrs(reply)).await?;
+        rx.await.map_err(|_| NodeError::NetStopped)
+    }
+
+    /// Connects to `addr` (a trailing `/p2p/<peer id>` is checked if present) and
+    /// returns the peer's id once the connection is up, or an error naming the
+    /// address if it fails or does not complete within the dial timeout.
+    pub async fn dial(&self, addr: Multiaddr) -> Result<PeerId> {
+        let (reply, rx) = oneshot::channel();
+        self.command(Command::Dial {
+            addr: addr.clone(),
+            reply,
+        })
+        .await?;
+        match tokio::time::timeout(self.dial_timeout, rx).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(NodeError::NetStopped),
+            Err(_) => Err(NodeError::DialTimeout {
+                addr: addr.to_string(),
+                secs: self.dial_timeout.as_secs_f64(),
+            }),
+        }
+    }
+
+    /// Queues one Raft frame for `to` without waiting: fire and forget, since Raft
+    /// retries what gets lost. Fails at once if the peer's queue is full, the network
+    /// has stopped, or the frame is over the frame limit.
+    pub fn send_raft(&self, to: PeerId, frame: Vec<u8>) -> Result<()> {
+        self.raft.send(to, frame)
+    }
+
+    /// Sends `request` to `to` (dialling it through known addresses if needed) and
+    /// waits for the answer.
+    pub async fn request(&self, to: PeerId, request: MeshRequest) -> Result<MeshResponse> {
+        let delay = self.delay_us.load(Ordering::Relaxed);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_micros(delay)).await;
+        }
+        let (reply, rx) = oneshot::channel();
+        self.command(Command::Request { to, request, reply })
+            .await?;
+        // request-response times the exchange itself; this bound also covers a dial
+        // that hangs before the request is ever sent.
+        let limit = self.request_timeout + self.dial_timeout;
+        match tokio::time::timeout(limit, rx).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(NodeError::NetStopped),
+            Err(_) => Err(NodeError::Request {
+                peer: to.to_string(),
+                reason: format!("no answer within {:.1}s", limit.as_secs_f64()),
+            }),
+        }
+    }
+
+    /// Peers with at least one open connection.
+    pub async fn connected_peers(&self) -> Result<Vec<PeerId>> {
+        let (reply, rx) = oneshot::channel();
+        self.command(Command::ConnectedPeers(reply)).await?;
+        rx.await.map_err(|_| NodeError::NetStopped)
+    }
+
+    /// Remembers an address of `peer` for later dials (e.g. from the membership table).
+    /// Fault injection: closes every connection to `peer` and refuses new ones in
+    /// both directions until [`NetHandle::mend`], as a network partition would.
+    pub async fn cut(&self, peer: PeerId) -> Result<()> {
+        self.command(Command::Cut { peer, cut: true }).await
+    }
+
+    /// Undoes [`NetHandle::cut`]: connections to `peer` are allowed again.
+    pub async fn mend(&self, peer: PeerId) -> Result<()> {
+        self.command(Command::Cut { peer, cut: false }).await
+    }
+
+    /// Fault injection: every outgoing Raft write and request waits `delay` first
+    /// (zero, the default, for none), as a slow link would.
+    pub fn set_delay(&self, delay: Duration) {
+        self.delay_us.store(
+            delay.as_micros().min(u64::MAX as u128) as u64,
+            Ordering::Relaxed,
+        );
+    }
+
+    pub async fn add_address(&self, peer: PeerId, addr: Multiaddr) -> Result<()> {
+        self.command(Command::AddAddress { peer, addr }).await
+    }
+
+    async fn command(&self, command: Command) -> Result<()> {
+        self.commands
+            .send(command)
+            .await
+            .map_err(|_| NodeError::NetStopped)
+    }
+}
