@@ -9,10 +9,10 @@ use gpumesh::node::api::TaskView;
 use gpumesh::node::{admission, MeshNode};
 
 use super::console::Progress;
-use super::settings::NodeSettings;
+use super::settings::NodeArgs;
 use super::{ApiArgs, TaskArgs};
 
-pub fn node(settings: NodeSettings) -> anyhow::Result<ExitCode> {
+pub fn node(settings: NodeArgs) -> anyhow::Result<ExitCode> {
     // Before anything starts: a bad key file or ticket stops the node, named.
     let config = settings.node_config(settings.given_key()?)?;
     let data_dir = config.data_dir.clone();

@@ -298,11 +298,7 @@ pub fn execute(cli: Cli, matches: &ArgMatches) -> anyhow::Result<ExitCode> {
         Command::Keygen(args) => keygen::keygen(args),
         Command::Ticket(args) => crate::cli::mesh::ticket(args),
         Command::Node(args) => {
-            let settings = settings::NodeSettings::resolve(
-                &args,
-                matches.subcommand_matches("node"),
-                cli.log_format,
-            )?;
+            let settings = args.resolve(matches.subcommand_matches("node"), cli.log_format)?;
             if args.print_config {
                 print!("{}", settings.to_toml()?);
                 return Ok(ExitCode::SUCCESS);

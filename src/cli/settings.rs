@@ -2,13 +2,18 @@
 //! built-in defaults, a TOML file (`--config FILE`, or `GPUMESH_CONFIG`), `GPUMESH_*`
 //! environment variables, and flags.
 //!
-//! A setting has one name in all three: key `max_grid`, variable `GPUMESH_MAX_GRID`,
-//! flag `--max-grid`; the lists are `peers` / `GPUMESH_PEERS=A,B` / `--peer A --peer B`
-//! and `allow_peers` / `GPUMESH_ALLOW_PEERS` / `--allow-peer`. clap reads the flags and
-//! the variables (a flag wins) and holds the defaults; the file slots in between: what
-//! clap took from a flag or a variable wins over the file, what clap only defaulted
-//! loses to it. Relative paths in a file are relative to the file's directory.
+//! Each setting is declared once, as a field of [`NodeArgs`]: its flag, variable,
+//! default and help are clap's; its key in the file is the field's name, read and
+//! written through serde. A setting has one name in all three: key `max_grid`,
+//! variable `GPUMESH_MAX_GRID`, flag `--max-grid`; the lists are `peers` /
+//! `GPUMESH_PEERS=A,B` / `--peer A --peer B` and `allow_peers` / `GPUMESH_ALLOW_PEERS`
+//! / `--allow-peer`. clap reads the flags and the variables (a flag wins) and holds
+//! the defaults; the file slots in between: what clap took from a flag or a variable
+//! wins over the file, what clap only defaulted loses to it. Relative paths in a file
+//! are relative to the file's directory. `--print-config` writes every key with its
+//! help as a comment, in the order the fields are declared.
 
+use std::collections::BTreeMap;
 use std::fmt::Display;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -17,30 +22,35 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context};
 use clap::parser::ValueSource;
-use clap::ArgMatches;
+use clap::{ArgMatches, Args, CommandFactory};
 use gpumesh::node::admission::Ticket;
 use gpumesh::node::scheduler::SchedulerConfig;
 use gpumesh::node::{ClusterKey, ConnectionCaps, Formation, Limits, Multiaddr, NodeConfig, PeerId};
 use gpumesh_shaders::BackendChoice;
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde::{Deserialize, Serialize};
 
 use super::console::LogFormat;
 
-/// The flags of `gpumesh node`, each also read from its `GPUMESH_*` variable.
-#[derive(clap::Args, Debug)]
+/// The settings of `gpumesh node`: each a flag, a `GPUMESH_*` variable and a key of
+/// the config file. After [`NodeArgs::resolve`], the settings in effect.
+#[derive(clap::Args, Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct NodeArgs {
     /// A TOML file of settings, keyed by the flags' names with `_` (`max_grid =
     /// 4096`); GPUMESH_* variables and flags override it. `--print-config` writes one.
     #[arg(long, env = "GPUMESH_CONFIG", value_name = "FILE")]
+    #[serde(skip)]
     pub config: Option<PathBuf>,
     /// Print the settings in effect, as a TOML file for --config, and exit.
     #[arg(long)]
+    #[serde(skip)]
     pub print_config: bool,
     /// Where this node keeps its identity, Raft log and blobs.
     #[arg(long, env = "GPUMESH_DATA_DIR", default_value = "gpumesh-data")]
     pub data_dir: PathBuf,
     /// libp2p listen address.
     #[arg(long, env = "GPUMESH_LISTEN", default_value = "/ip4/0.0.0.0/tcp/4070")]
+    #[serde(with = "text")]
     pub listen: Multiaddr,
     /// Local API address (HTTP+JSON) for the CLI and clients.
     #[arg(long, env = "GPUMESH_API", default_value = gpumesh::DEFAULT_API)]
@@ -50,6 +60,7 @@ pub struct NodeArgs {
     pub init: bool,
     /// Form a new mesh once this many nodes (this one included) see each other.
     #[arg(long, env = "GPUMESH_BOOTSTRAP_EXPECT", value_name = "N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub bootstrap_expect: Option<usize>,
     /// A peer to reach (multiaddr; `/p2p/<peer id>` optional). Repeatable; the
     /// variable takes a comma-separated list.
@@ -59,9 +70,11 @@ pub struct NodeArgs {
         value_name = "MULTIADDR",
         value_delimiter = ','
     )]
+    #[serde(with = "text_list")]
     pub peers: Vec<Multiaddr>,
     /// Backend: vulkan, gl, metal, dx12, or auto (the best adapter available).
     #[arg(long, env = "GPUMESH_BACKEND", default_value = "auto", value_parser = <BackendChoice as std::str::FromStr>::from_str)]
+    #[serde(with = "text")]
     pub backend: BackendChoice,
     /// Discover peers on the LAN with mDNS.
     #[arg(
@@ -75,6 +88,7 @@ pub struct NodeArgs {
     pub mdns: bool,
     /// Do not discover peers with mDNS (the same as `--mdns false`).
     #[arg(long)]
+    #[serde(skip)]
     pub no_mdns: bool,
     /// Seconds to wait for a mesh to join or form.
     #[arg(
@@ -88,10 +102,12 @@ pub struct NodeArgs {
     /// the same key can connect. Without it the key in the data dir is used (made
     /// there by --init, stored there by --join).
     #[arg(long, env = "GPUMESH_CLUSTER_KEY", value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_key: Option<PathBuf>,
     /// Join the mesh of this ticket (`gpumesh ticket` on a member prints one): it
     /// holds the cluster key, stored into the data dir, and the members' addresses.
     #[arg(long, env = "GPUMESH_JOIN", value_name = "TICKET")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub join: Option<String>,
     /// A mesh without a cluster key: anyone who reaches --listen can join and run
     /// code on this node's GPU. Meshes are closed unless every node is started so.
@@ -105,6 +121,7 @@ pub struct NodeArgs {
         value_name = "PEER_ID",
         value_delimiter = ','
     )]
+    #[serde(with = "text_list")]
     pub allow_peers: Vec<PeerId>,
     /// Most connections one peer may hold open with this node.
     #[arg(long, env = "GPUMESH_MAX_CONNECTIONS_PER_PEER", value_name = "N",
@@ -157,42 +174,24 @@ pub struct NodeArgs {
     #[arg(long, env = "GPUMESH_DEFAULT_DEADLINE", value_name = "SECONDS",
           default_value_t = NodeConfig::new("").default_deadline.as_secs_f64())]
     pub default_deadline: f64,
+    /// Log lines on stderr: text or json (the global --log-format; a key of the file
+    /// too, under the flag and its variable).
+    #[arg(skip)]
+    pub log_format: LogFormat,
 }
 
-/// A config file as written: every key optional, an unknown key an error.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// Fields of [`NodeArgs`] that are not settings: they say where the settings come
+/// from and what to do with them.
+const NOT_KEYS: [&str; 3] = ["config", "print_config", "no_mdns"];
+
+/// The key of the global `--log-format` flag, which the file may set too.
+const LOG_FORMAT: &str = "log_format";
+
+/// A config file as written: each key with where its value is (for errors).
 struct NodeFile {
-    data_dir: Option<PathBuf>,
-    #[serde(default, deserialize_with = "parsed")]
-    listen: Option<Multiaddr>,
-    api: Option<SocketAddr>,
-    init: Option<bool>,
-    bootstrap_expect: Option<usize>,
-    #[serde(default, deserialize_with = "parsed_list")]
-    peers: Option<Vec<Multiaddr>>,
-    #[serde(default, deserialize_with = "parsed")]
-    backend: Option<BackendChoice>,
-    mdns: Option<bool>,
-    join_timeout: Option<f64>,
-    cluster_key: Option<PathBuf>,
-    join: Option<String>,
-    open: Option<bool>,
-    #[serde(default, deserialize_with = "parsed_list")]
-    allow_peers: Option<Vec<PeerId>>,
-    max_connections_per_peer: Option<u32>,
-    max_connections: Option<u32>,
-    max_pending_incoming: Option<u32>,
-    max_shader_bytes: Option<u64>,
-    max_blob_bytes: Option<u64>,
-    max_grid: Option<u64>,
-    max_queued_per_submitter: Option<usize>,
-    max_request_bytes: Option<u64>,
-    down_after: Option<f64>,
-    straggler_factor: Option<f64>,
-    straggler_min: Option<f64>,
-    default_deadline: Option<f64>,
-    log_format: Option<LogFormat>,
+    path: PathBuf,
+    text: String,
+    keys: BTreeMap<String, toml::Spanned<toml::Value>>,
 }
 
 impl NodeFile {
@@ -203,52 +202,39 @@ impl NodeFile {
                 path.display()
             )
         })?;
-        let mut file: NodeFile = toml::from_str(&text)
+        let mut keys: BTreeMap<String, toml::Spanned<toml::Value>> = toml::from_str(&text)
             .map_err(|e| anyhow!("in the config file {}: {e}", path.display()))?;
         // Relative to the file, so that the file means the same from any directory.
         let dir = path.parent().unwrap_or(Path::new(""));
-        file.data_dir = file.data_dir.map(|p| dir.join(p));
-        file.cluster_key = file.cluster_key.map(|p| dir.join(p));
-        Ok(file)
+        for key in ["data_dir", "cluster_key"] {
+            if let Some(value) = keys.get_mut(key) {
+                if let toml::Value::String(p) = value.get_mut() {
+                    *p = dir.join(&*p).to_string_lossy().into_owned();
+                }
+            }
+        }
+        Ok(NodeFile {
+            path: path.to_path_buf(),
+            text,
+            keys,
+        })
     }
-}
 
-/// The settings in effect, with every source applied.
-#[derive(Debug, Serialize)]
-pub struct NodeSettings {
-    pub data_dir: PathBuf,
-    #[serde(serialize_with = "displayed")]
-    pub listen: Multiaddr,
-    pub api: SocketAddr,
-    pub init: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub bootstrap_expect: Option<usize>,
-    #[serde(serialize_with = "displayed_list")]
-    pub peers: Vec<Multiaddr>,
-    #[serde(serialize_with = "displayed")]
-    pub backend: BackendChoice,
-    pub mdns: bool,
-    pub join_timeout: f64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub cluster_key: Option<PathBuf>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub join: Option<String>,
-    pub open: bool,
-    #[serde(serialize_with = "displayed_list")]
-    pub allow_peers: Vec<PeerId>,
-    pub max_connections_per_peer: u32,
-    pub max_connections: u32,
-    pub max_pending_incoming: u32,
-    pub max_shader_bytes: u64,
-    pub max_blob_bytes: u64,
-    pub max_grid: u64,
-    pub max_queued_per_submitter: usize,
-    pub max_request_bytes: u64,
-    pub down_after: f64,
-    pub straggler_factor: f64,
-    pub straggler_min: f64,
-    pub default_deadline: f64,
-    pub log_format: LogFormat,
+    fn get(&self, key: &str) -> Option<&toml::Value> {
+        self.keys.get(key).map(|v| v.get_ref())
+    }
+
+    /// An error about `key`'s value, with its line and column in the file.
+    fn at(&self, key: &str, what: impl Display) -> anyhow::Error {
+        let offset = self.keys.get(key).map_or(0, |v| v.span().start);
+        let before = &self.text[..offset.min(self.text.len())];
+        let line = before.matches('\n').count() + 1;
+        let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+        anyhow!(
+            "in the config file {}: line {line}, column {column}: {key}: {what}",
+            self.path.display()
+        )
+    }
 }
 
 /// Where clap found each argument of `gpumesh node`.
@@ -266,102 +252,111 @@ impl Given<'_> {
             Some(ValueSource::CommandLine | ValueSource::EnvVariable)
         )
     }
-
-    /// clap's value where a flag or a variable set it, else the file's, else clap's
-    /// default.
-    fn pick<T>(&self, id: &str, clap: T, file: Option<T>) -> T {
-        if self.set(id) {
-            clap
-        } else {
-            file.unwrap_or(clap)
-        }
-    }
 }
 
-impl NodeSettings {
-    /// Applies the file (if any) under the flags and variables in `args`; `matches`
-    /// says which of those clap found and which it defaulted. `log_format` is the
-    /// global flag's value, also found in `matches`.
+/// A key of the file: its name (the field's), its flag's help and value name.
+struct Key {
+    name: String,
+    help: String,
+    value: String,
+}
+
+/// Every key of the file, in the order `--print-config` writes them.
+fn keys() -> Vec<Key> {
+    let key = |a: &clap::Arg| Key {
+        name: a.get_id().to_string(),
+        help: a.get_help().map(|h| h.to_string()).unwrap_or_default(),
+        value: a
+            .get_value_names()
+            .and_then(|v| v.first())
+            .map(|v| v.to_string())
+            .unwrap_or_default(),
+    };
+    let node = NodeArgs::augment_args(clap::Command::new("node"));
+    let mut keys: Vec<Key> = node
+        .get_arguments()
+        .map(key)
+        .filter(|k| !NOT_KEYS.contains(&k.name.as_str()))
+        .collect();
+    keys.extend(
+        super::Cli::command()
+            .get_arguments()
+            .filter(|a| a.get_id() == LOG_FORMAT)
+            .map(key),
+    );
+    keys
+}
+
+/// `text` as comment lines of at most about 88 columns.
+fn comment(text: &str) -> String {
+    let mut out = String::new();
+    let mut line = String::from("#");
+    for word in text.split_whitespace() {
+        if line.len() + 1 + word.len() > 88 && line.len() > 1 {
+            out.push_str(&line);
+            out.push('\n');
+            line = String::from("#");
+        }
+        line.push(' ');
+        line.push_str(word);
+    }
+    out.push_str(&line);
+    out.push('\n');
+    out
+}
+
+impl NodeArgs {
+    /// The settings in effect: the file (if any) applied under the flags and
+    /// variables in `self`; `matches` says which of those clap found and which it
+    /// defaulted. `log_format` is the global flag's value, also found in `matches`.
     pub fn resolve(
-        args: &NodeArgs,
+        &self,
         matches: Option<&ArgMatches>,
         log_format: LogFormat,
-    ) -> anyhow::Result<NodeSettings> {
-        let file = match &args.config {
-            Some(path) => NodeFile::load(path)?,
-            None => NodeFile::default(),
-        };
+    ) -> anyhow::Result<NodeArgs> {
         let given = Given(matches);
-        let (init, bootstrap_expect) = formation(&given, args, &file)?;
-        let mdns = !args.no_mdns && given.pick("mdns", args.mdns, file.mdns);
-        let settings = NodeSettings {
-            data_dir: given.pick("data_dir", args.data_dir.clone(), file.data_dir),
-            listen: given.pick("listen", args.listen.clone(), file.listen),
-            api: given.pick("api", args.api, file.api),
-            init,
-            bootstrap_expect,
-            peers: given.pick("peers", args.peers.clone(), file.peers),
-            backend: given.pick("backend", args.backend, file.backend),
-            mdns,
-            join_timeout: given.pick("join_timeout", args.join_timeout, file.join_timeout),
-            cluster_key: if given.set("cluster_key") {
-                args.cluster_key.clone()
-            } else {
-                file.cluster_key
-            },
-            join: if given.set("join") {
-                args.join.clone()
-            } else {
-                file.join
-            },
-            open: given.pick("open", args.open, file.open),
-            allow_peers: given.pick("allow_peers", args.allow_peers.clone(), file.allow_peers),
-            max_connections_per_peer: given.pick(
-                "max_connections_per_peer",
-                args.max_connections_per_peer,
-                file.max_connections_per_peer,
-            ),
-            max_connections: given.pick(
-                "max_connections",
-                args.max_connections,
-                file.max_connections,
-            ),
-            max_pending_incoming: given.pick(
-                "max_pending_incoming",
-                args.max_pending_incoming,
-                file.max_pending_incoming,
-            ),
-            max_shader_bytes: given.pick(
-                "max_shader_bytes",
-                args.max_shader_bytes,
-                file.max_shader_bytes,
-            ),
-            max_blob_bytes: given.pick("max_blob_bytes", args.max_blob_bytes, file.max_blob_bytes),
-            max_grid: given.pick("max_grid", args.max_grid, file.max_grid),
-            max_queued_per_submitter: given.pick(
-                "max_queued_per_submitter",
-                args.max_queued_per_submitter,
-                file.max_queued_per_submitter,
-            ),
-            max_request_bytes: given.pick(
-                "max_request_bytes",
-                args.max_request_bytes,
-                file.max_request_bytes,
-            ),
-            down_after: given.pick("down_after", args.down_after, file.down_after),
-            straggler_factor: given.pick(
-                "straggler_factor",
-                args.straggler_factor,
-                file.straggler_factor,
-            ),
-            straggler_min: given.pick("straggler_min", args.straggler_min, file.straggler_min),
-            default_deadline: given.pick(
-                "default_deadline",
-                args.default_deadline,
-                file.default_deadline,
-            ),
-            log_format: given.pick("log_format", log_format, file.log_format),
-        };
+        let mut settings = self.clone();
+        settings.log_format = log_format;
+        if let Some(path) = &self.config {
+            let file = NodeFile::load(path)?;
+            let known = keys();
+            for key in file.keys.keys() {
+                if !known.iter().any(|k| &k.name == key) {
+                    let names: Vec<&str> = known.iter().map(|k| k.name.as_str()).collect();
+                    return Err(file.at(
+                        key,
+                        format!("no such setting; the keys are {}", names.join(", ")),
+                    ));
+                }
+            }
+            // Each of the file's values on its own over what clap has, so that a bad
+            // one is named with its place in the file.
+            let mut merged = toml::Table::try_from(&settings)?;
+            for (key, value) in &file.keys {
+                // The global --log-format is found in the node's matches too.
+                let over = !given.set(key);
+                let mut trial = merged.clone();
+                trial.insert(key.clone(), value.get_ref().clone());
+                trial
+                    .clone()
+                    .try_into::<NodeArgs>()
+                    .map_err(|e| file.at(key, e.message()))?;
+                if over {
+                    merged = trial;
+                }
+            }
+            let (init, bootstrap_expect) = formation(&given, self, Some(&file))?;
+            settings = merged.try_into()?;
+            settings.init = init;
+            settings.bootstrap_expect = bootstrap_expect;
+        } else {
+            let (init, bootstrap_expect) = formation(&given, self, None)?;
+            settings.init = init;
+            settings.bootstrap_expect = bootstrap_expect;
+        }
+        settings.mdns &= !self.no_mdns;
+        settings.config = self.config.clone();
+        settings.print_config = self.print_config;
         settings.check()?;
         Ok(settings)
     }
@@ -460,7 +455,7 @@ impl NodeSettings {
             .transpose()
     }
 
-    /// The node's configuration; `cluster_key` is [`NodeSettings::given_key`].
+    /// The node's configuration; `cluster_key` is [`NodeArgs::given_key`].
     pub fn node_config(&self, cluster_key: Option<ClusterKey>) -> anyhow::Result<NodeConfig> {
         let mut config = NodeConfig::new(&self.data_dir);
         config.listen = vec![self.listen.clone()];
@@ -493,13 +488,13 @@ impl NodeSettings {
         Ok(config)
     }
 
-    /// The settings as a TOML file for `--config`: every key, each under a comment
-    /// saying what it is; keys without a value are commented out. Paths are made
-    /// absolute, so that the file means the same wherever it is put.
+    /// The settings as a TOML file for `--config`: every key, each under its help as
+    /// a comment; keys without a value are commented out. Paths are made absolute,
+    /// so that the file means the same wherever it is put.
     pub fn to_toml(&self) -> anyhow::Result<String> {
-        let mut absolute = toml::Table::try_from(self)?;
+        let mut table = toml::Table::try_from(self)?;
         for key in ["data_dir", "cluster_key"] {
-            if let Some(toml::Value::String(p)) = absolute.get_mut(key) {
+            if let Some(toml::Value::String(p)) = table.get_mut(key) {
                 if let Ok(abs) = std::path::absolute(&*p) {
                     *p = abs.to_string_lossy().into_owned();
                 }
@@ -509,142 +504,20 @@ impl NodeSettings {
             "# gpumesh node settings, for `gpumesh node --config FILE`.\n\
              # GPUMESH_<KEY> variables and --<key> flags override what is set here.\n",
         );
-        for (key, doc, example) in KEYS {
-            out.push_str(&format!("\n# {doc}\n"));
-            match absolute.remove(*key) {
-                Some(value) => out.push_str(&format!("{key} = {value}\n")),
-                None => out.push_str(&format!("# {key} = {example}\n")),
+        for key in keys() {
+            out.push('\n');
+            out.push_str(&comment(&key.help));
+            match table.remove(&key.name) {
+                Some(value) => out.push_str(&format!("{} = {value}\n", key.name)),
+                None => out.push_str(&format!("# {} = <{}>\n", key.name, key.value)),
             }
         }
-        if let Some(key) = absolute.keys().next() {
-            bail!("setting {key} has no entry in the config file's key list");
+        if let Some(key) = table.keys().next() {
+            bail!("setting {key} has no flag to document it");
         }
         Ok(out)
     }
 }
-
-/// Every key of the file in the order `--print-config` writes them: its comment,
-/// and an example value for a key that is unset.
-const KEYS: &[(&str, &str, &str)] = &[
-    (
-        "data_dir",
-        "Where this node keeps its identity, Raft log and blobs.",
-        "",
-    ),
-    ("listen", "libp2p listen address.", ""),
-    (
-        "api",
-        "Local API address (HTTP+JSON) for the CLI and clients.",
-        "",
-    ),
-    (
-        "init",
-        "Form a new mesh with this node as its first member.",
-        "",
-    ),
-    (
-        "bootstrap_expect",
-        "Form a new mesh once this many nodes see each other (instead of init).",
-        "3",
-    ),
-    (
-        "peers",
-        "Peers to reach (multiaddrs; /p2p/<peer id> optional).",
-        "",
-    ),
-    (
-        "backend",
-        "GPU backend: vulkan, gl, metal, dx12 or auto.",
-        "",
-    ),
-    ("mdns", "Discover peers on the LAN with mDNS.", ""),
-    (
-        "join_timeout",
-        "Seconds to wait for a mesh to join or form.",
-        "",
-    ),
-    (
-        "cluster_key",
-        "The mesh's cluster key file (`gpumesh keygen --out FILE`); none: an open mesh.",
-        "\"mesh.key\"",
-    ),
-    (
-        "join",
-        "A join ticket (`gpumesh ticket` on a member): the cluster key and members' addresses.",
-        "\"gpumesh1...\"",
-    ),
-    (
-        "open",
-        "A mesh without a cluster key: anyone who reaches the listen address can join.",
-        "",
-    ),
-    (
-        "allow_peers",
-        "Admit only these peer ids; empty: every peer holding the cluster key.",
-        "",
-    ),
-    (
-        "max_connections_per_peer",
-        "Most connections one peer may hold open with this node.",
-        "",
-    ),
-    (
-        "max_connections",
-        "Most connections open with all peers together.",
-        "",
-    ),
-    (
-        "max_pending_incoming",
-        "Most incoming connections still in their handshakes at once.",
-        "",
-    ),
-    (
-        "max_shader_bytes",
-        "Largest WGSL source of one task, in bytes.",
-        "",
-    ),
-    (
-        "max_blob_bytes",
-        "Largest blob in bytes: an upload, a blob from a peer, a task's outputs together.",
-        "",
-    ),
-    (
-        "max_grid",
-        "Most workgroups (x*y*z) in one task's grid.",
-        "",
-    ),
-    (
-        "max_queued_per_submitter",
-        "Most tasks submitted through this node pending or running at once.",
-        "",
-    ),
-    (
-        "max_request_bytes",
-        "Largest API request body in bytes, blob uploads excepted.",
-        "",
-    ),
-    (
-        "down_after",
-        "Seconds without word from a member before the leader moves its shards elsewhere.",
-        "",
-    ),
-    (
-        "straggler_factor",
-        "A shard running this many times as long as its finished siblings gets a copy elsewhere...",
-        "",
-    ),
-    (
-        "straggler_min",
-        "...once it has also run at least this many seconds.",
-        "",
-    ),
-    (
-        "default_deadline",
-        "Seconds a shard may run on this node's GPU when its task sets no deadline.",
-        "",
-    ),
-    ("log_format", "Log lines on stderr: text or json.", ""),
-];
 
 /// Init and bootstrap_expect are one choice, how the mesh forms: the first of
 /// flags, variables and file that makes it (`init = true` or `bootstrap_expect =
@@ -653,7 +526,7 @@ const KEYS: &[(&str, &str, &str)] = &[
 fn formation(
     given: &Given,
     args: &NodeArgs,
-    file: &NodeFile,
+    file: Option<&NodeFile>,
 ) -> anyhow::Result<(bool, Option<usize>)> {
     let from = |source: ValueSource| {
         (
@@ -662,13 +535,20 @@ fn formation(
                 .filter(|_| given.source("bootstrap_expect") == Some(source)),
         )
     };
+    let in_file = (
+        file.and_then(|f| f.get("init"))
+            .and_then(toml::Value::as_bool),
+        file.and_then(|f| f.get("bootstrap_expect"))
+            .and_then(toml::Value::as_integer)
+            .and_then(|n| usize::try_from(n).ok()),
+    );
     let places = [
         ("the flags", from(ValueSource::CommandLine)),
         (
             "the environment (GPUMESH_INIT, GPUMESH_BOOTSTRAP_EXPECT)",
             from(ValueSource::EnvVariable),
         ),
-        ("the config file", (file.init, file.bootstrap_expect)),
+        ("the config file", in_file),
     ];
     let (mut init, mut expect) = (None, None);
     for (place, (layer_init, layer_expect)) in places {
@@ -707,42 +587,49 @@ fn seconds(key: &str, secs: f64) -> anyhow::Result<Duration> {
     }
 }
 
-/// A value the file gives as a string, parsed as its type (a multiaddr, a peer id, a
-/// backend); an error points at the value.
-fn parsed<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
-where
-    D: Deserializer<'de>,
-    T: FromStr,
-    T::Err: Display,
-{
-    let s = String::deserialize(d)?;
-    s.parse()
-        .map(Some)
-        .map_err(|e| serde::de::Error::custom(format!("{s:?}: {e}")))
+/// A value the file holds as a string, parsed as its type (a multiaddr, a peer id,
+/// a backend) and written back as it displays.
+mod text {
+    use super::*;
+
+    pub fn serialize<S: serde::Serializer, T: Display>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(v)
+    }
+
+    pub fn deserialize<'de, D, T>(d: D) -> Result<T, D::Error>
+    where
+        D: serde::Deserializer<'de>,
+        T: FromStr,
+        T::Err: Display,
+    {
+        let s = String::deserialize(d)?;
+        s.parse()
+            .map_err(|e| serde::de::Error::custom(format!("{s:?}: {e}")))
+    }
 }
 
-fn parsed_list<'de, D, T>(d: D) -> Result<Option<Vec<T>>, D::Error>
-where
-    D: Deserializer<'de>,
-    T: FromStr,
-    T::Err: Display,
-{
-    Vec::<String>::deserialize(d)?
-        .iter()
-        .map(|s| {
-            s.parse()
-                .map_err(|e| serde::de::Error::custom(format!("{s:?}: {e}")))
-        })
-        .collect::<Result<Vec<T>, D::Error>>()
-        .map(Some)
-}
+/// A list of such values.
+mod text_list {
+    use super::*;
 
-fn displayed<S: Serializer, T: Display>(v: &T, s: S) -> Result<S::Ok, S::Error> {
-    s.collect_str(v)
-}
+    pub fn serialize<S: serde::Serializer, T: Display>(v: &[T], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(v.iter().map(|x| x.to_string()))
+    }
 
-fn displayed_list<S: Serializer, T: Display>(v: &[T], s: S) -> Result<S::Ok, S::Error> {
-    s.collect_seq(v.iter().map(|x| x.to_string()))
+    pub fn deserialize<'de, D, T>(d: D) -> Result<Vec<T>, D::Error>
+    where
+        D: serde::Deserializer<'de>,
+        T: FromStr,
+        T::Err: Display,
+    {
+        Vec::<String>::deserialize(d)?
+            .iter()
+            .map(|s| {
+                s.parse()
+                    .map_err(|e| serde::de::Error::custom(format!("{s:?}: {e}")))
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -750,16 +637,16 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-    use clap::{CommandFactory, FromArgMatches};
+    use clap::FromArgMatches;
 
-    fn resolve(argv: &[&str]) -> anyhow::Result<NodeSettings> {
+    fn resolve(argv: &[&str]) -> anyhow::Result<NodeArgs> {
         let matches = super::super::Cli::command()
             .try_get_matches_from(std::iter::once("gpumesh").chain(argv.iter().copied()))?;
         let cli = super::super::Cli::from_arg_matches(&matches)?;
         let super::super::Command::Node(args) = cli.command else {
             panic!("not a node command")
         };
-        NodeSettings::resolve(&args, matches.subcommand_matches("node"), cli.log_format)
+        args.resolve(matches.subcommand_matches("node"), cli.log_format)
     }
 
     #[test]
@@ -785,5 +672,14 @@ mod tests {
         assert_eq!(again.to_toml().unwrap(), text);
         assert!(text.contains("\nbootstrap_expect = 3\n"), "{text}");
         assert!(text.contains("\ninit = false\n"), "{text}");
+        // Every setting is written, each under its flag's help.
+        for key in keys() {
+            let name = &key.name;
+            assert!(
+                text.contains(&format!("\n{name} =")) || text.contains(&format!("# {name} =")),
+                "{name} missing: {text}"
+            );
+            assert!(!key.help.is_empty(), "{name} has no help");
+        }
     }
 }
