@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use gpumesh_consensus::{RequestId, RequestIds};
 use gpumesh_node::api::{
-    BlobReply, ErrorBody, OutputView, StatusView, SubmitReply, SubmitRequest, TaskView,
+    BlobReply, ErrorBody, OutputView, StatusView, SubmitReply, SubmitRequest, TaskState, TaskView,
 };
 use gpumesh_protocol::{BlobId, TaskSpec};
 
@@ -320,9 +320,9 @@ impl Client {
                 last = t.shards_done;
                 progress(t.shards_done, t.shards.len());
             }
-            match t.status.as_str() {
-                "completed" => return Ok(t),
-                "failed" | "cancelled" => {
+            match t.status {
+                TaskState::Completed => return Ok(t),
+                TaskState::Failed | TaskState::Cancelled => {
                     return Err(ClientError::Refused(format!(
                         "task t{id} {}: {}",
                         t.status,

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use gpumesh::consensus::sim::SplitMix64;
 use gpumesh::consensus::{RaftRole, RequestId};
+use gpumesh::node::api::TaskState;
 use gpumesh::node::{Formation, MeshNode, Multiaddr, NodeConfig, PeerId};
 use gpumesh::protocol::TaskOptions;
 use gpumesh::shaders::builtins::{self, Problem};
@@ -358,9 +359,11 @@ impl Chaos {
                 .unwrap_or_else(|_| panic!("seed {}: t{} did not finish", self.seed, a.task))
                 .unwrap();
             assert_eq!(
-                view.status, "completed",
+                view.status,
+                TaskState::Completed,
                 "seed {}: t{}: {view:#?}",
-                self.seed, a.task
+                self.seed,
+                a.task
             );
             accepted_once(&view);
             let results = c.results(a.task).await.unwrap();

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use common::procs::Proc;
 use common::{accepted_once, have_any};
 use gpumesh::consensus::RequestId;
+use gpumesh::node::api::TaskState;
 use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
 use gpumesh::Client;
 
@@ -438,7 +439,7 @@ async fn chaos(seed: u64, nodes_n: usize, steps: usize) {
             .await
             .unwrap_or_else(|_| panic!("t{task} did not finish"))
             .unwrap();
-        assert_eq!(view.status, "completed", "{view:#?}");
+        assert_eq!(view.status, TaskState::Completed, "{view:#?}");
         accepted_once(&view);
         let out = first.results(task).await.unwrap().remove(&0).unwrap();
         assert!(
@@ -450,7 +451,7 @@ async fn chaos(seed: u64, nodes_n: usize, steps: usize) {
     let tasks = first.tasks().await.unwrap();
     let mut made: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
     for t in &tasks {
-        if t.status != "completed" {
+        if t.status != TaskState::Completed {
             continue;
         }
         let out = first.results(t.id).await.unwrap().remove(&0).unwrap();
@@ -472,8 +473,8 @@ async fn chaos(seed: u64, nodes_n: usize, steps: usize) {
             let c = p.client().unwrap();
             let mut per_task = BTreeMap::new();
             for t in c.tasks().await.unwrap() {
-                let outputs = match t.status.as_str() {
-                    "completed" => c.outputs(t.id).await.unwrap(),
+                let outputs = match t.status {
+                    TaskState::Completed => c.outputs(t.id).await.unwrap(),
                     _ => Vec::new(),
                 };
                 let hashes: Vec<String> = outputs.into_iter().map(|o| o.blake3).collect();

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use common::procs::Proc;
 use common::{accepted_once, have_any};
 use gpumesh::node::api::StatusView;
+use gpumesh::node::api::TaskState;
 use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
 use gpumesh::Client;
 
@@ -117,7 +118,7 @@ async fn submit_and_wait_running(via: &Client, on: &[u64]) -> (u64, u64) {
                 let o: serde_json::Value = reqwest::get(url).await.unwrap().json().await.unwrap();
                 panic!("no shard ran on {on:x?}: {view:#?}\n{o:#}");
             }
-            if view.status != "pending" && view.status != "running" {
+            if view.status != TaskState::Pending && view.status != TaskState::Running {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -130,7 +131,7 @@ async fn finished_and_right(via: &Client, task: u64) {
         .await
         .expect("the task finished")
         .unwrap();
-    assert_eq!(view.status, "completed", "{view:#?}");
+    assert_eq!(view.status, TaskState::Completed, "{view:#?}");
     accepted_once(&view);
     let out: Vec<u8> = via
         .results(task)

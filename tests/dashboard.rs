@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use gpumesh::node::api::Overview;
+use gpumesh::node::api::TaskState;
 use gpumesh::shaders::builtins;
 
 fn chromium() -> Option<PathBuf> {
@@ -93,7 +94,7 @@ async fn the_dashboard_shows_members_and_tasks_and_a_lost_member() {
         let c = client(&nodes[0]);
         let task = submit(&c, &problem, 3).await;
         let view = c.wait(task, |_, _| {}).await.unwrap();
-        assert_eq!(view.status, "completed");
+        assert_eq!(view.status, TaskState::Completed);
         problem.verify(&c.results(task).await.unwrap()).unwrap();
 
         // The page as a browser renders it, from a node that did not take the submit.

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use common::procs::{free_port, Proc};
 use common::{accepted_once, have_any};
 use gpumesh::node::api::StatusView;
+use gpumesh::node::api::TaskState;
 use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
 use gpumesh::Client;
 
@@ -94,7 +95,7 @@ async fn submit_and_check(via: Client, salt: u32) -> u64 {
         .await
         .expect("the task finished")
         .unwrap();
-    assert_eq!(view.status, "completed", "{view:#?}");
+    assert_eq!(view.status, TaskState::Completed, "{view:#?}");
     accepted_once(&view);
     let out = via.results(task).await.unwrap().remove(&0).unwrap();
     assert!(

@@ -9,6 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::{client, config, have, have_any, mesh, seed, stop, submit, LIMIT};
+use gpumesh::node::api::TaskState;
 use gpumesh::node::{Formation, MeshNode, Multiaddr, NodeConfig};
 use gpumesh::protocol::{BackendKind, ShaderSource};
 use gpumesh::shaders::builtins;
@@ -154,7 +155,7 @@ async fn a_restarted_node_rejoins_with_its_identity_and_state() {
         nodes.push(back);
         // Its replicated state came back from disk and the mesh still works through it.
         let view = client(&nodes[2]).task(before).await.unwrap();
-        assert_eq!(view.status, "completed");
+        assert_eq!(view.status, TaskState::Completed);
         problem
             .verify(&client(&nodes[2]).results(before).await.unwrap())
             .unwrap();

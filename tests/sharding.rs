@@ -18,6 +18,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use common::{client, config, have, stop, wait_ready, LIMIT};
+use gpumesh::node::api::TaskState;
 use gpumesh::node::{Formation, MeshNode};
 use gpumesh::protocol::{BackendKind, MergeRule};
 use gpumesh::shaders::{BackendChoice, Executor, Job, Kernel};
@@ -228,7 +229,7 @@ async fn unmergeable_kernels_fail_with_the_conflict_or_are_refused_and_the_mesh_
         );
         assert!(e.contains("--shards 1"), "{e}");
         let view = client(&nodes[0]).task(id).await.unwrap();
-        assert_eq!(view.status, "failed");
+        assert_eq!(view.status, TaskState::Failed);
         let fetched = client(&nodes[2]).results(id).await.unwrap_err().to_string();
         assert!(fetched.contains("conflict"), "{fetched}");
         // Unsharded it is never refused.

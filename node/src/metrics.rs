@@ -49,7 +49,8 @@ use std::sync::atomic::AtomicU64;
 
 use std::time::Duration;
 
-use gpumesh_consensus::{ConsensusHandle, RaftRole, TaskStatus};
+use gpumesh_consensus::{ConsensusHandle, RaftRole};
+use gpumesh_protocol::TaskState;
 use gpumesh_shaders::{ExecutorCounters, KernelCache};
 use libp2p::PeerId;
 use prometheus_client::collector::Collector;
@@ -240,15 +241,18 @@ impl Metrics {
             self.blob_bytes.set(saturating_i64(bytes));
         }
         let by_status = consensus.read_local(|s| {
-            let mut by_status = [0u64; TASK_STATUSES.len()];
+            let mut by_status = [0u64; TaskState::ALL.len()];
             for task in s.tasks().values() {
-                by_status[status_index(&task.status)] += 1;
+                let state = task.status.state();
+                if let Some(i) = TaskState::ALL.iter().position(|s| *s == state) {
+                    by_status[i] += 1;
+                }
             }
             by_status
         });
-        for (name, n) in TASK_STATUSES.iter().zip(by_status) {
+        for (state, n) in TaskState::ALL.iter().zip(by_status) {
             self.tasks
-                .get_or_create(&[("status", name)])
+                .get_or_create(&[("status", state.name())])
                 .set(saturating_i64(n));
         }
     }
@@ -258,26 +262,6 @@ impl Metrics {
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &self.registry)?;
         Ok(text)
-    }
-}
-
-const TASK_STATUSES: [&str; 6] = [
-    "pending",
-    "running",
-    "merging",
-    "completed",
-    "failed",
-    "cancelled",
-];
-
-fn status_index(status: &TaskStatus) -> usize {
-    match status {
-        TaskStatus::Pending => 0,
-        TaskStatus::Running => 1,
-        TaskStatus::Merging => 2,
-        TaskStatus::Completed => 3,
-        TaskStatus::Failed(_) => 4,
-        TaskStatus::Cancelled(_) => 5,
     }
 }
 

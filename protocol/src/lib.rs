@@ -31,5 +31,5 @@ pub use ids::BlobId;
 pub use mesh::{MeshRequest, MeshResponse};
 pub use task::{
     BindingRole, BindingSpec, ElemType, Grid, MergeRule, ShaderSource, TaskOptions, TaskSpec,
-    MAX_DEADLINE_MS, MAX_REPLICAS,
+    TaskState, MAX_DEADLINE_MS, MAX_REPLICAS,
 };

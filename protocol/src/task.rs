@@ -389,3 +389,56 @@ impl TaskSpec {
         Ok(())
     }
 }
+
+/// Where a task stands, as the API, the CLI and the dashboard say it (lowercase in
+/// JSON). Why a task failed or was cancelled travels beside it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TaskState {
+    /// No shard has been assigned yet.
+    Pending,
+    /// Some shard is assigned, running or done; not all are done.
+    Running,
+    /// Every one of its several shards has a result; the leader is merging them.
+    Merging,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl TaskState {
+    /// Every state, in the order a task goes through them.
+    pub const ALL: [TaskState; 6] = [
+        TaskState::Pending,
+        TaskState::Running,
+        TaskState::Merging,
+        TaskState::Completed,
+        TaskState::Failed,
+        TaskState::Cancelled,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            TaskState::Pending => "pending",
+            TaskState::Running => "running",
+            TaskState::Merging => "merging",
+            TaskState::Completed => "completed",
+            TaskState::Failed => "failed",
+            TaskState::Cancelled => "cancelled",
+        }
+    }
+
+    /// Whether the task will change no more.
+    pub fn is_finished(self) -> bool {
+        matches!(
+            self,
+            TaskState::Completed | TaskState::Failed | TaskState::Cancelled
+        )
+    }
+}
+
+impl fmt::Display for TaskState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(self.name())
+    }
+}

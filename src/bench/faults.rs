@@ -10,6 +10,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use gpumesh::consensus::{AppliedEvent, Command, RaftRole, RequestId};
+use gpumesh::node::api::TaskState;
 use gpumesh::node::{Formation, MeshNode, Multiaddr, NodeConfig};
 use gpumesh::Client;
 use gpumesh_protocol::TaskOptions;
@@ -256,7 +257,11 @@ async fn worker_failover(mesh: &mut Mesh) -> anyhow::Result<(Duration, Duration)
         }
     };
     let view = via.wait(task, |_, _| {}).await?;
-    anyhow::ensure!(view.status == "completed", "task {task}: {}", view.status);
+    anyhow::ensure!(
+        view.status == TaskState::Completed,
+        "task {task}: {}",
+        view.status
+    );
     stopped.await?;
     mesh.restart(victim).await?;
     Ok((placed.unwrap_or(started), started))
@@ -283,7 +288,11 @@ async fn throughput(mesh: &Mesh, args: &FaultsBenchArgs, replicas: u32) -> anyho
             };
             let task = c.submit(s, None).await?;
             let view = c.wait(task, |_, _| {}).await?;
-            anyhow::ensure!(view.status == "completed", "task {task}: {}", view.status);
+            anyhow::ensure!(
+                view.status == TaskState::Completed,
+                "task {task}: {}",
+                view.status
+            );
             anyhow::Ok(())
         });
     }

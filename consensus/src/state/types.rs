@@ -69,15 +69,20 @@ pub enum TaskStatus {
 
 impl TaskStatus {
     /// The status as the API, the CLI and the dashboard name it.
-    pub fn name(&self) -> &'static str {
+    pub fn state(&self) -> gpumesh_protocol::TaskState {
+        use gpumesh_protocol::TaskState;
         match self {
-            TaskStatus::Pending => "pending",
-            TaskStatus::Running => "running",
-            TaskStatus::Merging => "merging",
-            TaskStatus::Completed => "completed",
-            TaskStatus::Failed(_) => "failed",
-            TaskStatus::Cancelled(_) => "cancelled",
+            TaskStatus::Pending => TaskState::Pending,
+            TaskStatus::Running => TaskState::Running,
+            TaskStatus::Merging => TaskState::Merging,
+            TaskStatus::Completed => TaskState::Completed,
+            TaskStatus::Failed(_) => TaskState::Failed,
+            TaskStatus::Cancelled(_) => TaskState::Cancelled,
         }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.state().name()
     }
 
     /// Why a task failed or was cancelled.

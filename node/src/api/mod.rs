@@ -53,7 +53,7 @@ mod tasks;
 mod throughput;
 mod views;
 
-pub use dashboard::{Overview, OverviewMember, OverviewTask, OVERVIEW_TASKS};
+pub use dashboard::{Overview, OVERVIEW_TASKS};
 pub(crate) use state::ApiState;
 pub use throughput::{ThroughputPoint, THROUGHPUT_SAMPLES};
 pub use views::*;

@@ -9,32 +9,13 @@ use axum::Json;
 
 use super::error::{unavailable, ApiResult};
 use super::state::ApiState;
-use super::views::{MemberView, StatusView};
-use crate::liveness::Presence;
+use super::views::{members, StatusView};
 
 pub(crate) async fn status(State(api): State<Arc<ApiState>>) -> ApiResult<Json<StatusView>> {
     let c = &api.consensus;
     let st = c.status().await.map_err(unavailable)?;
     let liveness = api.liveness.view();
-    let members = c.read_local(move |s| {
-        let queue = s.queue_by_node();
-        s.members()
-            .values()
-            .map(|m| MemberView {
-                raft_id: m.raft_id,
-                peer_id: m.peer_id.clone(),
-                role: format!("{:?}", m.role).to_lowercase(),
-                alive: liveness.is_alive(m.raft_id),
-                unreachable: liveness.presence(m.raft_id) == Presence::Unreachable,
-                addrs: m.addrs.clone(),
-                adapter: m.capability.as_ref().map(|c| c.adapter_name.clone()),
-                backend: m.capability.as_ref().map(|c| c.backend.name().to_string()),
-                gflops: m.capability.as_ref().map(|c| c.gflops),
-                gbps: m.capability.as_ref().map(|c| c.gbps),
-                queue: queue.get(&m.raft_id).copied().unwrap_or(0),
-            })
-            .collect::<Vec<_>>()
-    });
+    let members = c.read_local(move |s| members(s, &liveness));
     Ok(Json(StatusView {
         node: api.raft_id,
         peer_id: api.peer_id.to_string(),

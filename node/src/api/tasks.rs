@@ -212,7 +212,7 @@ pub(crate) async fn wait_task(
         let view = c
             .read_local(move |s| s.task(TaskId(id)).map(view))
             .ok_or_else(|| not_found(id))?;
-        let finished = matches!(view.status.as_str(), "completed" | "failed" | "cancelled");
+        let finished = view.status.is_finished();
         if finished || Some(view.shards_done) != q.done {
             return Ok(Json(view));
         }

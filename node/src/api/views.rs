@@ -1,9 +1,14 @@
 //! What the API answers, as JSON: the types `gpumesh::Client` and the CLI read back,
 //! and how a task of the record becomes a [`TaskView`].
 
-use gpumesh_consensus::{RequestId, ShardState};
+use std::collections::HashMap;
+
+use gpumesh_consensus::{RequestId, ShardState, StateMachine};
 use gpumesh_protocol::TaskSpec;
+pub use gpumesh_protocol::TaskState;
 use serde::{Deserialize, Serialize};
+
+use crate::liveness::{LivenessView, Presence};
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct SubmitRequest {
@@ -40,12 +45,16 @@ pub struct ShardView {
     pub failures: u32,
     pub last_error: Option<String>,
     pub output: Option<String>,
+    /// Nodes (raft ids, hex) of the attempts in flight, or of the accepted result:
+    /// what the dashboard shows (JavaScript numbers lose precision past 2^53).
+    #[serde(default)]
+    pub nodes: Vec<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TaskView {
     pub id: u64,
-    pub status: String,
+    pub status: TaskState,
     pub reason: Option<String>,
     pub kernel: String,
     pub submitter: String,
@@ -85,6 +94,9 @@ pub struct OutputView {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct MemberView {
     pub raft_id: u64,
+    /// The raft id in hex, as `gpumesh status` and the dashboard show it.
+    #[serde(default)]
+    pub id: String,
     pub peer_id: String,
     pub role: String,
     /// Heard from within `down_after` and not known unreachable (see `liveness`).
@@ -99,7 +111,11 @@ pub struct MemberView {
     pub backend: Option<String>,
     pub gflops: Option<f64>,
     pub gbps: Option<f64>,
+    /// Attempts placed on it and not finished.
     pub queue: u32,
+    /// Its shard results accepted so far (over the tasks the record holds).
+    #[serde(default)]
+    pub shards_done: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -127,10 +143,10 @@ pub(crate) fn kernel_name(spec: &gpumesh_protocol::TaskSpec) -> String {
 }
 
 pub(crate) fn view(t: &gpumesh_consensus::Task) -> TaskView {
-    let (status, reason) = (t.status.name(), t.status.reason().map(str::to_string));
+    let (status, reason) = (t.status.state(), t.status.reason().map(str::to_string));
     TaskView {
         id: t.id.0,
-        status: status.into(),
+        status,
         reason,
         kernel: kernel_name(&t.spec),
         submitter: t.submitter.clone(),
@@ -155,6 +171,10 @@ pub(crate) fn view(t: &gpumesh_consensus::Task) -> TaskView {
                 failures: s.failures,
                 last_error: s.last_error.clone(),
                 output: s.output.map(|o| o.blob.to_hex()),
+                nodes: match &s.output {
+                    Some(out) => vec![hex(out.node)],
+                    None => s.attempts.iter().map(|a| hex(a.node)).collect(),
+                },
             })
             .collect(),
         replicas: t.spec.options.replicas,
@@ -175,4 +195,36 @@ pub(crate) fn view(t: &gpumesh_consensus::Task) -> TaskView {
 /// 2^53, and raft ids are 64-bit).
 pub(crate) fn hex(id: u64) -> String {
     format!("{id:x}")
+}
+
+/// Every member as this node sees it: its record, its liveness (see
+/// [`crate::liveness`]), its queue and its accepted shard results.
+pub(crate) fn members(s: &StateMachine, liveness: &LivenessView) -> Vec<MemberView> {
+    let queue = s.queue_by_node();
+    let mut done: HashMap<u64, u64> = HashMap::new();
+    for t in s.tasks().values() {
+        for sh in &t.shards {
+            if let Some(out) = &sh.output {
+                *done.entry(out.node).or_default() += 1;
+            }
+        }
+    }
+    s.members()
+        .values()
+        .map(|m| MemberView {
+            raft_id: m.raft_id,
+            id: hex(m.raft_id),
+            peer_id: m.peer_id.clone(),
+            role: format!("{:?}", m.role).to_lowercase(),
+            alive: liveness.is_alive(m.raft_id),
+            unreachable: liveness.presence(m.raft_id) == Presence::Unreachable,
+            addrs: m.addrs.clone(),
+            adapter: m.capability.as_ref().map(|c| c.adapter_name.clone()),
+            backend: m.capability.as_ref().map(|c| c.backend.name().to_string()),
+            gflops: m.capability.as_ref().map(|c| c.gflops),
+            gbps: m.capability.as_ref().map(|c| c.gbps),
+            queue: queue.get(&m.raft_id).copied().unwrap_or(0),
+            shards_done: done.get(&m.raft_id).copied().unwrap_or(0),
+        })
+        .collect()
 }
