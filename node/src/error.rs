@@ -47,6 +47,16 @@ pub enum NodeError {
     NetBusy(&'static str),
     #[error("the network actor has stopped (the node is shutting down)")]
     NetStopped,
+    // Blobs (the blobs actor) errors.
+    /// No member handed the blob over: every possible holder was tried, connections
+    /// made where there were none, for several rounds.
+    #[error("blob {id} could not be fetched: {reason}")]
+    BlobUnavailable { id: BlobId, reason: String },
+    /// No other member kept a copy of a blob this node holds.
+    #[error("no second copy of blob {blob}: {reason}")]
+    NoSecondCopy { blob: BlobId, reason: String },
+    #[error("the node is stopping")]
+    Stopping,
 }
 
 impl NodeError {

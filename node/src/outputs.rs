@@ -117,7 +117,8 @@ pub(crate) async fn merge_and_record(
                 let size = bytes.len() as u64;
                 let blob = blobs
                     .put_and_copy(bytes, task.submitter.parse().ok())
-                    .await?;
+                    .await
+                    .map_err(|e| e.to_string())?;
                 outputs.push(MergedOutput {
                     binding,
                     blob,

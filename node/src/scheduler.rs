@@ -299,7 +299,10 @@ async fn verdict(
         .clone();
     let mut outputs = Vec::new();
     for r in &reports {
-        let bytes = blobs.pull(r.blob, peers.peer(r.node)).await?;
+        let bytes = blobs
+            .pull(r.blob, peers.peer(r.node))
+            .await
+            .map_err(|e| e.to_string())?;
         outputs.push((
             r.epoch,
             gpumesh_protocol::ShardChanges::decode(&bytes).map_err(|e| e.to_string())?,

@@ -386,7 +386,10 @@ async fn store_and_copy(
 ) -> Result<(BlobId, u64), String> {
     let bytes = changes.encode();
     let size = bytes.len() as u64;
-    let id = blobs.put_and_copy(bytes, submitter.parse().ok()).await?;
+    let id = blobs
+        .put_and_copy(bytes, submitter.parse().ok())
+        .await
+        .map_err(|e| e.to_string())?;
     Ok((id, size))
 }
 

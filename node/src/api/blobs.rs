@@ -43,7 +43,7 @@ pub(crate) async fn get_blob(
     api.blobs
         .fetch(id, None)
         .await
-        .map_err(|e| ApiError(StatusCode::NOT_FOUND, e))?;
+        .map_err(|e| ApiError(StatusCode::NOT_FOUND, e.to_string()))?;
     api.blobs
         .store()
         .get(&id)

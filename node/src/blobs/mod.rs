@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
+use crate::error::{NodeError, Result};
 use crate::net::NetHandle;
 use crate::peers::{member_records, PeersHandle};
 use crate::wire::{self, NodeReply, NodeRequest};
@@ -29,6 +30,7 @@ pub use store::BlobStore;
 /// How many rounds a fetch makes over every possible holder before giving up.
 const FETCH_ROUNDS: u32 = 5;
 
+/// How a pull ended, shared by everyone who waits for it: why it failed, if it did.
 type Outcome = std::result::Result<(), String>;
 
 enum BlobsMsg {
@@ -125,16 +127,11 @@ impl BlobsHandle {
 
     /// Stores `bytes` here (off the async runtime) and has one other member keep a
     /// copy; returns the blob's id.
-    pub async fn put_and_copy(
-        &self,
-        bytes: Vec<u8>,
-        prefer: Option<PeerId>,
-    ) -> std::result::Result<BlobId, String> {
+    pub async fn put_and_copy(&self, bytes: Vec<u8>, prefer: Option<PeerId>) -> Result<BlobId> {
         let store = self.store.clone();
         let id = tokio::task::spawn_blocking(move || store.put(&bytes))
             .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
+            .map_err(|_| NodeError::Stopping)??;
         self.replicate(id, prefer).await?;
         Ok(id)
     }
@@ -144,8 +141,11 @@ impl BlobsHandle {
     /// node afterwards loses nothing. Succeeds at once in a one-node mesh. Fails only
     /// when no other member can be reached or every one refused, and then says how
     /// many were reachable.
-    pub async fn replicate(&self, blob: BlobId, prefer: Option<PeerId>) -> Outcome {
-        self.mover.replicate(blob, prefer).await
+    pub async fn replicate(&self, blob: BlobId, prefer: Option<PeerId>) -> Result<()> {
+        self.mover
+            .replicate(blob, prefer)
+            .await
+            .map_err(|reason| NodeError::NoSecondCopy { blob, reason })
     }
 }
 
@@ -188,7 +188,7 @@ impl Mover {
             self.peers.connect(&connected, &missing).await;
             tokio::time::sleep(Duration::from_millis(100 << round)).await;
         }
-        Err(format!("blob {id} could not be fetched: {last}"))
+        Err(last)
     }
 
     async fn replicate(&self, blob: BlobId, prefer: Option<PeerId>) -> Outcome {
@@ -230,14 +230,11 @@ impl Mover {
         }
         let n = others.len();
         Err(if reachable == 0 {
-            format!(
-                "no second copy of blob {blob}: none of the {n} other member(s) of the mesh \
-                 is reachable from this node"
-            )
+            format!("none of the {n} other member(s) of the mesh is reachable from this node")
         } else {
             format!(
-                "no second copy of blob {blob}: {reachable} of the {n} other member(s) are \
-                 reachable, and none kept a copy ({})",
+                "{reachable} of the {n} other member(s) are reachable, and none kept a copy \
+                 ({})",
                 refusals.join("; ")
             )
         })
