@@ -21,8 +21,40 @@ use gpumesh_shaders::merge;
 use crate::blobs::BlobsHandle;
 use crate::peers::PeersHandle;
 
-/// Completed tasks' outputs made local to this node, binding → blob, by task.
-pub type ResultCache = std::sync::Mutex<std::collections::HashMap<TaskId, BTreeMap<u32, BlobId>>>;
+/// How many completed tasks' outputs a node remembers; older ones are looked up in
+/// the record again when asked for.
+pub const REMEMBERED_RESULTS: usize = 10_000;
+
+/// Completed tasks' outputs made local to this node, binding → blob, by task: the
+/// newest [`REMEMBERED_RESULTS`] of them.
+#[derive(Debug, Default)]
+pub struct ResultCache(std::sync::Mutex<ResultsInner>);
+
+#[derive(Debug, Default)]
+struct ResultsInner {
+    by_task: std::collections::HashMap<TaskId, BTreeMap<u32, BlobId>>,
+    order: std::collections::VecDeque<TaskId>,
+}
+
+impl ResultCache {
+    pub fn get(&self, task: TaskId) -> Option<BTreeMap<u32, BlobId>> {
+        self.0.lock().ok()?.by_task.get(&task).cloned()
+    }
+
+    pub fn insert(&self, task: TaskId, outputs: BTreeMap<u32, BlobId>) {
+        let Ok(mut inner) = self.0.lock() else {
+            return;
+        };
+        if inner.by_task.insert(task, outputs).is_none() {
+            inner.order.push_back(task);
+        }
+        while inner.order.len() > REMEMBERED_RESULTS {
+            if let Some(old) = inner.order.pop_front() {
+                inner.by_task.remove(&old);
+            }
+        }
+    }
+}
 
 /// Why outputs could not be produced.
 #[derive(Debug)]
@@ -164,8 +196,29 @@ pub(crate) async fn task_outputs(
             ids.insert(o.binding, o.blob);
         }
     }
-    if let Ok(mut r) = results.lock() {
-        r.insert(task.id, ids.clone());
-    }
+    results.insert(task.id, ids.clone());
     Ok(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_result_cache_forgets_the_oldest_tasks_past_its_bound() {
+        let cache = ResultCache::default();
+        let outputs = |n: u8| BTreeMap::from([(0u32, BlobId::of(&[n]))]);
+        for i in 0..=REMEMBERED_RESULTS as u64 {
+            cache.insert(TaskId(i), outputs((i % 251) as u8));
+        }
+        assert_eq!(cache.get(TaskId(0)), None, "the oldest is forgotten");
+        let newest = REMEMBERED_RESULTS as u64;
+        assert_eq!(
+            cache.get(TaskId(newest)),
+            Some(outputs((newest % 251) as u8))
+        );
+        // Remembering a task again does not count it twice.
+        cache.insert(TaskId(newest), outputs(1));
+        assert_eq!(cache.get(TaskId(1)), Some(outputs(1)));
+    }
 }

@@ -242,12 +242,7 @@ fn concerns(command: &Command, id: TaskId) -> bool {
 /// A completed task's outputs as blobs on this node, binding → blob.
 async fn merged(api: &ApiState, id: u64) -> ApiResult<BTreeMap<u32, BlobId>> {
     // A completed task's outputs never change: once known here, no read of the record.
-    if let Some(done) = api
-        .results
-        .lock()
-        .ok()
-        .and_then(|r| r.get(&TaskId(id)).cloned())
-    {
+    if let Some(done) = api.results.get(TaskId(id)) {
         return Ok(done);
     }
     let c = &api.consensus;
