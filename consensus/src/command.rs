@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use gpumesh_protocol::{BlobId, NodeCapability, TaskSpec};
+use gpumesh_protocol::{ActorCall, BackendKind, BlobId, NodeCapability, StateBuffer, TaskSpec};
 use serde::{Deserialize, Serialize};
 
 /// The idempotency key of a proposal: a proposal retried with the same id is applied
@@ -164,6 +164,59 @@ pub enum Command {
     /// The results of a task's shards cannot be merged into the unsharded answer
     /// (two shards changed one word to different values): the task fails.
     MergeFailed { task: TaskId, reason: String },
+    /// A new GPU actor `name` (unique mesh-wide) whose state buffers start as the
+    /// blobs given (zeros where none), to be hosted on a node of `backend` if given.
+    /// `creator` is the peer id of the node it was created through (it holds the
+    /// starting blobs, as a submitter holds a task's inputs).
+    CreateActor {
+        name: String,
+        state: Vec<ActorState>,
+        backend: Option<BackendKind>,
+        creator: String,
+    },
+    /// Hosts actor `name` on `node` under epoch `epoch` + 1: its first placement, or
+    /// a move away from a host that is down or gone. A report of an older epoch is
+    /// stale, and `epoch` must be the actor's current one.
+    PlaceActor {
+        name: String,
+        epoch: u32,
+        node: u64,
+        reason: String,
+    },
+    /// A call to actor `name`: it takes the actor's next sequence number, and the host
+    /// runs calls one at a time in that order.
+    CallActor { name: String, call: ActorCall },
+    /// The host ran call `seq`: the state is now `state` (the next version), held by
+    /// the host, and by `backup` through `changes` (what the call changed, from which
+    /// the backup makes the new state from the old); `outputs` are the call's own.
+    ActorCallDone {
+        name: String,
+        seq: u64,
+        epoch: u32,
+        node: u64,
+        state: Vec<(u32, BlobId)>,
+        changes: BlobId,
+        backup: u64,
+        outputs: Vec<MergedOutput>,
+    },
+    /// The host could not run call `seq` (a kernel that does not fit, a deadline):
+    /// the state stays as it was.
+    ActorCallFailed {
+        name: String,
+        seq: u64,
+        epoch: u32,
+        node: u64,
+        reason: String,
+    },
+    /// Removes actor `name`; its calls not yet run fail.
+    DeleteActor { name: String },
+}
+
+/// One state buffer of an actor and the blob it holds now (`None`: all zeros).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActorState {
+    pub buffer: StateBuffer,
+    pub blob: Option<BlobId>,
 }
 
 /// One merged output of a task: the final bytes of a writable binding.
@@ -190,6 +243,19 @@ impl Command {
             | Command::TaskCancelled { task, .. }
             | Command::TaskMerged { task, .. }
             | Command::MergeFailed { task, .. } => Some(*task),
+            _ => None,
+        }
+    }
+
+    /// The actor this command is about, if any.
+    pub fn actor(&self) -> Option<&str> {
+        match self {
+            Command::CreateActor { name, .. }
+            | Command::PlaceActor { name, .. }
+            | Command::CallActor { name, .. }
+            | Command::ActorCallDone { name, .. }
+            | Command::ActorCallFailed { name, .. }
+            | Command::DeleteActor { name } => Some(name),
             _ => None,
         }
     }
@@ -222,6 +288,12 @@ impl Command {
             Command::Heartbeat { .. } => "heartbeat",
             Command::TaskMerged { .. } => "task-merged",
             Command::MergeFailed { .. } => "merge-failed",
+            Command::CreateActor { .. } => "create-actor",
+            Command::PlaceActor { .. } => "place-actor",
+            Command::CallActor { .. } => "call-actor",
+            Command::ActorCallDone { .. } => "actor-call-done",
+            Command::ActorCallFailed { .. } => "actor-call-failed",
+            Command::DeleteActor { .. } => "delete-actor",
         }
     }
 }
@@ -253,6 +325,9 @@ pub enum Outcome {
     Ignored(String),
     /// Refused (unknown task, invalid spec, voter cap reached...).
     Rejected(String),
+    /// A call to an actor took sequence number `seq`; its result comes with
+    /// [`Command::ActorCallDone`] or [`Command::ActorCallFailed`] for that number.
+    CallQueued { seq: u64 },
 }
 
 /// A proposal's final answer: its outcome and where it sits in the log.

@@ -8,7 +8,8 @@
 //!   member), linearizable and local reads, membership changes, snapshots.
 //! - [`storage`]: [`RedbStorage`], raft-rs's `Storage` on redb, fsync'd per Ready,
 //!   with log compaction and snapshots; refuses corrupt or foreign data.
-//! - [`state`]: the deterministic [`StateMachine`] (members, tasks, shards, results).
+//! - [`state`]: the deterministic [`StateMachine`] (members, tasks, shards, results,
+//!   GPU actors).
 //! - [`command`]: what the log carries ([`Command`], [`LogEntry`]), request ids for
 //!   idempotency, and the [`Outcome`] a proposer gets.
 //! - [`transport`]: the [`Transport`] trait the node crate implements over libp2p.
@@ -80,13 +81,13 @@ pub mod wire;
 
 pub use cluster::ClusterId;
 pub use command::{
-    Command, Committed, LogEntry, MergedOutput, Outcome, RequestId, RequestIds, TaskId,
+    ActorState, Command, Committed, LogEntry, MergedOutput, Outcome, RequestId, RequestIds, TaskId,
 };
 pub use error::{ConsensusError, Result};
 pub use replica::{AppliedEvent, ConsensusHandle, ProposalCounts, RaftRole, ReplicaConfig, Status};
 pub use state::{
-    ClusterSettings, Liveness, Member, Role, Shard, ShardOutput, ShardState, StateMachine, Task,
-    TaskStatus, MAX_HISTORY,
+    Actor, CallResult, ClusterSettings, Liveness, Member, PendingCall, Role, Shard, ShardOutput,
+    ShardState, StateMachine, Task, TaskStatus, MAX_HISTORY, REMEMBERED_CALLS,
 };
 pub use storage::RedbStorage;
 pub use tracing_drain::{raft_logger, TracingDrain};

@@ -3,66 +3,12 @@
 
 mod common;
 
-use common::{spec, submit};
+use common::{spec, submit, Log};
 use gpumesh_consensus::sim::SplitMix64;
 use gpumesh_consensus::{
-    ClusterSettings, Command, LogEntry, MergedOutput, Outcome, RequestId, Role, ShardState,
-    StateMachine, TaskId, TaskStatus,
+    Command, MergedOutput, Outcome, RequestId, Role, ShardState, StateMachine, TaskId, TaskStatus,
 };
 use gpumesh_protocol::BlobId;
-
-struct Log {
-    sm: StateMachine,
-    index: u64,
-    entries: Vec<(u64, LogEntry)>,
-    seq: u64,
-}
-
-impl Log {
-    fn new() -> Self {
-        let founders = vec![
-            (1, "p1".to_string()),
-            (2, "p2".to_string()),
-            (3, "p3".to_string()),
-        ];
-        Self {
-            sm: StateMachine::bootstrap(&founders, ClusterSettings { max_voters: 3 }),
-            index: 1,
-            entries: Vec::new(),
-            seq: 0,
-        }
-    }
-
-    fn apply_as(&mut self, request_id: RequestId, command: Command) -> Outcome {
-        self.index += 1;
-        let entry = LogEntry {
-            origin: 1,
-            request_id,
-            command,
-        };
-        self.entries.push((self.index, entry.clone()));
-        self.sm.apply(self.index, 1, &entry).committed.outcome
-    }
-
-    fn apply(&mut self, command: Command) -> Outcome {
-        self.seq += 1;
-        self.apply_as(RequestId::new(1, self.seq), command)
-    }
-
-    /// Submits a task of `shards` shards and returns its id.
-    fn submit(&mut self, shards: u32) -> TaskId {
-        let mut spec = spec(8);
-        spec.shards = shards;
-        let command = Command::SubmitTask {
-            spec,
-            submitter: "test".into(),
-        };
-        match self.apply(command) {
-            Outcome::TaskSubmitted { task } => task,
-            other => panic!("{other:?}"),
-        }
-    }
-}
 
 fn result(task: TaskId, shard: u32, epoch: u32, node: u64, tag: &[u8]) -> Command {
     Command::ShardResult {

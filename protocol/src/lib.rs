@@ -8,12 +8,15 @@
 //!   outputs are merged ([`MergeRule`]).
 //! - [`changes`]: what a shard changed in its writable buffers, the format of a
 //!   shard's result ([`ShardChanges`]).
+//! - [`actor`]: GPU actors — a state layout ([`StateBuffer`]) and a call
+//!   ([`ActorCall`]), which runs as a one-shard task with the state in place.
 //! - [`capability`]: what a node's adapter is and how fast it measured
 //!   ([`NodeCapability`]).
 //! - [`mesh`]: what nodes say to each other ([`MeshRequest`], [`MeshResponse`]).
 //!
 //! This crate depends on no other workspace crate.
 
+pub mod actor;
 pub mod capability;
 pub mod changes;
 pub mod codec;
@@ -23,6 +26,7 @@ pub mod ids;
 pub mod mesh;
 pub mod task;
 
+pub use actor::{ActorCall, StateBuffer};
 pub use capability::{AdapterLimits, BackendKind, DeviceKind, NodeCapability};
 pub use changes::{Base, BufferChanges, Run, ShardChanges};
 pub use envelope::{open, seal, WIRE_VERSION};

@@ -208,7 +208,8 @@ impl ProposalTally {
                 Outcome::Rejected(_) => &self.rejected,
                 Outcome::Applied
                 | Outcome::TaskSubmitted { .. }
-                | Outcome::ShardAssigned { .. } => &self.applied,
+                | Outcome::ShardAssigned { .. }
+                | Outcome::CallQueued { .. } => &self.applied,
             },
             Err(ConsensusError::OutcomeUnknown { .. }) => &self.unknown,
             Err(_) => &self.dropped,

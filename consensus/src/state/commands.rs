@@ -9,6 +9,36 @@ impl StateMachine {
             Command::SubmitTask { spec, submitter } => {
                 self.submit(index, entry.request_id, spec, submitter)
             }
+            Command::CreateActor {
+                name,
+                state,
+                backend,
+                creator,
+            } => self.create_actor(index, name, state, *backend, creator),
+            Command::PlaceActor {
+                name, epoch, node, ..
+            } => self.place_actor(name, *epoch, *node),
+            Command::CallActor { name, call } => self.call_actor(index, name, call),
+            Command::ActorCallDone {
+                name,
+                seq,
+                epoch,
+                node,
+                state,
+                changes,
+                backup,
+                outputs,
+            } => self.actor_call_done(
+                index, name, *seq, *epoch, *node, state, *changes, *backup, outputs,
+            ),
+            Command::ActorCallFailed {
+                name,
+                seq,
+                epoch,
+                node,
+                reason,
+            } => self.actor_call_failed(index, name, *seq, *epoch, *node, reason),
+            Command::DeleteActor { name } => self.delete_actor(name),
             Command::AssignShard { task, shard, node } => {
                 self.assign(index, *task, *shard, *node, None)
             }

@@ -12,9 +12,11 @@ use serde::{Deserialize, Serialize};
 use crate::command::{Command, Committed, LogEntry, MergedOutput, Outcome, RequestId, TaskId};
 use crate::error::Result;
 
+mod actors;
 mod commands;
 mod types;
 
+pub use actors::{Actor, CallResult, PendingCall, REMEMBERED_CALLS};
 pub use types::*;
 
 /// The replicated record.
@@ -33,6 +35,8 @@ pub struct StateMachine {
     /// stored), so a scheduling pass costs the live tasks, not the whole history.
     #[serde(skip)]
     active: BTreeSet<TaskId>,
+    /// GPU actors by name.
+    actors: BTreeMap<String, Actor>,
 }
 
 impl StateMachine {
@@ -65,6 +69,7 @@ impl StateMachine {
             requests: BTreeMap::new(),
             request_order: VecDeque::new(),
             active: BTreeSet::new(),
+            actors: BTreeMap::new(),
         }
     }
 

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use gpumesh_consensus::sim::{Faults, SimNetwork};
 use gpumesh_consensus::{
-    ClusterId, ClusterSettings, Command, ConsensusHandle, RaftRole, RedbStorage, ReplicaConfig,
-    Status,
+    ClusterId, ClusterSettings, Command, ConsensusHandle, LogEntry, Outcome, RaftRole, RedbStorage,
+    ReplicaConfig, RequestId, StateMachine, Status, TaskId,
 };
 use gpumesh_protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
 
@@ -243,5 +243,60 @@ where
             return None;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A log applied straight to a state machine, one entry after another.
+pub struct Log {
+    pub sm: StateMachine,
+    pub index: u64,
+    pub entries: Vec<(u64, LogEntry)>,
+    pub seq: u64,
+}
+
+impl Log {
+    /// Three founding voters, raft ids 1, 2 and 3.
+    pub fn new() -> Self {
+        let founders = vec![
+            (1, "p1".to_string()),
+            (2, "p2".to_string()),
+            (3, "p3".to_string()),
+        ];
+        Self {
+            sm: StateMachine::bootstrap(&founders, ClusterSettings { max_voters: 3 }),
+            index: 1,
+            entries: Vec::new(),
+            seq: 0,
+        }
+    }
+
+    pub fn apply_as(&mut self, request_id: RequestId, command: Command) -> Outcome {
+        self.index += 1;
+        let entry = LogEntry {
+            origin: 1,
+            request_id,
+            command,
+        };
+        self.entries.push((self.index, entry.clone()));
+        self.sm.apply(self.index, 1, &entry).committed.outcome
+    }
+
+    pub fn apply(&mut self, command: Command) -> Outcome {
+        self.seq += 1;
+        self.apply_as(RequestId::new(1, self.seq), command)
+    }
+
+    /// Submits a task of `shards` shards and returns its id.
+    pub fn submit(&mut self, shards: u32) -> TaskId {
+        let mut spec = spec(8);
+        spec.shards = shards;
+        let command = Command::SubmitTask {
+            spec,
+            submitter: "test".into(),
+        };
+        match self.apply(command) {
+            Outcome::TaskSubmitted { task } => task,
+            other => panic!("{other:?}"),
+        }
     }
 }

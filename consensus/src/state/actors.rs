@@ -1,0 +1,287 @@
+//! GPU actors in the record: each actor's layout, where its state is now (blobs by
+//! version), which node hosts it under which epoch, the calls waiting in log order,
+//! and the results of the calls that ran.
+//!
+//! The log gives every call to an actor one place in one order, whichever node it came
+//! through; the host runs them in that order and reports each (`ActorCallDone` /
+//! `ActorCallFailed`). Only the oldest waiting call of the current epoch's host is
+//! accepted, so a late report from a host the actor has moved away from, or one out
+//! of order, changes nothing.
+
+use gpumesh_protocol::actor::{check_layout, check_name};
+use gpumesh_protocol::{ActorCall, BackendKind, BlobId, StateBuffer};
+
+use super::*;
+use crate::command::ActorState;
+
+/// How many results of an actor's calls the record keeps (the newest), so that a
+/// retried call learns its result.
+pub const REMEMBERED_CALLS: usize = 10_000;
+
+/// One actor.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Actor {
+    pub name: String,
+    /// Log index of the entry that created it.
+    pub created: u64,
+    /// Peer id of the node it was created through.
+    pub creator: String,
+    pub backend: Option<BackendKind>,
+    /// The state as of `version`: each buffer's blob (`None`: zeros, never changed).
+    pub state: Vec<ActorState>,
+    /// Calls that changed nothing or something: one more with every call that ran.
+    pub version: u64,
+    /// The node it runs on; `None` until the leader places it.
+    pub host: Option<u64>,
+    /// Placements so far: the host's reports count only under the current one.
+    pub epoch: u32,
+    /// Moves away from a host that was down or gone.
+    pub moves: u32,
+    /// The node that keeps the second copy of the state (it holds each call's
+    /// changes and makes the new state from the old).
+    pub backup: Option<u64>,
+    /// The changes blob of the last call that ran.
+    pub last_changes: Option<BlobId>,
+    /// The sequence number the next call takes.
+    pub next_seq: u64,
+    /// Calls waiting to run, by sequence number.
+    pub pending: BTreeMap<u64, PendingCall>,
+    /// Results of calls that ran (the newest [`REMEMBERED_CALLS`]), by sequence number.
+    pub results: BTreeMap<u64, CallResult>,
+}
+
+/// A call waiting for its turn on the host.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PendingCall {
+    pub call: ActorCall,
+    /// Log index of its `CallActor` entry.
+    pub index: u64,
+}
+
+/// How a call ended.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum CallResult {
+    /// It ran: the state is at `version` after it, and its own outputs are these.
+    Done {
+        version: u64,
+        outputs: Vec<MergedOutput>,
+        index: u64,
+    },
+    /// It did not run, or failed: the state is as it was.
+    Failed { reason: String, index: u64 },
+}
+
+impl Actor {
+    /// The layout of its state.
+    pub fn layout(&self) -> Vec<StateBuffer> {
+        self.state.iter().map(|s| s.buffer).collect()
+    }
+
+    /// The call the host runs next, if any.
+    pub fn next_call(&self) -> Option<(u64, &PendingCall)> {
+        self.pending.iter().next().map(|(seq, c)| (*seq, c))
+    }
+
+    fn finish(&mut self, seq: u64, result: CallResult) {
+        self.pending.remove(&seq);
+        self.results.insert(seq, result);
+        while self.results.len() > REMEMBERED_CALLS {
+            self.results.pop_first();
+        }
+    }
+
+    /// Why a report of call `seq` by `node` under `epoch` does not count, if it does
+    /// not.
+    fn stale(&self, seq: u64, epoch: u32, node: u64) -> Option<String> {
+        if epoch != self.epoch || self.host != Some(node) {
+            return Some(format!(
+                "actor {}: a report from node {node:x} under epoch {epoch}; it is hosted by \
+                 {} under epoch {}",
+                self.name,
+                self.host.map_or("nobody".into(), |h| format!("{h:x}")),
+                self.epoch
+            ));
+        }
+        match self.next_call() {
+            Some((next, _)) if next == seq => None,
+            Some((next, _)) => Some(format!(
+                "actor {}: call {seq} reported while call {next} is the next to run",
+                self.name
+            )),
+            None => Some(format!("actor {}: no call is waiting", self.name)),
+        }
+    }
+}
+
+impl StateMachine {
+    pub fn actors(&self) -> &BTreeMap<String, Actor> {
+        &self.actors
+    }
+
+    pub fn actor(&self, name: &str) -> Option<&Actor> {
+        self.actors.get(name)
+    }
+
+    pub(super) fn create_actor(
+        &mut self,
+        index: u64,
+        name: &str,
+        state: &[ActorState],
+        backend: Option<BackendKind>,
+        creator: &str,
+    ) -> Outcome {
+        if let Err(e) = check_name(name) {
+            return Outcome::Rejected(e.to_string());
+        }
+        let layout: Vec<StateBuffer> = state.iter().map(|s| s.buffer).collect();
+        if let Err(e) = check_layout(&layout) {
+            return Outcome::Rejected(e.to_string());
+        }
+        if self.actors.contains_key(name) {
+            return Outcome::Rejected(format!(
+                "an actor named {name} exists; names are unique in the mesh (delete it \
+                 first, or pick another name)"
+            ));
+        }
+        self.actors.insert(
+            name.to_string(),
+            Actor {
+                name: name.to_string(),
+                created: index,
+                creator: creator.to_string(),
+                backend,
+                state: state.to_vec(),
+                version: 0,
+                host: None,
+                epoch: 0,
+                moves: 0,
+                backup: None,
+                last_changes: None,
+                next_seq: 1,
+                pending: BTreeMap::new(),
+                results: BTreeMap::new(),
+            },
+        );
+        Outcome::Applied
+    }
+
+    pub(super) fn place_actor(&mut self, name: &str, epoch: u32, node: u64) -> Outcome {
+        if !self.members.contains_key(&node) {
+            return Outcome::Rejected(format!("node {node:x} is not a member"));
+        }
+        let Some(a) = self.actors.get_mut(name) else {
+            return Outcome::Rejected(format!("no actor named {name}"));
+        };
+        if epoch != a.epoch {
+            return Outcome::Ignored(format!(
+                "actor {name} is at epoch {}, not {epoch}: placed already",
+                a.epoch
+            ));
+        }
+        if a.host.is_some() {
+            a.moves += 1;
+        }
+        a.host = Some(node);
+        a.epoch += 1;
+        Outcome::Applied
+    }
+
+    pub(super) fn call_actor(&mut self, index: u64, name: &str, call: &ActorCall) -> Outcome {
+        let Some(a) = self.actors.get_mut(name) else {
+            return Outcome::Rejected(format!("no actor named {name}"));
+        };
+        if let Err(e) = call.check_shape(&a.layout()) {
+            return Outcome::Rejected(e.to_string());
+        }
+        let seq = a.next_seq;
+        a.next_seq += 1;
+        a.pending.insert(
+            seq,
+            PendingCall {
+                call: call.clone(),
+                index,
+            },
+        );
+        Outcome::CallQueued { seq }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn actor_call_done(
+        &mut self,
+        index: u64,
+        name: &str,
+        seq: u64,
+        epoch: u32,
+        node: u64,
+        state: &[(u32, BlobId)],
+        changes: BlobId,
+        backup: u64,
+        outputs: &[MergedOutput],
+    ) -> Outcome {
+        let Some(a) = self.actors.get_mut(name) else {
+            return Outcome::Ignored(format!("no actor named {name} (deleted?)"));
+        };
+        if let Some(why) = a.stale(seq, epoch, node) {
+            return Outcome::Ignored(why);
+        }
+        let same_layout = state.len() == a.state.len()
+            && state
+                .iter()
+                .all(|(binding, _)| a.state.iter().any(|s| s.buffer.binding == *binding));
+        if !same_layout {
+            return Outcome::Rejected(format!(
+                "actor {name}: the reported state does not match its buffers"
+            ));
+        }
+        for (binding, blob) in state {
+            if let Some(s) = a.state.iter_mut().find(|s| s.buffer.binding == *binding) {
+                s.blob = Some(*blob);
+            }
+        }
+        a.version += 1;
+        a.backup = Some(backup);
+        a.last_changes = Some(changes);
+        let version = a.version;
+        a.finish(
+            seq,
+            CallResult::Done {
+                version,
+                outputs: outputs.to_vec(),
+                index,
+            },
+        );
+        Outcome::Applied
+    }
+
+    pub(super) fn actor_call_failed(
+        &mut self,
+        index: u64,
+        name: &str,
+        seq: u64,
+        epoch: u32,
+        node: u64,
+        reason: &str,
+    ) -> Outcome {
+        let Some(a) = self.actors.get_mut(name) else {
+            return Outcome::Ignored(format!("no actor named {name} (deleted?)"));
+        };
+        if let Some(why) = a.stale(seq, epoch, node) {
+            return Outcome::Ignored(why);
+        }
+        a.finish(
+            seq,
+            CallResult::Failed {
+                reason: reason.to_string(),
+                index,
+            },
+        );
+        Outcome::Applied
+    }
+
+    pub(super) fn delete_actor(&mut self, name: &str) -> Outcome {
+        match self.actors.remove(name) {
+            Some(_) => Outcome::Applied,
+            None => Outcome::Ignored(format!("no actor named {name}")),
+        }
+    }
+}

@@ -1,0 +1,248 @@
+//! GPU actors in the record: unique names, calls in log order, reports counted only
+//! from the current host in order, moves under a new epoch, and state that survives a
+//! snapshot.
+
+mod common;
+
+use common::Log;
+use gpumesh_consensus::{
+    ActorState, CallResult, Command, MergedOutput, Outcome, RequestId, StateMachine,
+};
+use gpumesh_protocol::{
+    ActorCall, BindingRole, BindingSpec, BlobId, Grid, ShaderSource, StateBuffer,
+};
+
+fn create(name: &str) -> Command {
+    Command::CreateActor {
+        name: name.into(),
+        state: vec![ActorState {
+            buffer: StateBuffer {
+                binding: 0,
+                size: 16,
+            },
+            blob: None,
+        }],
+        backend: None,
+        creator: "p1".into(),
+    }
+}
+
+fn call(param: u32) -> ActorCall {
+    ActorCall {
+        shader: ShaderSource::Wgsl("@compute @workgroup_size(1) fn main() {}".into()),
+        entry_point: "main".into(),
+        bindings: vec![BindingSpec {
+            binding: 1,
+            role: BindingRole::Param {
+                data: param.to_le_bytes().to_vec(),
+            },
+        }],
+        grid: Grid([1, 1, 1]),
+        deadline_ms: None,
+    }
+}
+
+fn queue(log: &mut Log, name: &str, param: u32) -> u64 {
+    match log.apply(Command::CallActor {
+        name: name.into(),
+        call: call(param),
+    }) {
+        Outcome::CallQueued { seq } => seq,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn done(name: &str, seq: u64, epoch: u32, node: u64, tag: &[u8]) -> Command {
+    Command::ActorCallDone {
+        name: name.into(),
+        seq,
+        epoch,
+        node,
+        state: vec![(0, BlobId::of(tag))],
+        changes: BlobId::of(&[tag, b"-changes"].concat()),
+        backup: if node == 1 { 2 } else { 1 },
+        outputs: vec![MergedOutput {
+            binding: 2,
+            blob: BlobId::of(&[tag, b"-out"].concat()),
+            size: 4,
+            node,
+        }],
+    }
+}
+
+fn place(name: &str, epoch: u32, node: u64) -> Command {
+    Command::PlaceActor {
+        name: name.into(),
+        epoch,
+        node,
+        reason: "test".into(),
+    }
+}
+
+fn ignored(o: Outcome) -> String {
+    match o {
+        Outcome::Ignored(why) => why,
+        other => panic!("expected Ignored, got {other:?}"),
+    }
+}
+
+#[test]
+fn names_are_unique_and_checked_and_a_deleted_name_is_free_again() {
+    let mut log = Log::new();
+    assert_eq!(log.apply(create("counter")), Outcome::Applied);
+    match log.apply(create("counter")) {
+        Outcome::Rejected(why) => assert!(why.contains("exists"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    for bad in ["", "no spaces", "a/b"] {
+        assert!(
+            matches!(log.apply(create(bad)), Outcome::Rejected(_)),
+            "{bad:?}"
+        );
+    }
+    let mut odd = create("odd");
+    if let Command::CreateActor { state, .. } = &mut odd {
+        state[0].buffer.size = 6;
+    }
+    assert!(matches!(log.apply(odd), Outcome::Rejected(_)));
+    assert_eq!(
+        log.apply(Command::DeleteActor {
+            name: "counter".into()
+        }),
+        Outcome::Applied
+    );
+    assert!(log.sm.actor("counter").is_none());
+    assert!(matches!(
+        log.apply(Command::CallActor {
+            name: "counter".into(),
+            call: call(1)
+        }),
+        Outcome::Rejected(_)
+    ));
+    assert_eq!(log.apply(create("counter")), Outcome::Applied);
+}
+
+#[test]
+fn calls_run_in_log_order_and_only_the_hosts_report_of_the_next_call_counts() {
+    let mut log = Log::new();
+    log.apply(create("a"));
+    // Calls queue before the actor has a host.
+    let first = queue(&mut log, "a", 1);
+    let second = queue(&mut log, "a", 2);
+    assert_eq!((first, second), (1, 2));
+    assert_eq!(log.apply(place("a", 0, 1)), Outcome::Applied);
+    let a = log.sm.actor("a").unwrap();
+    assert_eq!((a.host, a.epoch, a.moves), (Some(1), 1, 0));
+    assert_eq!(a.next_call().map(|(seq, _)| seq), Some(1));
+
+    // Out of order, from another node, or under an old epoch: nothing changes.
+    assert!(ignored(log.apply(done("a", 2, 1, 1, b"x"))).contains("call 1 is the next"));
+    assert!(ignored(log.apply(done("a", 1, 1, 2, b"x"))).contains("hosted by"));
+    assert!(ignored(log.apply(done("a", 1, 0, 1, b"x"))).contains("epoch"));
+    assert_eq!(log.sm.actor("a").unwrap().version, 0);
+
+    assert_eq!(log.apply(done("a", 1, 1, 1, b"v1")), Outcome::Applied);
+    let a = log.sm.actor("a").unwrap();
+    assert_eq!(a.version, 1);
+    assert_eq!(a.state[0].blob, Some(BlobId::of(b"v1")));
+    assert_eq!(a.backup, Some(2));
+    assert!(matches!(
+        a.results.get(&1),
+        Some(CallResult::Done { version: 1, .. })
+    ));
+    // The same report again changes nothing.
+    assert!(ignored(log.apply(done("a", 1, 1, 1, b"v1"))).contains("call 2 is the next"));
+
+    // A call that fails leaves the state as it was.
+    assert_eq!(
+        log.apply(Command::ActorCallFailed {
+            name: "a".into(),
+            seq: 2,
+            epoch: 1,
+            node: 1,
+            reason: "deadline".into(),
+        }),
+        Outcome::Applied
+    );
+    let a = log.sm.actor("a").unwrap();
+    assert_eq!(a.version, 1);
+    assert_eq!(a.state[0].blob, Some(BlobId::of(b"v1")));
+    assert!(
+        matches!(a.results.get(&2), Some(CallResult::Failed { reason, .. }) if reason == "deadline")
+    );
+    assert!(a.pending.is_empty());
+}
+
+#[test]
+fn a_moved_actor_ignores_its_old_host_and_keeps_its_state() {
+    let mut log = Log::new();
+    log.apply(create("m"));
+    log.apply(place("m", 0, 1));
+    let s1 = queue(&mut log, "m", 1);
+    log.apply(done("m", s1, 1, 1, b"v1"));
+    let s2 = queue(&mut log, "m", 2);
+    // The host dies with call 2 unfinished: the actor moves to node 2, epoch 2.
+    assert_eq!(log.apply(place("m", 1, 2)), Outcome::Applied);
+    // A second move computed from the same view is stale.
+    assert!(ignored(log.apply(place("m", 1, 3))).contains("placed already"));
+    let m = log.sm.actor("m").unwrap();
+    assert_eq!((m.host, m.epoch, m.moves, m.version), (Some(2), 2, 1, 1));
+    assert_eq!(
+        m.state[0].blob,
+        Some(BlobId::of(b"v1")),
+        "the last acknowledged state"
+    );
+    // The old host's late report is ignored; the new host runs call 2.
+    assert!(ignored(log.apply(done("m", s2, 1, 1, b"late"))).contains("hosted by"));
+    assert_eq!(log.apply(done("m", s2, 2, 2, b"v2")), Outcome::Applied);
+    let m = log.sm.actor("m").unwrap();
+    assert_eq!(m.version, 2);
+    assert_eq!(m.state[0].blob, Some(BlobId::of(b"v2")));
+    // Placing on a node that is not a member is refused.
+    assert!(matches!(log.apply(place("m", 2, 99)), Outcome::Rejected(_)));
+}
+
+#[test]
+fn a_retried_call_takes_no_second_place_in_line() {
+    let mut log = Log::new();
+    log.apply(create("r"));
+    let id = RequestId::new(7, 1);
+    let command = Command::CallActor {
+        name: "r".into(),
+        call: call(5),
+    };
+    let first = log.apply_as(id, command.clone());
+    let again = log.apply_as(id, command);
+    assert_eq!(first, Outcome::CallQueued { seq: 1 });
+    assert_eq!(again, first);
+    assert_eq!(log.sm.actor("r").unwrap().pending.len(), 1);
+}
+
+#[test]
+fn a_call_that_binds_over_the_state_is_refused() {
+    let mut log = Log::new();
+    log.apply(create("s"));
+    let mut over = call(1);
+    over.bindings[0].binding = 0;
+    match log.apply(Command::CallActor {
+        name: "s".into(),
+        call: over,
+    }) {
+        Outcome::Rejected(why) => assert!(why.contains("the actor's state"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(log.sm.actor("s").unwrap().next_seq, 1, "no number taken");
+}
+
+#[test]
+fn actors_survive_a_snapshot() {
+    let mut log = Log::new();
+    log.apply(create("snap"));
+    log.apply(place("snap", 0, 3));
+    let s1 = queue(&mut log, "snap", 1);
+    log.apply(done("snap", s1, 1, 3, b"v1"));
+    queue(&mut log, "snap", 2);
+    let restored = StateMachine::from_bytes(&log.sm.to_bytes().unwrap()).unwrap();
+    assert_eq!(restored, log.sm);
+    assert_eq!(restored.actor("snap").unwrap().pending.len(), 1);
+}
