@@ -117,6 +117,9 @@ struct Gpu {
     lost: Arc<Mutex<Option<String>>>,
 }
 
+/// Writable buffers a run leaves on the device, by the address of their contents.
+type Kept = Vec<(BlobId, wgpu::Buffer)>;
+
 /// The device buffers a job's shards share.
 #[derive(Clone, Copy)]
 struct Buffers<'a> {
@@ -319,7 +322,13 @@ impl Executor {
         let oom = pollster::block_on(device.pop_error_scope());
         let result = match (result, validation.or(oom)) {
             (Ok(_), Some(e)) => Err(ExecError::Gpu(e.to_string())),
-            (result, _) => result,
+            (Ok((shards, kept)), None) => {
+                for (id, buffer) in kept {
+                    self.make_resident((id, false), buffer);
+                }
+                Ok(shards)
+            }
+            (Err(e), _) => Err(e),
         };
         match result {
             Err(ExecError::Deadline { .. } | ExecError::DeviceLost(_)) => {
@@ -344,18 +353,21 @@ impl Executor {
         ranges: &[ShardRange],
         started: Instant,
         deadline: Duration,
-    ) -> Result<Vec<ShardOutput>> {
+    ) -> Result<(Vec<ShardOutput>, Kept)> {
         let mut out = Vec::with_capacity(ranges.len());
+        let mut kept = Vec::new();
         for range in ranges {
             let shard_start = Instant::now();
-            let changes = self.dispatch_one(job, pipeline, buffers, range, started, deadline)?;
+            let (changes, keep) =
+                self.dispatch_one(job, pipeline, buffers, range, started, deadline)?;
+            kept.extend(keep);
             out.push(ShardOutput {
                 range: *range,
                 changes,
                 elapsed: shard_start.elapsed(),
             });
         }
-        Ok(out)
+        Ok((out, kept))
     }
 
     /// GPU buffers for `inputs`, uploaded unless already resident. Inputs are
@@ -391,24 +403,32 @@ impl Executor {
                     contents: &contents,
                     usage,
                 });
-            let size = contents.len() as u64;
-            Tally::add(&self.tally.bytes_to_device, size);
-            if size <= self.limits.resident_input_bytes {
-                while self.resident_bytes + size > self.limits.resident_input_bytes {
-                    let Some(old) = self.resident_order.pop_front() else {
-                        break;
-                    };
-                    if let Some(evicted) = self.resident.remove(&old) {
-                        self.resident_bytes -= evicted.size();
-                    }
-                }
-                self.resident.insert(key, buffer.clone());
-                self.resident_order.push_back(key);
-                self.resident_bytes += size;
-            }
+            Tally::add(&self.tally.bytes_to_device, contents.len() as u64);
+            self.make_resident(key, buffer.clone());
             buffers.insert(binding, buffer);
         }
         buffers
+    }
+
+    /// Keeps `buffer` on the device as the contents `key` names, for later jobs,
+    /// evicting the oldest resident buffers past the byte budget (a buffer over the
+    /// whole budget is not kept).
+    fn make_resident(&mut self, key: (BlobId, bool), buffer: wgpu::Buffer) {
+        let size = buffer.size();
+        if size > self.limits.resident_input_bytes || self.resident.contains_key(&key) {
+            return;
+        }
+        while self.resident_bytes + size > self.limits.resident_input_bytes {
+            let Some(old) = self.resident_order.pop_front() else {
+                break;
+            };
+            if let Some(evicted) = self.resident.remove(&old) {
+                self.resident_bytes -= evicted.size();
+            }
+        }
+        self.resident.insert(key, buffer);
+        self.resident_order.push_back(key);
+        self.resident_bytes += size;
     }
 
     fn dispatch_one(
@@ -419,7 +439,7 @@ impl Executor {
         range: &ShardRange,
         started: Instant,
         deadline: Duration,
-    ) -> Result<ShardChanges> {
+    ) -> Result<(ShardChanges, Kept)> {
         let device = &self.gpu.device;
         let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
             label: Some("gpumesh shard"),
@@ -565,17 +585,21 @@ impl Executor {
             }
         }
         let mut result = BTreeMap::new();
-        for (binding, (_, staging)) in outputs {
+        let mut kept = Vec::new();
+        for (binding, (buffer, staging)) in outputs {
             let changes = {
                 let after = staging.slice(..).get_mapped_range();
                 Tally::add(&self.tally.bytes_from_device, after.len() as u64);
+                if job.keep.contains(&binding) {
+                    kept.push((BlobId::of(&after), buffer));
+                }
                 let base = job.writable[&binding].base();
                 BufferChanges::diff(base, &after)
             };
             staging.unmap();
             result.insert(binding, changes);
         }
-        Ok(ShardChanges(result))
+        Ok((ShardChanges(result), kept))
     }
 
     /// Waits for `submission` within what is left of the deadline.

@@ -55,6 +55,9 @@ pub struct Job {
     pub(crate) inputs: BTreeMap<u32, InputBuffer>,
     /// Outputs and in-out buffers.
     pub(crate) writable: BTreeMap<u32, Writable>,
+    /// Writable bindings whose final contents stay on the device after the run, under
+    /// their content address (an actor's state: its next call starts from them).
+    pub(crate) keep: std::collections::BTreeSet<u32>,
 }
 
 impl Job {
@@ -125,7 +128,34 @@ impl Job {
             plan,
             inputs,
             writable,
+            keep: Default::default(),
         })
+    }
+
+    /// Keeps the final contents of these writable bindings on the device after the
+    /// run, under the blake3 address of their bytes, so that a later job starting an
+    /// in-out binding from that blob finds it there and uploads nothing. Only for a job
+    /// of one shard (the buffer then holds the whole result); refused otherwise.
+    pub fn keep_resident(mut self, bindings: impl IntoIterator<Item = u32>) -> Result<Self> {
+        for binding in bindings {
+            if !self.writable.contains_key(&binding) {
+                return Err(ExecError::Binding {
+                    binding,
+                    problem: "only an output or in-out buffer can be kept on the device".into(),
+                });
+            }
+            self.keep.insert(binding);
+        }
+        if !self.keep.is_empty() && self.plan.len() != 1 {
+            return Err(ExecError::Binding {
+                binding: self.keep.iter().next().copied().unwrap_or_default(),
+                problem: format!(
+                    "a buffer is kept on the device only from a job of one shard, not {}",
+                    self.plan.len()
+                ),
+            });
+        }
+        Ok(self)
     }
 
     /// The outputs and in-out buffers, by binding.
