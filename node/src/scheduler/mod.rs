@@ -247,6 +247,22 @@ impl Scheduler {
                     .await;
             });
         }
+        // A placement computed twice before the first applies is ignored the second
+        // time (its epoch is gone).
+        for (name, epoch, node, reason) in plan.place_actors {
+            let consensus = self.consensus.clone();
+            tokio::spawn(async move {
+                tracing::info!(actor = %name, node = format_args!("{node:x}"), %reason, "placing actor");
+                let _ = consensus
+                    .propose(Command::PlaceActor {
+                        name,
+                        epoch,
+                        node,
+                        reason,
+                    })
+                    .await;
+            });
+        }
     }
 }
 

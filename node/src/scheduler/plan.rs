@@ -1,7 +1,7 @@
 //! Placement: what the leader proposes next, from the record and what it has seen
 //! for itself. A pure function of both, so it is tested without a mesh.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use gpumesh_consensus::{Shard, ShardState, StateMachine, TaskId};
 use gpumesh_protocol::TaskSpec;
@@ -27,6 +27,8 @@ pub struct Plan {
     pub verify: Vec<(TaskId, u32)>,
     /// Tasks whose shards all have results, waiting to be merged.
     pub merge: Vec<TaskId>,
+    /// (actor, its epoch, node, why): a first host, or a move off a lost one.
+    pub place_actors: Vec<(String, u32, u64, String)>,
 }
 
 /// Largest buffer a task binds.
@@ -43,6 +45,7 @@ struct Worker {
     node: u64,
     gflops: f64,
     fits: u64,
+    backend: gpumesh_protocol::BackendKind,
     /// Adapter and backend, so replicas can go to different hardware.
     kind: (String, String),
 }
@@ -79,6 +82,7 @@ pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
                 node: m.raft_id,
                 gflops: cap.gflops.max(0.1),
                 fits,
+                backend: cap.backend,
                 kind: (cap.adapter_name.clone(), cap.backend.name().to_string()),
             })
         })
@@ -155,7 +159,52 @@ pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
             }
         }
     }
+    place_actors(s, observed, &workers, &mut load, &mut out);
     out
+}
+
+/// GPU actors without a host, or whose host is gone or down: a first host, or the
+/// node that kept the second copy of the state when it can take it, else the least
+/// loaded by measured speed; on the actor's backend when it names one.
+fn place_actors(
+    s: &StateMachine,
+    observed: &Observed,
+    workers: &[Worker],
+    load: &mut BTreeMap<u64, u32>,
+    out: &mut Plan,
+) {
+    for a in s.actors().values() {
+        if let Some(host) = a.host {
+            *load.entry(host).or_default() += 1;
+        }
+    }
+    for a in s.actors().values() {
+        let why = match a.host {
+            None => "placed",
+            Some(h) if s.member(h).is_none() => "the host left the mesh",
+            Some(h) if observed.down.contains(&h) => "the host stopped answering",
+            Some(_) => continue,
+        };
+        let need = a.state.iter().map(|st| st.buffer.size).max().unwrap_or(0);
+        let eligible = |w: &&Worker| {
+            w.fits >= need && a.backend.is_none_or(|b| b == w.backend) && Some(w.node) != a.host
+        };
+        let backup = a
+            .backup
+            .and_then(|b| workers.iter().filter(eligible).find(|w| w.node == b));
+        let best = backup.or_else(|| {
+            workers.iter().filter(eligible).min_by(|x, y| {
+                let score =
+                    |w: &Worker| f64::from(load.get(&w.node).copied().unwrap_or(0) + 1) / w.gflops;
+                score(x).total_cmp(&score(y))
+            })
+        });
+        if let Some(w) = best {
+            *load.entry(w.node).or_default() += 1;
+            out.place_actors
+                .push((a.name.clone(), a.epoch, w.node, why.to_string()));
+        }
+    }
 }
 
 #[cfg(test)]
@@ -238,6 +287,98 @@ mod tests {
             *m.entry(*node).or_default() += 1;
         }
         m
+    }
+
+    fn actor(name: &str, backend: Option<BackendKind>) -> Command {
+        Command::CreateActor {
+            name: name.into(),
+            state: vec![gpumesh_consensus::ActorState {
+                buffer: gpumesh_protocol::StateBuffer {
+                    binding: 0,
+                    size: 1024,
+                },
+                blob: None,
+            }],
+            backend,
+            creator: "peer-1".into(),
+        }
+    }
+
+    #[test]
+    fn an_actor_is_placed_on_its_backend_and_moves_to_its_backup_when_the_host_is_down() {
+        let mut gl = capability(50.0, 1 << 27);
+        gl.backend = BackendKind::Gl;
+        let mut s = state(
+            &[
+                Some(capability(10.0, 1 << 27)),
+                Some(gl),
+                Some(capability(20.0, 1 << 27)),
+            ],
+            1,
+        );
+        apply(&mut s, actor("on-gl", Some(BackendKind::Gl)));
+        apply(&mut s, actor("any", None));
+        let first = plan(&s, &Observed::default());
+        let placed: BTreeMap<&str, u64> = first
+            .place_actors
+            .iter()
+            .map(|(name, epoch, node, _)| {
+                assert_eq!(*epoch, 0);
+                (name.as_str(), *node)
+            })
+            .collect();
+        assert_eq!(placed["on-gl"], 2, "the only GL node");
+        // (hosted + 1) / GFLOP/s: node 2 at 2/50 beats node 3 at 1/20 and node 1.
+        assert_eq!(placed["any"], 2, "by load over measured speed");
+
+        // Hosted on node 3 with node 1 keeping the copy; node 3 goes down.
+        apply(
+            &mut s,
+            Command::PlaceActor {
+                name: "any".into(),
+                epoch: 0,
+                node: 3,
+                reason: "test".into(),
+            },
+        );
+        apply(
+            &mut s,
+            Command::CallActor {
+                name: "any".into(),
+                call: gpumesh_protocol::ActorCall {
+                    shader: gpumesh_protocol::ShaderSource::Wgsl(String::new()),
+                    entry_point: "main".into(),
+                    bindings: vec![],
+                    grid: gpumesh_protocol::Grid([1, 1, 1]),
+                    deadline_ms: None,
+                },
+            },
+        );
+        apply(
+            &mut s,
+            Command::ActorCallDone {
+                name: "any".into(),
+                seq: 1,
+                epoch: 1,
+                node: 3,
+                state: vec![(0, gpumesh_protocol::BlobId::of(b"v1"))],
+                changes: gpumesh_protocol::BlobId::of(b"c1"),
+                backup: 1,
+                outputs: vec![],
+            },
+        );
+        let mut observed = Observed::default();
+        observed.down.insert(3);
+        let moves: Vec<_> = plan(&s, &observed)
+            .place_actors
+            .into_iter()
+            .filter(|(name, ..)| name == "any")
+            .collect();
+        assert_eq!(
+            moves,
+            vec![("any".into(), 1, 1, "the host stopped answering".into())],
+            "to the backup, which holds the state"
+        );
     }
 
     #[test]
