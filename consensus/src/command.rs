@@ -184,8 +184,13 @@ pub enum Command {
         reason: String,
     },
     /// A call to actor `name`: it takes the actor's next sequence number, and the host
-    /// runs calls one at a time in that order.
-    CallActor { name: String, call: ActorCall },
+    /// runs calls one at a time in that order. `caller` is the peer id of the node it
+    /// came through (it holds the call's input blobs).
+    CallActor {
+        name: String,
+        call: ActorCall,
+        caller: String,
+    },
     /// The host ran call `seq`: the state is now `state` (the next version), held by
     /// the host, and by `backup` through `changes` (what the call changed, from which
     /// the backup makes the new state from the old); `outputs` are the call's own.

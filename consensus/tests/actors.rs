@@ -46,6 +46,7 @@ fn queue(log: &mut Log, name: &str, param: u32) -> u64 {
     match log.apply(Command::CallActor {
         name: name.into(),
         call: call(param),
+        caller: "p1".into(),
     }) {
         Outcome::CallQueued { seq } => seq,
         other => panic!("{other:?}"),
@@ -115,7 +116,8 @@ fn names_are_unique_and_checked_and_a_deleted_name_is_free_again() {
     assert!(matches!(
         log.apply(Command::CallActor {
             name: "counter".into(),
-            call: call(1)
+            call: call(1),
+            caller: "p1".into(),
         }),
         Outcome::Rejected(_)
     ));
@@ -210,6 +212,7 @@ fn a_retried_call_takes_no_second_place_in_line() {
     let command = Command::CallActor {
         name: "r".into(),
         call: call(5),
+        caller: "p1".into(),
     };
     let first = log.apply_as(id, command.clone());
     let again = log.apply_as(id, command);
@@ -227,6 +230,7 @@ fn a_call_that_binds_over_the_state_is_refused() {
     match log.apply(Command::CallActor {
         name: "s".into(),
         call: over,
+        caller: "p1".into(),
     }) {
         Outcome::Rejected(why) => assert!(why.contains("the actor's state"), "{why}"),
         other => panic!("{other:?}"),

@@ -7,6 +7,7 @@
 //!   allow-list and connection caps, mDNS, identify, request-response for node
 //!   requests and blob chunks, streams for Raft frames).
 //! - [`worker`]: runs assigned shards on the GPU thread and reports results.
+//! - `host`: runs the calls of the GPU actors placed on this node, in log order.
 //! - [`scheduler`]: on the leader, places pending shards by capability and queue,
 //!   and has tasks whose shards are all done merged.
 //! - `outputs`: merging shard results into a task's outputs (on the leader), and a
@@ -31,6 +32,7 @@ pub mod api;
 pub mod blobs;
 pub mod cluster_key;
 mod error;
+mod host;
 pub mod identity;
 pub mod limits;
 pub mod liveness;

@@ -54,6 +54,8 @@ pub struct Actor {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PendingCall {
     pub call: ActorCall,
+    /// Peer id of the node the call came through (it holds its input blobs).
+    pub caller: String,
     /// Log index of its `CallActor` entry.
     pub index: u64,
 }
@@ -186,7 +188,13 @@ impl StateMachine {
         Outcome::Applied
     }
 
-    pub(super) fn call_actor(&mut self, index: u64, name: &str, call: &ActorCall) -> Outcome {
+    pub(super) fn call_actor(
+        &mut self,
+        index: u64,
+        name: &str,
+        call: &ActorCall,
+        caller: &str,
+    ) -> Outcome {
         let Some(a) = self.actors.get_mut(name) else {
             return Outcome::Rejected(format!("no actor named {name}"));
         };
@@ -199,6 +207,7 @@ impl StateMachine {
             seq,
             PendingCall {
                 call: call.clone(),
+                caller: caller.to_string(),
                 index,
             },
         );

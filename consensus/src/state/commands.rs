@@ -18,7 +18,7 @@ impl StateMachine {
             Command::PlaceActor {
                 name, epoch, node, ..
             } => self.place_actor(name, *epoch, *node),
-            Command::CallActor { name, call } => self.call_actor(index, name, call),
+            Command::CallActor { name, call, caller } => self.call_actor(index, name, call, caller),
             Command::ActorCallDone {
                 name,
                 seq,

@@ -141,7 +141,8 @@ impl BlobsHandle {
     /// node afterwards loses nothing. Succeeds at once in a one-node mesh. Fails only
     /// when no other member can be reached or every one refused, and then says how
     /// many were reachable.
-    pub async fn replicate(&self, blob: BlobId, prefer: Option<PeerId>) -> Result<()> {
+    /// Returns the member that kept the copy (`None` in a one-node mesh).
+    pub async fn replicate(&self, blob: BlobId, prefer: Option<PeerId>) -> Result<Option<PeerId>> {
         self.mover
             .replicate(blob, prefer)
             .await
@@ -191,11 +192,15 @@ impl Mover {
         Err(last)
     }
 
-    async fn replicate(&self, blob: BlobId, prefer: Option<PeerId>) -> Outcome {
+    async fn replicate(
+        &self,
+        blob: BlobId,
+        prefer: Option<PeerId>,
+    ) -> std::result::Result<Option<PeerId>, String> {
         let me = self.peers.me();
         let others: Vec<PeerId> = self.members().into_iter().filter(|p| *p != me).collect();
         if others.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let mut connected = self.net.connected_peers().await.unwrap_or_default();
         let unconnected: Vec<PeerId> = others
@@ -222,7 +227,7 @@ impl Mover {
         let mut refusals = Vec::new();
         for peer in targets {
             match wire::call(&self.net, peer, &NodeRequest::Replicate { blob }).await {
-                Ok(NodeReply::Replicated) => return Ok(()),
+                Ok(NodeReply::Replicated) => return Ok(Some(peer)),
                 Ok(NodeReply::Refused(why)) => refusals.push(format!("{peer}: {why}")),
                 Ok(other) => refusals.push(format!("{peer}: unexpected answer {other:?}")),
                 Err(e) => refusals.push(format!("{peer}: {e}")),

@@ -261,6 +261,18 @@ impl MeshNode {
         let kernels = Arc::new(gpumesh_shaders::KernelCache::default());
         if let Some(gpu) = gpu {
             tasks.push(tokio::spawn(
+                crate::host::ActorHost {
+                    me: raft_id,
+                    consensus: consensus.clone(),
+                    blobs: blobs.clone(),
+                    peers: peers.clone(),
+                    kernels: kernels.clone(),
+                    gpu: gpu.clone(),
+                    default_deadline: config.default_deadline,
+                }
+                .run(cancel.clone()),
+            ));
+            tasks.push(tokio::spawn(
                 Worker {
                     me: raft_id,
                     consensus: consensus.clone(),

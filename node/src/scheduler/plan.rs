@@ -352,6 +352,7 @@ mod tests {
                     grid: gpumesh_protocol::Grid([1, 1, 1]),
                     deadline_ms: None,
                 },
+                caller: "peer-1".into(),
             },
         );
         apply(

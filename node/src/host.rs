@@ -1,0 +1,253 @@
+//! The actor host: runs the calls of the GPU actors the leader placed on this node,
+//! one at a time per actor, in the order the log gave them.
+//!
+//! Owns nothing durable. An actor's state is in the record (a blob per buffer, by
+//! version) and in the blob store; its bytes stay on this node's GPU between calls
+//! (the executor keeps a call's final state buffers under the address of their
+//! bytes, which is the next call's starting blob). A call runs as a one-shard task
+//! with the state in-out at its bindings; the new state is stored, copied to one
+//! other member, and reported with `ActorCallDone` — the call is acknowledged once
+//! that is applied. A call that cannot run (its kernel does not fit, a deadline)
+//! is reported with `ActorCallFailed` and leaves the state as it was; one that
+//! cannot run *yet* (a blob not reachable) is tried again.
+//!
+//! Talks to: consensus (reads the actors hosted here, proposes results), blobs
+//! (state, inputs, outputs and their copies), peers (who holds what), the GPU
+//! thread, the kernel cache.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpumesh_consensus::{ActorState, Command, ConsensusHandle, MergedOutput};
+use gpumesh_protocol::{ActorCall, BlobId, ShardChanges, StateBuffer};
+use gpumesh_shaders::{Job, KernelCache};
+use libp2p::PeerId;
+use tokio_util::sync::CancellationToken;
+
+use crate::blobs::BlobsHandle;
+use crate::identity;
+use crate::peers::PeersHandle;
+use crate::worker::GpuHandle;
+
+/// How long to wait before trying again a call that could not run yet.
+const RETRY: Duration = Duration::from_millis(200);
+
+pub(crate) struct ActorHost {
+    pub me: u64,
+    pub consensus: ConsensusHandle,
+    pub blobs: BlobsHandle,
+    pub peers: PeersHandle,
+    pub kernels: Arc<KernelCache>,
+    pub gpu: GpuHandle,
+    pub default_deadline: Duration,
+}
+
+/// The next call of one actor hosted here, with what running it needs.
+struct Turn {
+    name: String,
+    seq: u64,
+    epoch: u32,
+    call: ActorCall,
+    caller: String,
+    state: Vec<ActorState>,
+    backup: Option<u64>,
+    creator: String,
+}
+
+impl ActorHost {
+    pub async fn run(self, cancel: CancellationToken) {
+        let mut applied = self.consensus.watch_state();
+        loop {
+            applied.borrow_and_update();
+            let turns = self.turns();
+            if turns.is_empty() {
+                tokio::select! {
+                    biased;
+                    _ = cancel.cancelled() => return,
+                    changed = applied.changed() => if changed.is_err() { return },
+                }
+                continue;
+            }
+            for turn in turns {
+                if cancel.is_cancelled() {
+                    return;
+                }
+                let (name, seq) = (turn.name.clone(), turn.seq);
+                match self.take(turn).await {
+                    Some(report) => {
+                        if let Err(e) = self.consensus.propose(report).await {
+                            tracing::warn!(actor = %name, seq, error = %e, "could not report the call");
+                            tokio::time::sleep(RETRY).await;
+                        }
+                    }
+                    None => tokio::time::sleep(RETRY).await,
+                }
+            }
+        }
+    }
+
+    /// The next call of every actor hosted here under its current epoch.
+    fn turns(&self) -> Vec<Turn> {
+        let me = self.me;
+        self.consensus.read_local(move |s| {
+            s.actors()
+                .values()
+                .filter(|a| a.host == Some(me))
+                .filter_map(|a| {
+                    let (seq, pending) = a.next_call()?;
+                    Some(Turn {
+                        name: a.name.clone(),
+                        seq,
+                        epoch: a.epoch,
+                        call: pending.call.clone(),
+                        caller: pending.caller.clone(),
+                        state: a.state.clone(),
+                        backup: a.backup,
+                        creator: a.creator.clone(),
+                    })
+                })
+                .collect()
+        })
+    }
+
+    /// Runs one call; `None` when it cannot run yet.
+    async fn take(&self, t: Turn) -> Option<Command> {
+        let failed = |reason: String| Command::ActorCallFailed {
+            name: t.name.clone(),
+            seq: t.seq,
+            epoch: t.epoch,
+            node: self.me,
+            reason,
+        };
+        // The state's bytes, from the node that keeps its copy or its creator; the
+        // call's inputs, from the node it came through.
+        let holder = t
+            .backup
+            .and_then(|b| self.peers.peer(b))
+            .or_else(|| t.creator.parse().ok());
+        for blob in t.state.iter().filter_map(|s| s.blob) {
+            if let Err(e) = self.blobs.fetch(blob, holder).await {
+                tracing::warn!(actor = %t.name, error = %e, "the actor's state is not reachable yet");
+                return None;
+            }
+        }
+        let caller: Option<PeerId> = t.caller.parse().ok();
+        for blob in t.call.bindings.iter().filter_map(|b| b.role.blob()) {
+            if let Err(e) = self.blobs.fetch(blob, caller).await {
+                tracing::warn!(actor = %t.name, seq = t.seq, error = %e, "a call input is not reachable yet");
+                return None;
+            }
+        }
+        let pairs: Vec<(StateBuffer, Option<BlobId>)> =
+            t.state.iter().map(|s| (s.buffer, s.blob)).collect();
+        let spec = t.call.as_task(&pairs);
+        let kernel = match self.kernels.get(&spec.shader, &spec.entry_point) {
+            Ok(k) => k,
+            Err(e) => return Some(failed(e.to_string())),
+        };
+        let store = self.blobs.store().clone();
+        let state_bindings: Vec<u32> = t.state.iter().map(|s| s.buffer.binding).collect();
+        let job = match Job::new(spec, kernel, |id| {
+            store.get(id).ok().flatten().map(Arc::from)
+        })
+        .and_then(|j| j.keep_resident(state_bindings.iter().copied()))
+        {
+            Ok(job) => job,
+            Err(e) => return Some(failed(e.to_string())),
+        };
+        let deadline = t
+            .call
+            .deadline_ms
+            .map_or(self.default_deadline, Duration::from_millis);
+        let out = match self.gpu.run(job.clone(), 0, Some(deadline)).await {
+            Ok(out) => out,
+            Err(e) => return Some(failed(e.to_string())),
+        };
+        let merged = {
+            let (job, changes) = (job.clone(), out.changes.clone());
+            match tokio::task::spawn_blocking(move || job.merge(&[&changes])).await {
+                Ok(Ok(merged)) => merged,
+                Ok(Err(e)) => return Some(failed(e.to_string())),
+                Err(_) => return None,
+            }
+        };
+        // The new state, here; what the call changed in it, as one blob; both copied
+        // to the node that keeps the actor's second copy (or any other member).
+        let prefer = t.backup.and_then(|b| self.peers.peer(b));
+        let mut state = Vec::with_capacity(state_bindings.len());
+        let mut backup = None;
+        for binding in &state_bindings {
+            let bytes = merged.get(binding).cloned().unwrap_or_default();
+            let id = match self.keep(bytes, prefer.or(backup), &mut backup).await {
+                Some(id) => id,
+                None => return None,
+            };
+            state.push((*binding, id));
+        }
+        let changed = ShardChanges(
+            out.changes
+                .0
+                .into_iter()
+                .filter(|(b, _)| state_bindings.contains(b))
+                .collect(),
+        );
+        let changes = self
+            .keep(changed.encode(), prefer.or(backup), &mut backup)
+            .await?;
+        let mut outputs = Vec::new();
+        for (binding, bytes) in merged {
+            if state_bindings.contains(&binding) {
+                continue;
+            }
+            let size = bytes.len() as u64;
+            let blob = self.keep(bytes, caller, &mut None).await?;
+            outputs.push(MergedOutput {
+                binding,
+                blob,
+                size,
+                node: self.me,
+            });
+        }
+        Some(Command::ActorCallDone {
+            name: t.name,
+            seq: t.seq,
+            epoch: t.epoch,
+            node: self.me,
+            state,
+            changes,
+            backup: backup.map_or(self.me, |p| identity::raft_id(&p)),
+            outputs,
+        })
+    }
+
+    /// Stores `bytes` here and has one other member keep a copy (`prefer` first);
+    /// notes in `kept_by` who did, if none has yet.
+    async fn keep(
+        &self,
+        bytes: Vec<u8>,
+        prefer: Option<PeerId>,
+        kept_by: &mut Option<PeerId>,
+    ) -> Option<BlobId> {
+        let store = self.blobs.store().clone();
+        let id = match tokio::task::spawn_blocking(move || store.put(&bytes)).await {
+            Ok(Ok(id)) => id,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "could not store an actor's blob");
+                return None;
+            }
+            Err(_) => return None,
+        };
+        match self.blobs.replicate(id, prefer).await {
+            Ok(by) => {
+                if kept_by.is_none() {
+                    *kept_by = by;
+                }
+                Some(id)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "no second copy of an actor's blob yet");
+                None
+            }
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! GPU actors on real nodes (libp2p on loopback, Raft on redb, wgpu): calls from two
+//! nodes run one at a time in the log's order on the actor's host, the state stays
+//! there between calls, and every result matches a CPU replay of the same order.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::{have_any, mesh, stop, LIMIT};
+use gpumesh::consensus::{ActorState, CallResult, Command, Outcome};
+use gpumesh::node::MeshNode;
+use gpumesh::protocol::{
+    ActorCall, BindingRole, BindingSpec, BlobId, Grid, ShaderSource, StateBuffer,
+};
+
+/// Each call multiplies the state by 3 and adds its parameter (the order matters),
+/// and writes the first four words as they were before it.
+const STEP: &str = r#"
+struct Params { add: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<storage, read_write> state: array<u32>;
+@group(0) @binding(1) var<uniform> params: Params;
+@group(0) @binding(2) var<storage, read_write> before: array<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i < arrayLength(&state)) {
+        let old = state[i];
+        if (i < 4u) {
+            before[i] = old;
+        }
+        state[i] = old * 3u + params.add + i;
+    }
+}
+"#;
+
+const WORDS: u32 = 256;
+
+fn step_call(add: u32) -> ActorCall {
+    ActorCall {
+        shader: ShaderSource::Wgsl(STEP.into()),
+        entry_point: "main".into(),
+        bindings: vec![
+            BindingSpec {
+                binding: 1,
+                role: BindingRole::Param {
+                    data: [add, 0, 0, 0]
+                        .iter()
+                        .flat_map(|w| w.to_le_bytes())
+                        .collect(),
+                },
+            },
+            BindingSpec {
+                binding: 2,
+                role: BindingRole::Output { size: 16 },
+            },
+        ],
+        grid: Grid([WORDS / 64, 1, 1]),
+        deadline_ms: None,
+    }
+}
+
+fn words(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// Reads blob `id` from whichever node holds it.
+fn blob(nodes: &[MeshNode], id: BlobId) -> Vec<u8> {
+    nodes
+        .iter()
+        .find_map(|n| n.blobs.get(&id).ok().flatten())
+        .unwrap_or_else(|| panic!("no node holds blob {id}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn calls_from_two_nodes_run_in_log_order_on_the_host_and_match_the_cpu() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = mesh(dir.path(), 3).await;
+        let created = nodes[0]
+            .consensus
+            .propose(Command::CreateActor {
+                name: "stepper".into(),
+                state: vec![ActorState {
+                    buffer: StateBuffer {
+                        binding: 0,
+                        size: u64::from(WORDS) * 4,
+                    },
+                    blob: None,
+                }],
+                backend: None,
+                creator: nodes[0].peer_id.to_string(),
+            })
+            .await
+            .unwrap();
+        assert_eq!(created.outcome, Outcome::Applied);
+
+        // Calls through two nodes, several in flight at once.
+        let mut calls = Vec::new();
+        for (i, add) in [7u32, 1, 20, 3, 11, 5].into_iter().enumerate() {
+            let via = &nodes[i % 2];
+            let consensus = via.consensus.clone();
+            let caller = via.peer_id.to_string();
+            calls.push(tokio::spawn(async move {
+                let c = consensus
+                    .propose(Command::CallActor {
+                        name: "stepper".into(),
+                        call: step_call(add),
+                        caller,
+                    })
+                    .await
+                    .unwrap();
+                match c.outcome {
+                    Outcome::CallQueued { seq } => (seq, add),
+                    other => panic!("{other:?}"),
+                }
+            }));
+        }
+        let mut by_seq = BTreeMap::new();
+        for c in calls {
+            let (seq, add) = c.await.unwrap();
+            by_seq.insert(seq, add);
+        }
+        assert_eq!(
+            by_seq.keys().copied().collect::<Vec<_>>(),
+            (1..=6).collect::<Vec<_>>()
+        );
+
+        // Every call ran, read from a node that is not the one most calls came through.
+        let reader = &nodes[2].consensus;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let actor = loop {
+            let a = reader.read_local(|s| s.actor("stepper").cloned()).unwrap();
+            if a.results.len() == 6 {
+                break a;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "calls not all done: {a:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(actor.version, 6);
+        assert!(actor.host.is_some() && actor.backup.is_some() && actor.backup != actor.host);
+
+        // Replayed on the CPU in sequence order.
+        let mut cpu = vec![0u32; WORDS as usize];
+        for (seq, add) in &by_seq {
+            let before: Vec<u32> = cpu[..4].to_vec();
+            for (i, v) in cpu.iter_mut().enumerate() {
+                *v = v.wrapping_mul(3).wrapping_add(*add).wrapping_add(i as u32);
+            }
+            match &actor.results[seq] {
+                CallResult::Done {
+                    version, outputs, ..
+                } => {
+                    assert_eq!(*version, *seq, "call {seq} is version {seq}");
+                    assert_eq!(outputs.len(), 1);
+                    assert_eq!(words(&blob(&nodes, outputs[0].blob)), before, "call {seq}");
+                }
+                other => panic!("call {seq}: {other:?}"),
+            }
+        }
+        let state = actor.state[0].blob.expect("written");
+        assert_eq!(words(&blob(&nodes, state)), cpu);
+        // Two nodes hold the state: the host and the backup.
+        let holders = nodes.iter().filter(|n| n.blobs.has(&state)).count();
+        assert!(holders >= 2, "the state is on {holders} node(s)");
+        stop(nodes).await;
+    })
+    .await
+    .expect("test exceeded its time limit");
+}
