@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 
 use gpumesh_consensus::{RequestId, RequestIds};
 use gpumesh_node::api::{
-    BlobReply, ErrorBody, OutputView, StatusView, SubmitReply, SubmitRequest, TaskState, TaskView,
+    ActorView, BlobReply, CallReply, CallRequest, CreateActorRequest, ErrorBody, OutputView,
+    StateInit, StatusView, SubmitReply, SubmitRequest, TaskState, TaskView,
 };
-use gpumesh_protocol::{BlobId, TaskSpec};
+use gpumesh_protocol::{ActorCall, BlobId, TaskSpec};
 
 /// Default API address of a node started without `--api`.
 pub const DEFAULT_API: &str = "127.0.0.1:7070";
@@ -338,6 +339,76 @@ impl Client {
     pub async fn outputs(&self, id: u64) -> ClientResult<Vec<OutputView>> {
         self.retrying(|| self.json(self.http.get(self.url(&format!("/v1/tasks/{id}/outputs")))))
             .await
+    }
+
+    /// Creates GPU actor `name` with these state buffers (upload starting bytes
+    /// first with [`Client::upload`]); `backend` pins it to one backend.
+    pub async fn create_actor(
+        &self,
+        name: &str,
+        state: Vec<StateInit>,
+        backend: Option<String>,
+    ) -> ClientResult<ActorView> {
+        let request = CreateActorRequest {
+            name: name.to_string(),
+            state,
+            backend,
+        };
+        self.retrying(|| self.json(self.http.post(self.url("/v1/actors")).json(&request)))
+            .await
+    }
+
+    pub async fn actors(&self) -> ClientResult<Vec<ActorView>> {
+        self.retrying(|| self.json(self.http.get(self.url("/v1/actors"))))
+            .await
+    }
+
+    pub async fn actor(&self, name: &str) -> ClientResult<ActorView> {
+        self.retrying(|| self.json(self.http.get(self.url(&format!("/v1/actors/{name}")))))
+            .await
+    }
+
+    pub async fn delete_actor(&self, name: &str) -> ClientResult<()> {
+        self.retrying(|| async {
+            self.send(self.http.delete(self.url(&format!("/v1/actors/{name}"))))
+                .await
+                .map(|_| ())
+        })
+        .await
+    }
+
+    /// Calls actor `name` and returns once the call ran and the new state is
+    /// durable. Without a `request_id` the client makes one; every retry (through a
+    /// leader change, or a host that is moving) sends the same, so the call runs once.
+    pub async fn call_actor(
+        &self,
+        name: &str,
+        call: ActorCall,
+        request_id: Option<RequestId>,
+    ) -> ClientResult<CallReply> {
+        let request = CallRequest {
+            call,
+            request_id: Some(request_id.unwrap_or_else(|| self.ids.next_id())),
+        };
+        let url = self.url(&format!("/v1/actors/{name}/calls"));
+        self.retrying(|| self.json(self.http.post(url.clone()).json(&request)))
+            .await
+    }
+
+    /// A state buffer of actor `name` as of its last acknowledged call.
+    pub async fn actor_state(&self, name: &str, binding: u32) -> ClientResult<Vec<u8>> {
+        let url = self.url(&format!("/v1/actors/{name}/state/{binding}"));
+        self.retrying(|| async {
+            let resp = self.send(self.http.get(url.clone())).await?;
+            resp.bytes()
+                .await
+                .map(|b| b.to_vec())
+                .map_err(|e| ClientError::Protocol {
+                    addr: self.addr.clone(),
+                    reason: e.to_string(),
+                })
+        })
+        .await
     }
 
     /// The bytes of a blob the node holds or can pull from the mesh (for example a

@@ -180,3 +180,140 @@ async fn calls_from_two_nodes_run_in_log_order_on_the_host_and_match_the_cpu() {
     .await
     .expect("test exceeded its time limit");
 }
+
+/// Ends only when `stop` is set, and it never is: past any deadline on any adapter
+/// (llvmpipe/lavapipe cut loops at 65535 iterations, seconds of work on this grid).
+const RUNAWAY: &str = r#"
+struct Params { stop: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<storage, read_write> state: array<u32>;
+@group(0) @binding(1) var<uniform> params: Params;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var x = gid.x;
+    loop {
+        x = (x ^ (x >> 13u)) * 1664525u + 1u;
+        if (params.stop != 0u) {
+            break;
+        }
+    }
+    if (gid.x < arrayLength(&state)) {
+        state[gid.x] = x;
+    }
+}
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_api_creates_calls_reads_lists_and_deletes_actors_and_refuses_what_is_wrong() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = mesh(dir.path(), 3).await;
+        let (a, b) = (common::client(&nodes[0]), common::client(&nodes[1]));
+        let start: Vec<u32> = (0..WORDS).map(|i| i * 2).collect();
+        let start_bytes: Vec<u8> = start.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let blob = a.upload(start_bytes.clone()).await.unwrap();
+        let init = || {
+            vec![gpumesh::node::api::StateInit {
+                binding: 0,
+                size: u64::from(WORDS) * 4,
+                blob: Some(blob),
+            }]
+        };
+        let view = a.create_actor("acc", init(), None).await.unwrap();
+        assert_eq!(
+            (view.name.as_str(), view.version, view.bytes),
+            ("acc", 0, 1024)
+        );
+        let clash = a
+            .create_actor("acc", init(), None)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(clash.contains("exists"), "{clash}");
+
+        // A call through another node, and the same call retried with its id.
+        let mut cpu = start.clone();
+        let step = |cpu: &mut Vec<u32>, add: u32| {
+            for (i, v) in cpu.iter_mut().enumerate() {
+                *v = v.wrapping_mul(3).wrapping_add(add).wrapping_add(i as u32);
+            }
+        };
+        let first = b.call_actor("acc", step_call(5), None).await.unwrap();
+        assert_eq!((first.seq, first.version), (1, 1));
+        let before: BlobId = first.outputs[0].blake3.parse().unwrap();
+        assert_eq!(
+            words(&b.outputs_of_blob(before).await.unwrap()),
+            start[..4].to_vec()
+        );
+        step(&mut cpu, 5);
+        let id = gpumesh::consensus::RequestId::new(0xacc, 1);
+        let once = b.call_actor("acc", step_call(2), Some(id)).await.unwrap();
+        let again = a.call_actor("acc", step_call(2), Some(id)).await.unwrap();
+        assert_eq!((once.seq, once.version), (again.seq, again.version));
+        step(&mut cpu, 2);
+        assert_eq!(
+            a.actor("acc").await.unwrap().version,
+            2,
+            "the retry did not run again"
+        );
+
+        // What is wrong is refused with a reason, and the state stays as it was.
+        let mut broken = step_call(1);
+        broken.shader = ShaderSource::Wgsl("fn main( {".into());
+        let err = a
+            .call_actor("acc", broken, None)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line"), "names where the WGSL is wrong: {err}");
+        let mut over = step_call(1);
+        over.bindings[1].binding = 0;
+        let err = a
+            .call_actor("acc", over, None)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("the actor's state"), "{err}");
+        let runaway = ActorCall {
+            shader: ShaderSource::Wgsl(RUNAWAY.into()),
+            entry_point: "main".into(),
+            bindings: vec![BindingSpec {
+                binding: 1,
+                role: BindingRole::Param { data: vec![0; 16] },
+            }],
+            grid: Grid([4000, 1, 1]),
+            deadline_ms: Some(500),
+        };
+        let err = a
+            .call_actor("acc", runaway, None)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("failed") && err.contains("deadline"), "{err}");
+        assert_eq!(words(&b.actor_state("acc", 0).await.unwrap()), cpu);
+
+        // It still works after the failure, on the same host.
+        b.call_actor("acc", step_call(9), None).await.unwrap();
+        step(&mut cpu, 9);
+        assert_eq!(words(&a.actor_state("acc", 0).await.unwrap()), cpu);
+
+        let list = b.actors().await.unwrap();
+        assert_eq!(list.len(), 1);
+        let acc = &list[0];
+        assert!(!acc.node.is_empty() && acc.epoch >= 1, "{acc:?}");
+        assert_eq!((acc.version, acc.bytes), (3, 1024));
+        assert!(nodes.iter().any(|n| n.peer_id.to_string() == acc.node));
+
+        // Answered once applied on the node it went through (other nodes' reads of
+        // their own copies catch up within a heartbeat).
+        a.delete_actor("acc").await.unwrap();
+        assert!(a.actor("acc").await.is_err());
+        assert!(a.actors().await.unwrap().is_empty());
+        a.create_actor("acc", init(), None).await.unwrap();
+        stop(nodes).await;
+    })
+    .await
+    .expect("test exceeded its time limit");
+}

@@ -17,6 +17,11 @@
 //! | GET | /v1/tasks/{id}/wait?done=N&timeout_ms=T | long poll: answers once the task has a shard count other than N done, or has finished, or T ms passed |
 //! | GET | /v1/tasks/{id}/outputs | merged outputs: binding, size, blake3 |
 //! | GET | /v1/tasks/{id}/outputs/{binding} | one merged output's bytes |
+//! | POST | /v1/actors | create a GPU actor (name, state buffers, backend) |
+//! | GET | /v1/actors | every actor: host, epoch, version, bytes |
+//! | GET, DELETE | /v1/actors/{name} | one actor; delete it |
+//! | POST | /v1/actors/{name}/calls?timeout_ms=T | a call, answered once it ran and its state is durable |
+//! | GET | /v1/actors/{name}/state/{binding} | a state buffer as of the last acknowledged call |
 //! | GET | /v1/status | leader, term, members |
 //! | GET | /metrics | this node's Prometheus metrics, OpenMetrics text (see [`crate::metrics`]) |
 //!
@@ -43,6 +48,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::{NodeError, Result};
 
+mod actors;
 mod blobs;
 mod dashboard;
 mod error;
@@ -90,6 +96,10 @@ pub(crate) async fn serve(
         .route("/v1/tasks/{id}/wait", get(tasks::wait_task))
         .route("/v1/tasks/{id}/outputs", get(tasks::outputs))
         .route("/v1/tasks/{id}/outputs/{binding}", get(tasks::output_bytes))
+        .route("/v1/actors", post(actors::create).get(actors::list))
+        .route("/v1/actors/{name}", get(actors::one).delete(actors::delete))
+        .route("/v1/actors/{name}/calls", post(actors::call))
+        .route("/v1/actors/{name}/state/{binding}", get(actors::state))
         .route("/v1/status", get(status::status))
         .route("/", get(dashboard::page))
         .route("/v1/overview", get(dashboard::overview))
@@ -124,7 +134,7 @@ async fn no_such_path(uri: axum::http::Uri) -> ApiError {
     ApiError(
         StatusCode::NOT_FOUND,
         format!(
-            "no such path {}; the API serves /v1/blobs, /v1/tasks, /v1/status and /metrics",
+            "no such path {}; the API serves /v1/blobs, /v1/tasks, /v1/actors, /v1/status and /metrics",
             uri.path()
         ),
     )

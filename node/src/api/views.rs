@@ -228,3 +228,64 @@ pub(crate) fn members(s: &StateMachine, liveness: &LivenessView) -> Vec<MemberVi
         })
         .collect()
 }
+
+/// `POST /v1/actors`: a new actor and where its state starts.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CreateActorRequest {
+    pub name: String,
+    pub state: Vec<StateInit>,
+    /// Host it on a node of this backend (vulkan, gl, metal, dx12); any if none.
+    #[serde(default)]
+    pub backend: Option<String>,
+}
+
+/// One state buffer of a new actor: `size` bytes at `binding`, starting as the bytes
+/// of an uploaded blob, or zeros.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StateInit {
+    pub binding: u32,
+    pub size: u64,
+    #[serde(default)]
+    pub blob: Option<gpumesh_protocol::BlobId>,
+}
+
+/// An actor as the record holds it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ActorView {
+    pub name: String,
+    /// The host's peer id; empty until the leader places it.
+    pub node: String,
+    /// The host's raft id, hex.
+    pub host: String,
+    /// Placements so far; a report from an older one does not count.
+    pub epoch: u32,
+    /// Calls that ran (each makes a new version of the state).
+    pub version: u64,
+    /// Bytes of state, all buffers together.
+    pub bytes: u64,
+    pub state: Vec<gpumesh_protocol::StateBuffer>,
+    pub backend: Option<String>,
+    /// Moves off a host that was down or gone.
+    pub moves: u32,
+    /// Calls waiting to run.
+    pub pending: usize,
+    /// The raft id (hex) of the node keeping the second copy of the state.
+    pub backup: Option<String>,
+}
+
+/// `POST /v1/actors/{name}/calls`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CallRequest {
+    pub call: gpumesh_protocol::ActorCall,
+    /// Idempotency key: a retried call with the same id runs once and answers the same.
+    pub request_id: Option<RequestId>,
+}
+
+/// A call that ran: its place in the actor's order, the state version it made, and
+/// its own outputs (fetch each with `GET /v1/blobs/{blake3}`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CallReply {
+    pub seq: u64,
+    pub version: u64,
+    pub outputs: Vec<OutputView>,
+}

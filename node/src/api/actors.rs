@@ -1,0 +1,330 @@
+//! GPU actors: create, list, one, delete, call (answered once the call's result and
+//! the new state are durable), and a state buffer's bytes as of the last
+//! acknowledged call.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::Json;
+use gpumesh_consensus::{Actor, AppliedEvent, CallResult, Command, Outcome};
+use serde::Deserialize;
+
+use super::error::{bad, unavailable, ApiError, ApiResult};
+use super::gate::BodyCaps;
+use super::state::ApiState;
+use super::views::{ActorView, CallReply, CallRequest, CreateActorRequest, OutputView};
+
+fn no_actor(name: &str) -> ApiError {
+    ApiError(
+        StatusCode::NOT_FOUND,
+        format!("no actor named {name}; `gpumesh actor list` lists the actors there are"),
+    )
+}
+
+fn refused(why: String) -> ApiError {
+    if why.contains("exists") {
+        ApiError(StatusCode::CONFLICT, why)
+    } else {
+        bad(why)
+    }
+}
+
+pub(crate) fn actor_view(a: &Actor, peer_of: impl Fn(u64) -> Option<String>) -> ActorView {
+    ActorView {
+        name: a.name.clone(),
+        node: a.host.and_then(&peer_of).unwrap_or_default(),
+        host: a.host.map(super::views::hex).unwrap_or_default(),
+        epoch: a.epoch,
+        version: a.version,
+        bytes: a.state.iter().map(|s| s.buffer.size).sum(),
+        state: a.state.iter().map(|s| s.buffer).collect(),
+        backend: a.backend.map(|b| b.name().to_string()),
+        moves: a.moves,
+        pending: a.pending.len(),
+        backup: a.backup.map(super::views::hex),
+    }
+}
+
+fn peer_names(api: &ApiState) -> impl Fn(u64) -> Option<String> + Send + 'static {
+    let view = api.peers.view();
+    move |raft_id| view.peer(raft_id).map(|p| p.to_string())
+}
+
+pub(crate) async fn create(
+    State(api): State<Arc<ApiState>>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<ActorView>> {
+    let body = BodyCaps::of(&api.limits).request.within(body)?;
+    let req: CreateActorRequest =
+        serde_json::from_slice(&body).map_err(|e| bad(format!("malformed actor: {e}")))?;
+    let mut state = Vec::with_capacity(req.state.len());
+    for s in &req.state {
+        if s.size > api.limits.max_blob_bytes {
+            return Err(super::error::too_large(format!(
+                "state binding {} is {} bytes, over the limit of {} (the node's \
+                 --max-blob-bytes)",
+                s.binding, s.size, api.limits.max_blob_bytes
+            )));
+        }
+        if let Some(blob) = s.blob {
+            match api.blobs.store().size(&blob) {
+                Some(size) if size == s.size => {}
+                Some(size) => {
+                    return Err(bad(format!(
+                        "state binding {}: blob {blob} holds {size} bytes, the actor says {}",
+                        s.binding, s.size
+                    )))
+                }
+                None => {
+                    return Err(bad(format!(
+                        "state binding {}: blob {blob} is not on this node; upload it first \
+                         (POST /v1/blobs)",
+                        s.binding
+                    )))
+                }
+            }
+            // A second copy first: losing this node must not lose the starting state.
+            api.blobs
+                .replicate(blob, None)
+                .await
+                .map_err(|e| unavailable(format!("state binding {}: {e}", s.binding)))?;
+        }
+        state.push(gpumesh_consensus::ActorState {
+            buffer: gpumesh_protocol::StateBuffer {
+                binding: s.binding,
+                size: s.size,
+            },
+            blob: s.blob,
+        });
+    }
+    let backend = match req.backend.as_deref() {
+        None => None,
+        Some(name) => match name
+            .parse::<gpumesh_shaders::BackendChoice>()
+            .map_err(bad)?
+        {
+            gpumesh_shaders::BackendChoice::Auto => None,
+            gpumesh_shaders::BackendChoice::Only(kind) => Some(kind),
+        },
+    };
+    let committed = api
+        .consensus
+        .propose(Command::CreateActor {
+            name: req.name.clone(),
+            state,
+            backend,
+            creator: api.peer_id.to_string(),
+        })
+        .await
+        .map_err(unavailable)?;
+    match committed.outcome {
+        Outcome::Applied => {}
+        Outcome::Rejected(why) | Outcome::Ignored(why) => return Err(refused(why)),
+        other => return Err(unavailable(format!("unexpected outcome {other:?}"))),
+    }
+    let names = peer_names(&api);
+    let name = req.name;
+    api.consensus
+        .read_local(move |s| s.actor(&name).map(|a| actor_view(a, names)))
+        .map(Json)
+        .ok_or_else(|| unavailable("the actor was created and is gone again"))
+}
+
+pub(crate) async fn list(State(api): State<Arc<ApiState>>) -> ApiResult<Json<Vec<ActorView>>> {
+    let names = peer_names(&api);
+    Ok(Json(api.consensus.read_local(move |s| {
+        s.actors().values().map(|a| actor_view(a, &names)).collect()
+    })))
+}
+
+pub(crate) async fn one(
+    State(api): State<Arc<ApiState>>,
+    Path(name): Path<String>,
+) -> ApiResult<Json<ActorView>> {
+    let names = peer_names(&api);
+    let n = name.clone();
+    api.consensus
+        .read_local(move |s| s.actor(&n).map(|a| actor_view(a, names)))
+        .map(Json)
+        .ok_or_else(|| no_actor(&name))
+}
+
+pub(crate) async fn delete(
+    State(api): State<Arc<ApiState>>,
+    Path(name): Path<String>,
+) -> ApiResult<StatusCode> {
+    let committed = api
+        .consensus
+        .propose(Command::DeleteActor { name: name.clone() })
+        .await
+        .map_err(unavailable)?;
+    match committed.outcome {
+        Outcome::Applied => Ok(StatusCode::NO_CONTENT),
+        _ => Err(no_actor(&name)),
+    }
+}
+
+#[derive(Deserialize)]
+pub(crate) struct CallQuery {
+    timeout_ms: Option<u64>,
+}
+
+/// Queues the call (once per request id) and answers when its result is recorded:
+/// the new state is then in the log and on two nodes.
+pub(crate) async fn call(
+    State(api): State<Arc<ApiState>>,
+    Path(name): Path<String>,
+    Query(q): Query<CallQuery>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<CallReply>> {
+    let body = BodyCaps::of(&api.limits).request.within(body)?;
+    let req: CallRequest =
+        serde_json::from_slice(&body).map_err(|e| bad(format!("malformed call: {e}")))?;
+    let kernel = api
+        .kernels
+        .get(&req.call.shader, &req.call.entry_point)
+        .map_err(bad)?;
+    let layout = {
+        let n = name.clone();
+        api.consensus
+            .read_local(move |s| s.actor(&n).map(|a| a.layout()))
+            .ok_or_else(|| no_actor(&name))?
+    };
+    // The same checks the record and the host make, before anything is committed.
+    req.call.check_shape(&layout).map_err(bad)?;
+    let pairs: Vec<_> = layout.iter().map(|s| (*s, None)).collect();
+    kernel
+        .check(&req.call.as_task(&pairs))
+        .map_err(|e| bad(format!("the call does not fit the kernel: {e}")))?;
+    for b in &req.call.bindings {
+        if let Some(blob) = b.role.blob() {
+            if !api.blobs.store().has(&blob) {
+                return Err(bad(format!(
+                    "binding {}: input blob {blob} is not on this node; upload it first \
+                     (POST /v1/blobs)",
+                    b.binding
+                )));
+            }
+            api.blobs
+                .replicate(blob, None)
+                .await
+                .map_err(|e| unavailable(format!("input of binding {}: {e}", b.binding)))?;
+        }
+    }
+    let mut events = api.consensus.subscribe();
+    let request_id = req
+        .request_id
+        .unwrap_or_else(|| api.consensus.new_request_id());
+    let committed = api
+        .consensus
+        .propose_with_id(
+            request_id,
+            Command::CallActor {
+                name: name.clone(),
+                call: req.call,
+                caller: api.peer_id.to_string(),
+            },
+        )
+        .await
+        .map_err(unavailable)?;
+    let seq = match committed.outcome {
+        Outcome::CallQueued { seq } => seq,
+        Outcome::Rejected(why) | Outcome::Ignored(why) => return Err(bad(why)),
+        other => return Err(unavailable(format!("unexpected outcome {other:?}"))),
+    };
+    let timeout = Duration::from_millis(q.timeout_ms.unwrap_or(60_000).min(600_000));
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let n = name.clone();
+        let found = api
+            .consensus
+            .read_local(move |s| s.actor(&n).map(|a| a.results.get(&seq).cloned()));
+        match found {
+            None => {
+                return Err(ApiError(
+                    StatusCode::GONE,
+                    format!("actor {name} was deleted before call {seq} ran"),
+                ))
+            }
+            Some(Some(CallResult::Done {
+                version, outputs, ..
+            })) => {
+                return Ok(Json(CallReply {
+                    seq,
+                    version,
+                    outputs: outputs
+                        .iter()
+                        .map(|o| OutputView {
+                            binding: o.binding,
+                            size: o.size,
+                            blake3: o.blob.to_hex(),
+                        })
+                        .collect(),
+                }))
+            }
+            Some(Some(CallResult::Failed { reason, .. })) => {
+                return Err(ApiError(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    format!(
+                        "call {seq} to actor {name} failed, and the state is as it was: {reason}"
+                    ),
+                ))
+            }
+            Some(None) => {}
+        }
+        match tokio::time::timeout_at(deadline, events.recv()).await {
+            Err(_) => {
+                return Err(unavailable(format!(
+                    "call {seq} to actor {name} has not run within {timeout:?} (is its host \
+                     moving?); ask again with the same request id to wait for it"
+                )))
+            }
+            Ok(Err(tokio::sync::broadcast::error::RecvError::Closed)) => {
+                return Err(unavailable("the node is shutting down"))
+            }
+            Ok(Ok(AppliedEvent::Entry { entry, .. }))
+                if entry.command.actor() != Some(name.as_str()) => {}
+            Ok(_) => {}
+        }
+    }
+}
+
+/// A state buffer's bytes as of the last acknowledged call.
+pub(crate) async fn state(
+    State(api): State<Arc<ApiState>>,
+    Path((name, binding)): Path<(String, u32)>,
+) -> ApiResult<Vec<u8>> {
+    let n = name.clone();
+    let found = api
+        .consensus
+        .read_local(move |s| {
+            s.actor(&n).map(|a| {
+                (
+                    a.state
+                        .iter()
+                        .find(|st| st.buffer.binding == binding)
+                        .copied(),
+                    a.backup,
+                )
+            })
+        })
+        .ok_or_else(|| no_actor(&name))?;
+    let (Some(st), backup) = found else {
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("actor {name} has no state at binding {binding}"),
+        ));
+    };
+    let Some(blob) = st.blob else {
+        return Ok(vec![0; st.buffer.size as usize]);
+    };
+    let holder = backup.and_then(|b| api.peers.peer(b));
+    api.blobs
+        .pull(blob, holder)
+        .await
+        .map_err(|e| unavailable(e.to_string()))
+}
