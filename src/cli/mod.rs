@@ -5,6 +5,7 @@
 //! - [`console`]: log lines and the progress line on stderr;
 //! - [`mesh`]: the node and the commands that talk to one through its API.
 
+mod actor;
 mod adapters;
 pub mod console;
 mod keygen;
@@ -93,6 +94,11 @@ pub enum Command {
         api: ApiArgs,
         #[arg(long)]
         json: bool,
+    },
+    /// GPU actors: named state on a node's GPU, called from any node, surviving it.
+    Actor {
+        #[command(subcommand)]
+        command: actor::ActorCommand,
     },
     /// Print a shell completion script.
     ///
@@ -310,6 +316,7 @@ pub fn execute(cli: Cli, matches: &ArgMatches) -> anyhow::Result<ExitCode> {
         Command::Result(args) => mesh::result(args),
         Command::Status { api, json } => mesh::status(api, json),
         Command::Tasks { api, json } => mesh::tasks(api, json),
+        Command::Actor { command } => actor::run(command),
         Command::Task { task, api, json } => mesh::task(&task, api, json),
         Command::Completions { shell } => {
             clap_complete::generate(
