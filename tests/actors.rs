@@ -317,3 +317,54 @@ async fn the_api_creates_calls_reads_lists_and_deletes_actors_and_refuses_what_i
     .await
     .expect("test exceeded its time limit");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn actors_pinned_to_gl_and_to_vulkan_share_a_mesh_and_keep_state_past_a_blob_chunk() {
+    use gpumesh::protocol::BackendKind;
+    use gpumesh::shaders::BackendChoice;
+    if !(common::have(BackendKind::Vulkan) && common::have(BackendKind::Gl)) {
+        common::skipped("actors on GL and Vulkan: needs both adapters");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = common::mesh_with(dir.path(), 2, |i, c| {
+            c.backend = BackendChoice::Only(if i == 0 {
+                BackendKind::Vulkan
+            } else {
+                BackendKind::Gl
+            });
+        })
+        .await;
+        let c = common::client(&nodes[0]);
+        // 2 MiB of state: more than one 1 MiB chunk when it travels.
+        let count = 1u32 << 19;
+        for (name, backend) in [("on-vk", "vulkan"), ("on-gl", "gl")] {
+            let start: Vec<u8> = (0..count).flat_map(|i| i.to_le_bytes()).collect();
+            let blob = c.upload(start).await.unwrap();
+            let init = vec![gpumesh::node::api::StateInit {
+                binding: 0,
+                size: u64::from(count) * 4,
+                blob: Some(blob),
+            }];
+            c.create_actor(name, init, Some(backend.into()))
+                .await
+                .unwrap();
+            let mut call = step_call(4);
+            call.grid = Grid([count / 64, 1, 1]);
+            c.call_actor(name, call, None).await.unwrap();
+            let host = c.actor(name).await.unwrap();
+            let want = nodes[usize::from(backend == "gl")].peer_id.to_string();
+            assert_eq!(host.node, want, "{name} is hosted on the {backend} node");
+            assert_eq!(host.backend.as_deref(), Some(backend));
+            let state = words(&c.actor_state(name, 0).await.unwrap());
+            let cpu: Vec<u32> = (0..count)
+                .map(|i: u32| i.wrapping_mul(3).wrapping_add(4 + i))
+                .collect();
+            assert!(state == cpu, "{name}: the state differs from the CPU's");
+        }
+        stop(nodes).await;
+    })
+    .await
+    .expect("test exceeded its time limit");
+}
