@@ -304,7 +304,27 @@ async fn the_api_creates_calls_reads_lists_and_deletes_actors_and_refuses_what_i
         let acc = &list[0];
         assert!(!acc.node.is_empty() && acc.epoch >= 1, "{acc:?}");
         assert_eq!((acc.version, acc.bytes), (3, 1024));
-        assert!(nodes.iter().any(|n| n.peer_id.to_string() == acc.node));
+        let host = nodes
+            .iter()
+            .find(|n| n.peer_id.to_string() == acc.node)
+            .expect("hosted by a member");
+        // Visible in status and on the host's /metrics.
+        let status = b.status().await.unwrap();
+        assert_eq!(status.actors.len(), 1, "{status:?}");
+        assert_eq!(status.actors[0].version, 3);
+        let metrics = reqwest::get(format!("http://{}/metrics", host.api_addr))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        for line in [
+            "gpumesh_actors 1",
+            "gpumesh_actors_hosted 1",
+            "gpumesh_actor_calls_total 3",
+        ] {
+            assert!(metrics.contains(line), "{line} missing: {metrics}");
+        }
 
         // Answered once applied on the node it went through (other nodes' reads of
         // their own copies catch up within a heartbeat).

@@ -40,6 +40,8 @@ pub(crate) struct ActorHost {
     pub kernels: Arc<KernelCache>,
     pub gpu: GpuHandle,
     pub default_deadline: Duration,
+    /// Calls run here whose result the record took (`gpumesh_actor_calls_total`).
+    pub calls: prometheus_client::metrics::counter::Counter,
 }
 
 /// The next call of one actor hosted here, with what running it needs.
@@ -75,9 +77,16 @@ impl ActorHost {
                 let (name, seq) = (turn.name.clone(), turn.seq);
                 match self.take(turn).await {
                     Some(report) => {
-                        if let Err(e) = self.consensus.propose(report).await {
-                            tracing::warn!(actor = %name, seq, error = %e, "could not report the call");
-                            tokio::time::sleep(RETRY).await;
+                        let done = matches!(report, Command::ActorCallDone { .. });
+                        match self.consensus.propose(report).await {
+                            Ok(c) if done && c.outcome == gpumesh_consensus::Outcome::Applied => {
+                                self.calls.inc();
+                            }
+                            Ok(_) => {}
+                            Err(e) => {
+                                tracing::warn!(actor = %name, seq, error = %e, "could not report the call");
+                                tokio::time::sleep(RETRY).await;
+                            }
                         }
                     }
                     None => tokio::time::sleep(RETRY).await,

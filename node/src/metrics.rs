@@ -32,6 +32,10 @@
 //! | `gpumesh_net_received_bytes_total{lane}` | counter | bytes of gpumesh frames read from libp2p streams |
 //! | `gpumesh_net_connected_peers` | gauge | peers with at least one open connection |
 //! | `gpumesh_kernels_compiled` | gauge | kernels compiled on this node since it started (each source once while it stays cached) |
+//! | `gpumesh_actors` | gauge | GPU actors in this node's copy of the record |
+//! | `gpumesh_actors_hosted` | gauge | GPU actors this node hosts |
+//! | `gpumesh_actor_moves` | gauge | moves of actors off a host that was down or gone, over the record's actors |
+//! | `gpumesh_actor_calls_total` | counter | actor calls run on this node whose result was recorded |
 //! | `gpumesh_blob_store_blobs` | gauge | blobs in this node's store |
 //! | `gpumesh_blob_store_bytes` | gauge | bytes of those blobs |
 //!
@@ -86,6 +90,12 @@ pub struct Metrics {
     blob_bytes: Gauge,
     /// Compiles done by the node's kernel cache, refreshed on scrape.
     kernels_compiled: Gauge,
+    /// Actors in the record, hosted here, and their moves, refreshed on scrape.
+    actors: Gauge,
+    actors_hosted: Gauge,
+    actor_moves: Gauge,
+    /// Actor calls run here and recorded, counted by the actor host.
+    pub(crate) actor_calls: Counter,
 }
 
 impl Metrics {
@@ -207,8 +217,37 @@ impl Metrics {
             kernels_compiled.clone(),
         );
 
+        let actors = Gauge::default();
+        registry.register(
+            "actors",
+            "GPU actors in this node's copy of the record",
+            actors.clone(),
+        );
+        let actors_hosted = Gauge::default();
+        registry.register(
+            "actors_hosted",
+            "GPU actors this node hosts",
+            actors_hosted.clone(),
+        );
+        let actor_moves = Gauge::default();
+        registry.register(
+            "actor_moves",
+            "Moves of actors off a host that was down or gone, over the record's actors",
+            actor_moves.clone(),
+        );
+        let actor_calls = Counter::default();
+        registry.register(
+            "actor_calls",
+            "Actor calls run on this node whose result was recorded",
+            actor_calls.clone(),
+        );
+
         Metrics {
             registry,
+            actors,
+            actors_hosted,
+            actor_moves,
+            actor_calls,
             tasks_submitted,
             tasks,
             shards,
@@ -250,6 +289,18 @@ impl Metrics {
             }
             by_status
         });
+        let me = consensus.id();
+        let (actors, hosted, moves) = consensus.read_local(|s| {
+            let a = s.actors().values();
+            (
+                a.len() as u64,
+                s.actors().values().filter(|a| a.host == Some(me)).count() as u64,
+                s.actors().values().map(|a| u64::from(a.moves)).sum::<u64>(),
+            )
+        });
+        self.actors.set(saturating_i64(actors));
+        self.actors_hosted.set(saturating_i64(hosted));
+        self.actor_moves.set(saturating_i64(moves));
         for (state, n) in TaskState::ALL.iter().zip(by_status) {
             self.tasks
                 .get_or_create(&[("status", state.name())])

@@ -298,6 +298,25 @@ pub fn status(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
             m.queue
         );
     }
+    if !st.actors.is_empty() {
+        println!();
+        println!(
+            "{:<20} {:<17} {:>6} {:>8} {:>6} {:>8} {:>10}",
+            "actor", "host", "epoch", "version", "moves", "waiting", "bytes"
+        );
+        for a in &st.actors {
+            println!(
+                "{:<20} {:<17} {:>6} {:>8} {:>6} {:>8} {:>10}",
+                a.name,
+                if a.host.is_empty() { "none" } else { &a.host },
+                a.epoch,
+                a.version,
+                a.moves,
+                a.pending,
+                a.bytes
+            );
+        }
+    }
     Ok(ExitCode::SUCCESS)
 }
 

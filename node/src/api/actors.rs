@@ -49,7 +49,7 @@ pub(crate) fn actor_view(a: &Actor, peer_of: impl Fn(u64) -> Option<String>) -> 
     }
 }
 
-fn peer_names(api: &ApiState) -> impl Fn(u64) -> Option<String> + Send + 'static {
+pub(crate) fn peer_names(api: &ApiState) -> impl Fn(u64) -> Option<String> + Send + 'static {
     let view = api.peers.view();
     move |raft_id| view.peer(raft_id).map(|p| p.to_string())
 }
@@ -135,10 +135,14 @@ pub(crate) async fn create(
 }
 
 pub(crate) async fn list(State(api): State<Arc<ApiState>>) -> ApiResult<Json<Vec<ActorView>>> {
-    let names = peer_names(&api);
-    Ok(Json(api.consensus.read_local(move |s| {
-        s.actors().values().map(|a| actor_view(a, &names)).collect()
-    })))
+    Ok(Json(all(&api)))
+}
+
+/// Every actor in this node's copy of the record.
+pub(crate) fn all(api: &ApiState) -> Vec<ActorView> {
+    let names = peer_names(api);
+    api.consensus
+        .read_local(move |s| s.actors().values().map(|a| actor_view(a, &names)).collect())
 }
 
 pub(crate) async fn one(

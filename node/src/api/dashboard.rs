@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use super::error::{unavailable, ApiResult};
 use super::state::ApiState;
 use super::throughput::ThroughputPoint;
-use super::views::{hex, members, view, MemberView, TaskView};
+use super::views::{hex, members, view, ActorView, MemberView, TaskView};
 use crate::liveness::LivenessView;
 
 /// Tasks the overview lists in full, newest first; older ones are only counted.
@@ -44,6 +44,8 @@ pub struct Overview {
     pub counts: HashMap<TaskState, usize>,
     /// The newest tasks, at most [`OVERVIEW_TASKS`].
     pub tasks: Vec<TaskView>,
+    /// Every GPU actor (the page works out calls per second from versions).
+    pub actors: Vec<ActorView>,
     /// Shard results per second, by node (hex), one point a second, oldest first.
     pub throughput: Vec<ThroughputPoint>,
 }
@@ -71,6 +73,7 @@ pub(crate) async fn overview(State(api): State<Arc<ApiState>>) -> ApiResult<Json
         members,
         counts,
         tasks,
+        actors: super::actors::all(&api),
         throughput: api.throughput.points(),
     }))
 }

@@ -24,6 +24,7 @@ pub(crate) async fn status(State(api): State<Arc<ApiState>>) -> ApiResult<Json<S
         commit_index: st.commit_index,
         applied_index: st.applied_index,
         members,
+        actors: super::actors::all(&api),
     }))
 }
 

@@ -127,6 +127,9 @@ pub struct StatusView {
     pub commit_index: u64,
     pub applied_index: u64,
     pub members: Vec<MemberView>,
+    /// Every GPU actor: its host, epoch, version, moves.
+    #[serde(default)]
+    pub actors: Vec<ActorView>,
 }
 
 #[derive(Serialize, Deserialize)]

@@ -269,6 +269,7 @@ impl MeshNode {
                     kernels: kernels.clone(),
                     gpu: gpu.clone(),
                     default_deadline: config.default_deadline,
+                    calls: metrics.actor_calls.clone(),
                 }
                 .run(cancel.clone()),
             ));
