@@ -1,5 +1,6 @@
 //! `gpumesh bench ...`: measurements printed as tables, never asserted in tests.
 
+mod actors;
 mod consensus;
 mod direct;
 mod executor;
@@ -8,6 +9,7 @@ mod faults;
 mod mesh;
 mod sharding;
 
+pub use actors::{actors, ActorsBenchArgs};
 pub use consensus::{consensus, ConsensusBenchArgs};
 pub use executor::{executor, ExecutorBenchArgs};
 pub use faults::{faults, FaultsBenchArgs};

@@ -127,6 +127,9 @@ pub enum BenchCommand {
     /// Failover: leader and worker loss on a 3-node mesh with default timeouts, and
     /// throughput with replicas=2 against replicas=1.
     Faults(crate::bench::FaultsBenchArgs),
+    /// GPU actors: call latency one at a time, calls/s with many in flight from
+    /// every node, and the time to the next acknowledged call after the host dies.
+    Actors(crate::bench::ActorsBenchArgs),
 }
 
 /// What to run: the flags `gpumesh run` and `gpumesh submit` share.
@@ -332,6 +335,7 @@ pub fn execute(cli: Cli, matches: &ArgMatches) -> anyhow::Result<ExitCode> {
             BenchCommand::Consensus(args) => crate::bench::consensus(args),
             BenchCommand::Mesh(args) => crate::bench::mesh(args),
             BenchCommand::Faults(args) => crate::bench::faults(args),
+            BenchCommand::Actors(args) => crate::bench::actors(args),
         },
     }
 }

@@ -1,0 +1,198 @@
+//! `gpumesh bench actors`: a counter actor on a 3-node loopback mesh in this
+//! process — call latency one at a time, calls/s with many in flight through every
+//! node, and the time from killing the host to the next acknowledged call.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use gpumesh::node::api::StateInit;
+use gpumesh::node::{Formation, MeshNode, NodeConfig};
+use gpumesh::Client;
+use gpumesh_protocol::{ActorCall, Grid, ShaderSource};
+
+use super::ms;
+
+#[derive(clap::Args, Debug)]
+pub struct ActorsBenchArgs {
+    /// Calls timed one at a time for the latency figures.
+    #[arg(long, default_value_t = 200)]
+    pub latency_calls: usize,
+    /// Calls made for the throughput figure.
+    #[arg(long, default_value_t = 600)]
+    pub throughput_calls: usize,
+    /// Calls in flight at once during the throughput run (spread over the nodes).
+    #[arg(long, default_value_t = 48)]
+    pub in_flight: usize,
+    /// Print one JSON object as the last line (`call_p50_ms`, `call_p99_ms`,
+    /// `calls_per_s`, `failover_ms`).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Adds one to each of 64 words of state.
+const COUNT: &str = "@group(0) @binding(0) var<storage, read_write> count: array<u32>;\n\
+@compute @workgroup_size(64)\n\
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) { count[gid.x] = count[gid.x] + 1u; }\n";
+
+fn call() -> ActorCall {
+    ActorCall {
+        shader: ShaderSource::Wgsl(COUNT.into()),
+        entry_point: "main".into(),
+        bindings: vec![],
+        grid: Grid([1, 1, 1]),
+        deadline_ms: None,
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+pub fn actors(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(run(args))
+}
+
+async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
+    let root = std::env::temp_dir().join(format!("gpumesh-bench-actors-{}", std::process::id()));
+    let config = |name: &str, formation, peers: Vec<_>| {
+        let mut c = NodeConfig::new(root.join(name));
+        c.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().expect("multiaddr")];
+        c.api = "127.0.0.1:0".parse().expect("address");
+        c.mdns = false;
+        c.formation = formation;
+        c.peers = peers;
+        c.cluster_key = Some(super::mesh_key());
+        c
+    };
+    let first = MeshNode::start(config("a", Formation::Init, vec![])).await?;
+    let seed: gpumesh::node::Multiaddr =
+        format!("{}/p2p/{}", first.listen_addrs[0], first.peer_id).parse()?;
+    let mut nodes = vec![first];
+    for name in ["b", "c"] {
+        nodes.push(MeshNode::start(config(name, Formation::Join, vec![seed.clone()])).await?);
+    }
+    let clients: Vec<Client> = nodes
+        .iter()
+        .map(|n| Client::new(n.api_addr.to_string()))
+        .collect();
+    // Three voters with adapters before anything is measured.
+    let settle = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = clients[0].status().await?;
+        let voters = st.members.iter().filter(|m| m.role == "voter").count();
+        if voters == 3 && st.members.iter().all(|m| m.adapter.is_some()) {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < settle, "the mesh did not settle: {st:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let state = vec![StateInit {
+        binding: 0,
+        size: 256,
+        blob: None,
+    }];
+    clients[0].create_actor("bench", state, None).await?;
+    let host = clients[0].actor("bench").await?;
+    let host_index = nodes
+        .iter()
+        .position(|n| n.peer_id.to_string() == host.node)
+        .unwrap_or(0);
+    // Calls through a node that is not the host: the path a caller elsewhere takes.
+    let via = &clients[(host_index + 1) % nodes.len()];
+    println!("gpumesh bench actors — a counter actor on 3 nodes on loopback in one process");
+
+    // (1) One call at a time, through a node that is not the host.
+    let mut lat = Vec::new();
+    for _ in 0..args.latency_calls.max(1) {
+        let t = Instant::now();
+        via.call_actor("bench", call(), None).await?;
+        lat.push(t.elapsed());
+    }
+    lat.sort();
+    let (p50, p99) = (percentile(&lat, 0.5), percentile(&lat, 0.99));
+
+    // (2) Many in flight, through every node.
+    let t = Instant::now();
+    let per = args.throughput_calls.max(1).div_ceil(args.in_flight.max(1));
+    let mut running = Vec::new();
+    for i in 0..args.in_flight.max(1) {
+        let c = clients[i % clients.len()].clone();
+        running.push(tokio::spawn(async move {
+            for _ in 0..per {
+                c.call_actor("bench", call(), None).await?;
+            }
+            Ok::<_, gpumesh::ClientError>(())
+        }));
+    }
+    for r in running {
+        r.await??;
+    }
+    let total = per * args.in_flight.max(1);
+    let calls_per_s = total as f64 / t.elapsed().as_secs_f64();
+    let version = clients[0].actor("bench").await?.version;
+    anyhow::ensure!(
+        version == (lat.len() + total) as u64,
+        "the actor ran {version} calls, not {}",
+        lat.len() + total
+    );
+
+    // (3) The host dies: time to the next acknowledged call.
+    let survivor = clients[(host_index + 1) % nodes.len()].clone();
+    let host_node = nodes.remove(host_index);
+    let killed = Instant::now();
+    host_node.kill().await;
+    survivor.call_actor("bench", call(), None).await?;
+    let failover = killed.elapsed();
+    let moved = survivor.actor("bench").await?;
+    anyhow::ensure!(moved.node != host.node, "the actor did not move: {moved:?}");
+    let counts = survivor.actor_state("bench", 0).await?;
+    let expect = (lat.len() + total + 1) as u32;
+    anyhow::ensure!(
+        counts
+            .chunks_exact(4)
+            .all(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) == expect),
+        "the counter does not hold {expect} in every word"
+    );
+
+    println!();
+    println!("{:<60} {:>12}", "measurement", "value");
+    println!(
+        "{:<60} {:>9.2} ms",
+        "actor call, one at a time, p50",
+        ms(p50)
+    );
+    println!(
+        "{:<60} {:>9.2} ms",
+        "actor call, one at a time, p99",
+        ms(p99)
+    );
+    println!(
+        "{:<60} {:>9.0} /s",
+        format!("actor calls, {} in flight through 3 nodes", args.in_flight),
+        calls_per_s
+    );
+    println!(
+        "{:<60} {:>9.0} ms",
+        "host killed -> next call acknowledged (moved to the copy)",
+        ms(failover)
+    );
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "call_p50_ms": ms(p50),
+                "call_p99_ms": ms(p99),
+                "calls_per_s": calls_per_s,
+                "failover_ms": ms(failover),
+            })
+        );
+    }
+    for n in nodes {
+        n.stop().await;
+    }
+    let _ = std::fs::remove_dir_all(&root);
+    Ok(ExitCode::SUCCESS)
+}
