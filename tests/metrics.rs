@@ -123,11 +123,14 @@ async fn tasks_move_each_nodes_own_counters_and_one_leader_is_reported() {
         }
 
         let shards = f64::from(a_shards + b_shards);
+        // Every node connected to both others too: the membership sweep dials a
+        // member it has no connection to within a sweep or two.
         let scrapes = scrape_until(&nodes, |all| {
             sum(all, "gpumesh_shards_done_total") >= shards
-                && all
-                    .iter()
-                    .all(|s| s.get("gpumesh_tasks{status=\"completed\"}") == 2.0)
+                && all.iter().all(|s| {
+                    s.get("gpumesh_tasks{status=\"completed\"}") == 2.0
+                        && s.get("gpumesh_net_connected_peers") == 2.0
+                })
         })
         .await;
 
