@@ -6,7 +6,6 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use gpumesh::node::api::StateInit;
-use gpumesh::node::{Formation, MeshNode, NodeConfig};
 use gpumesh::Client;
 use gpumesh_protocol::{ActorCall, Grid, ShaderSource};
 
@@ -57,23 +56,7 @@ pub fn actors(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
 
 async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
     let root = std::env::temp_dir().join(format!("gpumesh-bench-actors-{}", std::process::id()));
-    let config = |name: &str, formation, peers: Vec<_>| {
-        let mut c = NodeConfig::new(root.join(name));
-        c.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().expect("multiaddr")];
-        c.api = "127.0.0.1:0".parse().expect("address");
-        c.mdns = false;
-        c.formation = formation;
-        c.peers = peers;
-        c.cluster_key = Some(super::mesh_key());
-        c
-    };
-    let first = MeshNode::start(config("a", Formation::Init, vec![])).await?;
-    let seed: gpumesh::node::Multiaddr =
-        format!("{}/p2p/{}", first.listen_addrs[0], first.peer_id).parse()?;
-    let mut nodes = vec![first];
-    for name in ["b", "c"] {
-        nodes.push(MeshNode::start(config(name, Formation::Join, vec![seed.clone()])).await?);
-    }
+    let mut nodes = super::local_mesh(&root).await?;
     let clients: Vec<Client> = nodes
         .iter()
         .map(|n| Client::new(n.api_addr.to_string()))

@@ -40,3 +40,27 @@ fn mesh_key() -> gpumesh::node::ClusterKey {
     static KEY: std::sync::OnceLock<gpumesh::node::ClusterKey> = std::sync::OnceLock::new();
     *KEY.get_or_init(gpumesh::node::ClusterKey::generate)
 }
+
+/// Three nodes on loopback in this process, data under `root`: `a` forms the mesh,
+/// `b` and `c` join it.
+async fn local_mesh(root: &std::path::Path) -> anyhow::Result<Vec<gpumesh::node::MeshNode>> {
+    use gpumesh::node::{Formation, MeshNode, NodeConfig};
+    let config = |name: &str, formation, peers: Vec<_>| {
+        let mut c = NodeConfig::new(root.join(name));
+        c.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().expect("multiaddr")];
+        c.api = "127.0.0.1:0".parse().expect("address");
+        c.mdns = false;
+        c.formation = formation;
+        c.peers = peers;
+        c.cluster_key = Some(mesh_key());
+        c
+    };
+    let first = MeshNode::start(config("a", Formation::Init, vec![])).await?;
+    let seed: gpumesh::node::Multiaddr =
+        format!("{}/p2p/{}", first.listen_addrs[0], first.peer_id).parse()?;
+    let mut nodes = vec![first];
+    for name in ["b", "c"] {
+        nodes.push(MeshNode::start(config(name, Formation::Join, vec![seed.clone()])).await?);
+    }
+    Ok(nodes)
+}
