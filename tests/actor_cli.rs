@@ -9,30 +9,10 @@ mod common;
 use std::path::Path;
 use std::process::{Command, Output};
 
+use common::{words, STEP};
 use gpumesh::process::NodeProcess;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpumesh");
-
-/// Multiplies the state by 3 and adds the parameter; writes the first four words as
-/// they were before the call.
-const STEP: &str = r#"
-struct Params { add: u32, _a: u32, _b: u32, _c: u32 }
-@group(0) @binding(0) var<storage, read_write> state: array<u32>;
-@group(0) @binding(1) var<uniform> params: Params;
-@group(0) @binding(2) var<storage, read_write> before: array<u32>;
-
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let i = gid.x;
-    if (i < arrayLength(&state)) {
-        let old = state[i];
-        if (i < 4u) {
-            before[i] = old;
-        }
-        state[i] = old * 3u + params.add + i;
-    }
-}
-"#;
 
 fn gpumesh(args: &[&str]) -> Output {
     Command::new(BIN)
@@ -50,13 +30,6 @@ fn ok(args: &[&str]) -> String {
         String::from_utf8_lossy(&o.stderr)
     );
     String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn words(bytes: &[u8]) -> Vec<u32> {
-    bytes
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
 }
 
 fn le(words: &[u32]) -> Vec<u8> {

@@ -9,33 +9,12 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{have_any, mesh, stop, LIMIT};
+use common::{have_any, mesh, stop, words, LIMIT, STEP};
 use gpumesh::consensus::{ActorState, CallResult, Command, Outcome};
 use gpumesh::node::MeshNode;
 use gpumesh::protocol::{
     ActorCall, BindingRole, BindingSpec, BlobId, Grid, ShaderSource, StateBuffer,
 };
-
-/// Each call multiplies the state by 3 and adds its parameter (the order matters),
-/// and writes the first four words as they were before it.
-const STEP: &str = r#"
-struct Params { add: u32, _a: u32, _b: u32, _c: u32 }
-@group(0) @binding(0) var<storage, read_write> state: array<u32>;
-@group(0) @binding(1) var<uniform> params: Params;
-@group(0) @binding(2) var<storage, read_write> before: array<u32>;
-
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let i = gid.x;
-    if (i < arrayLength(&state)) {
-        let old = state[i];
-        if (i < 4u) {
-            before[i] = old;
-        }
-        state[i] = old * 3u + params.add + i;
-    }
-}
-"#;
 
 const WORDS: u32 = 256;
 
@@ -61,13 +40,6 @@ fn step_call(add: u32) -> ActorCall {
         grid: Grid([WORDS / 64, 1, 1]),
         deadline_ms: None,
     }
-}
-
-fn words(bytes: &[u8]) -> Vec<u32> {
-    bytes
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
 }
 
 /// Reads blob `id` from whichever node holds it.

@@ -163,3 +163,33 @@ pub fn accepted_once(view: &TaskView) {
         );
     }
 }
+
+/// An actor call's kernel that tests replay on the CPU: each call multiplies the
+/// state by 3 and adds its parameter (the order matters), and writes the first four
+/// words as they were before it.
+pub const STEP: &str = r#"
+struct Params { add: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<storage, read_write> state: array<u32>;
+@group(0) @binding(1) var<uniform> params: Params;
+@group(0) @binding(2) var<storage, read_write> before: array<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i < arrayLength(&state)) {
+        let old = state[i];
+        if (i < 4u) {
+            before[i] = old;
+        }
+        state[i] = old * 3u + params.add + i;
+    }
+}
+"#;
+
+/// Little-endian u32 words.
+pub fn words(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
