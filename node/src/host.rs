@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use crate::blobs::BlobsHandle;
 use crate::identity;
 use crate::peers::PeersHandle;
+use crate::wire::NextState;
 use crate::worker::GpuHandle;
 
 /// How long to wait before trying again a call that could not run yet.
@@ -180,19 +181,9 @@ impl ActorHost {
                 Err(_) => return None,
             }
         };
-        // The new state, here; what the call changed in it, as one blob; both copied
-        // to the node that keeps the actor's second copy (or any other member).
-        let prefer = t.backup.and_then(|b| self.peers.peer(b));
-        let mut state = Vec::with_capacity(state_bindings.len());
-        let mut backup = None;
-        for binding in &state_bindings {
-            let bytes = merged.get(binding).cloned().unwrap_or_default();
-            let id = match self.keep(bytes, prefer.or(backup), &mut backup).await {
-                Some(id) => id,
-                None => return None,
-            };
-            state.push((*binding, id));
-        }
+        // The new state and what the call changed in it, here; the node that keeps
+        // the actor's second copy makes the same new state from the old one and the
+        // changes (only they travel), or another member does from the whole state.
         let changed = ShardChanges(
             out.changes
                 .0
@@ -200,16 +191,57 @@ impl ActorHost {
                 .filter(|(b, _)| state_bindings.contains(b))
                 .collect(),
         );
-        let changes = self
-            .keep(changed.encode(), prefer.or(backup), &mut backup)
-            .await?;
+        let store = self.blobs.store().clone();
+        let base = t.state.clone();
+        let stored = tokio::task::spawn_blocking(move || {
+            let mut next = Vec::with_capacity(base.len());
+            for s in &base {
+                let binding = s.buffer.binding;
+                let bytes = merged
+                    .get(&binding)
+                    .ok_or_else(|| format!("the call left no state at binding {binding}"))?;
+                next.push(NextState {
+                    binding,
+                    size: s.buffer.size,
+                    base: s.blob,
+                    next: store.put(bytes).map_err(|e| e.to_string())?,
+                });
+            }
+            let outputs: Vec<(u32, Vec<u8>)> = merged
+                .into_iter()
+                .filter(|(b, _)| !base.iter().any(|s| s.buffer.binding == *b))
+                .collect();
+            let changes = store.put(&changed.encode()).map_err(|e| e.to_string())?;
+            Ok::<_, String>((next, changes, outputs))
+        })
+        .await;
+        let (next, changes, merged) = match stored {
+            Ok(Ok(stored)) => stored,
+            Ok(Err(e)) => {
+                tracing::warn!(actor = %t.name, error = %e, "could not store the actor's new state");
+                return None;
+            }
+            Err(_) => return None,
+        };
+        let state = next.iter().map(|n| (n.binding, n.next)).collect();
+        let prefer = t.backup.and_then(|b| self.peers.peer(b));
+        let backup = match self.blobs.advance(changes, next, prefer).await {
+            Ok(by) => by,
+            Err(e) => {
+                tracing::warn!(actor = %t.name, error = %e, "no second copy of the actor's state yet");
+                return None;
+            }
+        };
         let mut outputs = Vec::new();
         for (binding, bytes) in merged {
-            if state_bindings.contains(&binding) {
-                continue;
-            }
             let size = bytes.len() as u64;
-            let blob = self.keep(bytes, caller, &mut None).await?;
+            let blob = match self.blobs.put_and_copy(bytes, caller).await {
+                Ok(blob) => blob,
+                Err(e) => {
+                    tracing::warn!(actor = %t.name, error = %e, "could not keep a call's output");
+                    return None;
+                }
+            };
             outputs.push(MergedOutput {
                 binding,
                 blob,
@@ -227,36 +259,5 @@ impl ActorHost {
             backup: backup.map_or(self.me, |p| identity::raft_id(&p)),
             outputs,
         })
-    }
-
-    /// Stores `bytes` here and has one other member keep a copy (`prefer` first);
-    /// notes in `kept_by` who did, if none has yet.
-    async fn keep(
-        &self,
-        bytes: Vec<u8>,
-        prefer: Option<PeerId>,
-        kept_by: &mut Option<PeerId>,
-    ) -> Option<BlobId> {
-        let store = self.blobs.store().clone();
-        let id = match tokio::task::spawn_blocking(move || store.put(&bytes)).await {
-            Ok(Ok(id)) => id,
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "could not store an actor's blob");
-                return None;
-            }
-            Err(_) => return None,
-        };
-        match self.blobs.replicate(id, prefer).await {
-            Ok(by) => {
-                if kept_by.is_none() {
-                    *kept_by = by;
-                }
-                Some(id)
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "no second copy of an actor's blob yet");
-                None
-            }
-        }
     }
 }

@@ -18,6 +18,25 @@ pub enum NodeRequest {
     Peers,
     /// Keep a copy of this blob, pulled from me, before I report it done.
     Replicate { blob: gpumesh_protocol::BlobId },
+    /// Keep the next state of an actor whose state you hold: make each buffer from
+    /// its `base` and the call's changes (blob `changes`, pulled from me); what you
+    /// make must be `next`, byte for byte. Only what the call changed travels; a base
+    /// you lack is pulled from me whole.
+    Advance {
+        changes: gpumesh_protocol::BlobId,
+        buffers: Vec<NextState>,
+    },
+}
+
+/// One state buffer of an [`NodeRequest::Advance`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NextState {
+    pub binding: u32,
+    pub size: u64,
+    /// Its blob before the call (`None`: zeros).
+    pub base: Option<gpumesh_protocol::BlobId>,
+    /// Its blob after the call.
+    pub next: gpumesh_protocol::BlobId,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -30,7 +49,7 @@ pub enum NodeReply {
     Joined,
     /// Peer ids with their listen addresses, as text.
     Peers(Vec<(String, Vec<String>)>),
-    /// The blob is stored here (fsync'd).
+    /// The blob (or an actor's next state) is stored here (fsync'd).
     Replicated,
     Refused(String),
 }

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use gpumesh_consensus::ConsensusHandle;
-use gpumesh_protocol::BlobId;
+use gpumesh_protocol::{BlobId, ShardChanges};
 use libp2p::PeerId;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::{JoinHandle, JoinSet};
@@ -21,8 +21,9 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{NodeError, Result};
 use crate::net::NetHandle;
 use crate::peers::{member_records, PeersHandle};
-use crate::wire::{self, NodeReply, NodeRequest};
+use crate::wire::{self, NextState, NodeReply, NodeRequest};
 
+mod next_state;
 pub mod store;
 
 pub use store::BlobStore;
@@ -144,9 +145,53 @@ impl BlobsHandle {
     /// Returns the member that kept the copy (`None` in a one-node mesh).
     pub async fn replicate(&self, blob: BlobId, prefer: Option<PeerId>) -> Result<Option<PeerId>> {
         self.mover
-            .replicate(blob, prefer)
+            .copy_to_one(&NodeRequest::Replicate { blob }, prefer)
             .await
             .map_err(|reason| NodeError::NoSecondCopy { blob, reason })
+    }
+
+    /// Has one other member keep an actor's next state, sending only what the call
+    /// changed (blob `changes`, stored here): `prefer` (the member that holds the
+    /// state before the call) first. Every buffer's `base` and `next` blob must be
+    /// stored here. Returns the member that kept it, like [`Self::replicate`].
+    pub async fn advance(
+        &self,
+        changes: BlobId,
+        buffers: Vec<NextState>,
+        prefer: Option<PeerId>,
+    ) -> Result<Option<PeerId>> {
+        self.mover
+            .copy_to_one(&NodeRequest::Advance { changes, buffers }, prefer)
+            .await
+            .map_err(|reason| NodeError::NoSecondCopy {
+                blob: changes,
+                reason,
+            })
+    }
+
+    /// Answers another member's [`NodeRequest::Advance`]: makes each buffer's next
+    /// state from its base (kept here, or pulled from `from`) and the changes (pulled
+    /// from `from`), checks it is the state `from` has, and stores it.
+    pub async fn keep_next_state(
+        &self,
+        from: PeerId,
+        changes: BlobId,
+        buffers: Vec<NextState>,
+    ) -> Outcome {
+        if buffers.iter().all(|b| self.store.has(&b.next)) {
+            return Ok(());
+        }
+        let changes = ShardChanges::decode(&self.pull(changes, Some(from)).await?)
+            .map_err(|e| format!("the changes blob {changes} is not changes: {e}"))?;
+        for b in &buffers {
+            if let Some(base) = b.base {
+                self.fetch(base, Some(from)).await?;
+            }
+        }
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || next_state::keep(&store, &changes, &buffers))
+            .await
+            .map_err(|e| e.to_string())?
     }
 }
 
@@ -192,9 +237,11 @@ impl Mover {
         Err(last)
     }
 
-    async fn replicate(
+    /// Asks one other member to keep a copy (`request` is a `Replicate` or an
+    /// `Advance`): `prefer` first, then every other connected member.
+    async fn copy_to_one(
         &self,
-        blob: BlobId,
+        request: &NodeRequest,
         prefer: Option<PeerId>,
     ) -> std::result::Result<Option<PeerId>, String> {
         let me = self.peers.me();
@@ -226,7 +273,7 @@ impl Mover {
         let reachable = targets.len();
         let mut refusals = Vec::new();
         for peer in targets {
-            match wire::call(&self.net, peer, &NodeRequest::Replicate { blob }).await {
+            match wire::call(&self.net, peer, request).await {
                 Ok(NodeReply::Replicated) => return Ok(Some(peer)),
                 Ok(NodeReply::Refused(why)) => refusals.push(format!("{peer}: {why}")),
                 Ok(other) => refusals.push(format!("{peer}: unexpected answer {other:?}")),

@@ -157,6 +157,15 @@ impl Answering {
                     Err(e) => NodeReply::Refused(format!("could not copy blob {blob}: {e}")),
                 }
             }
+            (NodeRequest::Advance { .. }, None) => {
+                NodeReply::Refused("could not keep an actor's state: not in a mesh yet".into())
+            }
+            (NodeRequest::Advance { changes, buffers }, Some(m)) => {
+                match m.blobs.keep_next_state(from, changes, buffers).await {
+                    Ok(()) => NodeReply::Replicated,
+                    Err(e) => NodeReply::Refused(format!("could not keep an actor's state: {e}")),
+                }
+            }
             (NodeRequest::Peers, _) => NodeReply::Peers(self.peers.view().book()),
         };
         match wire::encode(&reply) {
