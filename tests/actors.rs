@@ -373,8 +373,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
-/// Bytes node `n` has read from blob chunk streams, from its /metrics.
-async fn blob_bytes_received(n: &MeshNode) -> f64 {
+/// One sample of node `n`'s /metrics.
+async fn metric(n: &MeshNode, key: &str) -> f64 {
     let text = reqwest::get(format!("http://{}/metrics", n.api_addr))
         .await
         .unwrap()
@@ -382,12 +382,17 @@ async fn blob_bytes_received(n: &MeshNode) -> f64 {
         .await
         .unwrap();
     text.lines()
-        .find_map(|l| l.strip_prefix("gpumesh_net_received_bytes_total{lane=\"blob\"} "))
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(' '))
         .map_or(0.0, |v| v.trim().parse().unwrap())
 }
 
+/// Bytes node `n` has read from blob chunk streams.
+async fn blob_bytes_received(n: &MeshNode) -> f64 {
+    metric(n, "gpumesh_net_received_bytes_total{lane=\"blob\"}").await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_second_copy_of_a_large_state_receives_only_what_each_call_changed() {
+async fn the_second_copy_receives_only_what_each_call_changed_and_delete_frees_the_gpu() {
     if !have_any() {
         return;
     }
@@ -473,6 +478,31 @@ async fn the_second_copy_of_a_large_state_receives_only_what_each_call_changed()
             .expect("the backup holds the state");
         assert!(words(&kept) == cpu, "the kept state differs from the CPU's");
         assert!(words(&c.actor_state("big", 0).await.unwrap()) == cpu);
+
+        // One version of the state is kept on the host's GPU; deleted, it is freed.
+        let host = nodes
+            .iter()
+            .find(|n| n.peer_id.to_string() == a.node)
+            .unwrap();
+        let state_bytes = f64::from(count) * 4.0;
+        let resident = metric(host, "gpumesh_gpu_resident_bytes").await;
+        assert!(
+            resident >= state_bytes && resident < 2.0 * state_bytes,
+            "{resident} bytes resident on the host for {state_bytes} bytes of state"
+        );
+        c.delete_actor("big").await.unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let resident = metric(host, "gpumesh_gpu_resident_bytes").await;
+            if resident < state_bytes {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{resident} bytes still resident 10 s after the actor was deleted"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         stop(nodes).await;
     })
     .await

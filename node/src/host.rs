@@ -15,6 +15,7 @@
 //! (state, inputs, outputs and their copies), peers (who holds what), the GPU
 //! thread, the kernel cache.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -60,8 +61,11 @@ struct Turn {
 impl ActorHost {
     pub async fn run(self, cancel: CancellationToken) {
         let mut applied = self.consensus.watch_state();
+        // The state each actor's last call here left on the GPU, by actor.
+        let mut on_gpu: HashMap<String, Vec<BlobId>> = HashMap::new();
         loop {
             applied.borrow_and_update();
+            self.release_gone(&mut on_gpu).await;
             let turns = self.turns();
             if turns.is_empty() {
                 tokio::select! {
@@ -78,6 +82,9 @@ impl ActorHost {
                 let (name, seq) = (turn.name.clone(), turn.seq);
                 match self.take(turn).await {
                     Some(report) => {
+                        if let Command::ActorCallDone { state, .. } = &report {
+                            on_gpu.insert(name.clone(), state.iter().map(|(_, b)| *b).collect());
+                        }
                         let done = matches!(report, Command::ActorCallDone { .. });
                         match self.consensus.propose(report).await {
                             Ok(c) if done && c.outcome == gpumesh_consensus::Outcome::Applied => {
@@ -93,6 +100,32 @@ impl ActorHost {
                     None => tokio::time::sleep(RETRY).await,
                 }
             }
+        }
+    }
+
+    /// Frees the GPU buffers of actors no longer hosted here (deleted, or moved to
+    /// another node).
+    async fn release_gone(&self, on_gpu: &mut HashMap<String, Vec<BlobId>>) {
+        if on_gpu.is_empty() {
+            return;
+        }
+        let me = self.me;
+        let hosted: HashSet<String> = self.consensus.read_local(move |s| {
+            s.actors()
+                .values()
+                .filter(|a| a.host == Some(me))
+                .map(|a| a.name.clone())
+                .collect()
+        });
+        let gone: Vec<String> = on_gpu
+            .keys()
+            .filter(|n| !hosted.contains(*n))
+            .cloned()
+            .collect();
+        for name in gone {
+            let blobs = on_gpu.remove(&name).unwrap_or_default();
+            tracing::debug!(actor = %name, "no longer hosted here; its GPU buffers are freed");
+            self.gpu.forget(blobs).await;
         }
     }
 

@@ -28,6 +28,7 @@
 //! | `gpumesh_gpu_busy_seconds_total` | counter | time the GPU thread spent running shards (upload, dispatch, wait, readback) |
 //! | `gpumesh_gpu_dispatches_total` | counter | compute dispatches submitted (one per tile of a shard) |
 //! | `gpumesh_gpu_bytes_total{direction}` | counter | bytes written to the device (`to_gpu`: inputs not already resident, output fill, shard info) and read back (`from_gpu`) |
+//! | `gpumesh_gpu_resident_bytes` | gauge | bytes of GPU buffers kept on the device between runs: actors' state, inputs reused by later tasks |
 //! | `gpumesh_net_sent_bytes_total{lane}` | counter | bytes of gpumesh frames written to libp2p streams |
 //! | `gpumesh_net_received_bytes_total{lane}` | counter | bytes of gpumesh frames read from libp2p streams |
 //! | `gpumesh_net_connected_peers` | gauge | peers with at least one open connection |
@@ -167,6 +168,12 @@ impl Metrics {
              shard info) and read back from them (from_gpu)",
             Unit::Bytes,
             gpu.bytes.clone(),
+        );
+        registry.register_with_unit(
+            "gpu_resident",
+            "Bytes of GPU buffers kept on the device between runs (actor state, reused inputs)",
+            Unit::Bytes,
+            gpu.resident.clone(),
         );
 
         // Every label value from the start, so a rate over a lane that has been quiet
@@ -360,6 +367,8 @@ pub struct GpuMetrics {
     dispatches: Counter,
     /// Bytes by direction: `to_gpu`, `from_gpu`.
     bytes: Family<Label, Counter>,
+    /// Bytes of buffers kept on the device between runs (actor state, reused inputs).
+    resident: Gauge,
 }
 
 impl GpuMetrics {
@@ -373,6 +382,10 @@ impl GpuMetrics {
         self.bytes
             .get_or_create(&[("direction", "from_gpu")])
             .inc_by(work.bytes_from_device);
+    }
+
+    pub fn set_resident(&self, bytes: u64) {
+        self.resident.set(saturating_i64(bytes));
     }
 }
 

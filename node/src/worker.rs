@@ -21,11 +21,15 @@ use tracing::Instrument;
 use crate::blobs::BlobsHandle;
 use crate::metrics::{GpuMetrics, ShardMetrics};
 
-struct GpuRequest {
-    job: Job,
-    shard: u32,
-    deadline: Option<Duration>,
-    reply: oneshot::Sender<Result<ShardOutput, ExecError>>,
+enum GpuRequest {
+    Run {
+        job: Job,
+        shard: u32,
+        deadline: Option<Duration>,
+        reply: oneshot::Sender<Result<ShardOutput, ExecError>>,
+    },
+    /// Free the buffers kept on the device for these contents.
+    Forget(Vec<BlobId>),
 }
 
 /// The executor on its own thread. Cheap to clone.
@@ -66,15 +70,26 @@ impl GpuHandle {
                 }
                 let _ = ready_tx.send(Some(executor.capability().clone()));
                 while let Some(req) = rx.blocking_recv() {
-                    let before = executor.counters();
-                    let started = Instant::now();
-                    let result = job_shard(&req.job, req.shard).and_then(|range| {
-                        executor
-                            .run_shards(&req.job, &[range], req.deadline)
-                            .map(|mut v| v.remove(0))
-                    });
-                    metrics.record(started.elapsed(), executor.counters().since(&before));
-                    let _ = req.reply.send(result);
+                    match req {
+                        GpuRequest::Run {
+                            job,
+                            shard,
+                            deadline,
+                            reply,
+                        } => {
+                            let before = executor.counters();
+                            let started = Instant::now();
+                            let result = job_shard(&job, shard).and_then(|range| {
+                                executor
+                                    .run_shards(&job, &[range], deadline)
+                                    .map(|mut v| v.remove(0))
+                            });
+                            metrics.record(started.elapsed(), executor.counters().since(&before));
+                            let _ = reply.send(result);
+                        }
+                        GpuRequest::Forget(ids) => executor.forget(&ids),
+                    }
+                    metrics.set_resident(executor.resident_bytes());
                 }
             });
         let thread = spawned.ok()?;
@@ -90,7 +105,7 @@ impl GpuHandle {
     ) -> Result<ShardOutput, ExecError> {
         let (reply, rx) = oneshot::channel();
         self.tx
-            .send(GpuRequest {
+            .send(GpuRequest::Run {
                 job,
                 shard,
                 deadline,
@@ -100,6 +115,16 @@ impl GpuHandle {
             .map_err(|_| ExecError::Gpu("the GPU thread has stopped".into()))?;
         rx.await
             .map_err(|_| ExecError::Gpu("the GPU thread has stopped".into()))?
+    }
+}
+
+impl GpuHandle {
+    /// Frees the buffers the executor keeps on the device for these contents (the
+    /// state of an actor no longer hosted here). Does not wait.
+    pub async fn forget(&self, ids: Vec<BlobId>) {
+        if !ids.is_empty() {
+            let _ = self.tx.send(GpuRequest::Forget(ids)).await;
+        }
     }
 }
 

@@ -323,6 +323,17 @@ impl Executor {
         let result = match (result, validation.or(oom)) {
             (Ok(_), Some(e)) => Err(ExecError::Gpu(e.to_string())),
             (Ok((shards, kept)), None) => {
+                // A kept buffer started from an older version of itself: the new
+                // version takes its place on the device.
+                let replaced: Vec<BlobId> = job
+                    .keep
+                    .iter()
+                    .filter_map(|b| match &job.writable.get(b)?.start {
+                        Start::Blob(input) => Some(input.id),
+                        Start::Fill(_) => None,
+                    })
+                    .collect();
+                self.forget(&replaced);
                 for (id, buffer) in kept {
                     self.make_resident((id, false), buffer);
                 }
@@ -408,6 +419,28 @@ impl Executor {
             buffers.insert(binding, buffer);
         }
         buffers
+    }
+
+    /// Drops the buffers kept on the device for these contents (an actor deleted or
+    /// moved away); a later job that binds them uploads them again.
+    pub fn forget(&mut self, ids: &[BlobId]) {
+        let before = self.resident.len();
+        for id in ids {
+            for uniform in [false, true] {
+                if let Some(buffer) = self.resident.remove(&(*id, uniform)) {
+                    self.resident_bytes -= buffer.size();
+                }
+            }
+        }
+        if self.resident.len() != before {
+            self.resident_order
+                .retain(|k| self.resident.contains_key(k));
+        }
+    }
+
+    /// Bytes of buffers kept on the device for later jobs.
+    pub fn resident_bytes(&self) -> u64 {
+        self.resident_bytes
     }
 
     /// Keeps `buffer` on the device as the contents `key` names, for later jobs,

@@ -79,6 +79,7 @@ fn state_kept_on_the_device_is_not_uploaded_again_and_steps_match_the_cpu() {
         let name = adapter.backend.name();
         let mut cpu: Vec<u32> = (0..WORDS as u32).map(|i| i * 7).collect();
         let state_bytes = (WORDS * 4) as u64;
+        let resident_before = executor.resident_bytes();
         for (round, add) in [5u32, 11, 2].into_iter().enumerate() {
             let before = executor.counters();
             let job = step_job(&kernel, &bytes(&cpu), add);
@@ -99,6 +100,18 @@ fn state_kept_on_the_device_is_not_uploaded_again_and_steps_match_the_cpu() {
                 );
             }
         }
+        // One version of the state stays on the device, not one per call.
+        let held = executor.resident_bytes() - resident_before;
+        assert!(
+            held >= state_bytes && held < 2 * state_bytes,
+            "{name}: {held} bytes resident after three calls on {state_bytes} bytes of state"
+        );
+        // Forgotten (the actor deleted or moved): its buffer is freed.
+        executor.forget(&[BlobId::of(&bytes(&cpu))]);
+        assert!(
+            executor.resident_bytes() - resident_before < state_bytes,
+            "{name}: the state is still resident after it was forgotten"
+        );
     }
 }
 
