@@ -23,7 +23,7 @@ use crate::metrics::{GpuMetrics, ShardMetrics};
 
 enum GpuRequest {
     Run {
-        job: Job,
+        job: Box<Job>,
         shard: u32,
         deadline: Option<Duration>,
         reply: oneshot::Sender<Result<ShardOutput, ExecError>>,
@@ -106,7 +106,7 @@ impl GpuHandle {
         let (reply, rx) = oneshot::channel();
         self.tx
             .send(GpuRequest::Run {
-                job,
+                job: Box::new(job),
                 shard,
                 deadline,
                 reply,
