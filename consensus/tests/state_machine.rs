@@ -594,6 +594,7 @@ fn random_command(rng: &mut SplitMix64, tasks: &[TaskId]) -> Command {
                 },
                 gflops: rng.next_f64() * 100.0,
                 gbps: rng.next_f64() * 10.0,
+                memory: 512 << 20,
             },
         },
     }

@@ -26,6 +26,10 @@ pub struct Limits {
     /// Bytes of one API request body, blob uploads excepted: those answer to
     /// `max_blob_bytes` (`--max-request-bytes`).
     pub max_request_bytes: u64,
+    /// Bytes of GPU memory kept in use between runs: actors' state and inputs reused
+    /// by later tasks (`--gpu-memory`). The node reports it; the leader places actors
+    /// where their state fits in what is left of it.
+    pub gpu_memory: u64,
 }
 
 impl Default for Limits {
@@ -36,6 +40,7 @@ impl Default for Limits {
             max_grid: 1 << 26,
             max_queued_per_submitter: 1024,
             max_request_bytes: 8 << 20,
+            gpu_memory: 512 << 20,
         }
     }
 }
@@ -52,6 +57,7 @@ impl Limits {
                 self.max_queued_per_submitter == 0,
             ),
             ("--max-request-bytes", self.max_request_bytes == 0),
+            ("--gpu-memory", self.gpu_memory == 0),
         ];
         match zero.iter().find(|(_, is_zero)| *is_zero) {
             Some((flag, _)) => Err(NodeError::Config(format!(

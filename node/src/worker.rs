@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use gpumesh_consensus::{AppliedEvent, Command, ConsensusHandle, Outcome, TaskId};
 use gpumesh_protocol::{BlobId, NodeCapability, ShardChanges, TaskSpec};
-use gpumesh_shaders::{calibrate, BackendChoice, ExecError, Executor, Job, ShardOutput};
+use gpumesh_shaders::{
+    calibrate, BackendChoice, ExecError, Executor, ExecutorLimits, Job, ShardOutput,
+};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -48,6 +50,7 @@ impl GpuHandle {
     pub fn start(
         choice: BackendChoice,
         calibrate_speed: bool,
+        memory: u64,
         metrics: GpuMetrics,
     ) -> Option<(GpuHandle, NodeCapability, std::thread::JoinHandle<()>)> {
         let (tx, mut rx) = mpsc::channel::<GpuRequest>(16);
@@ -55,7 +58,11 @@ impl GpuHandle {
         let spawned = std::thread::Builder::new()
             .name("gpumesh-gpu".into())
             .spawn(move || {
-                let mut executor = match Executor::new(choice) {
+                let limits = ExecutorLimits {
+                    resident_input_bytes: memory,
+                    ..ExecutorLimits::default()
+                };
+                let mut executor = match Executor::with_limits(choice, limits) {
                     Ok(e) => e,
                     Err(e) => {
                         tracing::warn!(error = %e, "no usable GPU adapter; this node will run no shards");

@@ -75,4 +75,8 @@ pub struct NodeCapability {
     pub gflops: f64,
     /// Measured device memory bandwidth, GB/s (0 until calibrated).
     pub gbps: f64,
+    /// Bytes of device memory the node keeps buffers in between runs (actors'
+    /// state, inputs reused by later tasks): the leader places actors where their
+    /// state fits in what is left of it.
+    pub memory: u64,
 }

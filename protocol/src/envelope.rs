@@ -12,7 +12,7 @@ use crate::error::{ProtocolError, Result};
 /// Magic bytes that open every envelope.
 pub const MAGIC: [u8; 4] = *b"GPMH";
 /// Bumped on every incompatible change of any wire type.
-pub const WIRE_VERSION: u16 = 3;
+pub const WIRE_VERSION: u16 = 4;
 const HEADER_LEN: usize = MAGIC.len() + 2;
 
 /// Frames `message` for the wire.

@@ -98,6 +98,7 @@ fn capability() -> impl Strategy<Value = NodeCapability> {
             },
             gflops,
             gbps,
+            memory: u64::from(vendor) << 8,
         })
 }
 

@@ -133,7 +133,8 @@ fn device_kind(t: wgpu::DeviceType) -> DeviceKind {
     }
 }
 
-/// The adapter's identity and limits; speed fields stay 0 until calibrated.
+/// The adapter's identity and limits; speed fields stay 0 until calibrated, memory
+/// until the executor that opens it sets its budget.
 pub fn describe(adapter: &wgpu::Adapter) -> NodeCapability {
     let info = adapter.get_info();
     let l = adapter.limits();
@@ -161,5 +162,6 @@ pub fn describe(adapter: &wgpu::Adapter) -> NodeCapability {
         },
         gflops: 0.0,
         gbps: 0.0,
+        memory: 0,
     }
 }

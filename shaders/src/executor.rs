@@ -150,9 +150,15 @@ impl Executor {
         Self::with_adapter(adapter::choose(choice)?, ExecutorLimits::default())
     }
 
+    /// Opens the best adapter `choice` allows, under these limits.
+    pub fn with_limits(choice: BackendChoice, limits: ExecutorLimits) -> Result<Self> {
+        Self::with_adapter(adapter::choose(choice)?, limits)
+    }
+
     pub fn with_adapter(adapter: wgpu::Adapter, limits: ExecutorLimits) -> Result<Self> {
         let gpu = open_device(&adapter)?;
-        let capability = adapter::describe(&adapter);
+        let mut capability = adapter::describe(&adapter);
+        capability.memory = limits.resident_input_bytes;
         Ok(Executor {
             adapter,
             gpu,

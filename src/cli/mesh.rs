@@ -50,11 +50,12 @@ pub fn node(settings: NodeArgs) -> anyhow::Result<ExitCode> {
         }
         match &node.capability {
             Some(c) => println!(
-                "  adapter: {} ({}), {:.1} GFLOP/s, {:.1} GB/s",
+                "  adapter: {} ({}), {:.1} GFLOP/s, {:.1} GB/s, {} MiB kept between runs",
                 c.adapter_name,
                 c.backend.name(),
                 c.gflops,
-                c.gbps
+                c.gbps,
+                c.memory >> 20
             ),
             None => println!("  adapter: none (this node joins the mesh but runs no shards)"),
         }

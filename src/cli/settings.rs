@@ -155,6 +155,12 @@ pub struct NodeArgs {
     #[arg(long, env = "GPUMESH_MAX_REQUEST_BYTES", value_name = "BYTES",
           default_value_t = Limits::default().max_request_bytes)]
     pub max_request_bytes: u64,
+    /// Bytes of GPU memory kept in use between runs: actors' state and inputs reused
+    /// by later tasks. The leader places actors where their state fits in what is
+    /// left of it.
+    #[arg(long, env = "GPUMESH_GPU_MEMORY", value_name = "BYTES",
+          default_value_t = Limits::default().gpu_memory)]
+    pub gpu_memory: u64,
     /// Seconds a member may go without an entry of its own being applied before it
     /// counts as down: the leader moves its unfinished shards elsewhere and status
     /// shows it silent.
@@ -417,6 +423,7 @@ impl NodeArgs {
                 self.max_queued_per_submitter as u64,
             ),
             ("max_request_bytes", self.max_request_bytes),
+            ("gpu_memory", self.gpu_memory),
         ] {
             if value == 0 {
                 bail!(
@@ -436,6 +443,7 @@ impl NodeArgs {
             max_grid: self.max_grid,
             max_queued_per_submitter: self.max_queued_per_submitter,
             max_request_bytes: self.max_request_bytes,
+            gpu_memory: self.gpu_memory,
         }
     }
 

@@ -15,6 +15,7 @@ use serde::Deserialize;
 
 use super::error::{bad, unavailable, ApiError, ApiResult};
 use super::gate::BodyCaps;
+use super::read_current;
 use super::state::ApiState;
 use super::views::{ActorView, CallReply, CallRequest, CreateActorRequest, OutputView};
 
@@ -49,7 +50,9 @@ pub(crate) fn actor_view(a: &Actor, peer_of: impl Fn(u64) -> Option<String>) -> 
     }
 }
 
-pub(crate) fn peer_names(api: &ApiState) -> impl Fn(u64) -> Option<String> + Send + 'static {
+pub(crate) fn peer_names(
+    api: &ApiState,
+) -> impl Fn(u64) -> Option<String> + Clone + Send + 'static {
     let view = api.peers.view();
     move |raft_id| view.peer(raft_id).map(|p| p.to_string())
 }
@@ -134,8 +137,14 @@ pub(crate) async fn create(
         .ok_or_else(|| unavailable("the actor was created and is gone again"))
 }
 
+/// Every actor, as of the leader's commit index when it confirms it within a second.
 pub(crate) async fn list(State(api): State<Arc<ApiState>>) -> ApiResult<Json<Vec<ActorView>>> {
-    Ok(Json(all(&api)))
+    let names = peer_names(&api);
+    read_current(&api.consensus, move |s| {
+        s.actors().values().map(|a| actor_view(a, &names)).collect()
+    })
+    .await
+    .map(Json)
 }
 
 /// Every actor in this node's copy of the record.
@@ -151,10 +160,12 @@ pub(crate) async fn one(
 ) -> ApiResult<Json<ActorView>> {
     let names = peer_names(&api);
     let n = name.clone();
-    api.consensus
-        .read_local(move |s| s.actor(&n).map(|a| actor_view(a, names)))
-        .map(Json)
-        .ok_or_else(|| no_actor(&name))
+    read_current(&api.consensus, move |s| {
+        s.actor(&n).map(|a| actor_view(a, names.clone()))
+    })
+    .await?
+    .map(Json)
+    .ok_or_else(|| no_actor(&name))
 }
 
 pub(crate) async fn delete(
@@ -297,26 +308,26 @@ pub(crate) async fn call(
     }
 }
 
-/// A state buffer's bytes as of the last acknowledged call.
+/// A state buffer's bytes as of the last acknowledged call, whichever node it was
+/// acknowledged through (read at the leader's commit index when it confirms it).
 pub(crate) async fn state(
     State(api): State<Arc<ApiState>>,
     Path((name, binding)): Path<(String, u32)>,
 ) -> ApiResult<Vec<u8>> {
     let n = name.clone();
-    let found = api
-        .consensus
-        .read_local(move |s| {
-            s.actor(&n).map(|a| {
-                (
-                    a.state
-                        .iter()
-                        .find(|st| st.buffer.binding == binding)
-                        .copied(),
-                    a.backup,
-                )
-            })
+    let found = read_current(&api.consensus, move |s| {
+        s.actor(&n).map(|a| {
+            (
+                a.state
+                    .iter()
+                    .find(|st| st.buffer.binding == binding)
+                    .copied(),
+                a.backup,
+            )
         })
-        .ok_or_else(|| no_actor(&name))?;
+    })
+    .await?
+    .ok_or_else(|| no_actor(&name))?;
     let (Some(st), backup) = found else {
         return Err(ApiError(
             StatusCode::NOT_FOUND,

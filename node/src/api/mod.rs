@@ -46,6 +46,8 @@ use axum::Router;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use gpumesh_consensus::{ConsensusHandle, StateMachine};
+
 use crate::error::{NodeError, Result};
 
 mod actors;
@@ -64,7 +66,7 @@ pub(crate) use state::ApiState;
 pub use throughput::{ThroughputPoint, THROUGHPUT_SAMPLES};
 pub use views::*;
 
-use error::ApiError;
+use error::{ApiError, ApiResult};
 use gate::{BodyCaps, Gate};
 
 /// Serves the API on `addr` until `cancel`; returns the bound address. On a loopback address anyone on this machine may call
@@ -145,4 +147,25 @@ async fn no_such_method(method: axum::http::Method, uri: axum::http::Uri) -> Api
         StatusCode::METHOD_NOT_ALLOWED,
         format!("{} does not take {method}", uri.path()),
     )
+}
+
+/// A linearizable read (ReadIndex) when the leader confirms it within a second;
+/// otherwise this replica's own state, which may trail the leader by a few entries
+/// (the caller sees at worst a task a step behind, never a wrong one).
+pub(crate) async fn read_current<R: Send + 'static>(
+    c: &ConsensusHandle,
+    f: impl Fn(&StateMachine) -> R + Clone + Send + 'static,
+) -> ApiResult<R> {
+    let g = f.clone();
+    match tokio::time::timeout(std::time::Duration::from_secs(1), c.read_linearizable(f)).await {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "linearizable read failed; reading locally");
+            Ok(c.read_local(g))
+        }
+        Err(_) => {
+            tracing::debug!("linearizable read slow; reading locally");
+            Ok(c.read_local(g))
+        }
+    }
 }

@@ -18,30 +18,10 @@ use serde::Deserialize;
 
 use super::error::{bad, not_found, too_large, unavailable, ApiError, ApiResult};
 use super::gate::BodyCaps;
+use super::read_current;
 use super::state::ApiState;
 use super::views::{view, OutputView, SubmitReply, SubmitRequest, TaskView};
 use crate::limits::Limits;
-
-/// A linearizable read (ReadIndex) when the leader confirms it within a second;
-/// otherwise this replica's own state, which may trail the leader by a few entries
-/// (the caller sees at worst a task a step behind, never a wrong one).
-async fn read_current<R: Send + 'static>(
-    c: &ConsensusHandle,
-    f: impl Fn(&StateMachine) -> R + Clone + Send + 'static,
-) -> ApiResult<R> {
-    let g = f.clone();
-    match tokio::time::timeout(std::time::Duration::from_secs(1), c.read_linearizable(f)).await {
-        Ok(Ok(r)) => Ok(r),
-        Ok(Err(e)) => {
-            tracing::debug!(error = %e, "linearizable read failed; reading locally");
-            Ok(c.read_local(g))
-        }
-        Err(_) => {
-            tracing::debug!("linearizable read slow; reading locally");
-            Ok(c.read_local(g))
-        }
-    }
-}
 
 /// A place in this node's queue, held from the limit check until the submit is
 /// answered (by then a committed task is in the replicated queue it counts).

@@ -111,6 +111,9 @@ pub struct MemberView {
     pub backend: Option<String>,
     pub gflops: Option<f64>,
     pub gbps: Option<f64>,
+    /// Bytes of GPU memory it keeps actors' state and reused inputs in (`--gpu-memory`).
+    #[serde(default)]
+    pub gpu_memory: Option<u64>,
     /// Attempts placed on it and not finished.
     pub queue: u32,
     /// Its shard results accepted so far (over the tasks the record holds).
@@ -226,6 +229,7 @@ pub(crate) fn members(s: &StateMachine, liveness: &LivenessView) -> Vec<MemberVi
             backend: m.capability.as_ref().map(|c| c.backend.name().to_string()),
             gflops: m.capability.as_ref().map(|c| c.gflops),
             gbps: m.capability.as_ref().map(|c| c.gbps),
+            gpu_memory: m.capability.as_ref().map(|c| c.memory),
             queue: queue.get(&m.raft_id).copied().unwrap_or(0),
             shards_done: done.get(&m.raft_id).copied().unwrap_or(0),
         })

@@ -131,10 +131,12 @@ impl MeshNode {
         let calibrate = config.calibrate;
         let gpu_metrics = GpuMetrics::default();
         let counted = gpu_metrics.clone();
-        let gpu =
-            tokio::task::spawn_blocking(move || GpuHandle::start(backend, calibrate, counted))
-                .await
-                .map_err(|e| NodeError::Config(format!("GPU start-up panicked: {e}")))?;
+        let memory = config.limits.gpu_memory;
+        let gpu = tokio::task::spawn_blocking(move || {
+            GpuHandle::start(backend, calibrate, memory, counted)
+        })
+        .await
+        .map_err(|e| NodeError::Config(format!("GPU start-up panicked: {e}")))?;
         let capability = gpu.as_ref().map(|(_, c, _)| c.clone());
         let mut gpu_thread = None;
         let gpu = gpu.map(|(gpu, _, thread)| {

@@ -45,6 +45,8 @@ struct Worker {
     node: u64,
     gflops: f64,
     fits: u64,
+    /// Bytes of device memory it keeps buffers in between runs.
+    memory: u64,
     backend: gpumesh_protocol::BackendKind,
     /// Adapter and backend, so replicas can go to different hardware.
     kind: (String, String),
@@ -82,6 +84,7 @@ pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
                 node: m.raft_id,
                 gflops: cap.gflops.max(0.1),
                 fits,
+                memory: cap.memory,
                 backend: cap.backend,
                 kind: (cap.adapter_name.clone(), cap.backend.name().to_string()),
             })
@@ -165,7 +168,9 @@ pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
 
 /// GPU actors without a host, or whose host is gone or down: a first host, or the
 /// node that kept the second copy of the state when it can take it, else the least
-/// loaded by measured speed; on the actor's backend when it names one.
+/// loaded by measured speed; on the actor's backend when it names one, and on a node
+/// whose GPU memory left (its budget less the state of the actors it hosts) holds
+/// the state, if any has that much (else the state is uploaded for each call).
 fn place_actors(
     s: &StateMachine,
     observed: &Observed,
@@ -173,9 +178,12 @@ fn place_actors(
     load: &mut BTreeMap<u64, u32>,
     out: &mut Plan,
 ) {
+    let bytes = |a: &gpumesh_consensus::Actor| a.state.iter().map(|st| st.buffer.size).sum::<u64>();
+    let mut used: BTreeMap<u64, u64> = BTreeMap::new();
     for a in s.actors().values() {
         if let Some(host) = a.host {
             *load.entry(host).or_default() += 1;
+            *used.entry(host).or_default() += bytes(a);
         }
     }
     for a in s.actors().values() {
@@ -186,14 +194,27 @@ fn place_actors(
             Some(_) => continue,
         };
         let need = a.state.iter().map(|st| st.buffer.size).max().unwrap_or(0);
-        let eligible = |w: &&Worker| {
-            w.fits >= need && a.backend.is_none_or(|b| b == w.backend) && Some(w.node) != a.host
+        let eligible: Vec<&Worker> = workers
+            .iter()
+            .filter(|w| {
+                w.fits >= need && a.backend.is_none_or(|b| b == w.backend) && Some(w.node) != a.host
+            })
+            .collect();
+        let room = |w: &&&Worker| {
+            w.memory
+                .saturating_sub(used.get(&w.node).copied().unwrap_or(0))
+                >= bytes(a)
+        };
+        let candidates: Vec<&Worker> = if eligible.iter().any(|w| room(&w)) {
+            eligible.iter().filter(room).copied().collect()
+        } else {
+            eligible
         };
         let backup = a
             .backup
-            .and_then(|b| workers.iter().filter(eligible).find(|w| w.node == b));
+            .and_then(|b| candidates.iter().find(|w| w.node == b));
         let best = backup.or_else(|| {
-            workers.iter().filter(eligible).min_by(|x, y| {
+            candidates.iter().min_by(|x, y| {
                 let score =
                     |w: &Worker| f64::from(load.get(&w.node).copied().unwrap_or(0) + 1) / w.gflops;
                 score(x).total_cmp(&score(y))
@@ -201,6 +222,7 @@ fn place_actors(
         });
         if let Some(w) = best {
             *load.entry(w.node).or_default() += 1;
+            *used.entry(w.node).or_default() += bytes(a);
             out.place_actors
                 .push((a.name.clone(), a.epoch, w.node, why.to_string()));
         }
@@ -236,6 +258,7 @@ mod tests {
             },
             gflops,
             gbps: 1.0,
+            memory: 512 << 20,
         }
     }
 
@@ -290,13 +313,14 @@ mod tests {
     }
 
     fn actor(name: &str, backend: Option<BackendKind>) -> Command {
+        actor_of(name, backend, 1024)
+    }
+
+    fn actor_of(name: &str, backend: Option<BackendKind>, size: u64) -> Command {
         Command::CreateActor {
             name: name.into(),
             state: vec![gpumesh_consensus::ActorState {
-                buffer: gpumesh_protocol::StateBuffer {
-                    binding: 0,
-                    size: 1024,
-                },
+                buffer: gpumesh_protocol::StateBuffer { binding: 0, size },
                 blob: None,
             }],
             backend,
@@ -380,6 +404,39 @@ mod tests {
             vec![("any".into(), 1, 1, "the host stopped answering".into())],
             "to the backup, which holds the state"
         );
+    }
+
+    #[test]
+    fn an_actor_goes_where_its_state_fits_in_the_gpu_memory_left() {
+        // Node 1 is fast with 8 MiB; node 2 slow with 64 MiB.
+        let mut small = capability(100.0, 1 << 27);
+        small.memory = 8 << 20;
+        let mut slow = capability(1.0, 1 << 27);
+        slow.memory = 64 << 20;
+        let mut s = state(&[Some(small), Some(slow)], 1);
+        apply(&mut s, actor_of("first", None, 6 << 20));
+        apply(&mut s, actor_of("second", None, 6 << 20));
+        apply(&mut s, actor_of("tiny", None, 1 << 20));
+        let placed: BTreeMap<String, u64> = plan(&s, &Observed::default())
+            .place_actors
+            .into_iter()
+            .map(|(name, _, node, _)| (name, node))
+            .collect();
+        assert_eq!(placed["first"], 1, "the fast node has room for the first");
+        assert_eq!(
+            placed["second"], 2,
+            "6 + 6 MiB is more than the fast node's 8"
+        );
+        assert_eq!(placed["tiny"], 1, "1 MiB still fits beside the first");
+
+        // Nowhere has room for 100 MiB: it still goes somewhere (uploaded per call).
+        apply(&mut s, actor_of("huge", None, 100 << 20));
+        let huge = plan(&s, &Observed::default())
+            .place_actors
+            .into_iter()
+            .filter(|(name, ..)| name == "huge")
+            .count();
+        assert_eq!(huge, 1);
     }
 
     #[test]
