@@ -3,12 +3,14 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Subcommand;
-use gpumesh::node::api::StateInit;
+use gpumesh::node::api::{ActorView, StateInit};
 use gpumesh::protocol::{ActorCall, BindingRole, BindingSpec, BlobId, Grid, ShaderSource};
 
+use super::console::Progress;
 use super::{parse_grid, parse_input, parse_output, ApiArgs};
 
 #[derive(Subcommand, Debug)]
@@ -244,7 +246,15 @@ async fn call(args: CallArgs) -> anyhow::Result<ExitCode> {
         grid: args.grid,
         deadline_ms,
     };
-    let reply = client.call_actor(&args.name, call, None).await?;
+    let reply = {
+        let answer = client.call_actor(&args.name, call, None);
+        tokio::pin!(answer);
+        let progress = Progress::on_stderr();
+        tokio::select! {
+            reply = &mut answer => reply?,
+            () = show_waiting(&client, &args.name, &progress) => unreachable!("it never ends"),
+        }
+    };
     if let Some(dir) = &args.out_dir {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
         for o in &reply.outputs {
@@ -270,4 +280,110 @@ async fn call(args: CallArgs) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// How long a call waits before the progress line says what it waits for.
+const QUIET: Duration = Duration::from_secs(1);
+
+/// Redraws, on a terminal, what a call that takes a while waits for (its turn, a
+/// host that stopped answering, the move to another node); never returns.
+async fn show_waiting(client: &gpumesh::Client, name: &str, progress: &Progress) {
+    let started = Instant::now();
+    tokio::time::sleep(QUIET).await;
+    loop {
+        let actor = client.actor(name).await.ok();
+        let host_alive = match (&actor, client.status().await) {
+            (Some(a), Ok(st)) => st
+                .members
+                .iter()
+                .find(|m| m.peer_id == a.node)
+                .map(|m| m.alive),
+            _ => None,
+        };
+        progress.show(waiting_line(
+            started.elapsed(),
+            name,
+            actor.as_ref(),
+            host_alive,
+        ));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The progress line of a call to `name` waiting for `waited`.
+fn waiting_line(
+    waited: Duration,
+    name: &str,
+    actor: Option<&ActorView>,
+    host_alive: Option<bool>,
+) -> String {
+    let secs = waited.as_secs();
+    let Some(a) = actor else {
+        return format!("waiting {secs} s for actor {name} (the node cannot read it now)");
+    };
+    let host: String = a
+        .node
+        .chars()
+        .rev()
+        .take(8)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    if a.node.is_empty() {
+        format!("waiting {secs} s: actor {name} has no host yet; the leader places it")
+    } else if host_alive == Some(false) {
+        format!(
+            "waiting {secs} s: actor {name}'s host …{host} is not answering; the leader moves \
+             it to the node with its second copy (epoch {} now)",
+            a.epoch
+        )
+    } else {
+        format!(
+            "waiting {secs} s: actor {name} on …{host} (epoch {}, moves {}), {} call(s) queued",
+            a.epoch, a.moves, a.pending
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(node: &str, epoch: u32, pending: usize) -> ActorView {
+        ActorView {
+            name: "counter".into(),
+            node: node.into(),
+            host: String::new(),
+            epoch,
+            version: 3,
+            bytes: 16,
+            state: vec![],
+            backend: None,
+            moves: epoch.saturating_sub(1),
+            pending,
+            backup: None,
+        }
+    }
+
+    #[test]
+    fn the_waiting_line_says_what_the_call_waits_for() {
+        let t = Duration::from_millis(4_200);
+        let peer = "12D3KooWAbCdEfGh";
+        let queued = waiting_line(t, "counter", Some(&view(peer, 1, 2)), Some(true));
+        assert_eq!(
+            queued,
+            "waiting 4 s: actor counter on …AbCdEfGh (epoch 1, moves 0), 2 call(s) queued"
+        );
+        let moving = waiting_line(t, "counter", Some(&view(peer, 1, 2)), Some(false));
+        assert!(moving.contains("…AbCdEfGh is not answering"), "{moving}");
+        assert!(
+            moving.contains("moves it to the node with its second copy"),
+            "{moving}"
+        );
+        let unplaced = waiting_line(t, "counter", Some(&view("", 0, 1)), None);
+        assert!(unplaced.contains("no host yet"), "{unplaced}");
+        let unknown = waiting_line(t, "counter", None, None);
+        assert!(unknown.contains("cannot read it now"), "{unknown}");
+    }
 }
