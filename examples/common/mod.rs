@@ -46,7 +46,8 @@ impl LocalMesh {
     }
 
     pub async fn stop(self) {
-        for n in self.nodes {
+        // Joiners first: a joiner left running would keep dialling its seed.
+        for n in self.nodes.into_iter().rev() {
             n.stop().await;
         }
         let _ = std::fs::remove_dir_all(&self.root);
