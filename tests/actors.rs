@@ -508,3 +508,71 @@ async fn the_second_copy_receives_only_what_each_call_changed_and_delete_frees_t
     .await
     .expect("test exceeded its time limit");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn calls_to_many_actors_at_once_keep_each_actors_own_order() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = mesh(dir.path(), 3).await;
+        let clients: Vec<_> = nodes.iter().map(common::client).collect();
+        // Five actors on three nodes: some share a host, whose calls interleave.
+        let names: Vec<String> = (0..5).map(|i| format!("acc-{i}")).collect();
+        for name in &names {
+            let init = vec![gpumesh::node::api::StateInit {
+                binding: 0,
+                size: u64::from(WORDS) * 4,
+                blob: None,
+            }];
+            clients[0].create_actor(name, init, None).await.unwrap();
+        }
+        let mut calls = Vec::new();
+        for round in 0..4u32 {
+            for (i, name) in names.iter().enumerate() {
+                let c = clients[(i + round as usize) % 3].clone();
+                let name = name.clone();
+                let add = round * 10 + i as u32;
+                calls.push(tokio::spawn(async move {
+                    let reply = c.call_actor(&name, step_call(add), None).await.unwrap();
+                    (name, reply.seq, add)
+                }));
+            }
+        }
+        let mut order: BTreeMap<String, BTreeMap<u64, u32>> = BTreeMap::new();
+        for c in calls {
+            let (name, seq, add) = c.await.unwrap();
+            order.entry(name).or_default().insert(seq, add);
+        }
+        let hosts: std::collections::BTreeSet<String> = clients[1]
+            .actors()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|a| a.node)
+            .collect();
+        assert!(
+            hosts.len() < names.len(),
+            "some actors share a host: {hosts:?}"
+        );
+        for (name, calls) in &order {
+            assert_eq!(
+                calls.keys().copied().collect::<Vec<_>>(),
+                vec![1, 2, 3, 4],
+                "{name}: one sequence number each"
+            );
+            let mut cpu = vec![0u32; WORDS as usize];
+            for add in calls.values() {
+                for (i, v) in cpu.iter_mut().enumerate() {
+                    *v = v.wrapping_mul(3).wrapping_add(*add).wrapping_add(i as u32);
+                }
+            }
+            let state = words(&clients[2].actor_state(name, 0).await.unwrap());
+            assert_eq!(state, cpu, "{name}: its calls replayed in their order");
+        }
+        stop(nodes).await;
+    })
+    .await
+    .expect("test exceeded its time limit");
+}

@@ -1,5 +1,7 @@
 //! The actor host: runs the calls of the GPU actors the leader placed on this node,
-//! one at a time per actor, in the order the log gave them.
+//! one at a time per actor, in the order the log gave them; different actors' calls
+//! run side by side (storing, copying and reporting overlap; the GPU thread takes
+//! their kernels one after another).
 //!
 //! Owns nothing durable. An actor's state is in the record (a blob per buffer, by
 //! version) and in the blob store; its bytes stay on this node's GPU between calls
@@ -23,6 +25,7 @@ use gpumesh_consensus::{ActorState, Command, ConsensusHandle, MergedOutput};
 use gpumesh_protocol::{ActorCall, BlobId, ShardChanges, StateBuffer};
 use gpumesh_shaders::{Job, KernelCache};
 use libp2p::PeerId;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::blobs::BlobsHandle;
@@ -59,48 +62,71 @@ struct Turn {
 }
 
 impl ActorHost {
+    /// Runs each hosted actor's calls in order, one at a time per actor; different
+    /// actors' calls run side by side (they meet only on the GPU thread).
     pub async fn run(self, cancel: CancellationToken) {
-        let mut applied = self.consensus.watch_state();
+        let host = Arc::new(self);
+        let mut applied = host.consensus.watch_state();
         // The state each actor's last call here left on the GPU, by actor.
         let mut on_gpu: HashMap<String, Vec<BlobId>> = HashMap::new();
+        // Actors with a call under way here, and those calls.
+        let mut busy: HashMap<tokio::task::Id, String> = HashMap::new();
+        let mut running: JoinSet<Option<Vec<BlobId>>> = JoinSet::new();
         loop {
             applied.borrow_and_update();
-            self.release_gone(&mut on_gpu).await;
-            let turns = self.turns();
-            if turns.is_empty() {
-                tokio::select! {
-                    biased;
-                    _ = cancel.cancelled() => return,
-                    changed = applied.changed() => if changed.is_err() { return },
+            host.release_gone(&mut on_gpu).await;
+            for turn in host.turns() {
+                if !busy.values().any(|n| *n == turn.name) {
+                    let (host, name) = (host.clone(), turn.name.clone());
+                    let task = running.spawn(async move { host.turn(turn).await });
+                    busy.insert(task.id(), name);
                 }
-                continue;
             }
-            for turn in turns {
-                if cancel.is_cancelled() {
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => {
+                    running.abort_all();
                     return;
                 }
-                let (name, seq) = (turn.name.clone(), turn.seq);
-                match self.take(turn).await {
-                    Some(report) => {
-                        if let Command::ActorCallDone { state, .. } = &report {
-                            on_gpu.insert(name.clone(), state.iter().map(|(_, b)| *b).collect());
-                        }
-                        let done = matches!(report, Command::ActorCallDone { .. });
-                        match self.consensus.propose(report).await {
-                            Ok(c) if done && c.outcome == gpumesh_consensus::Outcome::Applied => {
-                                self.calls.inc();
-                            }
-                            Ok(_) => {}
-                            Err(e) => {
-                                tracing::warn!(actor = %name, seq, error = %e, "could not report the call");
-                                tokio::time::sleep(RETRY).await;
-                            }
-                        }
+                Some(done) = running.join_next_with_id(), if !running.is_empty() => {
+                    let (task, state) = match done {
+                        Ok((task, state)) => (task, state),
+                        Err(e) => (e.id(), None),
+                    };
+                    if let (Some(name), Some(state)) = (busy.remove(&task), state) {
+                        on_gpu.insert(name, state);
                     }
-                    None => tokio::time::sleep(RETRY).await,
                 }
+                changed = applied.changed() => if changed.is_err() { return },
             }
         }
+    }
+
+    /// Runs one call and reports it; returns, when the call ran, the state it left
+    /// on the GPU. A call that could not run yet, or whose report could not be made,
+    /// is tried again after a pause.
+    async fn turn(&self, turn: Turn) -> Option<Vec<BlobId>> {
+        let (name, seq) = (turn.name.clone(), turn.seq);
+        let Some(report) = self.take(turn).await else {
+            tokio::time::sleep(RETRY).await;
+            return None;
+        };
+        let state = match &report {
+            Command::ActorCallDone { state, .. } => Some(state.iter().map(|(_, b)| *b).collect()),
+            _ => None,
+        };
+        let done = state.is_some();
+        match self.consensus.propose(report).await {
+            Ok(c) if done && c.outcome == gpumesh_consensus::Outcome::Applied => {
+                self.calls.inc();
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(actor = %name, seq, error = %e, "could not report the call");
+                tokio::time::sleep(RETRY).await;
+            }
+        }
+        state
     }
 
     /// Frees the GPU buffers of actors no longer hosted here (deleted, or moved to
