@@ -42,6 +42,7 @@ pub mod net;
 mod outputs;
 pub mod peers;
 pub mod scheduler;
+pub mod timeline;
 mod wire;
 pub mod worker;
 

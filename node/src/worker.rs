@@ -22,6 +22,7 @@ use tracing::Instrument;
 
 use crate::blobs::BlobsHandle;
 use crate::metrics::{GpuMetrics, ShardMetrics};
+use crate::timeline::{Stage, Timeline};
 
 enum GpuRequest {
     Run {
@@ -171,6 +172,7 @@ pub(crate) struct Worker {
     pub post: Arc<tokio::sync::Semaphore>,
     pub default_deadline: Duration,
     pub faults: Faults,
+    pub timeline: Timeline,
 }
 
 impl Worker {
@@ -245,6 +247,7 @@ impl Worker {
         let Some((spec, submitter, failed_before)) = current else {
             return; // superseded, won by another attempt, finished or cancelled
         };
+        self.timeline.mark(a.task, Stage::Assigned);
         let counts = &self.counts;
         if failed_before {
             counts.retried.inc();
@@ -271,7 +274,7 @@ impl Worker {
             reason,
         };
         let started = Instant::now();
-        let outputs = match self.run_shard(&spec, &submitter, a.shard).await {
+        let outputs = match self.run_shard(a.task, &spec, &submitter, a.shard).await {
             Ok(outputs) => {
                 counts.run_seconds.observe(started.elapsed().as_secs_f64());
                 outputs
@@ -306,6 +309,7 @@ impl Worker {
         let (blobs, counts) = (self.blobs.clone(), self.counts.clone());
         let consensus = self.consensus.clone();
         let me = self.me;
+        let timeline = self.timeline.clone();
         tokio::spawn(
             async move {
                 let _permit = permit;
@@ -331,9 +335,13 @@ impl Worker {
                     }
                 };
                 let is_result = matches!(command, Command::ShardResult { .. });
+                if is_result {
+                    timeline.mark(a.task, Stage::Kept);
+                }
                 match consensus.propose(command).await {
                     // Applied: the result came from a live attempt and was recorded.
                     Ok(c) if is_result && c.outcome == Outcome::Applied => {
+                        timeline.mark(a.task, Stage::Recorded);
                         counts.done.inc();
                     }
                     Ok(_) => {}
@@ -347,6 +355,7 @@ impl Worker {
     /// Runs one shard; returns its outputs.
     async fn run_shard(
         &self,
+        task: TaskId,
         spec: &TaskSpec,
         submitter: &str,
         shard: u32,
@@ -374,6 +383,7 @@ impl Worker {
             .options
             .deadline_ms
             .map_or(self.default_deadline, Duration::from_millis);
+        self.timeline.mark(task, Stage::GpuStart);
         let mut out = self
             .gpu
             .run(job, shard, Some(deadline))
@@ -385,6 +395,7 @@ impl Worker {
                 )),
                 other => ShardError::Retry(other.to_string()),
             })?;
+        self.timeline.mark(task, Stage::GpuDone);
         tracing::debug!(gpu_ms = out.elapsed.as_secs_f64() * 1e3, "shard ran");
         if self.faults.corrupt_outputs {
             if let Some(byte) = out

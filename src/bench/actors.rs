@@ -56,7 +56,7 @@ pub fn actors(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
 
 async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
     let root = std::env::temp_dir().join(format!("gpumesh-bench-actors-{}", std::process::id()));
-    let mut nodes = super::local_mesh(&root).await?;
+    let mut nodes = super::local_mesh(&root, &Default::default()).await?;
     let clients: Vec<Client> = nodes
         .iter()
         .map(|n| Client::new(n.api_addr.to_string()))

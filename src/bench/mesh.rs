@@ -5,6 +5,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpumesh::consensus::TaskId;
+use gpumesh::node::timeline::{Mark, Stage, Timeline};
 use gpumesh::Client;
 use gpumesh_protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
 use gpumesh_shaders::{BackendChoice, Executor, Job, Kernel};
@@ -25,6 +27,10 @@ pub struct MeshBenchArgs {
     /// MiB moved in the blob transfer comparison.
     #[arg(long, default_value_t = 64)]
     pub transfer_mib: usize,
+    /// After the table, one JSON object on the last line: p50_ms, p99_ms,
+    /// tasks_per_s, mesh_vs_direct, blob_vs_tcp, blob_stored_vs_tcp.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Doubles 64 u32s: the smallest useful task.
@@ -63,6 +69,50 @@ pub(super) fn spec(source: &str, groups: u32, shards: u32) -> TaskSpec {
     }
 }
 
+/// The median time between consecutive stages of the tasks in `ends` (task, when
+/// the client began, when it had the outputs), from the nodes' marks: the client's
+/// request to the API first, the answer back to the client last.
+fn breakdown(marks: &[Mark], ends: &[(TaskId, Instant, Instant)]) -> Vec<(String, Duration)> {
+    let mut rows: Vec<(String, Vec<Duration>)> = Vec::new();
+    let mut push = |what: &str, d: Duration| match rows.iter_mut().find(|(w, _)| w == what) {
+        Some((_, v)) => v.push(d),
+        None => rows.push((what.to_string(), vec![d])),
+    };
+    for &(task, began, ended) in ends {
+        let mut at = began;
+        let mut what_next = "client to the API";
+        for stage in Stage::ALL {
+            // A stage marked twice (a wait answered twice) counts from its first.
+            let Some(t) = marks
+                .iter()
+                .filter(|(id, s, _)| *id == task && *s == stage)
+                .map(|(_, _, t)| *t)
+                .min()
+            else {
+                continue;
+            };
+            let what = if stage == Stage::Received {
+                what_next
+            } else {
+                stage.what()
+            };
+            push(what, t.saturating_duration_since(at));
+            at = t.max(at);
+            what_next = "";
+        }
+        push(
+            "answer back to the client",
+            ended.saturating_duration_since(at),
+        );
+    }
+    rows.into_iter()
+        .map(|(what, mut v)| {
+            v.sort();
+            (what, v[v.len() / 2])
+        })
+        .collect()
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
@@ -76,7 +126,8 @@ pub fn mesh(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
 
 async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     let root = std::env::temp_dir().join(format!("gpumesh-bench-mesh-{}", std::process::id()));
-    let nodes = super::local_mesh(&root).await?;
+    let timeline = Timeline::recording();
+    let nodes = super::local_mesh(&root, &timeline).await?;
     let status = Client::new(nodes[0].api_addr.to_string()).status().await?;
     let follower = nodes
         .iter()
@@ -90,6 +141,7 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     // (1) Latency of a trivial task, submit to result, one at a time.
     let mut lat = Vec::new();
     let mut phases = [Duration::ZERO; 3];
+    let mut ends = Vec::new();
     for _ in 0..args.latency_tasks.max(1) {
         let t = Instant::now();
         let task = client.submit(spec(TINY, 1, 1), None).await?;
@@ -99,6 +151,7 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         let out = client.results(task).await?;
         anyhow::ensure!(out[&0][4..8] == 2u32.to_le_bytes(), "wrong tiny result");
         lat.push(t.elapsed());
+        ends.push((TaskId(task), t, Instant::now()));
         phases[0] += submitted;
         phases[1] += finished - submitted;
         phases[2] += t.elapsed() - finished;
@@ -106,6 +159,7 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     lat.sort();
     let n = lat.len() as u32;
     let phases = phases.map(|p| p / n);
+    let breakdown = breakdown(&timeline.take(), &ends);
 
     // (2) Sustained tiny tasks/s.
     let started = Instant::now();
@@ -201,7 +255,24 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         "mesh / direct",
         m.as_secs_f64() / d.as_secs_f64()
     );
+    println!("\nwhere a trivial task's time goes (medians over the latency tasks)");
+    for (what, d) in &breakdown {
+        println!("  {what:<56} {:>11.2} ms", ms(*d));
+    }
     println!("\n{transfer}");
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "p50_ms": ms(percentile(&lat, 0.5)),
+                "p99_ms": ms(percentile(&lat, 0.99)),
+                "tasks_per_s": rate,
+                "mesh_vs_direct": m.as_secs_f64() / d.as_secs_f64(),
+                "blob_vs_tcp": transfer.pull_ratio(),
+                "blob_stored_vs_tcp": transfer.fetch_ratio(),
+            })
+        );
+    }
     for n in nodes {
         n.stop().await;
     }

@@ -43,10 +43,14 @@ fn mesh_key() -> gpumesh::node::ClusterKey {
 
 /// Three nodes on loopback in this process, data under `root`: `a` forms the mesh,
 /// `b` and `c` join it.
-async fn local_mesh(root: &std::path::Path) -> anyhow::Result<Vec<gpumesh::node::MeshNode>> {
+async fn local_mesh(
+    root: &std::path::Path,
+    timeline: &gpumesh::node::timeline::Timeline,
+) -> anyhow::Result<Vec<gpumesh::node::MeshNode>> {
     use gpumesh::node::{Formation, MeshNode, NodeConfig};
     let config = |name: &str, formation, peers: Vec<_>| {
         let mut c = NodeConfig::new(root.join(name));
+        c.timeline = timeline.clone();
         c.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().expect("multiaddr")];
         c.api = "127.0.0.1:0".parse().expect("address");
         c.mdns = false;

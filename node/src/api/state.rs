@@ -16,6 +16,7 @@ use crate::liveness::LivenessHandle;
 use crate::metrics::Metrics;
 use crate::outputs::ResultCache;
 use crate::peers::PeersHandle;
+use crate::timeline::Timeline;
 
 pub(crate) struct ApiState {
     pub raft_id: u64,
@@ -36,6 +37,7 @@ pub(crate) struct ApiState {
     pub submits_in_flight: AtomicUsize,
     /// Shard results per node per second, for the dashboard.
     pub throughput: Arc<Throughput>,
+    pub timeline: Timeline,
 }
 
 impl ApiState {
@@ -48,6 +50,7 @@ impl ApiState {
         kernels: Arc<KernelCache>,
         limits: Limits,
         metrics: Metrics,
+        timeline: Timeline,
     ) -> Self {
         ApiState {
             raft_id: consensus.id(),
@@ -62,6 +65,7 @@ impl ApiState {
             results: ResultCache::default(),
             submits_in_flight: AtomicUsize::new(0),
             throughput: Arc::default(),
+            timeline,
         }
     }
 }

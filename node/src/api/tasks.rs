@@ -22,6 +22,7 @@ use super::read_current;
 use super::state::ApiState;
 use super::views::{view, OutputView, SubmitReply, SubmitRequest, TaskView};
 use crate::limits::Limits;
+use crate::timeline::Stage;
 
 /// A place in this node's queue, held from the limit check until the submit is
 /// answered (by then a committed task is in the replicated queue it counts).
@@ -85,6 +86,7 @@ pub(crate) async fn submit(
     State(api): State<Arc<ApiState>>,
     body: std::result::Result<Bytes, BytesRejection>,
 ) -> ApiResult<Json<SubmitReply>> {
+    let received = std::time::Instant::now();
     let limits = api.limits;
     let body = BodyCaps::of(&limits).request.within(body)?;
     let req: SubmitRequest =
@@ -142,6 +144,8 @@ pub(crate) async fn submit(
         .map_err(unavailable)?;
     match committed.outcome {
         Outcome::TaskSubmitted { task } => {
+            api.timeline.mark_at(task, Stage::Received, received);
+            api.timeline.mark(task, Stage::Submitted);
             span.record("task", tracing::field::display(task));
             tracing::debug!(shards, "task committed");
             if !slot.retry {
@@ -193,6 +197,9 @@ pub(crate) async fn wait_task(
             .read_local(move |s| s.task(TaskId(id)).map(view))
             .ok_or_else(|| not_found(id))?;
         let finished = view.status.is_finished();
+        if finished {
+            api.timeline.mark(TaskId(id), Stage::Completed);
+        }
         if finished || Some(view.shards_done) != q.done {
             return Ok(Json(view));
         }
@@ -285,9 +292,12 @@ pub(crate) async fn output_bytes(
             ),
         )
     })?;
-    api.blobs
+    let bytes = api
+        .blobs
         .store()
         .get(blob)
         .map_err(unavailable)?
-        .ok_or_else(|| unavailable("merged output vanished"))
+        .ok_or_else(|| unavailable("merged output vanished"))?;
+    api.timeline.mark(TaskId(id), Stage::Served);
+    Ok(bytes)
 }

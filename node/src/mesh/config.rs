@@ -41,6 +41,8 @@ pub struct NodeConfig {
     pub default_deadline: Duration,
     /// Faults to inject, for tests and `gpumesh bench faults`; none by default.
     pub faults: Faults,
+    /// Where this node marks the stages of each task it touches (benchmarks).
+    pub timeline: crate::timeline::Timeline,
 }
 
 impl NodeConfig {
@@ -62,6 +64,7 @@ impl NodeConfig {
             scheduler: SchedulerConfig::default(),
             default_deadline: Duration::from_secs(60),
             faults: Faults::default(),
+            timeline: Default::default(),
             limits: Limits::default(),
             cluster_key: None,
             open: false,

@@ -286,6 +286,7 @@ impl MeshNode {
                     post: Arc::new(tokio::sync::Semaphore::new(16)),
                     default_deadline: config.default_deadline,
                     faults: config.faults.clone(),
+                    timeline: config.timeline.clone(),
                 }
                 .run(cancel.clone()),
             ));
@@ -298,6 +299,7 @@ impl MeshNode {
             kernels,
             config.limits,
             metrics,
+            config.timeline.clone(),
         );
         let (api_addr, api_task) =
             crate::api::serve(config.api, api_token, api, cancel.clone()).await?;
