@@ -60,8 +60,16 @@ async fn every_shard_output_is_on_two_nodes_so_losing_its_worker_loses_nothing()
         let problem = b.problem(b.test_size).unwrap();
         let task = submit(&client(&nodes[0]), &problem, 6).await;
         let view = client(&nodes[0]).wait(task, |_, _| {}).await.unwrap();
+        let inline = nodes[0].consensus.read_local(move |s| {
+            s.task(gpumesh::consensus::TaskId(task))
+                .map(|t| t.inline.keys().copied().collect::<Vec<_>>())
+                .unwrap_or_default()
+        });
         for shard in &view.shards {
             let blob: gpumesh::protocol::BlobId = shard.output.as_ref().unwrap().parse().unwrap();
+            if inline.contains(&blob) {
+                continue; // in its log entry: on a quorum
+            }
             let copies = nodes.iter().filter(|n| n.blobs.has(&blob)).count();
             assert!(
                 copies >= 2,
@@ -81,6 +89,60 @@ async fn every_shard_output_is_on_two_nodes_so_losing_its_worker_loses_nothing()
         problem
             .verify(&client(&nodes[0]).results(task).await.unwrap())
             .unwrap();
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_small_result_rides_in_the_log_and_is_fetched_from_every_node() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = mesh(dir.path(), 3).await;
+        let source = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;\n\
+            @compute @workgroup_size(64)\n\
+            fn main(@builtin(global_invocation_id) gid: vec3<u32>) { out[gid.x] = gid.x * 7u + 1u; }";
+        let spec = gpumesh::protocol::TaskSpec {
+            shader: ShaderSource::Wgsl(source.into()),
+            entry_point: "main".into(),
+            bindings: vec![gpumesh::protocol::BindingSpec {
+                binding: 0,
+                role: gpumesh::protocol::BindingRole::Output { size: 256 },
+            }],
+            grid: gpumesh::protocol::Grid([1, 1, 1]),
+            shards: 1,
+            merge: gpumesh::protocol::MergeRule::Changes,
+            merges: Default::default(),
+            options: Default::default(),
+        };
+        let task = client(&nodes[1]).submit(spec, None).await.unwrap();
+        let view = client(&nodes[1]).wait(task, |_, _| {}).await.unwrap();
+        let blob: gpumesh::protocol::BlobId =
+            view.shards[0].output.as_ref().unwrap().parse().unwrap();
+        for n in &nodes {
+            let carried = n.consensus.read_local(move |s| {
+                s.task(gpumesh::consensus::TaskId(task))
+                    .is_some_and(|t| t.inline.contains_key(&blob))
+            });
+            if carried {
+                assert!(!n.blobs.has(&blob), "an inline result is not written as a blob");
+            }
+        }
+        let cpu: Vec<u8> = (0..64u32).flat_map(|i| (i * 7 + 1).to_le_bytes()).collect();
+        for n in &nodes {
+            let out = client(n).results(task).await.unwrap();
+            assert_eq!(out[&0], cpu, "fetched through {}", n.raft_id);
+        }
+        // Every node's record carries it (the one the client waited on, at least).
+        let carried = nodes[1].consensus.read_local(move |s| {
+            s.task(gpumesh::consensus::TaskId(task))
+                .is_some_and(|t| t.inline.contains_key(&blob))
+        });
+        assert!(carried, "the result rides in the log");
         stop(nodes).await;
     })
     .await

@@ -99,6 +99,10 @@ pub enum Command {
     /// replica the first such result wins; with more, results are kept until enough
     /// agree (compared bit for bit here, or by a [`Command::ShardVerdict`] under a
     /// float tolerance). Results from attempts no longer live are ignored.
+    ///
+    /// A small result (at most [`crate::MAX_INLINE_RESULT`] bytes) rides in the entry
+    /// itself (`inline`, whose hash must be `blob`): committed on a quorum, it needs no
+    /// blob write or second copy.
     ShardResult {
         task: TaskId,
         shard: u32,
@@ -106,6 +110,7 @@ pub enum Command {
         node: u64,
         blob: BlobId,
         size: u64,
+        inline: Option<Vec<u8>>,
     },
     /// A live attempt failed; the scheduler places the shard again.
     ShardFailed {

@@ -87,7 +87,7 @@ pub use error::{ConsensusError, Result};
 pub use replica::{AppliedEvent, ConsensusHandle, ProposalCounts, RaftRole, ReplicaConfig, Status};
 pub use state::{
     Actor, CallResult, ClusterSettings, Liveness, Member, PendingCall, Role, Shard, ShardOutput,
-    ShardState, StateMachine, Task, TaskStatus, MAX_HISTORY, REMEMBERED_CALLS,
+    ShardState, StateMachine, Task, TaskStatus, MAX_HISTORY, MAX_INLINE_RESULT, REMEMBERED_CALLS,
 };
 pub use storage::RedbStorage;
 pub use tracing_drain::{raft_logger, TracingDrain};

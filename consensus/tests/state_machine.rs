@@ -18,6 +18,7 @@ fn result(task: TaskId, shard: u32, epoch: u32, node: u64, tag: &[u8]) -> Comman
         node,
         blob: BlobId::of(tag),
         size: tag.len() as u64,
+        inline: None,
     }
 }
 
@@ -651,4 +652,43 @@ fn a_state_restored_from_a_snapshot_equals_one_that_replayed_the_log() {
         log.sm.apply(index, 1, &entry);
         assert_eq!(before, log.sm);
     }
+}
+
+#[test]
+fn a_small_result_rides_in_its_entry_and_a_bad_one_is_refused() {
+    let mut log = Log::new();
+    let Outcome::TaskSubmitted { task } = log.apply(submit(4)) else {
+        panic!()
+    };
+    log.apply(Command::AssignShard {
+        task,
+        shard: 0,
+        node: 2,
+    });
+    let inline = |bytes: Vec<u8>, blob: BlobId| Command::ShardResult {
+        task,
+        shard: 0,
+        epoch: 1,
+        node: 2,
+        blob,
+        size: bytes.len() as u64,
+        inline: Some(bytes),
+    };
+    // Bytes that are not the blob id's, or too many to ride in the log: refused.
+    let wrong = inline(b"changes".to_vec(), BlobId::of(b"other"));
+    assert!(matches!(log.apply(wrong), Outcome::Rejected(_)));
+    let big = vec![7u8; gpumesh_consensus::MAX_INLINE_RESULT + 1];
+    let too_big = inline(big.clone(), BlobId::of(&big));
+    assert!(matches!(log.apply(too_big), Outcome::Rejected(_)));
+    assert_eq!(
+        log.sm.task(task).unwrap().shards[0].state,
+        ShardState::Assigned
+    );
+    // The right bytes: the result is accepted and its bytes are in the record.
+    let bytes = b"the changed words".to_vec();
+    let id = BlobId::of(&bytes);
+    assert_eq!(log.apply(inline(bytes.clone(), id)), Outcome::Applied);
+    let t = log.sm.task(task).unwrap();
+    assert_eq!(t.shards[0].output.map(|o| o.blob), Some(id));
+    assert_eq!(t.inline.get(&id), Some(&bytes));
 }

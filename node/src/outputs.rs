@@ -74,6 +74,21 @@ impl std::fmt::Display for MergeError {
     }
 }
 
+/// The bytes of one of `task`'s shard results: from the record when it rode in its
+/// entry, else pulled from `node` (or any holder).
+pub(crate) async fn result_bytes(
+    blobs: &BlobsHandle,
+    peers: &PeersHandle,
+    task: &Task,
+    blob: BlobId,
+    node: u64,
+) -> Result<Vec<u8>, String> {
+    match task.inline.get(&blob) {
+        Some(bytes) => Ok(bytes.clone()),
+        None => blobs.pull(blob, peers.peer(node)).await,
+    }
+}
+
 /// The starting contents of `task`'s in-out bindings, pulled from the mesh.
 pub(crate) async fn starts(
     blobs: &BlobsHandle,
@@ -104,8 +119,7 @@ pub(crate) async fn merge_shards(
         let out = sh
             .output
             .ok_or_else(|| unavailable(format!("shard {i} has no result")))?;
-        let bytes = blobs
-            .pull(out.blob, peers.peer(out.node))
+        let bytes = result_bytes(blobs, peers, task, out.blob, out.node)
             .await
             .map_err(|e| unavailable(format!("the result of shard {i}: {e}")))?;
         // The blob matched its hash, so a result that does not decode will not

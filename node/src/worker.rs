@@ -314,13 +314,14 @@ impl Worker {
             async move {
                 let _permit = permit;
                 let command = match store_and_copy(&blobs, outputs, &submitter).await {
-                    Ok((blob, size)) => Command::ShardResult {
+                    Ok((blob, size, inline)) => Command::ShardResult {
                         task: a.task,
                         shard: a.shard,
                         epoch: a.epoch,
                         node: me,
                         blob,
                         size,
+                        inline,
                     },
                     Err(reason) => {
                         counts.failed.inc();
@@ -420,20 +421,25 @@ impl Worker {
     }
 }
 
-/// Stores a shard's result (the words it changed) as one blob and has a second node
-/// keep a copy: a result is recorded only once two nodes hold it.
+/// A shard's result (the words it changed), kept: a small one rides in its
+/// `ShardResult` entry (the log puts it on a quorum); a larger one is stored as a
+/// blob here and on a second node before it is reported. Returns its id, its size,
+/// and its bytes when they go inline.
 async fn store_and_copy(
     blobs: &BlobsHandle,
     changes: ShardChanges,
     submitter: &str,
-) -> Result<(BlobId, u64), String> {
+) -> Result<(BlobId, u64, Option<Vec<u8>>), String> {
     let bytes = changes.encode();
     let size = bytes.len() as u64;
+    if bytes.len() <= gpumesh_consensus::MAX_INLINE_RESULT {
+        return Ok((BlobId::of(&bytes), size, Some(bytes)));
+    }
     let id = blobs
         .put_and_copy(bytes, submitter.parse().ok())
         .await
         .map_err(|e| e.to_string())?;
-    Ok((id, size))
+    Ok((id, size, None))
 }
 
 /// Faults a node can be told to inject into its own work.

@@ -70,7 +70,19 @@ impl StateMachine {
                 node,
                 blob,
                 size,
+                inline,
             } => {
+                if let Some(bytes) = inline {
+                    if bytes.len() > MAX_INLINE_RESULT
+                        || bytes.len() as u64 != *size
+                        || !blob.matches(bytes)
+                    {
+                        return Outcome::Rejected(format!(
+                            "an inline result must be at most {MAX_INLINE_RESULT} bytes, of \
+                             its size, and hash to its blob id"
+                        ));
+                    }
+                }
                 let report = ShardOutput {
                     blob: *blob,
                     size: *size,
@@ -81,6 +93,9 @@ impl StateMachine {
                 self.with_attempt(*task, *shard, *epoch, *node, |t, s| {
                     s.attempts.retain(|a| a.epoch != *epoch);
                     s.reports.push(report);
+                    if let Some(bytes) = inline {
+                        t.inline.insert(*blob, bytes.clone());
+                    }
                     if t.spec.options.replicas <= 1 {
                         accept(t, s, *shard, index, report, None);
                     } else if t.spec.options.tolerance.is_none()
@@ -268,6 +283,7 @@ impl StateMachine {
                 history: VecDeque::new(),
                 mismatches: 0,
                 outputs: Vec::new(),
+                inline: BTreeMap::new(),
             },
         );
         self.task_by_request.insert(request_id, id);

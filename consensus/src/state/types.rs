@@ -9,6 +9,9 @@ use super::*;
 pub const REMEMBERED_REQUESTS: usize = 100_000;
 /// A task may be split into at most this many shards.
 pub const MAX_SHARDS_PER_TASK: u32 = 65_536;
+
+/// Largest shard result carried in its `ShardResult` entry instead of a blob.
+pub const MAX_INLINE_RESULT: usize = 4096;
 /// After this many failed attempts of one shard, its task fails.
 pub const MAX_SHARD_ATTEMPTS: u32 = 3;
 /// Default cap on Raft voters; further members stay learners.
@@ -227,6 +230,9 @@ pub struct Task {
     /// The merged outputs of a task of several shards, once merged. A task of one
     /// shard has none: its shard's result is its answer.
     pub outputs: Vec<MergedOutput>,
+    /// Shard results carried in their log entries (small ones), by blob id: a
+    /// result's bytes are here or in the blob store under the same id.
+    pub inline: BTreeMap<BlobId, Vec<u8>>,
 }
 
 impl Task {

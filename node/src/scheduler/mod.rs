@@ -293,10 +293,7 @@ async fn verdict(
         .clone();
     let mut outputs = Vec::new();
     for r in &reports {
-        let bytes = blobs
-            .pull(r.blob, peers.peer(r.node))
-            .await
-            .map_err(|e| e.to_string())?;
+        let bytes = crate::outputs::result_bytes(blobs, peers, &t, r.blob, r.node).await?;
         outputs.push((
             r.epoch,
             gpumesh_protocol::ShardChanges::decode(&bytes).map_err(|e| e.to_string())?,
