@@ -236,3 +236,54 @@ fn a_foreign_redb_database_is_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn a_commit_index_alone_is_not_written_until_the_next_append() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("raft.redb");
+    {
+        let mut s = initialized(&path);
+        let ents: Vec<Entry> = (2..=6).map(|i| entry(i, 2)).collect();
+        let hs = |commit| HardState {
+            term: 2,
+            vote: 1,
+            commit,
+            ..Default::default()
+        };
+        s.persist(None, &ents, Some(&hs(3))).expect("persist");
+        // Only the commit index moved: kept in memory, no fsync of its own.
+        s.persist(None, &[], Some(&hs(5))).expect("commit");
+        assert_eq!(s.initial_state().expect("state").hard_state.commit, 5);
+    }
+    {
+        // Lost in the "crash": the durable commit index is the last written one,
+        // which Raft may trail safely (the leader tells it again).
+        let mut s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+        assert_eq!(s.initial_state().expect("state").hard_state.commit, 3);
+        assert_eq!(s.last(), 6);
+        // It reaches the disk with the next append.
+        let hs = HardState {
+            term: 2,
+            vote: 1,
+            commit: 6,
+            ..Default::default()
+        };
+        s.persist(None, &[entry(7, 2)], Some(&hs)).expect("append");
+    }
+    let s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+    assert_eq!(s.initial_state().expect("state").hard_state.commit, 6);
+    // A new term or vote is written at once, like entries.
+    drop(s);
+    let mut s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+    let voted = HardState {
+        term: 3,
+        vote: 2,
+        commit: 6,
+        ..Default::default()
+    };
+    s.persist(None, &[], Some(&voted)).expect("vote");
+    drop(s);
+    let s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+    let st = s.initial_state().expect("state").hard_state;
+    assert_eq!((st.term, st.vote), (3, 2));
+}
