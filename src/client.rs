@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use gpumesh_consensus::{RequestId, RequestIds};
 use gpumesh_node::api::{
-    ActorView, BlobReply, CallReply, CallRequest, CreateActorRequest, ErrorBody, OutputView,
-    StateInit, StatusView, SubmitReply, SubmitRequest, TaskState, TaskView,
+    from_hex, ActorView, BlobReply, CallReply, CallRequest, CreateActorRequest, ErrorBody,
+    OutputView, RunReply, StateInit, StatusView, SubmitReply, SubmitRequest, TaskState, TaskView,
 };
 use gpumesh_protocol::{ActorCall, BlobId, TaskSpec};
 
@@ -436,6 +436,65 @@ impl Client {
             });
         }
         Ok(bytes.to_vec())
+    }
+
+    /// Submits a task and waits for its outputs in one request (`POST
+    /// /v1/tasks/run`): the task's id and every output's bytes, checked against the
+    /// hash the node reports (small outputs come in the answer, larger ones are
+    /// fetched). A failed or cancelled task is [`ClientError::Refused`]. The request
+    /// id makes a retry after a lost answer wait for the same task.
+    pub async fn run(&self, spec: TaskSpec) -> ClientResult<(u64, BTreeMap<u32, Vec<u8>>)> {
+        let request = SubmitRequest {
+            spec,
+            request_id: Some(self.ids.next_id()),
+        };
+        let reply: RunReply = self
+            .retrying(|| self.json(self.http.post(self.url("/v1/tasks/run")).json(&request)))
+            .await?;
+        let t = reply.task;
+        match t.status {
+            TaskState::Completed => {}
+            TaskState::Failed | TaskState::Cancelled => {
+                return Err(ClientError::Refused(format!(
+                    "task t{} {}: {}",
+                    t.id,
+                    t.status,
+                    t.reason.unwrap_or_default()
+                )))
+            }
+            // Still running when the node's wait ran out: wait on.
+            _ => {
+                self.wait(t.id, |_, _| {}).await?;
+                return Ok((t.id, self.results(t.id).await?));
+            }
+        }
+        let protocol = |reason: String| ClientError::Protocol {
+            addr: self.addr.clone(),
+            reason,
+        };
+        let mut out = BTreeMap::new();
+        for o in reply.outputs {
+            let hash: BlobId = o.blake3.parse().map_err(|e| protocol(format!("{e}")))?;
+            let bytes = match o.hex {
+                Some(hex) => {
+                    let bytes = from_hex(&hex).map_err(protocol)?;
+                    if !hash.matches(&bytes) {
+                        return Err(protocol(format!(
+                            "output {} does not match its hash",
+                            o.binding
+                        )));
+                    }
+                    bytes
+                }
+                None => {
+                    let path = format!("/v1/tasks/{}/outputs/{}", t.id, o.binding);
+                    self.checked_bytes(&path, hash, &format!("output {}", o.binding))
+                        .await?
+                }
+            };
+            out.insert(o.binding, bytes);
+        }
+        Ok((t.id, out))
     }
 
     /// Every merged output's bytes, checked against the hash the node reports.

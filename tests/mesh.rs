@@ -119,7 +119,7 @@ async fn a_small_result_rides_in_the_log_and_is_fetched_from_every_node() {
             merges: Default::default(),
             options: Default::default(),
         };
-        let task = client(&nodes[1]).submit(spec, None).await.unwrap();
+        let task = client(&nodes[1]).submit(spec.clone(), None).await.unwrap();
         let view = client(&nodes[1]).wait(task, |_, _| {}).await.unwrap();
         let blob: gpumesh::protocol::BlobId =
             view.shards[0].output.as_ref().unwrap().parse().unwrap();
@@ -143,6 +143,23 @@ async fn a_small_result_rides_in_the_log_and_is_fetched_from_every_node() {
                 .is_some_and(|t| t.inline.contains_key(&blob))
         });
         assert!(carried, "the result rides in the log");
+
+        // Submit, wait and fetch in one request, through each node.
+        for n in &nodes {
+            let (again, out) = client(n).run(spec.clone()).await.unwrap();
+            assert_ne!(again, task, "a new task");
+            assert_eq!(out[&0], cpu, "run through {}", n.raft_id);
+        }
+        // A kernel the node refuses (division by zero) is refused by run as well.
+        let mut runaway = spec.clone();
+        runaway.shader = ShaderSource::Wgsl(
+            "@group(0) @binding(0) var<storage, read_write> out: array<u32>;\n\
+             @compute @workgroup_size(64)\n\
+             fn main(@builtin(global_invocation_id) gid: vec3<u32>) { out[gid.x] = 1u / 0u; }"
+                .into(),
+        );
+        let refused = client(&nodes[0]).run(runaway).await;
+        assert!(refused.is_err(), "{refused:?}");
         stop(nodes).await;
     })
     .await

@@ -139,26 +139,17 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     );
 
     // (1) Latency of a trivial task, submit to result, one at a time.
+    // One request each (`Client::run`: submit, wait, outputs inline).
     let mut lat = Vec::new();
-    let mut phases = [Duration::ZERO; 3];
     let mut ends = Vec::new();
     for _ in 0..args.latency_tasks.max(1) {
         let t = Instant::now();
-        let task = client.submit(spec(TINY, 1, 1), None).await?;
-        let submitted = t.elapsed();
-        client.wait(task, |_, _| {}).await?;
-        let finished = t.elapsed();
-        let out = client.results(task).await?;
+        let (task, out) = client.run(spec(TINY, 1, 1)).await?;
         anyhow::ensure!(out[&0][4..8] == 2u32.to_le_bytes(), "wrong tiny result");
         lat.push(t.elapsed());
         ends.push((TaskId(task), t, Instant::now()));
-        phases[0] += submitted;
-        phases[1] += finished - submitted;
-        phases[2] += t.elapsed() - finished;
     }
     lat.sort();
-    let n = lat.len() as u32;
-    let phases = phases.map(|p| p / n);
     let breakdown = breakdown(&timeline.take(), &ends);
 
     // (2) Sustained tiny tasks/s.
@@ -172,8 +163,8 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         }
         let c = Client::new(nodes[i % nodes.len()].api_addr.to_string());
         pending.spawn(async move {
-            let task = c.submit(spec(TINY, 1, 1), None).await?;
-            c.wait(task, |_, _| {}).await?;
+            let (_, out) = c.run(spec(TINY, 1, 1)).await?;
+            anyhow::ensure!(out[&0][4..8] == 2u32.to_le_bytes(), "wrong tiny result");
             anyhow::Ok(())
         });
     }
@@ -194,17 +185,14 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     direct.run(&job, None)?;
     // Warm every node's pipeline cache, as the direct run's warm-up did.
     for _ in 0..6 {
-        let task = client.submit(spec(SPIN, groups, 1), None).await?;
-        client.wait(task, |_, _| {}).await?;
+        client.run(spec(SPIN, groups, 1)).await?;
     }
     let mut d = Vec::new();
     let mut m = Vec::new();
     for _ in 0..7 {
         d.push(direct.run(&job, None)?.elapsed);
         let t = Instant::now();
-        let task = client.submit(spec(SPIN, groups, 1), None).await?;
-        client.wait(task, |_, _| {}).await?;
-        client.results(task).await?;
+        client.run(spec(SPIN, groups, 1)).await?;
         m.push(t.elapsed());
     }
     d.sort();
@@ -224,16 +212,6 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         "{:<58} {:>11.2} ms",
         "trivial task submit→result, p99",
         ms(percentile(&lat, 0.99))
-    );
-    println!(
-        "{:<58} {:>14}",
-        "  of which submit / run / fetch (means)",
-        format!(
-            "{:.1}/{:.1}/{:.1} ms",
-            ms(phases[0]),
-            ms(phases[1]),
-            ms(phases[2])
-        )
     );
     println!(
         "{:<58} {:>10.0} /s",
@@ -273,7 +251,8 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
             })
         );
     }
-    for n in nodes {
+    // Joiners first: a joiner left running would keep dialling its seed.
+    for n in nodes.into_iter().rev() {
         n.stop().await;
     }
     let _ = std::fs::remove_dir_all(&root);

@@ -13,6 +13,7 @@
 //! | GET | /v1/blobs/{id} | a blob's bytes (pulled from the mesh if needed) |
 //! | POST | /v1/tasks | submit a task (validated here first), answer its id |
 //! | GET | /v1/tasks | all tasks |
+//! | POST | /v1/tasks/run?timeout_ms=T | submit, wait for the task to finish, answer it with its outputs (bytes inline up to 64 KiB in all) |
 //! | GET | /v1/tasks/{id} | one task with its shards |
 //! | GET | /v1/tasks/{id}/wait?done=N&timeout_ms=T | long poll: answers once the task has a shard count other than N done, or has finished, or T ms passed |
 //! | GET | /v1/tasks/{id}/outputs | merged outputs: binding, size, blake3 |
@@ -94,6 +95,7 @@ pub(crate) async fn serve(
         )
         .route("/v1/blobs/{id}", get(blobs::get_blob))
         .route("/v1/tasks", post(tasks::submit).get(tasks::list_tasks))
+        .route("/v1/tasks/run", post(tasks::run))
         .route("/v1/tasks/{id}", get(tasks::get_task))
         .route("/v1/tasks/{id}/wait", get(tasks::wait_task))
         .route("/v1/tasks/{id}/outputs", get(tasks::outputs))

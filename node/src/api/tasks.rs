@@ -20,7 +20,10 @@ use super::error::{bad, not_found, too_large, unavailable, ApiError, ApiResult};
 use super::gate::BodyCaps;
 use super::read_current;
 use super::state::ApiState;
-use super::views::{view, OutputView, SubmitReply, SubmitRequest, TaskView};
+use super::views::{
+    to_hex, view, OutputView, RunOutput, RunReply, SubmitReply, SubmitRequest, TaskState, TaskView,
+    RUN_INLINE_BYTES,
+};
 use crate::limits::Limits;
 use crate::timeline::Stage;
 
@@ -187,11 +190,98 @@ pub(crate) async fn wait_task(
     Path(id): Path<u64>,
     axum::extract::Query(q): axum::extract::Query<WaitQuery>,
 ) -> ApiResult<Json<TaskView>> {
+    let deadline = tokio::time::Instant::now()
+        + std::time::Duration::from_millis(q.timeout_ms.unwrap_or(30_000).min(60_000));
+    wait_change(&api, id, q.done, deadline).await.map(Json)
+}
+
+#[derive(Deserialize)]
+pub(crate) struct RunQuery {
+    timeout_ms: Option<u64>,
+}
+
+/// `POST /v1/tasks/run`: submits like `POST /v1/tasks`, waits here for the task to
+/// finish (up to `timeout_ms`, 60 s by default, 600 s at most), and answers with the
+/// task and its outputs, their bytes inline when all together are at most
+/// [`RUN_INLINE_BYTES`]: one request instead of submit, wait, list and fetch.
+pub(crate) async fn run(
+    State(api): State<Arc<ApiState>>,
+    axum::extract::Query(q): axum::extract::Query<RunQuery>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<RunReply>> {
+    let deadline = tokio::time::Instant::now()
+        + std::time::Duration::from_millis(q.timeout_ms.unwrap_or(60_000).min(600_000));
+    let Json(SubmitReply { task: id }) = submit(State(api.clone()), body).await?;
+    let mut view = wait_change(&api, id, None, deadline).await?;
+    while !view.status.is_finished() && tokio::time::Instant::now() < deadline {
+        view = wait_change(&api, id, Some(view.shards_done), deadline).await?;
+    }
+    let mut outputs = Vec::new();
+    if view.status == TaskState::Completed {
+        // One shard: its changes over the starting contents are the answer, made
+        // here in memory when small (nothing to store: any node can make it again).
+        let task = api
+            .consensus
+            .read_local(move |s| s.task(TaskId(id)).cloned())
+            .ok_or_else(|| not_found(id))?;
+        let declared: u64 = task.spec.bindings.iter().map(|b| b.role.size()).sum();
+        if task.outputs.is_empty() && declared <= RUN_INLINE_BYTES {
+            let made = crate::outputs::merge_shards(&api.blobs, &api.peers, &task)
+                .await
+                .map_err(|e| unavailable(e.to_string()))?;
+            for (binding, bytes) in made {
+                outputs.push(RunOutput {
+                    binding,
+                    size: bytes.len() as u64,
+                    blake3: BlobId::of(&bytes).to_hex(),
+                    hex: Some(to_hex(&bytes)),
+                });
+            }
+            api.timeline.mark(TaskId(id), Stage::Served);
+            return Ok(Json(RunReply {
+                task: view,
+                outputs,
+            }));
+        }
+        let ids = merged(&api, id).await?;
+        let store = api.blobs.store();
+        let total: u64 = ids.values().filter_map(|b| store.size(b)).sum();
+        for (binding, blob) in ids {
+            let hex = if total <= RUN_INLINE_BYTES {
+                let bytes = store
+                    .get(&blob)
+                    .map_err(unavailable)?
+                    .ok_or_else(|| unavailable("merged output vanished"))?;
+                Some(to_hex(&bytes))
+            } else {
+                None
+            };
+            outputs.push(RunOutput {
+                binding,
+                size: store.size(&blob).unwrap_or(0),
+                blake3: blob.to_hex(),
+                hex,
+            });
+        }
+        api.timeline.mark(TaskId(id), Stage::Served);
+    }
+    Ok(Json(RunReply {
+        task: view,
+        outputs,
+    }))
+}
+
+/// Task `id` once it has other than `done` shards done, or has finished, or
+/// `deadline` passed: a long poll on this node's applied state.
+async fn wait_change(
+    api: &ApiState,
+    id: u64,
+    done: Option<usize>,
+    deadline: tokio::time::Instant,
+) -> ApiResult<TaskView> {
     let c = &api.consensus;
     // Subscribe before the first read so no change slips between the two.
     let mut events = c.subscribe();
-    let deadline = tokio::time::Instant::now()
-        + std::time::Duration::from_millis(q.timeout_ms.unwrap_or(30_000).min(60_000));
     loop {
         let view = c
             .read_local(move |s| s.task(TaskId(id)).map(view))
@@ -200,13 +290,13 @@ pub(crate) async fn wait_task(
         if finished {
             api.timeline.mark(TaskId(id), Stage::Completed);
         }
-        if finished || Some(view.shards_done) != q.done {
-            return Ok(Json(view));
+        if finished || Some(view.shards_done) != done {
+            return Ok(view);
         }
         // Sleep through entries about other tasks: many clients may be waiting.
         loop {
             match tokio::time::timeout_at(deadline, events.recv()).await {
-                Err(_) => return Ok(Json(view)),
+                Err(_) => return Ok(view),
                 Ok(Err(tokio::sync::broadcast::error::RecvError::Closed)) => {
                     return Err(unavailable("the node is shutting down"))
                 }

@@ -22,6 +22,56 @@ pub struct SubmitReply {
     pub task: u64,
 }
 
+/// `POST /v1/tasks/run`: the task once it finished (or the wait ran out), and its
+/// outputs, with their bytes when all of them together are small.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunReply {
+    pub task: TaskView,
+    pub outputs: Vec<RunOutput>,
+}
+
+/// One output of a finished task; `hex` holds its bytes when they came inline
+/// (at most [`RUN_INLINE_BYTES`] for all outputs together).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunOutput {
+    pub binding: u32,
+    pub size: u64,
+    pub blake3: String,
+    pub hex: Option<String>,
+}
+
+/// Output bytes `POST /v1/tasks/run` carries in its answer, all outputs together.
+pub const RUN_INLINE_BYTES: u64 = 64 << 10;
+
+/// Lower-case hex of `bytes`.
+pub fn to_hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(DIGITS[usize::from(b >> 4)] as char);
+        out.push(DIGITS[usize::from(b & 15)] as char);
+    }
+    out
+}
+
+/// The bytes of lower-case or upper-case hex, or why it is not hex.
+pub fn from_hex(text: &str) -> Result<Vec<u8>, String> {
+    if text.len() % 2 != 0 {
+        return Err(format!("{} hex digits: not whole bytes", text.len()));
+    }
+    text.as_bytes()
+        .chunks_exact(2)
+        .map(|pair| {
+            let digit = |c: u8| {
+                (c as char)
+                    .to_digit(16)
+                    .ok_or(format!("{:?} is not a hex digit", c as char))
+            };
+            Ok((digit(pair[0])? * 16 + digit(pair[1])?) as u8)
+        })
+        .collect()
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BlobReply {
     pub id: String,
