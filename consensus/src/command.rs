@@ -220,6 +220,9 @@ pub enum Command {
     },
     /// Removes actor `name`; its calls not yet run fail.
     DeleteActor { name: String },
+    /// The leader's judgement of which members are down (their silence outlasted
+    /// `--down-after`, or their connections closed): new tasks are not placed there.
+    MembersDown { down: Vec<u64> },
 }
 
 /// One state buffer of an actor and the blob it holds now (`None`: all zeros).
@@ -304,6 +307,7 @@ impl Command {
             Command::ActorCallDone { .. } => "actor-call-done",
             Command::ActorCallFailed { .. } => "actor-call-failed",
             Command::DeleteActor { .. } => "delete-actor",
+            Command::MembersDown { .. } => "members-down",
         }
     }
 }

@@ -86,8 +86,9 @@ pub use command::{
 pub use error::{ConsensusError, Result};
 pub use replica::{AppliedEvent, ConsensusHandle, ProposalCounts, RaftRole, ReplicaConfig, Status};
 pub use state::{
-    Actor, CallResult, ClusterSettings, Liveness, Member, PendingCall, Role, Shard, ShardOutput,
-    ShardState, StateMachine, Task, TaskStatus, MAX_HISTORY, MAX_INLINE_RESULT, REMEMBERED_CALLS,
+    candidates, largest_binding, pick, Actor, CallResult, Candidate, ClusterSettings, Liveness,
+    Member, PendingCall, Role, Shard, ShardOutput, ShardState, StateMachine, Task, TaskStatus,
+    MAX_HISTORY, MAX_INLINE_RESULT, REMEMBERED_CALLS,
 };
 pub use storage::RedbStorage;
 pub use tracing_drain::{raft_logger, TracingDrain};

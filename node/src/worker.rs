@@ -193,6 +193,10 @@ impl Worker {
                 _ = cancel.cancelled() => return,
                 event = events.recv() => match event {
                     Ok(AppliedEvent::Entry { entry, committed, duplicate: false, .. }) => {
+                        // A new task's shards are placed when its submit is applied.
+                        if let Outcome::TaskSubmitted { task } = committed.outcome {
+                            queue.extend(self.assigned_to_me_in(task));
+                        }
                         if let (
                             Command::AssignShard { node, .. } | Command::ReassignShard { node, .. },
                             Outcome::ShardAssigned { task, shard, epoch },
@@ -209,6 +213,30 @@ impl Worker {
                 },
             }
         }
+    }
+
+    /// The attempts of task `task` placed on this node.
+    fn assigned_to_me_in(&self, task: TaskId) -> Vec<Assignment> {
+        let me = self.me;
+        self.consensus.read_local(move |s| {
+            let Some(t) = s.task(task) else {
+                return Vec::new();
+            };
+            t.shards
+                .iter()
+                .enumerate()
+                .flat_map(|(i, sh)| {
+                    sh.attempts
+                        .iter()
+                        .filter(|a| a.node == me)
+                        .map(move |a| Assignment {
+                            task,
+                            shard: i as u32,
+                            epoch: a.epoch,
+                        })
+                })
+                .collect()
+        })
     }
 
     async fn assigned_to_me(&self) -> Vec<Assignment> {

@@ -39,6 +39,14 @@ impl StateMachine {
                 reason,
             } => self.actor_call_failed(index, name, *seq, *epoch, *node, reason),
             Command::DeleteActor { name } => self.delete_actor(name),
+            Command::MembersDown { down } => {
+                self.down = down
+                    .iter()
+                    .copied()
+                    .filter(|n| self.members.contains_key(n))
+                    .collect();
+                Outcome::Applied
+            }
             Command::AssignShard { task, shard, node } => {
                 self.assign(index, *task, *shard, *node, None)
             }
@@ -287,6 +295,7 @@ impl StateMachine {
             },
         );
         self.task_by_request.insert(request_id, id);
+        self.place_new_task(index, id);
         Outcome::TaskSubmitted { task: id }
     }
 

@@ -14,9 +14,11 @@ use crate::error::Result;
 
 mod actors;
 mod commands;
+mod placement;
 mod types;
 
 pub use actors::{Actor, CallResult, PendingCall, REMEMBERED_CALLS};
+pub use placement::{candidates, largest_binding, pick, Candidate};
 pub use types::*;
 
 /// The replicated record.
@@ -37,6 +39,8 @@ pub struct StateMachine {
     active: BTreeSet<TaskId>,
     /// GPU actors by name.
     actors: BTreeMap<String, Actor>,
+    /// Members the leader judged down (`MembersDown`).
+    down: BTreeSet<u64>,
 }
 
 impl StateMachine {
@@ -70,6 +74,7 @@ impl StateMachine {
             request_order: VecDeque::new(),
             active: BTreeSet::new(),
             actors: BTreeMap::new(),
+            down: BTreeSet::new(),
         }
     }
 

@@ -203,10 +203,12 @@ pub(crate) async fn call(
         .kernels
         .get(&req.call.shader, &req.call.entry_point)
         .map_err(bad)?;
+    // At the leader's commit index: an actor just created through another node is
+    // found here too.
     let layout = {
         let n = name.clone();
-        api.consensus
-            .read_local(move |s| s.actor(&n).map(|a| a.layout()))
+        read_current(&api.consensus, move |s| s.actor(&n).map(|a| a.layout()))
+            .await?
             .ok_or_else(|| no_actor(&name))?
     };
     // The same checks the record and the host make, before anything is committed.

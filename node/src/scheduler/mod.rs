@@ -11,7 +11,7 @@
 //! speculative copy elsewhere; the first valid result wins. Talks to: raft (reads
 //! state, proposes), liveness, the mesh (pulls replica outputs to compare them).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use gpumesh_consensus::{AppliedEvent, Command, ConsensusHandle, RaftRole, TaskId};
@@ -70,6 +70,8 @@ impl Scheduler {
         // attempts of each task took.
         let mut started: HashMap<(TaskId, u32, u32), Instant> = HashMap::new();
         let mut took: HashMap<TaskId, Vec<Duration>> = HashMap::new();
+        // The down set last proposed, and when: proposed again only after a while.
+        let mut down_sent: Option<(BTreeSet<u64>, Instant)> = None;
         loop {
             tokio::select! {
                 biased;
@@ -123,6 +125,7 @@ impl Scheduler {
                 down: self.liveness.view().down().collect(),
                 ..Observed::default()
             };
+            self.record_down(&observed.down, &mut down_sent);
             let live: HashSet<(TaskId, u32, u32)> =
                 running.iter().map(|(t, s, e, _)| (*t, *s, *e)).collect();
             started.retain(|k, _| live.contains(k));
@@ -142,6 +145,37 @@ impl Scheduler {
             let plan = self.consensus.read_local(move |s| plan(s, &observed));
             self.carry_out(plan, &mut in_flight, &done_tx);
         }
+    }
+
+    /// Puts the leader's judgement of who is down in the record when it differs, so
+    /// that every replica places new tasks away from those members.
+    fn record_down(&self, down: &BTreeSet<u64>, sent: &mut Option<(BTreeSet<u64>, Instant)>) {
+        let differs = self.consensus.read_local({
+            let down = down.clone();
+            move |s| {
+                let members: BTreeSet<u64> = s.members().keys().copied().collect();
+                let want: BTreeSet<u64> = down.intersection(&members).copied().collect();
+                (&want != s.down()).then_some(want)
+            }
+        });
+        let Some(want) = differs else {
+            *sent = None;
+            return;
+        };
+        if sent
+            .as_ref()
+            .is_some_and(|(w, at)| *w == want && at.elapsed() < Duration::from_secs(2))
+        {
+            return;
+        }
+        *sent = Some((want.clone(), Instant::now()));
+        let consensus = self.consensus.clone();
+        tokio::spawn(async move {
+            let down: Vec<u64> = want.into_iter().collect();
+            if let Err(e) = consensus.propose(Command::MembersDown { down }).await {
+                tracing::debug!(error = %e, "the down set was not recorded");
+            }
+        });
     }
 
     fn carry_out(

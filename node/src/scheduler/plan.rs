@@ -3,8 +3,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpumesh_consensus::{Shard, ShardState, StateMachine, TaskId};
-use gpumesh_protocol::TaskSpec;
+use gpumesh_consensus::{
+    candidates, largest_binding, pick, Candidate, Shard, ShardState, StateMachine, TaskId,
+};
 
 /// What the leader has seen for itself; not replicated, rebuilt after a leader change.
 #[derive(Debug, Default)]
@@ -31,27 +32,6 @@ pub struct Plan {
     pub place_actors: Vec<(String, u32, u64, String)>,
 }
 
-/// Largest buffer a task binds.
-fn largest_binding(spec: &TaskSpec) -> u64 {
-    spec.bindings
-        .iter()
-        .map(|b| b.role.size())
-        .max()
-        .unwrap_or(0)
-}
-
-/// A worker the scheduler may place on.
-struct Worker {
-    node: u64,
-    gflops: f64,
-    fits: u64,
-    /// Bytes of device memory it keeps buffers in between runs.
-    memory: u64,
-    backend: gpumesh_protocol::BackendKind,
-    /// Adapter and backend, so replicas can go to different hardware.
-    kind: (String, String),
-}
-
 /// Nodes already holding or having reported the shard, and their hardware.
 fn taken(s: &StateMachine, sh: &Shard) -> (BTreeSet<u64>, Vec<(String, String)>) {
     let nodes: BTreeSet<u64> = sh
@@ -72,24 +52,7 @@ fn taken(s: &StateMachine, sh: &Shard) -> (BTreeSet<u64>, Vec<(String, String)>)
 /// (pure, so it is tested directly).
 pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
     let mut load = s.queue_by_node();
-    let workers: Vec<Worker> = s
-        .members()
-        .values()
-        .filter(|m| !observed.down.contains(&m.raft_id))
-        .filter_map(|m| {
-            let cap = m.capability.as_ref()?;
-            let fits = u64::from(cap.limits.max_storage_buffer_binding_size)
-                .min(cap.limits.max_buffer_size);
-            Some(Worker {
-                node: m.raft_id,
-                gflops: cap.gflops.max(0.1),
-                fits,
-                memory: cap.memory,
-                backend: cap.backend,
-                kind: (cap.adapter_name.clone(), cap.backend.name().to_string()),
-            })
-        })
-        .collect();
+    let workers = candidates(s, &observed.down);
     let mut out = Plan::default();
     for t in s.active_tasks() {
         if t.status == gpumesh_consensus::TaskStatus::Merging {
@@ -112,20 +75,8 @@ pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
                 _ => {}
             }
             let (mut holders, mut kinds) = taken(s, sh);
-            let mut pick = |holders: &BTreeSet<u64>, kinds: &[(String, String)]| {
-                let best = workers
-                    .iter()
-                    .filter(|w| w.fits >= need && !holders.contains(&w.node))
-                    .min_by(|a, b| {
-                        let score = |w: &Worker| {
-                            // Same hardware as an existing replica counts as busier.
-                            let same = kinds.contains(&w.kind) as u32 * 1000;
-                            f64::from(load.get(&w.node).copied().unwrap_or(0) + 1 + same) / w.gflops
-                        };
-                        score(a).total_cmp(&score(b))
-                    })?;
-                *load.entry(best.node).or_default() += 1;
-                Some((best.node, best.kind.clone()))
+            let mut choose = |holders: &BTreeSet<u64>, kinds: &[(String, String)]| {
+                pick(&workers, &mut load, need, holders, kinds)
             };
             // Attempts on nodes that are gone or down move elsewhere.
             for a in &sh.attempts {
@@ -136,14 +87,14 @@ pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
                 } else {
                     continue;
                 };
-                if let Some((node, kind)) = pick(&holders, &kinds) {
+                if let Some((node, kind)) = choose(&holders, &kinds) {
                     holders.insert(node);
                     kinds.push(kind);
                     out.reassign.push((t.id, i, a.epoch, node, why.into()));
                 }
             }
             for _ in 0..sh.wanted() {
-                if let Some((node, kind)) = pick(&holders, &kinds) {
+                if let Some((node, kind)) = choose(&holders, &kinds) {
                     holders.insert(node);
                     kinds.push(kind);
                     out.assign.push((t.id, i, node));
@@ -156,7 +107,7 @@ pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
                 .any(|a| observed.slow.contains(&(t.id, i, a.epoch)));
             let copies = sh.attempts.iter().filter(|a| a.speculative).count();
             if slow && copies == 0 && sh.wanted() == 0 {
-                if let Some((node, _)) = pick(&holders, &kinds) {
+                if let Some((node, _)) = choose(&holders, &kinds) {
                     out.assign.push((t.id, i, node));
                 }
             }
@@ -174,7 +125,7 @@ pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
 fn place_actors(
     s: &StateMachine,
     observed: &Observed,
-    workers: &[Worker],
+    workers: &[Candidate],
     load: &mut BTreeMap<u64, u32>,
     out: &mut Plan,
 ) {
@@ -194,18 +145,18 @@ fn place_actors(
             Some(_) => continue,
         };
         let need = a.state.iter().map(|st| st.buffer.size).max().unwrap_or(0);
-        let eligible: Vec<&Worker> = workers
+        let eligible: Vec<&Candidate> = workers
             .iter()
             .filter(|w| {
                 w.fits >= need && a.backend.is_none_or(|b| b == w.backend) && Some(w.node) != a.host
             })
             .collect();
-        let room = |w: &&&Worker| {
+        let room = |w: &&&Candidate| {
             w.memory
                 .saturating_sub(used.get(&w.node).copied().unwrap_or(0))
                 >= bytes(a)
         };
-        let candidates: Vec<&Worker> = if eligible.iter().any(|w| room(&w)) {
+        let candidates: Vec<&Candidate> = if eligible.iter().any(|w| room(&w)) {
             eligible.iter().filter(room).copied().collect()
         } else {
             eligible
@@ -215,8 +166,9 @@ fn place_actors(
             .and_then(|b| candidates.iter().find(|w| w.node == b));
         let best = backup.or_else(|| {
             candidates.iter().min_by(|x, y| {
-                let score =
-                    |w: &Worker| f64::from(load.get(&w.node).copied().unwrap_or(0) + 1) / w.gflops;
+                let score = |w: &Candidate| {
+                    f64::from(load.get(&w.node).copied().unwrap_or(0) + 1) / w.gflops
+                };
                 score(x).total_cmp(&score(y))
             })
         });
@@ -279,17 +231,8 @@ mod tests {
             .map(|i| (i, format!("peer-{i}")))
             .collect();
         let mut s = StateMachine::bootstrap(&founders, ClusterSettings { max_voters: 5 });
-        for (i, cap) in caps.iter().enumerate() {
-            if let Some(c) = cap {
-                apply(
-                    &mut s,
-                    Command::NodeCapabilities {
-                        raft_id: i as u64 + 1,
-                        capability: c.clone(),
-                    },
-                );
-            }
-        }
+        // Submitted before any member reports an adapter: nothing is placed at
+        // submit, so the scheduler's pass is what these tests see.
         let problem = builtins::get("vector_add")
             .unwrap()
             .problem(256 * 64)
@@ -301,6 +244,17 @@ mod tests {
                 submitter: "peer-1".into(),
             },
         );
+        for (i, cap) in caps.iter().enumerate() {
+            if let Some(c) = cap {
+                apply(
+                    &mut s,
+                    Command::NodeCapabilities {
+                        raft_id: i as u64 + 1,
+                        capability: c.clone(),
+                    },
+                );
+            }
+        }
         s
     }
 
@@ -440,6 +394,44 @@ mod tests {
     }
 
     #[test]
+    fn a_task_submitted_to_a_mesh_with_adapters_is_placed_as_it_is_applied() {
+        // The same rule at submit: by speed, never on the node that is down.
+        let mut s = state(
+            &[
+                Some(capability(10.0, 1 << 27)),
+                Some(capability(30.0, 1 << 27)),
+                Some(capability(30.0, 1 << 27)),
+            ],
+            1,
+        );
+        apply(&mut s, Command::MembersDown { down: vec![3] });
+        let problem = builtins::get("vector_add")
+            .unwrap()
+            .problem(256 * 64)
+            .unwrap();
+        apply(
+            &mut s,
+            Command::SubmitTask {
+                spec: problem.spec(8),
+                submitter: "peer-1".into(),
+            },
+        );
+        let placed = s.tasks().values().last().unwrap();
+        let mut per_node: BTreeMap<u64, usize> = BTreeMap::new();
+        for sh in &placed.shards {
+            assert_eq!(sh.attempts.len(), 1, "each shard placed once");
+            *per_node.entry(sh.attempts[0].node).or_default() += 1;
+        }
+        assert_eq!(per_node.get(&3), None, "nothing on the node that is down");
+        assert_eq!(per_node.values().sum::<usize>(), 8);
+        assert!(per_node[&2] >= 3 * per_node[&1].max(1) - 1, "{per_node:?}");
+        // Nothing of it is left for the scheduler to place.
+        let new = placed.id;
+        let later = plan(&s, &Observed::default());
+        assert!(later.assign.iter().all(|a| a.0 != new), "{later:?}");
+    }
+
+    #[test]
     fn shards_are_placed_in_proportion_to_measured_speed() {
         let s = state(
             &[
@@ -576,10 +568,14 @@ mod tests {
                 submitter: "peer-1".into(),
             },
         );
-        let p = plan(&s, &Observed::default());
-        let nodes: BTreeSet<u64> = p.assign.iter().map(|a| a.2).collect();
-        assert_eq!(p.assign.len(), 2, "{p:?}");
-        assert!(nodes.contains(&3), "the GL node gets one replica: {p:?}");
+        // Placed as the submit is applied, by the same rule the scheduler uses.
+        let t = s.tasks().values().last().unwrap();
+        let nodes: BTreeSet<u64> = t.shards[0].attempts.iter().map(|a| a.node).collect();
+        assert_eq!(nodes.len(), 2, "{:?}", t.shards[0]);
+        assert!(
+            nodes.contains(&3),
+            "the GL node gets one replica: {nodes:?}"
+        );
     }
 
     #[test]

@@ -1,0 +1,126 @@
+//! Where a shard's attempt goes: one rule, used when a submit is applied (every
+//! replica of the record places a new task's shards the same way, so no separate
+//! assignment entry is needed) and by the leader's scheduler for what comes later
+//! (a node that went down, a straggler's copy, a replica after a mismatch).
+//!
+//! An attempt goes to the member that minimises (attempts queued + 1) / measured
+//! GFLOP/s among those with an adapter whose limits fit the task's largest buffer and
+//! that the record does not hold down; replicas of one shard go to distinct nodes,
+//! other hardware first.
+
+use super::*;
+
+/// A member that can take attempts.
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    pub node: u64,
+    pub gflops: f64,
+    /// Largest buffer its adapter can bind.
+    pub fits: u64,
+    /// Bytes of GPU memory it keeps buffers in between runs.
+    pub memory: u64,
+    pub backend: gpumesh_protocol::BackendKind,
+    /// Adapter and backend, so replicas can go to different hardware.
+    pub kind: (String, String),
+}
+
+/// Members with an adapter, except those in `down`.
+pub fn candidates(s: &StateMachine, down: &BTreeSet<u64>) -> Vec<Candidate> {
+    s.members()
+        .values()
+        .filter(|m| !down.contains(&m.raft_id))
+        .filter_map(|m| {
+            let cap = m.capability.as_ref()?;
+            Some(Candidate {
+                node: m.raft_id,
+                gflops: cap.gflops.max(0.1),
+                fits: u64::from(cap.limits.max_storage_buffer_binding_size)
+                    .min(cap.limits.max_buffer_size),
+                memory: cap.memory,
+                backend: cap.backend,
+                kind: (cap.adapter_name.clone(), cap.backend.name().to_string()),
+            })
+        })
+        .collect()
+}
+
+/// Largest buffer a task binds.
+pub fn largest_binding(spec: &TaskSpec) -> u64 {
+    spec.bindings
+        .iter()
+        .map(|b| b.role.size())
+        .max()
+        .unwrap_or(0)
+}
+
+/// The best candidate for one more attempt at a shard that `holders` already hold
+/// (on hardware `kinds`), counting it in `load`.
+pub fn pick(
+    candidates: &[Candidate],
+    load: &mut BTreeMap<u64, u32>,
+    need: u64,
+    holders: &BTreeSet<u64>,
+    kinds: &[(String, String)],
+) -> Option<(u64, (String, String))> {
+    let best = candidates
+        .iter()
+        .filter(|c| c.fits >= need && !holders.contains(&c.node))
+        .min_by(|a, b| {
+            let score = |c: &Candidate| {
+                // Same hardware as an existing replica counts as busier.
+                let same = u32::from(kinds.contains(&c.kind)) * 1000;
+                f64::from(load.get(&c.node).copied().unwrap_or(0) + 1 + same) / c.gflops
+            };
+            score(a).total_cmp(&score(b))
+        })?;
+    *load.entry(best.node).or_default() += 1;
+    Some((best.node, best.kind.clone()))
+}
+
+impl StateMachine {
+    /// Members the leader has judged down (`MembersDown`): no new attempts go there.
+    pub fn down(&self) -> &BTreeSet<u64> {
+        &self.down
+    }
+
+    /// Places every attempt the new task `id` wants, as `AssignShard` would.
+    pub(super) fn place_new_task(&mut self, index: u64, id: TaskId) {
+        let candidates = candidates(self, &self.down);
+        if candidates.is_empty() {
+            return; // the scheduler places it once a member with an adapter joins
+        }
+        let mut load = self.queue_by_node();
+        let Some(t) = self.tasks.get_mut(&id) else {
+            return;
+        };
+        let need = largest_binding(&t.spec);
+        for i in 0..t.shards.len() {
+            let mut holders = BTreeSet::new();
+            let mut kinds = Vec::new();
+            for _ in 0..t.shards[i].wanted() {
+                let Some((node, kind)) = pick(&candidates, &mut load, need, &holders, &kinds)
+                else {
+                    break;
+                };
+                holders.insert(node);
+                kinds.push(kind);
+                let s = &mut t.shards[i];
+                s.epoch += 1;
+                let epoch = s.epoch;
+                s.attempts.push(Attempt {
+                    epoch,
+                    node,
+                    running: false,
+                    speculative: false,
+                });
+                s.settle();
+                t.record(
+                    index,
+                    Some(i as u32),
+                    format!("attempt {epoch} on node {node:x}"),
+                );
+                t.status = TaskStatus::Running;
+            }
+        }
+    }
+}
