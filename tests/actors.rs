@@ -386,9 +386,11 @@ async fn metric(n: &MeshNode, key: &str) -> f64 {
         .map_or(0.0, |v| v.trim().parse().unwrap())
 }
 
-/// Bytes node `n` has read from blob chunk streams.
-async fn blob_bytes_received(n: &MeshNode) -> f64 {
+/// Bytes node `n` has read from blob chunk streams and node requests (where an
+/// actor's changes travel: inline in the request, or as a blob).
+async fn bytes_received(n: &MeshNode) -> f64 {
     metric(n, "gpumesh_net_received_bytes_total{lane=\"blob\"}").await
+        + metric(n, "gpumesh_net_received_bytes_total{lane=\"call\"}").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -446,12 +448,12 @@ async fn the_second_copy_receives_only_what_each_call_changed_and_delete_frees_t
             first.node,
             "the copy is on another node"
         );
-        let before = blob_bytes_received(backup).await;
+        let before = bytes_received(backup).await;
         for add in 2..=6 {
             c.call_actor("big", call(add), None).await.unwrap();
             cpu_call(&mut cpu, add);
         }
-        let after = blob_bytes_received(backup).await;
+        let after = bytes_received(backup).await;
         let a = c.actor("big").await.unwrap();
         assert_eq!(a.version, 6);
         assert_eq!(

@@ -197,15 +197,14 @@ pub enum Command {
         caller: String,
     },
     /// The host ran call `seq`: the state is now `state` (the next version), held by
-    /// the host, and by `backup` through `changes` (what the call changed, from which
-    /// the backup makes the new state from the old); `outputs` are the call's own.
+    /// the host and by `backup` (which made it from the old state and what the call
+    /// changed); `outputs` are the call's own.
     ActorCallDone {
         name: String,
         seq: u64,
         epoch: u32,
         node: u64,
         state: Vec<(u32, BlobId)>,
-        changes: BlobId,
         backup: u64,
         outputs: Vec<MergedOutput>,
     },

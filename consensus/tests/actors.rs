@@ -60,7 +60,6 @@ fn done(name: &str, seq: u64, epoch: u32, node: u64, tag: &[u8]) -> Command {
         epoch,
         node,
         state: vec![(0, BlobId::of(tag))],
-        changes: BlobId::of(&[tag, b"-changes"].concat()),
         backup: if node == 1 { 2 } else { 1 },
         outputs: vec![MergedOutput {
             binding: 2,

@@ -31,8 +31,11 @@ use tokio_util::sync::CancellationToken;
 use crate::blobs::BlobsHandle;
 use crate::identity;
 use crate::peers::PeersHandle;
-use crate::wire::NextState;
+use crate::wire::{Changes, NextState};
 use crate::worker::GpuHandle;
+
+/// Changes up to this size go to the backup inside the request; larger ones as a blob.
+const INLINE_CHANGES: usize = 1 << 20;
 
 /// How long to wait before trying again a call that could not run yet.
 const RETRY: Duration = Duration::from_millis(200);
@@ -250,10 +253,10 @@ impl ActorHost {
                 .filter(|(b, _)| state_bindings.contains(b))
                 .collect(),
         );
-        let store = self.blobs.store().clone();
         let base = t.state.clone();
-        let stored = tokio::task::spawn_blocking(move || {
+        let prepared = tokio::task::spawn_blocking(move || {
             let mut next = Vec::with_capacity(base.len());
+            let mut state = Vec::with_capacity(base.len());
             for s in &base {
                 let binding = s.buffer.binding;
                 let bytes = merged
@@ -263,28 +266,59 @@ impl ActorHost {
                     binding,
                     size: s.buffer.size,
                     base: s.blob,
-                    next: store.put(bytes).map_err(|e| e.to_string())?,
+                    next: BlobId::of(bytes),
                 });
+                state.push(bytes.clone());
             }
             let outputs: Vec<(u32, Vec<u8>)> = merged
                 .into_iter()
                 .filter(|(b, _)| !base.iter().any(|s| s.buffer.binding == *b))
                 .collect();
-            let changes = store.put(&changed.encode()).map_err(|e| e.to_string())?;
-            Ok::<_, String>((next, changes, outputs))
+            Ok::<_, String>((next, state, changed.encode(), outputs))
         })
         .await;
-        let (next, changes, merged) = match stored {
-            Ok(Ok(stored)) => stored,
+        let (next, state_bytes, changes, merged) = match prepared {
+            Ok(Ok(prepared)) => prepared,
+            Ok(Err(e)) => {
+                tracing::warn!(actor = %t.name, error = %e, "could not prepare the actor's new state");
+                return None;
+            }
+            Err(_) => return None,
+        };
+        // Small changes travel in the request; larger ones as a blob pulled from here.
+        let store = self.blobs.store().clone();
+        let changes = if changes.len() <= INLINE_CHANGES {
+            Changes::Inline(changes)
+        } else {
+            let put = tokio::task::spawn_blocking(move || store.put(&changes)).await;
+            match put {
+                Ok(Ok(id)) => Changes::Blob(id),
+                Ok(Err(e)) => {
+                    tracing::warn!(actor = %t.name, error = %e, "could not store the call's changes");
+                    return None;
+                }
+                Err(_) => return None,
+            }
+        };
+        let state = next.iter().map(|n| (n.binding, n.next)).collect();
+        let prefer = t.backup.and_then(|b| self.peers.peer(b));
+        // This node's copy is written while the backup makes its own.
+        let store = self.blobs.store().clone();
+        let own = tokio::task::spawn_blocking(move || {
+            state_bytes
+                .iter()
+                .try_for_each(|bytes| store.put(bytes).map(|_| ()))
+        });
+        let (own, copy) = tokio::join!(own, self.blobs.advance(changes, next, prefer));
+        match own {
+            Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 tracing::warn!(actor = %t.name, error = %e, "could not store the actor's new state");
                 return None;
             }
             Err(_) => return None,
-        };
-        let state = next.iter().map(|n| (n.binding, n.next)).collect();
-        let prefer = t.backup.and_then(|b| self.peers.peer(b));
-        let backup = match self.blobs.advance(changes, next, prefer).await {
+        }
+        let backup = match copy {
             Ok(by) => by,
             Err(e) => {
                 tracing::warn!(actor = %t.name, error = %e, "no second copy of the actor's state yet");
@@ -314,7 +348,6 @@ impl ActorHost {
             epoch: t.epoch,
             node: self.me,
             state,
-            changes,
             backup: backup.map_or(self.me, |p| identity::raft_id(&p)),
             outputs,
         })

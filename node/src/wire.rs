@@ -19,13 +19,22 @@ pub enum NodeRequest {
     /// Keep a copy of this blob, pulled from me, before I report it done.
     Replicate { blob: gpumesh_protocol::BlobId },
     /// Keep the next state of an actor whose state you hold: make each buffer from
-    /// its `base` and the call's changes (blob `changes`, pulled from me); what you
-    /// make must be `next`, byte for byte. Only what the call changed travels; a base
-    /// you lack is pulled from me whole.
+    /// its `base` and the call's changes (in the request, or a blob pulled from me);
+    /// what you make must be `next`, byte for byte. Only what the call changed
+    /// travels; a base you lack is pulled from me whole.
     Advance {
-        changes: gpumesh_protocol::BlobId,
+        changes: Changes,
         buffers: Vec<NextState>,
     },
+}
+
+/// What a call changed in an actor's state (`ShardChanges`, encoded).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum Changes {
+    /// The bytes themselves (small changes).
+    Inline(Vec<u8>),
+    /// A blob to pull from the sender.
+    Blob(gpumesh_protocol::BlobId),
 }
 
 /// One state buffer of an [`NodeRequest::Advance`].

@@ -40,8 +40,6 @@ pub struct Actor {
     /// The node that keeps the second copy of the state (it holds each call's
     /// changes and makes the new state from the old).
     pub backup: Option<u64>,
-    /// The changes blob of the last call that ran.
-    pub last_changes: Option<BlobId>,
     /// The sequence number the next call takes.
     pub next_seq: u64,
     /// Calls waiting to run, by sequence number.
@@ -158,7 +156,6 @@ impl StateMachine {
                 epoch: 0,
                 moves: 0,
                 backup: None,
-                last_changes: None,
                 next_seq: 1,
                 pending: BTreeMap::new(),
                 results: BTreeMap::new(),
@@ -223,7 +220,6 @@ impl StateMachine {
         epoch: u32,
         node: u64,
         state: &[(u32, BlobId)],
-        changes: BlobId,
         backup: u64,
         outputs: &[MergedOutput],
     ) -> Outcome {
@@ -249,7 +245,6 @@ impl StateMachine {
         }
         a.version += 1;
         a.backup = Some(backup);
-        a.last_changes = Some(changes);
         let version = a.version;
         a.finish(
             seq,

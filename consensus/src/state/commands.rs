@@ -25,12 +25,9 @@ impl StateMachine {
                 epoch,
                 node,
                 state,
-                changes,
                 backup,
                 outputs,
-            } => self.actor_call_done(
-                index, name, *seq, *epoch, *node, state, *changes, *backup, outputs,
-            ),
+            } => self.actor_call_done(index, name, *seq, *epoch, *node, state, *backup, outputs),
             Command::ActorCallFailed {
                 name,
                 seq,

@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{NodeError, Result};
 use crate::net::NetHandle;
 use crate::peers::{member_records, PeersHandle};
-use crate::wire::{self, NextState, NodeReply, NodeRequest};
+use crate::wire::{self, Changes, NextState, NodeReply, NodeRequest};
 
 mod next_state;
 pub mod store;
@@ -156,17 +156,15 @@ impl BlobsHandle {
     /// stored here. Returns the member that kept it, like [`Self::replicate`].
     pub async fn advance(
         &self,
-        changes: BlobId,
+        changes: Changes,
         buffers: Vec<NextState>,
         prefer: Option<PeerId>,
     ) -> Result<Option<PeerId>> {
+        let blob = buffers.first().map_or(BlobId::of(&[]), |b| b.next);
         self.mover
             .copy_to_one(&NodeRequest::Advance { changes, buffers }, prefer)
             .await
-            .map_err(|reason| NodeError::NoSecondCopy {
-                blob: changes,
-                reason,
-            })
+            .map_err(|reason| NodeError::NoSecondCopy { blob, reason })
     }
 
     /// Answers another member's [`NodeRequest::Advance`]: makes each buffer's next
@@ -175,14 +173,18 @@ impl BlobsHandle {
     pub async fn keep_next_state(
         &self,
         from: PeerId,
-        changes: BlobId,
+        changes: Changes,
         buffers: Vec<NextState>,
     ) -> Outcome {
         if buffers.iter().all(|b| self.store.has(&b.next)) {
             return Ok(());
         }
-        let changes = ShardChanges::decode(&self.pull(changes, Some(from)).await?)
-            .map_err(|e| format!("the changes blob {changes} is not changes: {e}"))?;
+        let bytes = match changes {
+            Changes::Inline(bytes) => bytes,
+            Changes::Blob(id) => self.pull(id, Some(from)).await?,
+        };
+        let changes = ShardChanges::decode(&bytes)
+            .map_err(|e| format!("what the call changed does not decode: {e}"))?;
         for b in &buffers {
             if let Some(base) = b.base {
                 self.fetch(base, Some(from)).await?;

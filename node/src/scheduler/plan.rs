@@ -341,7 +341,6 @@ mod tests {
                 epoch: 1,
                 node: 3,
                 state: vec![(0, gpumesh_protocol::BlobId::of(b"v1"))],
-                changes: gpumesh_protocol::BlobId::of(b"c1"),
                 backup: 1,
                 outputs: vec![],
             },
