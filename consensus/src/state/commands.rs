@@ -330,14 +330,7 @@ impl StateMachine {
                 ));
             }
             let speculative = s.wanted() == 0;
-            s.epoch += 1;
-            let epoch = s.epoch;
-            s.attempts.push(Attempt {
-                epoch,
-                node,
-                running: false,
-                speculative,
-            });
+            let epoch = s.start_attempt(node, speculative);
             t.record(
                 index,
                 Some(shard),

@@ -105,14 +105,7 @@ impl StateMachine {
                 holders.insert(node);
                 kinds.push(kind);
                 let s = &mut t.shards[i];
-                s.epoch += 1;
-                let epoch = s.epoch;
-                s.attempts.push(Attempt {
-                    epoch,
-                    node,
-                    running: false,
-                    speculative: false,
-                });
+                let epoch = s.start_attempt(node, false);
                 s.settle();
                 t.record(
                     index,

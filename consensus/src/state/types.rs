@@ -186,6 +186,18 @@ impl Shard {
             .saturating_sub(self.attempts.len() as u32)
     }
 
+    /// A new attempt on `node` under the next epoch; returns the epoch.
+    pub(super) fn start_attempt(&mut self, node: u64, speculative: bool) -> u32 {
+        self.epoch += 1;
+        self.attempts.push(Attempt {
+            epoch: self.epoch,
+            node,
+            running: false,
+            speculative,
+        });
+        self.epoch
+    }
+
     pub(super) fn settle(&mut self) {
         self.state = if self.output.is_some() {
             ShardState::Done

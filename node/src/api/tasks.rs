@@ -172,11 +172,15 @@ pub(crate) async fn get_task(
     Path(id): Path<u64>,
 ) -> ApiResult<Json<TaskView>> {
     let c = &api.consensus;
-    // This replica's state: a submit is acknowledged only once the submitting
-    // replica has applied it, and waiting clients long-poll on local applies.
-    c.read_local(move |s| s.task(TaskId(id)).map(view))
-        .map(Json)
-        .ok_or_else(|| not_found(id))
+    // This replica's state (waiting clients long-poll on local applies); a task this
+    // node has not applied yet is looked for at the leader's commit index.
+    match c.read_local(move |s| s.task(TaskId(id)).map(view)) {
+        Some(v) => Ok(Json(v)),
+        None => read_current(c, move |s: &StateMachine| s.task(TaskId(id)).map(view))
+            .await?
+            .map(Json)
+            .ok_or_else(|| not_found(id)),
+    }
 }
 
 #[derive(Deserialize)]
@@ -283,9 +287,14 @@ async fn wait_change(
     // Subscribe before the first read so no change slips between the two.
     let mut events = c.subscribe();
     loop {
-        let view = c
-            .read_local(move |s| s.task(TaskId(id)).map(view))
-            .ok_or_else(|| not_found(id))?;
+        let view = match c.read_local(move |s| s.task(TaskId(id)).map(view)) {
+            Some(v) => v,
+            // Submitted through another node and not applied here yet: read at the
+            // leader's commit index before calling it unknown.
+            None => read_current(c, move |s: &StateMachine| s.task(TaskId(id)).map(view))
+                .await?
+                .ok_or_else(|| not_found(id))?,
+        };
         let finished = view.status.is_finished();
         if finished {
             api.timeline.mark(TaskId(id), Stage::Completed);
