@@ -15,18 +15,14 @@ use gpumesh::shaders::builtins::jacobi_system;
 const N: usize = 512;
 const ITERATIONS: usize = 25;
 
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let (a, b) = jacobi_system(N, 7);
     let mesh = common::LocalMesh::start("jacobi", 3).await?;
     let client = mesh.client(2);
-    let a_id = client.upload(f32_bytes(&a)).await?;
-    let b_id = client.upload(f32_bytes(&b)).await?;
-    let mut x_id = client.upload(f32_bytes(&vec![0f32; N])).await?;
+    let a_id = client.upload(common::f32_bytes(&a)).await?;
+    let b_id = client.upload(common::f32_bytes(&b)).await?;
+    let mut x_id = client.upload(common::f32_bytes(&vec![0f32; N])).await?;
     let bytes = (N * 4) as u64;
     let input = |binding, blob: BlobId, size| BindingSpec {
         binding,

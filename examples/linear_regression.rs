@@ -17,35 +17,18 @@ const FEATURES: usize = 8;
 const STEPS: usize = 40;
 const RATE: f32 = 0.5;
 
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    // y = x · true_w + noise, x uniform in [-1, 1).
-    let true_w: Vec<f32> = (0..FEATURES).map(|j| j as f32 * 0.25 - 1.0).collect();
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut uniform = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    };
-    let x: Vec<f32> = (0..ROWS as usize * FEATURES).map(|_| uniform()).collect();
-    let y: Vec<f32> = x
-        .chunks_exact(FEATURES)
-        .map(|r| r.iter().zip(&true_w).map(|(a, b)| a * b).sum::<f32>() + 0.01 * uniform())
-        .collect();
+    let (true_w, x, y) = common::regression_data(ROWS as usize, FEATURES);
 
     let mesh = common::LocalMesh::start("linreg", 3).await?;
     let client = mesh.client(1);
-    let xs = client.upload(f32_bytes(&x)).await?;
-    let ys = client.upload(f32_bytes(&y)).await?;
+    let xs = client.upload(common::f32_bytes(&x)).await?;
+    let ys = client.upload(common::f32_bytes(&y)).await?;
     let mut w = vec![0f32; FEATURES];
     let scale = 2.0 / ROWS as f32;
     for step in 0..STEPS {
-        let wb = f32_bytes(&w);
+        let wb = common::f32_bytes(&w);
         let wid = client.upload(wb.clone()).await?;
         let input = |binding, blob, size: usize| BindingSpec {
             binding,

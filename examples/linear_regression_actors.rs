@@ -60,10 +60,6 @@ fn main(@builtin(local_invocation_index) li: u32) {
 }
 "#;
 
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
 fn f32s(bytes: &[u8]) -> Vec<f32> {
     bytes
         .chunks_exact(4)
@@ -119,28 +115,15 @@ fn step_call(xs: BlobId, ys: BlobId) -> ActorCall {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    // y = x · true_w + noise, x uniform in [-1, 1).
-    let true_w: Vec<f32> = (0..FEATURES).map(|j| j as f32 * 0.25 - 1.0).collect();
-    let mut seed = 0x2545_f491_4f6c_dd1du64;
-    let mut uniform = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    };
-    let x: Vec<f32> = (0..ROWS * FEATURES).map(|_| uniform()).collect();
-    let y: Vec<f32> = x
-        .chunks_exact(FEATURES)
-        .map(|r| r.iter().zip(&true_w).map(|(a, b)| a * b).sum::<f32>() + 0.01 * uniform())
-        .collect();
+    let (true_w, x, y) = common::regression_data(ROWS, FEATURES);
 
     let mesh = common::LocalMesh::start("linreg-actors", 3).await?;
     let (a, b) = (mesh.client(0), mesh.client(1));
-    let xs = a.upload(f32_bytes(&x)).await?;
-    let ys = a.upload(f32_bytes(&y)).await?;
+    let xs = a.upload(common::f32_bytes(&x)).await?;
+    let ys = a.upload(common::f32_bytes(&y)).await?;
     // A call reads its inputs from the node it goes through: both hold the data.
-    b.upload(f32_bytes(&x)).await?;
-    b.upload(f32_bytes(&y)).await?;
+    b.upload(common::f32_bytes(&x)).await?;
+    b.upload(common::f32_bytes(&y)).await?;
     let weights = vec![StateInit {
         binding: 0,
         size: (FEATURES * 4) as u64,

@@ -53,3 +53,29 @@ impl LocalMesh {
         let _ = std::fs::remove_dir_all(&self.root);
     }
 }
+
+/// Little-endian bytes of `v`, as a blob holds an `array<f32>`.
+#[allow(dead_code)] // not every example that includes this module uploads floats
+pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// The regression examples' data: `y = x · true_w + noise` for `rows` rows of
+/// `features` values uniform in [-1, 1), from a fixed seed. Returns (true_w, x, y).
+#[allow(dead_code)] // used by the two regression examples
+pub fn regression_data(rows: usize, features: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let true_w: Vec<f32> = (0..features).map(|j| j as f32 * 0.25 - 1.0).collect();
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut uniform = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    };
+    let x: Vec<f32> = (0..rows * features).map(|_| uniform()).collect();
+    let y: Vec<f32> = x
+        .chunks_exact(features)
+        .map(|r| r.iter().zip(&true_w).map(|(a, b)| a * b).sum::<f32>() + 0.01 * uniform())
+        .collect();
+    (true_w, x, y)
+}

@@ -255,25 +255,24 @@ impl ActorHost {
         );
         let base = t.state.clone();
         let prepared = tokio::task::spawn_blocking(move || {
+            let mut merged = merged;
             let mut next = Vec::with_capacity(base.len());
             let mut state = Vec::with_capacity(base.len());
+            // The state buffers move out of `merged`; what is left are the outputs.
             for s in &base {
                 let binding = s.buffer.binding;
                 let bytes = merged
-                    .get(&binding)
+                    .remove(&binding)
                     .ok_or_else(|| format!("the call left no state at binding {binding}"))?;
                 next.push(NextState {
                     binding,
                     size: s.buffer.size,
                     base: s.blob,
-                    next: BlobId::of(bytes),
+                    next: BlobId::of(&bytes),
                 });
-                state.push(bytes.clone());
+                state.push(bytes);
             }
-            let outputs: Vec<(u32, Vec<u8>)> = merged
-                .into_iter()
-                .filter(|(b, _)| !base.iter().any(|s| s.buffer.binding == *b))
-                .collect();
+            let outputs: Vec<(u32, Vec<u8>)> = merged.into_iter().collect();
             Ok::<_, String>((next, state, changed.encode(), outputs))
         })
         .await;
