@@ -372,6 +372,16 @@ struct Actor {
 /// many proposals into one fsync, small enough to keep ticks on time.
 const MAX_MSGS_PER_ROUND: usize = 4096;
 
+/// Runs `f`, which may block on the disk (a Ready's fsync), telling a
+/// multi-threaded runtime so: its other tasks (the node's network, its API) move to
+/// another thread meanwhile instead of waiting behind the fsync.
+fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
 /// Unanswered ReadIndex requests remembered per replica (each retry adds one).
 const MAX_READ_REQUESTS: usize = 16;
 
@@ -408,7 +418,7 @@ impl Actor {
                 }
             }
             self.flush_batch();
-            if let Err(e) = self.drive() {
+            if let Err(e) = blocking(|| self.drive()) {
                 // A storage failure leaves Raft unable to go on safely.
                 error!(raft_id = self.cfg.id, "consensus stopped: {e}");
                 break;
