@@ -78,15 +78,21 @@ fn breakdown(marks: &[Mark], ends: &[(TaskId, Instant, Instant)]) -> Vec<(String
         Some((_, v)) => v.push(d),
         None => rows.push((what.to_string(), vec![d])),
     };
+    let mut by_task: std::collections::HashMap<TaskId, Vec<(Stage, Instant)>> =
+        std::collections::HashMap::new();
+    for &(id, stage, t) in marks {
+        by_task.entry(id).or_default().push((stage, t));
+    }
     for &(task, began, ended) in ends {
         let mut at = began;
         let mut what_next = "client to the API";
+        let mine = by_task.get(&task).map_or(&[][..], |v| &v[..]);
         for stage in Stage::ALL {
             // A stage marked twice (a wait answered twice) counts from its first.
-            let Some(t) = marks
+            let Some(t) = mine
                 .iter()
-                .filter(|(id, s, _)| *id == task && *s == stage)
-                .map(|(_, _, t)| *t)
+                .filter(|(s, _)| *s == stage)
+                .map(|(_, t)| *t)
                 .min()
             else {
                 continue;
@@ -150,29 +156,39 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         ends.push((TaskId(task), t, Instant::now()));
     }
     lat.sort();
-    let breakdown = breakdown(&timeline.take(), &ends);
+    let alone = breakdown(&timeline.take(), &ends);
 
-    // (2) Sustained tiny tasks/s.
+    // (2) Sustained tiny tasks/s, through every node; one client (and its pool of
+    // connections) per node, as a program submitting many tasks would hold.
+    let clients: Vec<Client> = nodes
+        .iter()
+        .map(|n| Client::new(n.api_addr.to_string()))
+        .collect();
     let started = Instant::now();
     let mut pending = tokio::task::JoinSet::new();
+    let mut loaded_ends = Vec::new();
     let mut done = 0usize;
     for i in 0..args.throughput_tasks {
         if pending.len() >= args.in_flight.max(1) {
-            pending.join_next().await.transpose()?.transpose()?;
+            if let Some(end) = pending.join_next().await.transpose()?.transpose()? {
+                loaded_ends.push(end);
+            }
             done += 1;
         }
-        let c = Client::new(nodes[i % nodes.len()].api_addr.to_string());
+        let c = clients[i % clients.len()].clone();
         pending.spawn(async move {
-            let (_, out) = c.run(spec(TINY, 1, 1)).await?;
+            let began = Instant::now();
+            let (task, out) = c.run(spec(TINY, 1, 1)).await?;
             anyhow::ensure!(out[&0][4..8] == 2u32.to_le_bytes(), "wrong tiny result");
-            anyhow::Ok(())
+            anyhow::Ok((TaskId(task), began, Instant::now()))
         });
     }
     while let Some(r) = pending.join_next().await {
-        r??;
+        loaded_ends.push(r??);
         done += 1;
     }
     let rate = done as f64 / started.elapsed().as_secs_f64();
+    let loaded = breakdown(&timeline.take(), &loaded_ends);
 
     // (3) A ~100 ms kernel: directly on this machine's adapter, then through the mesh.
     let mut direct = Executor::new(BackendChoice::Auto)?;
@@ -234,7 +250,14 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         m.as_secs_f64() / d.as_secs_f64()
     );
     println!("\nwhere a trivial task's time goes (medians over the latency tasks)");
-    for (what, d) in &breakdown {
+    for (what, d) in &alone {
+        println!("  {what:<56} {:>11.2} ms", ms(*d));
+    }
+    println!(
+        "\nthe same with {} in flight (medians over the throughput tasks)",
+        args.in_flight
+    );
+    for (what, d) in &loaded {
         println!("  {what:<56} {:>11.2} ms", ms(*d));
     }
     println!("\n{transfer}");
