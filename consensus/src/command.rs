@@ -76,6 +76,17 @@ pub enum Command {
     /// A new task. Acknowledged only once committed; retried submits with the same
     /// request id return the same task.
     SubmitTask { spec: TaskSpec, submitter: String },
+    /// A one-shard, one-replica task that node `node` already ran (it was submitted
+    /// there, with `POST /v1/tasks/run`, and that node's GPU was free), recorded with
+    /// what came of it in one entry: the task, its one attempt on `node`, and the
+    /// result (or the failure). Nothing was acknowledged before this is committed; a
+    /// retry with the same request id finds the task.
+    TaskRan {
+        spec: TaskSpec,
+        submitter: String,
+        node: u64,
+        ran: Box<Ran>,
+    },
     /// Gives shard `shard` of `task` to `node`, starting a new attempt (epoch + 1)
     /// beside any still in flight (a replica, or a speculative copy of a straggler).
     AssignShard { task: TaskId, shard: u32, node: u64 },
@@ -224,6 +235,20 @@ pub enum Command {
     MembersDown { down: Vec<u64> },
 }
 
+/// What came of a task run where it was submitted ([`Command::TaskRan`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Ran {
+    /// Its one shard's result, as in [`Command::ShardResult`]: inline when small,
+    /// else a blob already stored on `node` and one other node.
+    Result {
+        blob: BlobId,
+        size: u64,
+        inline: Option<Vec<u8>>,
+    },
+    /// It cannot succeed anywhere (a shader that runs past its deadline).
+    Failed(String),
+}
+
 /// One state buffer of an actor and the blob it holds now (`None`: all zeros).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ActorState {
@@ -284,6 +309,7 @@ impl Command {
     pub fn kind(&self) -> &'static str {
         match self {
             Command::SubmitTask { .. } => "submit-task",
+            Command::TaskRan { .. } => "task-ran",
             Command::AssignShard { .. } => "assign-shard",
             Command::ReassignShard { .. } => "reassign-shard",
             Command::ShardVerdict { .. } => "shard-verdict",

@@ -6,7 +6,8 @@ mod common;
 use common::{spec, submit, Log};
 use gpumesh_consensus::sim::SplitMix64;
 use gpumesh_consensus::{
-    Command, MergedOutput, Outcome, RequestId, Role, ShardState, StateMachine, TaskId, TaskStatus,
+    Command, MergedOutput, Outcome, Ran, RequestId, Role, ShardState, StateMachine, TaskId,
+    TaskStatus,
 };
 use gpumesh_protocol::BlobId;
 
@@ -540,8 +541,23 @@ fn random_command(rng: &mut SplitMix64, tasks: &[TaskId]) -> Command {
             tasks[rng.range(0, tasks.len() as u64 - 1) as usize]
         }
     };
-    match rng.range(0, 7) {
+    match rng.range(0, 8) {
         0 => submit(rng.range(1, 64) as u32),
+        8 => {
+            let mut one = spec(rng.range(1, 64) as u32);
+            one.shards = 1;
+            let bytes = rng.next_u64().to_le_bytes().to_vec();
+            Command::TaskRan {
+                spec: one,
+                submitter: "p1".into(),
+                node: rng.range(1, 3),
+                ran: Box::new(Ran::Result {
+                    blob: BlobId::of(&bytes),
+                    size: bytes.len() as u64,
+                    inline: Some(bytes),
+                }),
+            }
+        }
         1 => Command::AssignShard {
             task: pick(rng),
             shard: rng.range(0, 2) as u32,
@@ -691,4 +707,77 @@ fn a_small_result_rides_in_its_entry_and_a_bad_one_is_refused() {
     let t = log.sm.task(task).unwrap();
     assert_eq!(t.shards[0].output.map(|o| o.blob), Some(id));
     assert_eq!(t.inline.get(&id), Some(&bytes));
+}
+
+#[test]
+fn a_task_run_where_it_was_submitted_is_recorded_with_its_result_in_one_entry() {
+    let mut log = Log::new();
+    let mut one = spec(4);
+    one.shards = 1;
+    let ran = |spec: gpumesh_protocol::TaskSpec, node: u64, ran: Ran| Command::TaskRan {
+        spec,
+        submitter: "p2".into(),
+        node,
+        ran: Box::new(ran),
+    };
+    let bytes = b"the changed words".to_vec();
+    let id = BlobId::of(&bytes);
+    let good = Ran::Result {
+        blob: id,
+        size: bytes.len() as u64,
+        inline: Some(bytes.clone()),
+    };
+    // Refused, and no task made: several shards, replicas, a non-member, bad bytes.
+    assert!(matches!(
+        log.apply(ran(spec(4), 2, good.clone())),
+        Outcome::Rejected(_)
+    ));
+    let mut verified = one.clone();
+    verified.options.replicas = 2;
+    assert!(matches!(
+        log.apply(ran(verified, 2, good.clone())),
+        Outcome::Rejected(_)
+    ));
+    assert!(matches!(
+        log.apply(ran(one.clone(), 9, good.clone())),
+        Outcome::Rejected(_)
+    ));
+    let lying = Ran::Result {
+        blob: BlobId::of(b"other"),
+        size: bytes.len() as u64,
+        inline: Some(bytes.clone()),
+    };
+    assert!(matches!(
+        log.apply(ran(one.clone(), 2, lying)),
+        Outcome::Rejected(_)
+    ));
+    assert!(log.sm.tasks().is_empty());
+
+    // A result: the task is complete in this one entry, its bytes in the record, and
+    // a retry with the same request id finds it (nothing runs again).
+    let request = RequestId::new(7, 1);
+    let first = log.apply_as(request, ran(one.clone(), 2, good.clone()));
+    let Outcome::TaskSubmitted { task } = first else {
+        panic!("{first:?}")
+    };
+    let t = log.sm.task(task).unwrap();
+    assert_eq!(t.status, TaskStatus::Completed);
+    assert_eq!(t.shards[0].output.map(|o| (o.blob, o.node)), Some((id, 2)));
+    assert_eq!(t.inline.get(&id), Some(&bytes));
+    assert!(t.shards[0].attempts.is_empty());
+    assert!(!log.sm.active_tasks().any(|t| t.id == task));
+    assert_eq!(log.apply_as(request, ran(one.clone(), 3, good)), first);
+    assert_eq!(log.apply_as(request, submit(4)), first);
+    assert_eq!(log.sm.tasks().len(), 1);
+
+    // A failure that no retry fixes: the task is recorded failed, with the reason.
+    let failed = log.apply(ran(one, 3, Ran::Failed("ran past its deadline".into())));
+    let Outcome::TaskSubmitted { task } = failed else {
+        panic!("{failed:?}")
+    };
+    let status = &log.sm.task(task).unwrap().status;
+    assert!(
+        matches!(status, TaskStatus::Failed(r) if r.contains("deadline")),
+        "{status:?}"
+    );
 }

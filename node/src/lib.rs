@@ -41,6 +41,7 @@ pub mod metrics;
 pub mod net;
 mod outputs;
 pub mod peers;
+mod run_here;
 pub mod scheduler;
 pub mod timeline;
 mod wire;

@@ -144,7 +144,7 @@ fn job_shard(job: &Job, shard: u32) -> Result<gpumesh_shaders::shard::ShardRange
 }
 
 /// Why a shard did not produce outputs.
-enum ShardError {
+pub(crate) enum ShardError {
     /// Worth another attempt (perhaps elsewhere).
     Retry(String),
     /// Will fail again anywhere: the task fails.
@@ -159,19 +159,27 @@ struct Assignment {
     epoch: u32,
 }
 
-pub(crate) struct Worker {
-    pub me: u64,
-    pub consensus: ConsensusHandle,
+/// Runs one shard on this node's GPU and keeps its result: what the worker does for
+/// a shard the mesh placed here, and the API for a task run where it was submitted
+/// ([`crate::run_here`]). Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct ShardRunner {
     pub blobs: BlobsHandle,
     /// Compiled kernels, shared with the API's submit validation.
     pub kernels: Arc<gpumesh_shaders::KernelCache>,
     /// What this node's shards did, for `/metrics`.
     pub counts: ShardMetrics,
     pub gpu: GpuHandle,
-    /// Bounds the shard results being stored and reported at once.
-    pub post: Arc<tokio::sync::Semaphore>,
     pub default_deadline: Duration,
     pub faults: Faults,
+}
+
+pub(crate) struct Worker {
+    pub me: u64,
+    pub consensus: ConsensusHandle,
+    pub runner: ShardRunner,
+    /// Bounds the shard results being stored and reported at once.
+    pub post: Arc<tokio::sync::Semaphore>,
     pub timeline: Timeline,
 }
 
@@ -276,7 +284,7 @@ impl Worker {
             return; // superseded, won by another attempt, finished or cancelled
         };
         self.timeline.mark(a.task, Stage::Assigned);
-        let counts = &self.counts;
+        let counts = &self.runner.counts;
         if failed_before {
             counts.retried.inc();
         }
@@ -302,7 +310,8 @@ impl Worker {
             reason,
         };
         let started = Instant::now();
-        let outputs = match self.run_shard(a.task, &spec, &submitter, a.shard).await {
+        let mark = |stage| self.timeline.mark(a.task, stage);
+        let outputs = match self.runner.run(&spec, &submitter, a.shard, mark).await {
             Ok(outputs) => {
                 counts.run_seconds.observe(started.elapsed().as_secs_f64());
                 outputs
@@ -334,7 +343,7 @@ impl Worker {
         // Storing, copying to a second node and recording the result overlap with
         // the next shard on the GPU; the permit bounds how many are in flight.
         let permit = self.post.clone().acquire_owned().await;
-        let (blobs, counts) = (self.blobs.clone(), self.counts.clone());
+        let (blobs, counts) = (self.runner.blobs.clone(), self.runner.counts.clone());
         let consensus = self.consensus.clone();
         let me = self.me;
         let timeline = self.timeline.clone();
@@ -380,14 +389,17 @@ impl Worker {
             .in_current_span(),
         );
     }
+}
 
-    /// Runs one shard; returns its outputs.
-    async fn run_shard(
+impl ShardRunner {
+    /// Runs shard `shard` of a task; returns its outputs. `mark` is told when the
+    /// GPU thread takes the shard and when its changes are read back.
+    pub async fn run(
         &self,
-        task: TaskId,
         spec: &TaskSpec,
         submitter: &str,
         shard: u32,
+        mark: impl Fn(Stage),
     ) -> Result<ShardChanges, ShardError> {
         for b in &spec.bindings {
             if let Some(blob) = b.role.blob() {
@@ -412,7 +424,7 @@ impl Worker {
             .options
             .deadline_ms
             .map_or(self.default_deadline, Duration::from_millis);
-        self.timeline.mark(task, Stage::GpuStart);
+        mark(Stage::GpuStart);
         let mut out = self
             .gpu
             .run(job, shard, Some(deadline))
@@ -424,7 +436,7 @@ impl Worker {
                 )),
                 other => ShardError::Retry(other.to_string()),
             })?;
-        self.timeline.mark(task, Stage::GpuDone);
+        mark(Stage::GpuDone);
         tracing::debug!(gpu_ms = out.elapsed.as_secs_f64() * 1e3, "shard ran");
         if self.faults.corrupt_outputs {
             if let Some(byte) = out
@@ -453,7 +465,7 @@ impl Worker {
 /// `ShardResult` entry (the log puts it on a quorum); a larger one is stored as a
 /// blob here and on a second node before it is reported. Returns its id, its size,
 /// and its bytes when they go inline.
-async fn store_and_copy(
+pub(crate) async fn store_and_copy(
     blobs: &BlobsHandle,
     changes: ShardChanges,
     submitter: &str,

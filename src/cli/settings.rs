@@ -180,6 +180,12 @@ pub struct NodeArgs {
     #[arg(long, env = "GPUMESH_DEFAULT_DEADLINE", value_name = "SECONDS",
           default_value_t = NodeConfig::new("").default_deadline.as_secs_f64())]
     pub default_deadline: f64,
+    /// `gpumesh run` tasks (one shard, one replica) run on this node's GPU at once,
+    /// recorded with their result in one commit, while fewer than this many are
+    /// under way here; beyond, and with 0, the mesh places them.
+    #[arg(long, env = "GPUMESH_RUN_HERE_SLOTS", value_name = "N",
+          default_value_t = NodeConfig::new("").run_here_slots)]
+    pub run_here_slots: usize,
     /// Log lines on stderr: text or json (the global --log-format; a key of the file
     /// too, under the flag and its variable).
     #[arg(skip)]
@@ -493,6 +499,7 @@ impl NodeArgs {
         config.scheduler.straggler_factor = self.straggler_factor;
         config.scheduler.straggler_min = seconds("straggler_min", self.straggler_min)?;
         config.default_deadline = seconds("default_deadline", self.default_deadline)?;
+        config.run_here_slots = self.run_here_slots;
         Ok(config)
     }
 

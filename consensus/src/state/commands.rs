@@ -9,6 +9,12 @@ impl StateMachine {
             Command::SubmitTask { spec, submitter } => {
                 self.submit(index, entry.request_id, spec, submitter)
             }
+            Command::TaskRan {
+                spec,
+                submitter,
+                node,
+                ran,
+            } => self.task_ran(index, entry.request_id, spec, submitter, *node, ran),
             Command::CreateActor {
                 name,
                 state,
@@ -76,47 +82,7 @@ impl StateMachine {
                 blob,
                 size,
                 inline,
-            } => {
-                if let Some(bytes) = inline {
-                    if bytes.len() > MAX_INLINE_RESULT
-                        || bytes.len() as u64 != *size
-                        || !blob.matches(bytes)
-                    {
-                        return Outcome::Rejected(format!(
-                            "an inline result must be at most {MAX_INLINE_RESULT} bytes, of \
-                             its size, and hash to its blob id"
-                        ));
-                    }
-                }
-                let report = ShardOutput {
-                    blob: *blob,
-                    size: *size,
-                    node: *node,
-                    epoch: *epoch,
-                    index,
-                };
-                self.with_attempt(*task, *shard, *epoch, *node, |t, s| {
-                    s.attempts.retain(|a| a.epoch != *epoch);
-                    s.reports.push(report);
-                    if let Some(bytes) = inline {
-                        t.inline.insert(*blob, bytes.clone());
-                    }
-                    if t.spec.options.replicas <= 1 {
-                        accept(t, s, *shard, index, report, None);
-                    } else if t.spec.options.tolerance.is_none()
-                        && s.reports.len() as u32 >= s.needed
-                    {
-                        // Bit-for-bit comparison: equal outputs have equal hashes.
-                        let mut groups: BTreeMap<BlobId, Vec<u32>> = BTreeMap::new();
-                        for r in &s.reports {
-                            groups.entry(r.blob).or_default().push(r.epoch);
-                        }
-                        let largest = groups.into_values().max_by_key(|g| g.len());
-                        judge(t, s, *shard, index, largest.unwrap_or_default());
-                    }
-                    Outcome::Applied
-                })
-            }
+            } => self.shard_result(index, *task, *shard, *epoch, *node, *blob, *size, inline),
             Command::ShardVerdict {
                 task,
                 shard,
@@ -157,13 +123,7 @@ impl StateMachine {
                 epoch,
                 node,
                 reason,
-            } => self.with_attempt(*task, *shard, *epoch, *node, |t, s| {
-                s.attempts.retain(|a| a.epoch != *epoch);
-                s.last_error = Some(reason.clone());
-                t.record(index, Some(*shard), format!("node {node:x}: {reason}"));
-                t.status = TaskStatus::Failed(format!("shard {shard}: {reason}"));
-                Outcome::Applied
-            }),
+            } => self.task_failed(index, *task, *shard, *epoch, *node, reason),
             Command::TaskCancelled { task, reason } => match self.tasks.get_mut(task) {
                 None => Outcome::Rejected(format!("no task {task}")),
                 Some(t) if t.status.is_terminal() => {
@@ -251,6 +211,139 @@ impl StateMachine {
         spec: &TaskSpec,
         submitter: &str,
     ) -> Outcome {
+        let outcome = self.create_task(index, request_id, spec, submitter);
+        if let Outcome::TaskSubmitted { task } = outcome {
+            self.place_new_task(index, task);
+        }
+        outcome
+    }
+
+    /// Records a task that `node` ran where it was submitted, and what came of it.
+    pub(super) fn task_ran(
+        &mut self,
+        index: u64,
+        request_id: RequestId,
+        spec: &TaskSpec,
+        submitter: &str,
+        node: u64,
+        ran: &Ran,
+    ) -> Outcome {
+        if spec.shards != 1 || spec.options.replicas > 1 {
+            return Outcome::Rejected(
+                "only a task of one shard and one replica is run where it is submitted".into(),
+            );
+        }
+        if !self.members.contains_key(&node) {
+            return Outcome::Rejected(format!("node {node} is not a member"));
+        }
+        if let Ran::Result {
+            blob,
+            size,
+            inline: Some(bytes),
+        } = ran
+        {
+            if let Err(e) = check_inline(*blob, *size, bytes) {
+                return Outcome::Rejected(e);
+            }
+        }
+        let outcome = self.create_task(index, request_id, spec, submitter);
+        let Outcome::TaskSubmitted { task } = outcome else {
+            return outcome;
+        };
+        let Some(t) = self.tasks.get_mut(&task) else {
+            return outcome;
+        };
+        let epoch = t.shards[0].start_attempt(node, false);
+        t.shards[0].settle();
+        t.status = TaskStatus::Running;
+        t.record(
+            index,
+            Some(0),
+            format!("attempt {epoch} on node {node:x}, where it was submitted"),
+        );
+        match ran {
+            Ran::Result { blob, size, inline } => {
+                self.shard_result(index, task, 0, epoch, node, *blob, *size, inline)
+            }
+            Ran::Failed(reason) => self.task_failed(index, task, 0, epoch, node, reason),
+        };
+        outcome
+    }
+
+    /// A live attempt's result for a shard: accepted at once with one replica; with
+    /// more, kept until enough have come to compare.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn shard_result(
+        &mut self,
+        index: u64,
+        task: TaskId,
+        shard: u32,
+        epoch: u32,
+        node: u64,
+        blob: BlobId,
+        size: u64,
+        inline: &Option<Vec<u8>>,
+    ) -> Outcome {
+        if let Some(bytes) = inline {
+            if let Err(e) = check_inline(blob, size, bytes) {
+                return Outcome::Rejected(e);
+            }
+        }
+        let report = ShardOutput {
+            blob,
+            size,
+            node,
+            epoch,
+            index,
+        };
+        self.with_attempt(task, shard, epoch, node, |t, s| {
+            s.attempts.retain(|a| a.epoch != epoch);
+            s.reports.push(report);
+            if let Some(bytes) = inline {
+                t.inline.insert(blob, bytes.clone());
+            }
+            if t.spec.options.replicas <= 1 {
+                accept(t, s, shard, index, report, None);
+            } else if t.spec.options.tolerance.is_none() && s.reports.len() as u32 >= s.needed {
+                // Bit-for-bit comparison: equal outputs have equal hashes.
+                let mut groups: BTreeMap<BlobId, Vec<u32>> = BTreeMap::new();
+                for r in &s.reports {
+                    groups.entry(r.blob).or_default().push(r.epoch);
+                }
+                let largest = groups.into_values().max_by_key(|g| g.len());
+                judge(t, s, shard, index, largest.unwrap_or_default());
+            }
+            Outcome::Applied
+        })
+    }
+
+    /// A live attempt hit what no retry fixes: the task fails.
+    pub(super) fn task_failed(
+        &mut self,
+        index: u64,
+        task: TaskId,
+        shard: u32,
+        epoch: u32,
+        node: u64,
+        reason: &str,
+    ) -> Outcome {
+        self.with_attempt(task, shard, epoch, node, |t, s| {
+            s.attempts.retain(|a| a.epoch != epoch);
+            s.last_error = Some(reason.to_owned());
+            t.record(index, Some(shard), format!("node {node:x}: {reason}"));
+            t.status = TaskStatus::Failed(format!("shard {shard}: {reason}"));
+            Outcome::Applied
+        })
+    }
+
+    /// A new task in the record, its shards not yet placed.
+    fn create_task(
+        &mut self,
+        index: u64,
+        request_id: RequestId,
+        spec: &TaskSpec,
+        submitter: &str,
+    ) -> Outcome {
         if let Err(e) = spec.check_shape() {
             return Outcome::Rejected(e.to_string());
         }
@@ -292,7 +385,6 @@ impl StateMachine {
             },
         );
         self.task_by_request.insert(request_id, id);
-        self.place_new_task(index, id);
         Outcome::TaskSubmitted { task: id }
     }
 
@@ -425,6 +517,17 @@ impl StateMachine {
             }
         }
     }
+}
+
+/// An inline result is small, of its declared size, and hashes to its blob id.
+fn check_inline(blob: BlobId, size: u64, bytes: &[u8]) -> Result<(), String> {
+    if bytes.len() > MAX_INLINE_RESULT || bytes.len() as u64 != size || !blob.matches(bytes) {
+        return Err(format!(
+            "an inline result must be at most {MAX_INLINE_RESULT} bytes, of its size, and \
+             hash to its blob id"
+        ));
+    }
+    Ok(())
 }
 
 /// Accepts `report` as the shard's output; attempts still in flight lose (their

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use gpumesh_protocol::{codec, BlobId, NodeCapability, TaskSpec};
 use serde::{Deserialize, Serialize};
 
-use crate::command::{Command, Committed, LogEntry, MergedOutput, Outcome, RequestId, TaskId};
+use crate::command::{Command, Committed, LogEntry, MergedOutput, Outcome, Ran, RequestId, TaskId};
 use crate::error::Result;
 
 mod actors;

@@ -16,6 +16,7 @@ use crate::liveness::LivenessHandle;
 use crate::metrics::Metrics;
 use crate::outputs::ResultCache;
 use crate::peers::PeersHandle;
+use crate::run_here::RunHere;
 use crate::timeline::Timeline;
 
 pub(crate) struct ApiState {
@@ -38,6 +39,9 @@ pub(crate) struct ApiState {
     /// Shard results per node per second, for the dashboard.
     pub throughput: Arc<Throughput>,
     pub timeline: Timeline,
+    /// Runs a one-shard task here when this node's GPU has a free slot (none
+    /// without a GPU).
+    pub run_here: Option<RunHere>,
 }
 
 impl ApiState {
@@ -66,6 +70,7 @@ impl ApiState {
             submits_in_flight: AtomicUsize::new(0),
             throughput: Arc::default(),
             timeline,
+            run_here: None,
         }
     }
 }

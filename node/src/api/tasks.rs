@@ -78,17 +78,20 @@ async fn queue_slot<'a>(
     Ok(slot)
 }
 
-/// In a `submit{request task}` span: `task` is recorded once committed, so the
-/// task's lines here match the `shard{task ..}` lines of the workers that run it.
-#[tracing::instrument(
-    name = "submit",
-    skip_all,
-    fields(request = tracing::field::Empty, task = tracing::field::Empty)
-)]
-pub(crate) async fn submit(
-    State(api): State<Arc<ApiState>>,
+/// A submit that passed every check made before anything is committed.
+struct Admitted<'a> {
+    request_id: RequestId,
+    spec: gpumesh_protocol::TaskSpec,
+    received: std::time::Instant,
+    slot: QueueSlot<'a>,
+}
+
+/// The checks `gpumesh run` makes, and this node's queue limit, before anything is
+/// committed; records the request id in the current span.
+async fn admit(
+    api: &ApiState,
     body: std::result::Result<Bytes, BytesRejection>,
-) -> ApiResult<Json<SubmitReply>> {
+) -> ApiResult<Admitted<'_>> {
     let received = std::time::Instant::now();
     let limits = api.limits;
     let body = BodyCaps::of(&limits).request.within(body)?;
@@ -99,13 +102,11 @@ pub(crate) async fn submit(
     limits.check_shader(&req.spec).map_err(too_large)?;
     limits.check_work(&req.spec).map_err(bad)?;
     let request_id = req.request_id.unwrap_or_else(|| c.new_request_id());
-    let span = tracing::Span::current();
-    span.record(
+    tracing::Span::current().record(
         "request",
         tracing::field::display(format_args!("{:x}.{}", request_id.client, request_id.seq)),
     );
-    let slot = queue_slot(&api, c, request_id, &limits).await?;
-    // The same checks `gpumesh run` makes, before anything is committed.
+    let slot = queue_slot(api, c, request_id, &limits).await?;
     let kernel = api
         .kernels
         .get(&req.spec.shader, &req.spec.entry_point)
@@ -124,9 +125,25 @@ pub(crate) async fn submit(
             }
         }
     }
+    Ok(Admitted {
+        request_id,
+        spec: req.spec,
+        received,
+        slot,
+    })
+}
+
+/// Commits an admitted submit for the mesh to place; answers with its task id.
+async fn commit(api: &ApiState, admitted: Admitted<'_>) -> ApiResult<u64> {
+    let Admitted {
+        request_id,
+        spec,
+        received,
+        slot,
+    } = admitted;
     // Inputs live on this node until a worker pulls them: a second copy first, so
     // that losing this node after the acknowledgement loses no task.
-    for b in &req.spec.bindings {
+    for b in &spec.bindings {
         if let Some(blob) = b.role.blob() {
             api.blobs
                 .replicate(blob, None)
@@ -134,31 +151,86 @@ pub(crate) async fn submit(
                 .map_err(|e| unavailable(format!("input of binding {}: {e}", b.binding)))?;
         }
     }
-    let shards = req.spec.shards;
-    let committed = c
+    let shards = spec.shards;
+    let committed = api
+        .consensus
         .propose_with_id(
             request_id,
             Command::SubmitTask {
-                spec: req.spec,
+                spec,
                 submitter: api.peer_id.to_string(),
             },
         )
         .await
         .map_err(unavailable)?;
-    match committed.outcome {
+    let task = submitted(api, committed.outcome, &slot)?;
+    api.timeline.mark_at(task, Stage::Received, received);
+    api.timeline.mark(task, Stage::Submitted);
+    tracing::debug!(shards, "task committed");
+    Ok(task.0)
+}
+
+/// The task a committed submit (or a run here) made, counted unless a retry made it.
+fn submitted(api: &ApiState, outcome: Outcome, slot: &QueueSlot<'_>) -> ApiResult<TaskId> {
+    match outcome {
         Outcome::TaskSubmitted { task } => {
-            api.timeline.mark_at(task, Stage::Received, received);
-            api.timeline.mark(task, Stage::Submitted);
-            span.record("task", tracing::field::display(task));
-            tracing::debug!(shards, "task committed");
+            tracing::Span::current().record("task", tracing::field::display(task));
             if !slot.retry {
                 api.metrics.tasks_submitted.inc();
             }
-            Ok(Json(SubmitReply { task: task.0 }))
+            Ok(task)
         }
         Outcome::Rejected(why) => Err(bad(why)),
         other => Err(unavailable(format!("unexpected outcome {other:?}"))),
     }
+}
+
+/// In a `submit{request task}` span: `task` is recorded once committed, so the
+/// task's lines here match the `shard{task ..}` lines of the workers that run it.
+#[tracing::instrument(
+    name = "submit",
+    skip_all,
+    fields(request = tracing::field::Empty, task = tracing::field::Empty)
+)]
+pub(crate) async fn submit(
+    State(api): State<Arc<ApiState>>,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<SubmitReply>> {
+    let admitted = admit(&api, body).await?;
+    let task = commit(&api, admitted).await?;
+    Ok(Json(SubmitReply { task }))
+}
+
+/// Runs an admitted submit on this node's GPU and records it with its result in one
+/// commit when it qualifies ([`crate::run_here`]); else commits it for the mesh to
+/// place. Answers with its task id.
+#[tracing::instrument(
+    name = "run",
+    skip_all,
+    fields(request = tracing::field::Empty, task = tracing::field::Empty)
+)]
+async fn submit_or_run_here(
+    api: &ApiState,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> ApiResult<u64> {
+    let admitted = admit(api, body).await?;
+    // A retry of a task already made creates nothing: it goes the usual way.
+    if let (Some(here), false) = (&api.run_here, admitted.slot.retry) {
+        let submitter = api.peer_id.to_string();
+        let ran = here
+            .run(
+                admitted.request_id,
+                &admitted.spec,
+                &submitter,
+                admitted.received,
+            )
+            .await;
+        if let Some(committed) = ran {
+            let committed = committed.map_err(unavailable)?;
+            return Ok(submitted(api, committed.outcome, &admitted.slot)?.0);
+        }
+    }
+    commit(api, admitted).await
 }
 
 pub(crate) async fn list_tasks(State(api): State<Arc<ApiState>>) -> ApiResult<Json<Vec<TaskView>>> {
@@ -204,8 +276,9 @@ pub(crate) struct RunQuery {
     timeout_ms: Option<u64>,
 }
 
-/// `POST /v1/tasks/run`: submits like `POST /v1/tasks`, waits here for the task to
-/// finish (up to `timeout_ms`, 60 s by default, 600 s at most), and answers with the
+/// `POST /v1/tasks/run`: submits like `POST /v1/tasks` (a task of one shard and one
+/// replica runs on this node's GPU when a slot is free, [`crate::run_here`]), waits
+/// here for the task to finish (up to `timeout_ms`, 60 s by default, 600 s at most), and answers with the
 /// task and its outputs, their bytes inline when all together are at most
 /// [`RUN_INLINE_BYTES`]: one request instead of submit, wait, list and fetch.
 pub(crate) async fn run(
@@ -215,7 +288,7 @@ pub(crate) async fn run(
 ) -> ApiResult<Json<RunReply>> {
     let deadline = tokio::time::Instant::now()
         + std::time::Duration::from_millis(q.timeout_ms.unwrap_or(60_000).min(600_000));
-    let Json(SubmitReply { task: id }) = submit(State(api.clone()), body).await?;
+    let id = submit_or_run_here(&api, body).await?;
     let mut view = wait_change(&api, id, None, deadline).await?;
     while !view.status.is_finished() && tokio::time::Instant::now() < deadline {
         view = wait_change(&api, id, Some(view.shards_done), deadline).await?;

@@ -39,6 +39,10 @@ pub struct NodeConfig {
     pub scheduler: SchedulerConfig,
     /// How long a shard may run on the GPU unless its task says otherwise.
     pub default_deadline: Duration,
+    /// `POST /v1/tasks/run` calls of one shard and one replica run on this node's
+    /// GPU at once, without a placement round, while fewer than this many are under
+    /// way here (0: every task is placed by the mesh).
+    pub run_here_slots: usize,
     /// Faults to inject, for tests and `gpumesh bench faults`; none by default.
     pub faults: Faults,
     /// Where this node marks the stages of each task it touches (benchmarks).
@@ -63,6 +67,7 @@ impl NodeConfig {
             down_after: crate::liveness::DEFAULT_DOWN_AFTER,
             scheduler: SchedulerConfig::default(),
             default_deadline: Duration::from_secs(60),
+            run_here_slots: crate::run_here::DEFAULT_SLOTS,
             faults: Faults::default(),
             timeline: Default::default(),
             limits: Limits::default(),

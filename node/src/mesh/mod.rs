@@ -42,9 +42,10 @@ use crate::liveness::LivenessHandle;
 use crate::metrics::{GpuMetrics, Metrics, NetMetrics};
 use crate::net::{ConnectionCaps, NetConfig, NetEvent, NetHandle};
 use crate::peers::{keep_connected, member_records, record_mesh_addrs, PeersHandle};
+use crate::run_here::RunHere;
 use crate::scheduler::{self, Scheduler, SchedulerConfig};
 use crate::wire::{self, NodeReply, NodeRequest};
-use crate::worker::{GpuHandle, Worker};
+use crate::worker::{GpuHandle, ShardRunner, Worker};
 
 mod config;
 mod formation;
@@ -261,6 +262,7 @@ impl MeshNode {
         let metrics =
             Metrics::new(peer_id, raft_id, gpu_metrics, net_metrics).with_raft(consensus.clone());
         let kernels = Arc::new(gpumesh_shaders::KernelCache::default());
+        let mut run_here = None;
         if let Some(gpu) = gpu {
             tasks.push(tokio::spawn(
                 crate::host::ActorHost {
@@ -275,23 +277,35 @@ impl MeshNode {
                 }
                 .run(cancel.clone()),
             ));
+            let runner = ShardRunner {
+                blobs: blobs.clone(),
+                kernels: kernels.clone(),
+                counts: metrics.shards.clone(),
+                gpu,
+                default_deadline: config.default_deadline,
+                faults: config.faults.clone(),
+            };
+            run_here = capability.as_ref().map(|cap| RunHere {
+                me: raft_id,
+                consensus: consensus.clone(),
+                runner: runner.clone(),
+                slots: Arc::new(tokio::sync::Semaphore::new(config.run_here_slots)),
+                fits: u64::from(cap.limits.max_storage_buffer_binding_size)
+                    .min(cap.limits.max_buffer_size),
+                timeline: config.timeline.clone(),
+            });
             tasks.push(tokio::spawn(
                 Worker {
                     me: raft_id,
                     consensus: consensus.clone(),
-                    blobs: blobs.clone(),
-                    kernels: kernels.clone(),
-                    counts: metrics.shards.clone(),
-                    gpu,
+                    runner,
                     post: Arc::new(tokio::sync::Semaphore::new(16)),
-                    default_deadline: config.default_deadline,
-                    faults: config.faults.clone(),
                     timeline: config.timeline.clone(),
                 }
                 .run(cancel.clone()),
             ));
         }
-        let api = ApiState::new(
+        let mut api = ApiState::new(
             consensus.clone(),
             liveness,
             peers,
@@ -301,6 +315,7 @@ impl MeshNode {
             metrics,
             config.timeline.clone(),
         );
+        api.run_here = run_here;
         let (api_addr, api_task) =
             crate::api::serve(config.api, api_token, api, cancel.clone()).await?;
         tasks.push(api_task);

@@ -1,0 +1,377 @@
+//! `POST /v1/tasks/run` of a one-shard task runs on the node it is sent to and is
+//! recorded with its result in one commit: real nodes in one process (libp2p on
+//! loopback, Raft on redb, wgpu), every result against a CPU reference; then real
+//! node processes, the one running such a task killed -9 mid-run.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::procs::Proc;
+use common::{client, have_any, mesh_with, stop, LIMIT};
+use gpumesh::consensus::TaskId;
+use gpumesh::node::api::{from_hex, RunReply, TaskState};
+use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
+use gpumesh::ClientError;
+
+/// Written the way compute tutorials write it: values worked on in place, a count
+/// limit in a uniform, one invocation per value and a bounds check for the last,
+/// partly filled workgroup.
+const COLLATZ: &str = r#"
+struct Params { limit: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<storage, read_write> values: array<u32>;
+@group(0) @binding(1) var<uniform> params: Params;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i >= arrayLength(&values)) {
+        return;
+    }
+    var n = values[i];
+    var steps = 0u;
+    while (n > 1u && steps < params.limit) {
+        if (n % 2u == 0u) { n = n / 2u; } else { n = 3u * n + 1u; }
+        steps = steps + 1u;
+    }
+    values[i] = steps;
+}
+"#;
+
+/// The CPU's answer for `values` under `limit`.
+fn collatz(values: &[u32], limit: u32) -> Vec<u8> {
+    values
+        .iter()
+        .flat_map(|&v| {
+            let (mut n, mut steps) = (v, 0u32);
+            while n > 1 && steps < limit {
+                n = if n % 2 == 0 { n / 2 } else { 3 * n + 1 };
+                steps += 1;
+            }
+            steps.to_le_bytes()
+        })
+        .collect()
+}
+
+/// Never ends on a GPU; on Mesa's software adapters, which end any loop after
+/// 65,535 turns, it ends only after far more work than its deadline allows.
+const RUNAWAY: &str = r#"
+struct Params { limit: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<storage, read_write> values: array<u32>;
+@group(0) @binding(1) var<uniform> params: Params;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var x = gid.x;
+    loop {
+        x = (x ^ (x >> 13u)) * 1664525u + 1u;
+        if (params.limit == 0u) {
+            break;
+        }
+    }
+    if (gid.x < arrayLength(&values)) {
+        values[gid.x] = x;
+    }
+}
+"#;
+
+fn values(count: u32) -> Vec<u32> {
+    (0..count).map(|i| i * 7 + 1).collect()
+}
+
+fn collatz_spec(blob: gpumesh::protocol::BlobId, count: u32, limit: u32) -> TaskSpec {
+    let mut params = limit.to_le_bytes().to_vec();
+    params.resize(16, 0);
+    TaskSpec {
+        shader: ShaderSource::Wgsl(COLLATZ.into()),
+        entry_point: "main".into(),
+        bindings: vec![
+            BindingSpec {
+                binding: 0,
+                role: BindingRole::InOut {
+                    blob,
+                    size: u64::from(count) * 4,
+                },
+            },
+            BindingSpec {
+                binding: 1,
+                role: BindingRole::Param { data: params },
+            },
+        ],
+        grid: Grid([count.div_ceil(64), 1, 1]),
+        shards: 1,
+        merge: MergeRule::Changes,
+        merges: Default::default(),
+        options: Default::default(),
+    }
+}
+
+fn bytes(words: &[u32]) -> Vec<u8> {
+    words.iter().flat_map(|w| w.to_le_bytes()).collect()
+}
+
+/// The task's one shard: the node whose result was accepted, and whether its
+/// history says it ran where it was submitted.
+fn ran_where(node: &gpumesh::node::MeshNode, task: u64) -> (u64, bool) {
+    node.consensus.read_local(move |s| {
+        let t = s.task(TaskId(task)).expect("the task is in the record");
+        let here = t
+            .history
+            .iter()
+            .any(|e| e.what.contains("where it was submitted"));
+        (t.shards[0].output.expect("a result").node, here)
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_run_goes_on_the_node_it_is_sent_to_and_is_recorded_with_its_result() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        // Node 2 runs nothing itself: every run sent there is placed by the mesh.
+        let nodes = mesh_with(dir.path(), 3, |i, c| {
+            if i == 2 {
+                c.run_here_slots = 0;
+            }
+        })
+        .await;
+
+        // A small result (in the log entry) and a larger one (a blob on two nodes),
+        // 1000 and 1500 values: neither a whole number of workgroups.
+        for (count, limit) in [(1000u32, 40u32), (1500, 1000)] {
+            let input = values(count);
+            let cpu = collatz(&input, limit);
+            for n in &nodes {
+                let c = client(n);
+                let blob = c.upload(bytes(&input)).await.unwrap();
+                let (task, out) = c.run(collatz_spec(blob, count, limit)).await.unwrap();
+                assert!(out[&0] == cpu, "{count} values run through {:x}", n.raft_id);
+                let (node, here) = ran_where(n, task);
+                if n.raft_id == nodes[2].raft_id {
+                    assert!(!here, "node 2 has no slots: the mesh placed t{task}");
+                } else {
+                    assert_eq!(node, n.raft_id, "t{task} ran where it was sent");
+                    assert!(here, "t{task}'s history says so");
+                }
+                // Every node serves the same bytes.
+                for other in &nodes {
+                    assert!(client(other).results(task).await.unwrap()[&0] == cpu);
+                }
+            }
+        }
+
+        // A retried request (the same request id) gets the same task; nothing runs
+        // again.
+        let via = client(&nodes[0]);
+        let input = values(300);
+        let blob = via.upload(bytes(&input)).await.unwrap();
+        let body = serde_json::json!({
+            "spec": collatz_spec(blob, 300, 100),
+            "request_id": {"client": 77, "seq": 1},
+        });
+        let url = format!("http://{}/v1/tasks/run", nodes[0].api_addr);
+        let http = reqwest::Client::new();
+        let mut tasks = Vec::new();
+        for _ in 0..2 {
+            let reply: RunReply = http
+                .post(&url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            assert_eq!(reply.task.status, TaskState::Completed, "{reply:#?}");
+            tasks.push(reply.task.id);
+        }
+        assert_eq!(tasks[0], tasks[1], "a retry finds the task the first made");
+        let accepted = nodes[0].consensus.read_local(|s| {
+            s.tasks()
+                .values()
+                .filter(|t| t.request_id.client == 77)
+                .count()
+        });
+        assert_eq!(accepted, 1, "one task for the request id");
+
+        // Replicas are never run where they are sent: two nodes each ran the shard.
+        let mut verified = collatz_spec(blob, 300, 100);
+        verified.options.replicas = 2;
+        let (task, out) = via.run(verified).await.unwrap();
+        assert!(out[&0] == collatz(&input, 100));
+        let reporters = nodes[0].consensus.read_local(move |s| {
+            let t = s.task(TaskId(task)).unwrap();
+            let mut nodes: Vec<u64> = t.shards[0].reports.iter().map(|r| r.node).collect();
+            nodes.sort();
+            nodes.dedup();
+            nodes.len()
+        });
+        assert!(reporters >= 2, "t{task}: results from {reporters} node(s)");
+
+        // A kernel that runs past its deadline here fails with the reason, recorded;
+        // every node goes on serving.
+        let mut runaway = collatz_spec(blob, 300, 100);
+        runaway.shader = ShaderSource::Wgsl(RUNAWAY.into());
+        runaway.grid = Grid([4000, 1, 1]);
+        runaway.options.deadline_ms = Some(300);
+        let answer = via.run(runaway).await;
+        match answer {
+            Err(ClientError::Refused(why)) => assert!(why.contains("deadline"), "{why}"),
+            other => panic!("a runaway kernel's run: {other:?}"),
+        }
+        let (task, out) = via.run(collatz_spec(blob, 300, 7)).await.unwrap();
+        assert!(out[&0] == collatz(&input, 7), "t{task} after the runaway");
+        for n in &nodes {
+            client(n).status().await.unwrap();
+        }
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
+/// Waits until one leader counts three live voters with adapters; returns it.
+async fn ready(procs: &[Proc]) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        for p in procs.iter().filter(|p| p.started()) {
+            if let Ok(st) = p.client().unwrap().status().await {
+                let voters = st.members.iter().filter(|m| m.role == "voter").count();
+                if st.leader != 0
+                    && voters == 3
+                    && st.members.iter().all(|m| m.adapter.is_some() && m.alive)
+                {
+                    return st.leader;
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the mesh never had three live voters"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A kernel long enough on a software adapter to be killed mid-run: each value
+/// steps a 32-bit LCG `STEPS` times; the CPU gets there by squaring the map.
+/// (Fewer than 65,536 turns in all: Mesa's software adapters end a loop there.)
+const LCG: &str = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var x = gid.x;
+    for (var i = 0u; i < 60000u; i++) {
+        x = x * 1664525u + 1013904223u;
+    }
+    out[gid.x] = x;
+}
+";
+const STEPS: u64 = 60_000;
+const GROUPS: u32 = 3000;
+
+fn lcg_expected(invocations: u32) -> Vec<u8> {
+    let (mut a, mut c) = (1u32, 0u32);
+    let (mut pa, mut pc) = (1_664_525u32, 1_013_904_223u32);
+    let mut n = STEPS;
+    while n > 0 {
+        if n & 1 == 1 {
+            c = pa.wrapping_mul(c).wrapping_add(pc);
+            a = pa.wrapping_mul(a);
+        }
+        pc = pa.wrapping_mul(pc).wrapping_add(pc);
+        pa = pa.wrapping_mul(pa);
+        n >>= 1;
+    }
+    (0..invocations)
+        .flat_map(|x| a.wrapping_mul(x).wrapping_add(c).to_le_bytes())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_the_node_running_a_run_then_the_retry_through_another_makes_the_task_once() {
+    if !have_any() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let mut procs: Vec<Proc> = ["a", "b", "c"]
+        .iter()
+        .map(|n| common::procs::node(root.path(), n))
+        .collect();
+    procs[0].start(&["--init"]).unwrap();
+    let ticket = procs[0].ticket().unwrap();
+    for p in &mut procs[1..] {
+        p.start(&["--join", &ticket]).unwrap();
+    }
+    let leader = ready(&procs).await;
+    // The victim is a follower, so the mesh keeps its leader.
+    let victim = procs.iter().position(|p| p.raft_id != leader).unwrap();
+    let other = (0..3).find(|&i| i != victim).unwrap();
+    let spec = TaskSpec {
+        shader: ShaderSource::Wgsl(LCG.into()),
+        entry_point: "main".into(),
+        bindings: vec![BindingSpec {
+            binding: 0,
+            role: BindingRole::Output {
+                size: u64::from(GROUPS) * 64 * 4,
+            },
+        }],
+        grid: Grid([GROUPS, 1, 1]),
+        shards: 1,
+        merge: MergeRule::Changes,
+        merges: Default::default(),
+        options: Default::default(),
+    };
+    let body = serde_json::json!({"spec": spec, "request_id": {"client": 99, "seq": 7}});
+    let post = |addr: String| {
+        let body = body.clone();
+        async move {
+            reqwest::Client::new()
+                .post(format!("http://{addr}/v1/tasks/run?timeout_ms=300000"))
+                .json(&body)
+                .send()
+                .await?
+                .json::<RunReply>()
+                .await
+        }
+    };
+    let expected = lcg_expected(GROUPS * 64);
+    // A completed task whose inline bytes (when the node sent them) are the CPU's.
+    let task_of = |reply: &RunReply| {
+        assert_eq!(reply.task.status, TaskState::Completed, "{reply:#?}");
+        if let Some(hex) = &reply.outputs[0].hex {
+            assert!(from_hex(hex).unwrap() == expected, "differs from the CPU");
+        }
+        reply.task.id
+    };
+    let started = Instant::now();
+    let first = tokio::spawn(post(procs[victim].api_addr()));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    procs[victim].kill9();
+    let first = first.await.unwrap();
+    // Killed mid-run (a software adapter takes seconds), the client saw no answer
+    // and tries again through another node with the same request id. (A GPU fast
+    // enough to finish within the 0.7 s answered the first; the retry must then
+    // return that same task.)
+    let task = task_of(&post(procs[other].api_addr()).await.unwrap());
+    match &first {
+        Ok(reply) => assert_eq!(task_of(reply), task, "the first run's task"),
+        Err(e) => eprintln!("killed mid-run after {:?}: {e}", started.elapsed()),
+    }
+    let c = procs[other].client().unwrap();
+    let out = c.results(task).await.unwrap();
+    let words = |b: &[u8]| common::words(&b[..16]);
+    assert!(
+        out[&0] == expected,
+        "t{task} differs from the CPU reference: {:?} vs {:?}, {} vs {} bytes",
+        words(&out[&0]),
+        words(&expected),
+        out[&0].len(),
+        expected.len()
+    );
+    let tasks = c.tasks().await.unwrap();
+    assert_eq!(tasks.len(), 1, "one task made for the request: {tasks:#?}");
+}
