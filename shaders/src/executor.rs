@@ -684,15 +684,20 @@ impl Executor {
         }
     }
 
-    /// Replaces the device. The old one is dropped on its own thread: a dispatch
-    /// that never ends may hold it forever, and the executor must not wait for it.
+    /// Replaces the device. The old one is dropped on its own thread once the work
+    /// submitted to it has ended: destroying a device while a dispatch still runs
+    /// on it crashes Mesa's software adapters (the process, not just the device).
+    /// A dispatch that never ends holds it forever; the executor does not wait.
     fn rebuild(&mut self) {
         match open_device(&self.adapter) {
             Ok(gpu) => {
                 let old = std::mem::replace(&mut self.gpu, gpu);
                 let _ = std::thread::Builder::new()
                     .name("gpumesh-device-drop".into())
-                    .spawn(move || drop(old));
+                    .spawn(move || {
+                        let _ = old.device.poll(wgpu::PollType::wait_indefinitely());
+                        drop(old)
+                    });
                 self.pipelines.clear();
                 self.resident.clear();
                 self.resident_order.clear();
