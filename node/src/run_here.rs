@@ -11,8 +11,9 @@
 //! request id, so the task is made at most once. Tasks with replicas are never run
 //! here: their point is that other nodes run them too.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use gpumesh_consensus::{Command, Committed, ConsensusHandle, Ran, RequestId};
 use gpumesh_protocol::TaskSpec;
@@ -25,12 +26,21 @@ use crate::worker::{store_and_copy, ShardError, ShardRunner};
 /// the mesh (where the record can see it and spread the load).
 pub const DEFAULT_SLOTS: usize = 16;
 
+/// The longest a task may expect to wait here behind the runs under way (by how
+/// long runs took here lately) before it is better placed by the mesh: about what
+/// a commit takes under load. Tiny tasks queue here many deep; a 100 ms kernel
+/// runs here only while nothing else does.
+pub const WAIT_BUDGET: Duration = Duration::from_millis(20);
+
 pub(crate) struct RunHere {
     pub me: u64,
     pub consensus: ConsensusHandle,
     pub runner: ShardRunner,
-    /// Runs under way here.
+    /// Runs under way here, at most `slot_count`.
     pub slots: Arc<Semaphore>,
+    pub slot_count: usize,
+    /// How long a run took on this GPU lately, in µs (a moving average).
+    pub recent_us: AtomicU64,
     /// The largest buffer this node's adapter binds.
     pub fits: u64,
     pub timeline: Timeline,
@@ -39,7 +49,8 @@ pub(crate) struct RunHere {
 impl RunHere {
     /// Runs `spec` here and records it, when it qualifies and a slot is free.
     /// `None`: not run here (not one shard of one replica, too large a buffer for
-    /// this adapter, every slot busy, or a failure another node may not have); the
+    /// this adapter, every slot busy or the wait behind them over [`WAIT_BUDGET`],
+    /// or a failure another node may not have); the
     /// caller submits it to the mesh as usual. `Some`: the entry's fate, committed or
     /// not.
     pub async fn run(
@@ -55,6 +66,14 @@ impl RunHere {
         {
             return None;
         }
+        let busy = self
+            .slot_count
+            .saturating_sub(self.slots.available_permits()) as u64;
+        if busy > 0
+            && busy * self.recent_us.load(Ordering::Relaxed) > WAIT_BUDGET.as_micros() as u64
+        {
+            return None;
+        }
         let _slot = self.slots.clone().try_acquire_owned().ok()?;
         let marks = Mutex::new(vec![(Stage::Received, received)]);
         let mark = |stage| {
@@ -65,8 +84,12 @@ impl RunHere {
         let started = Instant::now();
         let counts = &self.runner.counts;
         let ran = match self.runner.run(spec, submitter, 0, mark).await {
-            Ok(changes) => {
+            Ok((changes, gpu)) => {
                 counts.run_seconds.observe(started.elapsed().as_secs_f64());
+                let took = gpu.as_micros() as u64;
+                let old = self.recent_us.load(Ordering::Relaxed);
+                let new = if old == 0 { took } else { (old * 7 + took) / 8 };
+                self.recent_us.store(new, Ordering::Relaxed);
                 match store_and_copy(&self.runner.blobs, changes, submitter).await {
                     Ok((blob, size, inline)) => Ran::Result { blob, size, inline },
                     Err(reason) => {

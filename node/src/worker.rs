@@ -312,7 +312,7 @@ impl Worker {
         let started = Instant::now();
         let mark = |stage| self.timeline.mark(a.task, stage);
         let outputs = match self.runner.run(&spec, &submitter, a.shard, mark).await {
-            Ok(outputs) => {
+            Ok((outputs, _)) => {
                 counts.run_seconds.observe(started.elapsed().as_secs_f64());
                 outputs
             }
@@ -392,15 +392,16 @@ impl Worker {
 }
 
 impl ShardRunner {
-    /// Runs shard `shard` of a task; returns its outputs. `mark` is told when the
-    /// GPU thread takes the shard and when its changes are read back.
+    /// Runs shard `shard` of a task; returns its outputs and how long the GPU took.
+    /// `mark` is told when the GPU thread takes the shard and when its changes are
+    /// read back.
     pub async fn run(
         &self,
         spec: &TaskSpec,
         submitter: &str,
         shard: u32,
         mark: impl Fn(Stage),
-    ) -> Result<ShardChanges, ShardError> {
+    ) -> Result<(ShardChanges, Duration), ShardError> {
         for b in &spec.bindings {
             if let Some(blob) = b.role.blob() {
                 self.ensure_blob(blob, submitter)
@@ -449,7 +450,7 @@ impl ShardRunner {
                 *byte ^= 1;
             }
         }
-        Ok(out.changes)
+        Ok((out.changes, out.elapsed))
     }
 
     /// Makes blob `id` local: from the submitter first, then from any peer.

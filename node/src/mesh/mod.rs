@@ -290,6 +290,8 @@ impl MeshNode {
                 consensus: consensus.clone(),
                 runner: runner.clone(),
                 slots: Arc::new(tokio::sync::Semaphore::new(config.run_here_slots)),
+                slot_count: config.run_here_slots,
+                recent_us: Default::default(),
                 fits: u64::from(cap.limits.max_storage_buffer_binding_size)
                     .min(cap.limits.max_buffer_size),
                 timeline: config.timeline.clone(),
