@@ -42,6 +42,12 @@ pub enum ExecError {
         value: u64,
         limit: u64,
     },
+    #[error(
+        "an invocation's loops turned {cap} times in all, where this adapter ({adapter}) \
+         ends them without a word: the result cannot be trusted and was not kept; run it \
+         on another adapter, or spread the loop's work over more invocations"
+    )]
+    LoopCap { cap: u32, adapter: String },
     #[error("task exceeded its deadline of {deadline:?}; the device was rebuilt")]
     Deadline { deadline: Duration },
     #[error("GPU device lost ({0}); it was rebuilt, retry the task")]

@@ -18,7 +18,10 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpumesh_protocol::{BlobId, BufferChanges, NodeCapability, ShardChanges};
+use gpumesh_protocol::{
+    BindingRole, BindingSpec, BlobId, BufferChanges, Grid, MergeRule, NodeCapability, ShaderSource,
+    ShardChanges, TaskSpec,
+};
 use wgpu::util::DeviceExt;
 
 use crate::adapter::{self, BackendChoice};
@@ -26,6 +29,7 @@ use crate::error::{ExecError, Result};
 use crate::job::{InputBuffer, Job, ShardOutput, Start};
 use crate::kernel::{Access, Kernel, SHARD_INFO_GROUP};
 use crate::shard::{self, ShardRange, SHARD_INFO_BYTES};
+use crate::turns;
 
 /// Limits the executor applies on top of the adapter's own.
 #[derive(Clone, Copy, Debug)]
@@ -109,6 +113,9 @@ struct Pipeline {
     pipeline: wgpu::ComputePipeline,
     user_layout: wgpu::BindGroupLayout,
     info_layout: wgpu::BindGroupLayout,
+    /// Built from the kernel's loop-counting module: each dispatch binds a counter
+    /// and its run is refused when the count reached the adapter's cap.
+    counts_turns: bool,
 }
 
 struct Gpu {
@@ -142,6 +149,10 @@ pub struct Executor {
     limits: ExecutorLimits,
     rebuilds: u64,
     tally: Tally,
+    /// Loop turns per invocation after which this adapter ends loops on its own
+    /// (Mesa's software adapters), found when it is opened; `None` where loops run
+    /// as written.
+    loop_cap: Option<u32>,
 }
 
 impl Executor {
@@ -159,7 +170,7 @@ impl Executor {
         let gpu = open_device(&adapter)?;
         let mut capability = adapter::describe(&adapter);
         capability.memory = limits.resident_input_bytes;
-        Ok(Executor {
+        let mut executor = Executor {
             adapter,
             gpu,
             pipelines: HashMap::new(),
@@ -170,7 +181,63 @@ impl Executor {
             limits,
             rebuilds: 0,
             tally: Tally::default(),
-        })
+            loop_cap: None,
+        };
+        executor.loop_cap = executor.probe_loop_cap()?;
+        if let Some(cap) = executor.loop_cap {
+            tracing::info!(
+                cap,
+                adapter = %executor.capability.adapter_name,
+                "this adapter ends loops after {cap} turns: kernels with loops run counted"
+            );
+        }
+        Ok(executor)
+    }
+
+    /// Runs a loop of [`turns::PROBE_TURNS`] turns: `Some(turns that ran)` when the
+    /// adapter ended it early.
+    fn probe_loop_cap(&mut self) -> Result<Option<u32>> {
+        let spec = TaskSpec {
+            shader: ShaderSource::Wgsl(turns::PROBE.into()),
+            entry_point: "main".into(),
+            bindings: vec![
+                BindingSpec {
+                    binding: 0,
+                    role: BindingRole::Param {
+                        data: [turns::PROBE_TURNS, 0, 0, 0]
+                            .iter()
+                            .flat_map(|w| w.to_le_bytes())
+                            .collect(),
+                    },
+                },
+                BindingSpec {
+                    binding: 1,
+                    role: BindingRole::Output { size: 4 },
+                },
+            ],
+            grid: Grid([1, 1, 1]),
+            shards: 1,
+            merge: MergeRule::Changes,
+            merges: Default::default(),
+            options: Default::default(),
+        };
+        let job = Job::new(
+            spec,
+            Arc::new(Kernel::compile(turns::PROBE, "main")?),
+            |_| None,
+        )?;
+        let out = self.run(&job, Some(Duration::from_secs(30)))?;
+        let ran = out
+            .outputs
+            .get(&1)
+            .and_then(|b| b.get(..4))
+            .map_or(0, |w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]));
+        Ok((ran < turns::PROBE_TURNS).then_some(ran))
+    }
+
+    /// Loop turns after which this adapter ends loops itself, if it does.
+    pub fn loop_cap(&self) -> Option<u32> {
+        self.loop_cap
     }
 
     /// The adapter's identity, limits and (once calibrated) speed.
@@ -572,17 +639,41 @@ impl Executor {
             layout: &pipeline.user_layout,
             entries: &entries,
         });
+        // The most loop turns of any invocation, where the adapter caps them.
+        let turns = pipeline.counts_turns.then(|| {
+            let usage = |u| wgpu::BufferDescriptor {
+                label: Some("gpumesh loop turns"),
+                size: 4,
+                usage: u,
+                mapped_at_creation: false,
+            };
+            (
+                device.create_buffer(&usage(
+                    wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+                )),
+                device.create_buffer(&usage(
+                    wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                )),
+            )
+        });
+        let mut info_entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: &info,
+                offset: 0,
+                size: NonZeroU64::new(SHARD_INFO_BYTES),
+            }),
+        }];
+        if let Some((counter, _)) = &turns {
+            info_entries.push(wgpu::BindGroupEntry {
+                binding: turns::TURNS_BINDING,
+                resource: counter.as_entire_binding(),
+            });
+        }
         let info_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some("gpumesh shard info"),
             layout: &pipeline.info_layout,
-            entries: &[wgpu::BindGroupEntry {
-                binding: 0,
-                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                    buffer: &info,
-                    offset: 0,
-                    size: NonZeroU64::new(SHARD_INFO_BYTES),
-                }),
-            }],
+            entries: &info_entries,
         });
 
         {
@@ -600,8 +691,17 @@ impl Executor {
         for (buffer, staging) in outputs.values() {
             encoder.copy_buffer_to_buffer(buffer, 0, staging, 0, buffer.size());
         }
+        if let Some((counter, staging)) = &turns {
+            encoder.copy_buffer_to_buffer(counter, 0, staging, 0, 4);
+        }
         let submission = self.gpu.queue.submit([encoder.finish()]);
         Tally::add(&self.tally.dispatches, tiles.len() as u64);
+        let (turns_tx, turns_rx) = mpsc::channel();
+        if let Some((_, staging)) = &turns {
+            staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+                let _ = turns_tx.send(r);
+            });
+        }
 
         let (tx, rx) = mpsc::channel();
         for (&binding, (_, staging)) in &outputs {
@@ -621,6 +721,23 @@ impl Executor {
                     )))
                 }
                 Err(_) => return Err(self.lost_or("readback did not complete")),
+            }
+        }
+        if let (Some((_, staging)), Some(cap)) = (&turns, self.loop_cap) {
+            match turns_rx.try_recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(ExecError::Gpu(format!("reading back loop turns: {e}"))),
+                Err(_) => return Err(self.lost_or("readback did not complete")),
+            }
+            let most = {
+                let w = staging.slice(..).get_mapped_range();
+                u32::from_le_bytes([w[0], w[1], w[2], w[3]])
+            };
+            if most >= cap {
+                return Err(ExecError::LoopCap {
+                    cap,
+                    adapter: self.capability.adapter_name.clone(),
+                });
             }
         }
         let mut result = BTreeMap::new();
@@ -718,9 +835,12 @@ impl Executor {
         }
         let device = &self.gpu.device;
         device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let counted = kernel.counted.as_ref().filter(|_| self.loop_cap.is_some());
         let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
             label: Some(&kernel.interface.entry_point),
-            source: wgpu::ShaderSource::Naga(std::borrow::Cow::Owned(kernel.instrumented.clone())),
+            source: wgpu::ShaderSource::Naga(std::borrow::Cow::Owned(
+                counted.unwrap_or(&kernel.instrumented).clone(),
+            )),
         });
         let user_entries: Vec<wgpu::BindGroupLayoutEntry> = kernel
             .interface
@@ -745,18 +865,31 @@ impl Executor {
             label: Some("gpumesh bindings"),
             entries: &user_entries,
         });
-        let info_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-            label: Some("gpumesh shard info"),
-            entries: &[wgpu::BindGroupLayoutEntry {
-                binding: 0,
+        let mut info_entries = vec![wgpu::BindGroupLayoutEntry {
+            binding: 0,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: wgpu::BufferBindingType::Uniform,
+                has_dynamic_offset: true,
+                min_binding_size: NonZeroU64::new(SHARD_INFO_BYTES),
+            },
+            count: None,
+        }];
+        if counted.is_some() {
+            info_entries.push(wgpu::BindGroupLayoutEntry {
+                binding: turns::TURNS_BINDING,
                 visibility: wgpu::ShaderStages::COMPUTE,
                 ty: wgpu::BindingType::Buffer {
-                    ty: wgpu::BufferBindingType::Uniform,
-                    has_dynamic_offset: true,
-                    min_binding_size: NonZeroU64::new(SHARD_INFO_BYTES),
+                    ty: wgpu::BufferBindingType::Storage { read_only: false },
+                    has_dynamic_offset: false,
+                    min_binding_size: NonZeroU64::new(4),
                 },
                 count: None,
-            }],
+            });
+        }
+        let info_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some("gpumesh shard info"),
+            entries: &info_entries,
         });
         let layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
             label: Some("gpumesh"),
@@ -778,6 +911,7 @@ impl Executor {
             pipeline,
             user_layout,
             info_layout,
+            counts_turns: counted.is_some(),
         });
         self.pipelines.insert(kernel.hash, p.clone());
         Ok(p)

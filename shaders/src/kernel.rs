@@ -104,6 +104,9 @@ pub struct Kernel {
     pub interface: Interface,
     /// The module rewritten so every dispatch sees full-grid builtins (see [`shard`]).
     pub(crate) instrumented: naga::Module,
+    /// The same, also counting loop turns (see [`crate::turns`]), when the shader
+    /// has loops: what runs on an adapter that ends loops early.
+    pub(crate) counted: Option<naga::Module>,
 }
 
 impl std::fmt::Debug for Kernel {
@@ -147,6 +150,18 @@ impl Kernel {
                 error_chain(e.as_inner())
             ))
         })?;
+        let counted = if crate::turns::has_loops(&module) {
+            let counted = crate::turns::count(&instrumented, SHARD_INFO_GROUP);
+            validate(&counted).map_err(|e| {
+                ExecError::Unsupported(format!(
+                    "the shader's loops could not be counted: {}",
+                    error_chain(e.as_inner())
+                ))
+            })?;
+            Some(counted)
+        } else {
+            None
+        };
         let mut hasher = blake3::Hasher::new();
         hasher.update(source.as_bytes());
         hasher.update(&[0]);
@@ -155,6 +170,7 @@ impl Kernel {
             hash: *hasher.finalize().as_bytes(),
             interface,
             instrumented,
+            counted,
         })
     }
 

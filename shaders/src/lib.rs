@@ -24,6 +24,7 @@ pub mod kernel_cache;
 pub mod merge;
 mod pin;
 pub mod shard;
+mod turns;
 
 pub use adapter::BackendChoice;
 pub use error::{ExecError, Result};

@@ -442,3 +442,81 @@ fn a_lost_device_is_rebuilt_and_the_next_task_runs() {
         );
     }
 }
+
+/// Sums 1..=`outer` × `inner` the slow way, in two nested loops (what a
+/// per-invocation reduction written plainly looks like); ends with a bounds check.
+const NESTED_SUM: &str = r#"
+struct Params { outer: u32, inner: u32, _a: u32, _b: u32 }
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var total = 0u;
+    var k = 0u;
+    for (var i = 0u; i < params.outer; i++) {
+        for (var j = 0u; j < params.inner; j++) {
+            k = k + 1u;
+            total = total + k;
+        }
+    }
+    if (gid.x < arrayLength(&out)) {
+        out[gid.x] = total + gid.x;
+    }
+}
+"#;
+
+#[test]
+fn loops_an_adapter_cuts_short_are_refused_not_answered_wrong() {
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let name = adapter.backend.name();
+        // Mesa's software adapters (the ones CI has) end loops after 65,535 turns.
+        let software = executor.capability().adapter_name.contains("llvmpipe");
+        assert!(
+            !software || executor.loop_cap() == Some(65_535),
+            "{name}: probe found {:?}",
+            executor.loop_cap()
+        );
+        // (outer, inner): 3 × 20,000 turns is within any cap; 3 × 40,000 is not
+        // within Mesa's, in all though each loop alone is.
+        for (outer, inner) in [(3u32, 20_000u32), (3, 40_000)] {
+            let params: Vec<u8> = [outer, inner, 0, 0]
+                .iter()
+                .flat_map(|w| w.to_le_bytes())
+                .collect();
+            let s = spec(
+                NESTED_SUM,
+                vec![
+                    BindingSpec {
+                        binding: 0,
+                        role: BindingRole::Param { data: params },
+                    },
+                    output(1, 100 * 4),
+                ],
+                [2, 1, 1],
+                MergeRule::Changes,
+            );
+            let j = job(NESTED_SUM, s, &[]).unwrap();
+            let n = u64::from(outer) * u64::from(inner);
+            let cpu: Vec<u8> = (0..100u32)
+                .flat_map(|x| ((n * (n + 1) / 2) as u32).wrapping_add(x).to_le_bytes())
+                .collect();
+            let turns = n + u64::from(outer);
+            match (executor.run(&j, None), executor.loop_cap()) {
+                (Ok(out), cap) => {
+                    assert!(
+                        cap.is_none_or(|c| turns < u64::from(c)),
+                        "{name}: {turns} turns answered under a cap of {cap:?}"
+                    );
+                    assert_eq!(out.outputs[&1], cpu, "{name}: {outer} × {inner}");
+                }
+                (Err(e), Some(cap)) if turns >= u64::from(cap) => {
+                    assert!(matches!(e, ExecError::LoopCap { .. }), "{name}: {e}");
+                    assert!(e.to_string().contains("cannot be trusted"), "{e}");
+                }
+                (Err(e), cap) => panic!("{name}: {outer} × {inner} under {cap:?}: {e}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! Counting loop turns, for adapters that end loops early.
+//!
+//! Mesa's software adapters (llvmpipe behind GL, lavapipe behind Vulkan) stop every
+//! loop of an invocation once 65,535 turns have run in all, and the shader goes on
+//! as if the loop had ended: the result is wrong and nothing says so. On such an
+//! adapter (found by [`probe_kernel`] when the executor opens it) a kernel with
+//! loops runs rewritten by [`count`]: each loop body first adds one to a private
+//! counter, and the entry point, after the user's code returns, raises an atomic
+//! maximum at `@group(1) @binding(1)`. The executor reads it back and refuses the
+//! result of a run whose count reached the adapter's cap.
+
+use naga::{
+    AddressSpace, AtomicFunction, BinaryOperator, Block, Expression, Function, GlobalVariable,
+    Handle, Literal, Module, ResourceBinding, Scalar, Span, Statement, StorageAccess, Type,
+    TypeInner,
+};
+
+/// The binding, in the shard-info group, of the counter the executor reads back.
+pub(crate) const TURNS_BINDING: u32 = 1;
+
+/// Whether any function of `module` has a loop.
+pub(crate) fn has_loops(module: &Module) -> bool {
+    fn any(block: &Block) -> bool {
+        block.iter().any(|s| match s {
+            Statement::Loop { .. } => true,
+            Statement::Block(b) => any(b),
+            Statement::If { accept, reject, .. } => any(accept) || any(reject),
+            Statement::Switch { cases, .. } => cases.iter().any(|c| any(&c.body)),
+            _ => false,
+        })
+    }
+    module.functions.iter().any(|(_, f)| any(&f.body))
+        || module.entry_points.iter().any(|e| any(&e.function.body))
+}
+
+/// Rewrites `module` (already instrumented for sharding, its one entry point a
+/// wrapper calling the user's code) to count loop turns and report the largest
+/// count of any invocation at `@group(group) @binding(TURNS_BINDING)`.
+pub(crate) fn count(module: &Module, group: u32) -> Module {
+    let mut m = module.clone();
+    let u32_ty = m.types.insert(
+        Type {
+            name: None,
+            inner: TypeInner::Scalar(Scalar::U32),
+        },
+        Span::UNDEFINED,
+    );
+    let atomic_ty = m.types.insert(
+        Type {
+            name: None,
+            inner: TypeInner::Atomic(Scalar::U32),
+        },
+        Span::UNDEFINED,
+    );
+    let turns = m.global_variables.append(
+        GlobalVariable {
+            name: Some("gpumesh_turns".into()),
+            space: AddressSpace::Private,
+            binding: None,
+            ty: u32_ty,
+            init: None,
+        },
+        Span::UNDEFINED,
+    );
+    let most = m.global_variables.append(
+        GlobalVariable {
+            name: Some("gpumesh_most_turns".into()),
+            space: AddressSpace::Storage {
+                access: StorageAccess::LOAD | StorageAccess::STORE,
+            },
+            binding: Some(ResourceBinding {
+                group,
+                binding: TURNS_BINDING,
+            }),
+            ty: atomic_ty,
+            init: None,
+        },
+        Span::UNDEFINED,
+    );
+    for (_, f) in m.functions.iter_mut() {
+        let counter = f
+            .expressions
+            .append(Expression::GlobalVariable(turns), Span::UNDEFINED);
+        let mut body = std::mem::take(&mut f.body);
+        count_in(&mut body, f, counter);
+        f.body = body;
+    }
+    for ep in &mut m.entry_points {
+        let f = &mut ep.function;
+        let counter = f
+            .expressions
+            .append(Expression::GlobalVariable(turns), Span::UNDEFINED);
+        let target = f
+            .expressions
+            .append(Expression::GlobalVariable(most), Span::UNDEFINED);
+        let zero = f
+            .expressions
+            .append(Expression::Literal(Literal::U32(0)), Span::UNDEFINED);
+        let first = f.expressions.len();
+        let value = f
+            .expressions
+            .append(Expression::Load { pointer: counter }, Span::UNDEFINED);
+        let any = f.expressions.append(
+            Expression::Binary {
+                op: BinaryOperator::Greater,
+                left: value,
+                right: zero,
+            },
+            Span::UNDEFINED,
+        );
+        let emitted = f.expressions.range_from(first);
+        let report = [
+            Statement::Emit(emitted),
+            Statement::If {
+                condition: any,
+                accept: Block::from_vec(vec![Statement::Atomic {
+                    pointer: target,
+                    fun: AtomicFunction::Max,
+                    value,
+                    result: None,
+                }]),
+                reject: Block::new(),
+            },
+        ];
+        // Before every return of the wrapper (it has one, at its end).
+        let mut body = Vec::new();
+        for s in std::mem::take(&mut f.body).span_into_iter().map(|(s, _)| s) {
+            if matches!(s, Statement::Return { .. }) {
+                body.extend(report.iter().cloned());
+            }
+            body.push(s);
+        }
+        f.body = Block::from_vec(body);
+    }
+    m
+}
+
+/// Puts `counter += 1` first in the body of every loop in `block`.
+fn count_in(block: &mut Block, f: &mut Function, counter: Handle<Expression>) {
+    for (s, _) in block.span_iter_mut() {
+        match s {
+            Statement::Loop {
+                body, continuing, ..
+            } => {
+                count_in(body, f, counter);
+                count_in(continuing, f, counter);
+                let one = f
+                    .expressions
+                    .append(Expression::Literal(Literal::U32(1)), Span::UNDEFINED);
+                let first = f.expressions.len();
+                let old = f
+                    .expressions
+                    .append(Expression::Load { pointer: counter }, Span::UNDEFINED);
+                let new = f.expressions.append(
+                    Expression::Binary {
+                        op: BinaryOperator::Add,
+                        left: old,
+                        right: one,
+                    },
+                    Span::UNDEFINED,
+                );
+                let emitted = f.expressions.range_from(first);
+                body.splice(
+                    0..0,
+                    Block::from_vec(vec![
+                        Statement::Emit(emitted),
+                        Statement::Store {
+                            pointer: counter,
+                            value: new,
+                        },
+                    ]),
+                );
+            }
+            Statement::Block(b) => count_in(b, f, counter),
+            Statement::If { accept, reject, .. } => {
+                count_in(accept, f, counter);
+                count_in(reject, f, counter);
+            }
+            Statement::Switch { cases, .. } => {
+                for c in cases {
+                    count_in(&mut c.body, f, counter);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A kernel that turns its loop `params.x` times and writes how many turns ran:
+/// fewer on an adapter that ends loops early.
+pub(crate) const PROBE: &str = "
+@group(0) @binding(0) var<uniform> params: vec4<u32>;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+@compute @workgroup_size(1)
+fn main() {
+    var n = 0u;
+    loop {
+        if (n >= params.x) { break; }
+        n = n + 1u;
+    }
+    out[0] = n;
+}
+";
+
+/// Turns the probe asks for: more than any known cap.
+pub(crate) const PROBE_TURNS: u32 = 200_000;
