@@ -578,3 +578,140 @@ async fn calls_to_many_actors_at_once_keep_each_actors_own_order() {
     .await
     .expect("test exceeded its time limit");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn calls_waiting_together_run_back_to_back_and_a_failure_among_them_changes_nothing() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = mesh(dir.path(), 3).await;
+        let created = nodes[0]
+            .consensus
+            .propose(Command::CreateActor {
+                name: "batched".into(),
+                state: vec![ActorState {
+                    buffer: StateBuffer {
+                        binding: 0,
+                        size: u64::from(WORDS) * 4,
+                    },
+                    blob: None,
+                }],
+                backend: None,
+                creator: nodes[0].peer_id.to_string(),
+            })
+            .await
+            .unwrap();
+        assert_eq!(created.outcome, Outcome::Applied);
+        // 24 calls through all three nodes at once; every sixth never ends (it is
+        // stopped at its deadline, or on a software adapter when its loop is cut).
+        let runaway = ActorCall {
+            shader: ShaderSource::Wgsl(RUNAWAY.into()),
+            entry_point: "main".into(),
+            bindings: vec![BindingSpec {
+                binding: 1,
+                role: BindingRole::Param { data: vec![0; 16] },
+            }],
+            grid: Grid([64, 1, 1]),
+            deadline_ms: Some(100),
+        };
+        let mut calls = Vec::new();
+        for i in 0..24u32 {
+            let via = &nodes[i as usize % 3];
+            let (consensus, caller) = (via.consensus.clone(), via.peer_id.to_string());
+            let call = if i % 6 == 5 {
+                runaway.clone()
+            } else {
+                step_call(i * 13 + 1)
+            };
+            let add = (i % 6 != 5).then_some(i * 13 + 1);
+            calls.push(tokio::spawn(async move {
+                let c = consensus
+                    .propose(Command::CallActor {
+                        name: "batched".into(),
+                        call,
+                        caller,
+                    })
+                    .await
+                    .unwrap();
+                match c.outcome {
+                    Outcome::CallQueued { seq } => (seq, add),
+                    other => panic!("{other:?}"),
+                }
+            }));
+        }
+        let mut by_seq = BTreeMap::new();
+        for c in calls {
+            let (seq, add) = c.await.unwrap();
+            by_seq.insert(seq, add);
+        }
+        let reader = &nodes[1].consensus;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+        let actor = loop {
+            let a = reader.read_local(|s| s.actor("batched").cloned()).unwrap();
+            if a.results.len() == 24 {
+                break a;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "not all done: {a:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        // Replayed on the CPU in sequence order; a failed call changes nothing.
+        let mut cpu = vec![0u32; WORDS as usize];
+        let mut version = 0;
+        for (seq, add) in &by_seq {
+            match (&actor.results[seq], add) {
+                (
+                    CallResult::Done {
+                        version: v,
+                        outputs,
+                        ..
+                    },
+                    Some(add),
+                ) => {
+                    let before: Vec<u32> = cpu[..4].to_vec();
+                    for (i, w) in cpu.iter_mut().enumerate() {
+                        *w = w.wrapping_mul(3).wrapping_add(*add).wrapping_add(i as u32);
+                    }
+                    version += 1;
+                    assert_eq!(*v, version, "call {seq}");
+                    assert_eq!(words(&blob(&nodes, outputs[0].blob)), before, "call {seq}");
+                }
+                (CallResult::Failed { reason, .. }, None) => {
+                    assert!(!reason.is_empty(), "call {seq} says why");
+                }
+                (result, add) => panic!("call {seq} (adds {add:?}): {result:?}"),
+            }
+        }
+        assert_eq!(actor.version, version);
+        let state = actor.state[0].blob.expect("written");
+        assert_eq!(words(&blob(&nodes, state)), cpu);
+        let holders = nodes.iter().filter(|n| n.blobs.has(&state)).count();
+        assert!(holders >= 2, "the state is on {holders} node(s)");
+        // Calls were recorded several to an entry, a failure among successes.
+        let mut by_entry: BTreeMap<u64, Vec<bool>> = BTreeMap::new();
+        for r in actor.results.values() {
+            let (index, done) = match r {
+                CallResult::Done { index, .. } => (*index, true),
+                CallResult::Failed { index, .. } => (*index, false),
+            };
+            by_entry.entry(index).or_default().push(done);
+        }
+        assert!(
+            by_entry.values().any(|b| b.len() > 1),
+            "no two calls in one entry: {by_entry:?}"
+        );
+        assert!(
+            by_entry
+                .values()
+                .any(|b| b.contains(&true) && b.contains(&false)),
+            "no failure recorded beside successes: {by_entry:?}"
+        );
+        stop(nodes).await;
+    })
+    .await
+    .expect("test exceeded its time limit");
+}

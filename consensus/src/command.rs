@@ -233,6 +233,29 @@ pub enum Command {
     /// The leader's judgement of which members are down (their silence outlasted
     /// `--down-after`, or their connections closed): new tasks are not placed there.
     MembersDown { down: Vec<u64> },
+    /// The host ran calls `first`, `first + 1`, … of actor `name` back to back, one
+    /// [`CallRan`] each, in order: all of them are recorded, or none. The state after
+    /// the last is `state`, held by the host and by `backup`; the states between
+    /// were never kept, and need not be (no call was acknowledged at them).
+    ActorCallsDone {
+        name: String,
+        epoch: u32,
+        node: u64,
+        first: u64,
+        ran: Vec<CallRan>,
+        state: Vec<(u32, BlobId)>,
+        backup: u64,
+    },
+}
+
+/// How one call of an [`Command::ActorCallsDone`] batch ended.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum CallRan {
+    /// It ran; these are its own outputs (each on two nodes).
+    Done { outputs: Vec<MergedOutput> },
+    /// It could not run (a kernel that does not fit, a deadline): it left the state
+    /// as the call before it had.
+    Failed { reason: String },
 }
 
 /// What came of a task run where it was submitted ([`Command::TaskRan`]).
@@ -292,6 +315,7 @@ impl Command {
             | Command::CallActor { name, .. }
             | Command::ActorCallDone { name, .. }
             | Command::ActorCallFailed { name, .. }
+            | Command::ActorCallsDone { name, .. }
             | Command::DeleteActor { name } => Some(name),
             _ => None,
         }
@@ -333,6 +357,7 @@ impl Command {
             Command::ActorCallFailed { .. } => "actor-call-failed",
             Command::DeleteActor { .. } => "delete-actor",
             Command::MembersDown { .. } => "members-down",
+            Command::ActorCallsDone { .. } => "actor-calls-done",
         }
     }
 }

@@ -81,8 +81,8 @@ pub mod wire;
 
 pub use cluster::ClusterId;
 pub use command::{
-    ActorState, Command, Committed, LogEntry, MergedOutput, Outcome, Ran, RequestId, RequestIds,
-    TaskId,
+    ActorState, CallRan, Command, Committed, LogEntry, MergedOutput, Outcome, Ran, RequestId,
+    RequestIds, TaskId,
 };
 pub use error::{ConsensusError, Result};
 pub use replica::{AppliedEvent, ConsensusHandle, ProposalCounts, RaftRole, ReplicaConfig, Status};

@@ -6,7 +6,7 @@ mod common;
 
 use common::Log;
 use gpumesh_consensus::{
-    ActorState, CallResult, Command, MergedOutput, Outcome, RequestId, StateMachine,
+    ActorState, CallRan, CallResult, Command, MergedOutput, Outcome, RequestId, StateMachine,
 };
 use gpumesh_protocol::{
     ActorCall, BindingRole, BindingSpec, BlobId, Grid, ShaderSource, StateBuffer,
@@ -248,4 +248,74 @@ fn actors_survive_a_snapshot() {
     let restored = StateMachine::from_bytes(&log.sm.to_bytes().unwrap()).unwrap();
     assert_eq!(restored, log.sm);
     assert_eq!(restored.actor("snap").unwrap().pending.len(), 1);
+}
+
+#[test]
+fn a_batch_of_calls_is_recorded_whole_in_order_or_not_at_all() {
+    let mut log = Log::new();
+    log.apply(create("b"));
+    log.apply(place("b", 0, 1));
+    for p in 1..=4 {
+        queue(&mut log, "b", p);
+    }
+    let batch = |first: u64, epoch: u32, node: u64, ran: Vec<CallRan>| Command::ActorCallsDone {
+        name: "b".into(),
+        epoch,
+        node,
+        first,
+        ran,
+        state: vec![(0, BlobId::of(b"after"))],
+        backup: 2,
+    };
+    let ok = || CallRan::Done { outputs: vec![] };
+    // Not the next call in line, not the host, not this epoch, past the waiting
+    // calls, or empty: nothing is recorded.
+    ignored(log.apply(batch(2, 1, 1, vec![ok()])));
+    ignored(log.apply(batch(1, 1, 3, vec![ok()])));
+    ignored(log.apply(batch(1, 0, 1, vec![ok()])));
+    assert!(matches!(
+        log.apply(batch(1, 1, 1, vec![ok(); 5])),
+        Outcome::Rejected(_)
+    ));
+    assert!(matches!(
+        log.apply(batch(1, 1, 1, vec![])),
+        Outcome::Rejected(_)
+    ));
+    assert_eq!(log.sm.actor("b").unwrap().version, 0);
+    assert_eq!(log.sm.actor("b").unwrap().pending.len(), 4);
+
+    // Calls 1-3: two ran, one failed between them; the state is the batch's last.
+    let three = vec![
+        ok(),
+        CallRan::Failed {
+            reason: "too big".into(),
+        },
+        ok(),
+    ];
+    assert_eq!(log.apply(batch(1, 1, 1, three)), Outcome::Applied);
+    let a = log.sm.actor("b").unwrap();
+    assert_eq!(a.version, 2);
+    assert_eq!(a.state[0].blob, Some(BlobId::of(b"after")));
+    assert_eq!(a.backup, Some(2));
+    assert!(matches!(a.results[&1], CallResult::Done { version: 1, .. }));
+    assert!(matches!(&a.results[&2], CallResult::Failed { reason, .. } if reason == "too big"));
+    assert!(matches!(a.results[&3], CallResult::Done { version: 2, .. }));
+    assert_eq!(a.next_call().map(|(s, _)| s), Some(4));
+    // A replay of the same batch (a retried report) changes nothing.
+    ignored(log.apply(batch(1, 1, 1, vec![ok(); 3])));
+    // A batch of failures leaves the state where it was.
+    let failed = vec![CallRan::Failed {
+        reason: "deadline".into(),
+    }];
+    let mut only = batch(4, 1, 1, failed);
+    if let Command::ActorCallsDone { state, .. } = &mut only {
+        state.clear();
+    }
+    assert_eq!(log.apply(only), Outcome::Applied);
+    let a = log.sm.actor("b").unwrap();
+    assert_eq!(
+        (a.version, a.state[0].blob),
+        (2, Some(BlobId::of(b"after")))
+    );
+    assert!(a.pending.is_empty());
 }

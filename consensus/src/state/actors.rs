@@ -12,7 +12,7 @@ use gpumesh_protocol::actor::{check_layout, check_name};
 use gpumesh_protocol::{ActorCall, BackendKind, BlobId, StateBuffer};
 
 use super::*;
-use crate::command::ActorState;
+use crate::command::{ActorState, CallRan};
 
 /// How many results of an actor's calls the record keeps (the newest), so that a
 /// retried call learns its result.
@@ -279,6 +279,73 @@ impl StateMachine {
                 index,
             },
         );
+        Outcome::Applied
+    }
+
+    /// A batch of calls the host ran back to back, recorded together.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn actor_calls_done(
+        &mut self,
+        index: u64,
+        name: &str,
+        epoch: u32,
+        node: u64,
+        first: u64,
+        ran: &[CallRan],
+        state: &[(u32, BlobId)],
+        backup: u64,
+    ) -> Outcome {
+        let Some(a) = self.actors.get_mut(name) else {
+            return Outcome::Ignored(format!("no actor named {name} (deleted?)"));
+        };
+        if let Some(why) = a.stale(first, epoch, node) {
+            return Outcome::Ignored(why);
+        }
+        if ran.is_empty() {
+            return Outcome::Rejected(format!("actor {name}: a batch of no calls"));
+        }
+        if let Some(missing) =
+            (first..first + ran.len() as u64).find(|s| !a.pending.contains_key(s))
+        {
+            return Outcome::Rejected(format!(
+                "actor {name}: call {missing} of the batch is not waiting to run"
+            ));
+        }
+        let changed = ran.iter().any(|r| matches!(r, CallRan::Done { .. }));
+        let same_layout = state.len() == a.state.len()
+            && state
+                .iter()
+                .all(|(binding, _)| a.state.iter().any(|s| s.buffer.binding == *binding));
+        if changed && !same_layout {
+            return Outcome::Rejected(format!(
+                "actor {name}: the reported state does not match its buffers"
+            ));
+        }
+        for (seq, r) in (first..).zip(ran) {
+            let result = match r {
+                CallRan::Done { outputs } => {
+                    a.version += 1;
+                    CallResult::Done {
+                        version: a.version,
+                        outputs: outputs.clone(),
+                        index,
+                    }
+                }
+                CallRan::Failed { reason } => CallResult::Failed {
+                    reason: reason.clone(),
+                    index,
+                },
+            };
+            a.finish(seq, result);
+        }
+        if changed {
+            for (binding, blob) in state {
+                if let Some(s) = a.state.iter_mut().find(|s| s.buffer.binding == *binding) {
+                    s.blob = Some(*blob);
+                }
+            }
+            a.backup = Some(backup);
+        }
         Outcome::Applied
     }
 

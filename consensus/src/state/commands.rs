@@ -41,6 +41,15 @@ impl StateMachine {
                 node,
                 reason,
             } => self.actor_call_failed(index, name, *seq, *epoch, *node, reason),
+            Command::ActorCallsDone {
+                name,
+                epoch,
+                node,
+                first,
+                ran,
+                state,
+                backup,
+            } => self.actor_calls_done(index, name, *epoch, *node, *first, ran, state, *backup),
             Command::DeleteActor { name } => self.delete_actor(name),
             Command::MembersDown { down } => {
                 self.down = down
