@@ -67,6 +67,49 @@ impl BlobStore {
         self.put_as(id, bytes)
     }
 
+    /// A blob `id` of `total` bytes arriving in pieces (from a peer, in any order):
+    /// each is written to a temporary file as it comes and hashed once the bytes
+    /// before it are in; [`Incoming::finish`] checks the whole against `id` and
+    /// makes it durable with one fsync. The temporary file goes if it is not
+    /// finished.
+    pub fn incoming(&self, id: BlobId, total: u64) -> Result<Incoming> {
+        if total > self.max_blob_bytes {
+            return Err(NodeError::Limit {
+                what: "blob size in bytes",
+                value: total,
+                limit: self.max_blob_bytes,
+                setting: "--max-blob-bytes",
+            });
+        }
+        let tmp = self.tmp_path(&id);
+        let file = File::create(&tmp).map_err(|e| NodeError::io(&tmp, e))?;
+        Ok(Incoming {
+            id,
+            total,
+            file,
+            tmp,
+            path: self.path(&id),
+            root: self.root.clone(),
+            hasher: blake3::Hasher::new(),
+            hashed: 0,
+            early: std::collections::BTreeMap::new(),
+            done: false,
+        })
+    }
+
+    /// A temporary file of its own for one writer of blob `id`: the API, a fetch
+    /// from a peer and the worker may store the same blob at once, and each must
+    /// rename only its own file.
+    fn tmp_path(&self, id: &BlobId) -> PathBuf {
+        static WRITES: AtomicU64 = AtomicU64::new(0);
+        self.root.join(format!(
+            "{}.{}.{}.tmp",
+            id.to_hex(),
+            std::process::id(),
+            WRITES.fetch_add(1, Ordering::Relaxed)
+        ))
+    }
+
     fn put_as(&self, id: BlobId, bytes: &[u8]) -> Result<()> {
         if bytes.len() as u64 > self.max_blob_bytes {
             return Err(NodeError::Limit {
@@ -80,15 +123,7 @@ impl BlobStore {
         if path.exists() {
             return Ok(());
         }
-        // One temporary file per writer: the API, a fetch from a peer and the worker
-        // may store the same blob at once, and each must rename only its own file.
-        static WRITES: AtomicU64 = AtomicU64::new(0);
-        let tmp = self.root.join(format!(
-            "{}.{}.{}.tmp",
-            id.to_hex(),
-            std::process::id(),
-            WRITES.fetch_add(1, Ordering::Relaxed)
-        ));
+        let tmp = self.tmp_path(&id);
         let write = || -> std::io::Result<()> {
             let mut f = File::create(&tmp)?;
             f.write_all(bytes)?;
@@ -165,6 +200,80 @@ impl BlobStore {
     }
 }
 
+/// A blob being received: see [`BlobStore::incoming`].
+pub struct Incoming {
+    id: BlobId,
+    total: u64,
+    file: File,
+    tmp: PathBuf,
+    path: PathBuf,
+    root: PathBuf,
+    hasher: blake3::Hasher,
+    /// Bytes hashed so far: every piece below this offset is in.
+    hashed: u64,
+    /// Pieces that came before the bytes ahead of them, by offset.
+    early: std::collections::BTreeMap<u64, Vec<u8>>,
+    done: bool,
+}
+
+impl Incoming {
+    /// Writes `data` at `offset`, and hashes what is now in one run from the start.
+    pub fn write_at(&mut self, offset: u64, data: Vec<u8>) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        if offset + data.len() as u64 > self.total {
+            return Err(NodeError::BlobMismatch {
+                id: self.id,
+                got: BlobId::of(&data),
+            });
+        }
+        self.file
+            .write_all_at(&data, offset)
+            .map_err(|e| NodeError::io(&self.tmp, e))?;
+        if offset != self.hashed {
+            self.early.insert(offset, data);
+            return Ok(());
+        }
+        self.hasher.update(&data);
+        self.hashed += data.len() as u64;
+        while let Some(next) = self.early.remove(&self.hashed) {
+            self.hasher.update(&next);
+            self.hashed += next.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// Checks that every byte came and that they hash to the blob's id, then makes
+    /// the blob durable (one fsync of the file, the rename, the directory's fsync).
+    pub fn finish(mut self) -> Result<()> {
+        if self.hashed != self.total || !self.early.is_empty() {
+            return Err(NodeError::BlobMismatch {
+                id: self.id,
+                got: BlobId(*self.hasher.finalize().as_bytes()),
+            });
+        }
+        let got = BlobId(*self.hasher.finalize().as_bytes());
+        if got != self.id {
+            return Err(NodeError::BlobMismatch { id: self.id, got });
+        }
+        let durable = || -> std::io::Result<()> {
+            self.file.sync_all()?;
+            fs::rename(&self.tmp, &self.path)?;
+            File::open(&self.root)?.sync_all()
+        };
+        durable().map_err(|e| NodeError::io(&self.path, e))?;
+        self.done = true;
+        Ok(())
+    }
+}
+
+impl Drop for Incoming {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = fs::remove_file(&self.tmp);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -184,6 +293,63 @@ mod tests {
         assert!(store.put_verified(id, b"hello MESH").is_err());
         assert_eq!(store.get(&BlobId::of(b"other")).unwrap(), None);
         assert_eq!(store.stats(), (1, 10));
+    }
+
+    #[test]
+    fn a_blob_received_in_pieces_in_any_order_is_kept_only_if_whole_and_right() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path(), 1 << 20).unwrap();
+        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let id = BlobId::of(&bytes);
+        let pieces = |order: &[usize]| -> Vec<(u64, Vec<u8>)> {
+            order
+                .iter()
+                .map(|&i| {
+                    (
+                        i as u64 * 3000,
+                        bytes[i * 3000..(i * 3000 + 3000).min(10_000)].to_vec(),
+                    )
+                })
+                .collect()
+        };
+        let tmp_files = || {
+            fs::read_dir(dir.path())
+                .unwrap()
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+                .count()
+        };
+        // A piece missing, one past the end, bytes that are not the id's: refused,
+        // nothing kept, no temporary file left.
+        let mut short = store.incoming(id, 10_000).unwrap();
+        for (at, piece) in pieces(&[3, 0, 2]) {
+            short.write_at(at, piece).unwrap();
+        }
+        assert!(short.finish().is_err());
+        let mut past = store.incoming(id, 10_000).unwrap();
+        assert!(past.write_at(9_000, vec![0; 2_000]).is_err());
+        drop(past);
+        let mut wrong = store.incoming(id, 10_000).unwrap();
+        for (at, mut piece) in pieces(&[1, 0, 2, 3]) {
+            piece[0] ^= 1;
+            wrong.write_at(at, piece).unwrap();
+        }
+        assert!(matches!(
+            wrong.finish(),
+            Err(NodeError::BlobMismatch { .. })
+        ));
+        assert!(!store.has(&id));
+        assert_eq!(tmp_files(), 0);
+        // Whole, out of order: kept, and read back as sent.
+        let mut whole = store.incoming(id, 10_000).unwrap();
+        for (at, piece) in pieces(&[2, 0, 3, 1]) {
+            whole.write_at(at, piece).unwrap();
+        }
+        whole.finish().unwrap();
+        assert_eq!(store.get(&id).unwrap().unwrap(), bytes);
+        assert_eq!(tmp_files(), 0);
+        // Over the store's limit: refused before anything is written.
+        assert!(store.incoming(id, 2 << 20).is_err());
     }
 
     #[test]

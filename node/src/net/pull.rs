@@ -10,22 +10,71 @@ use super::NetHandle;
 
 impl NetHandle {
     /// Pulls blob `id` from peer `from` into the blob store, checking it against its
-    /// id. A no-op if the blob is already here.
+    /// id. A no-op if the blob is already here. Each chunk is written and hashed on
+    /// the blocking pool as it arrives, while the next ones are on their way; the
+    /// blob is fsync'd once, at the end.
     pub async fn fetch_blob(&self, from: PeerId, id: BlobId) -> Result<()> {
         if self.blobs.has(&id) {
             return Ok(());
         }
-        let bytes = self.pull_blob(from, id).await?;
+        let (tx, rx) = std::sync::mpsc::channel::<(u64, Vec<u8>)>();
+        let mut rx = Some(rx);
+        let mut writer = None;
+        let mut writer_stopped = false;
         let blobs = self.blobs.clone();
-        tokio::task::spawn_blocking(move || blobs.put_verified(id, &bytes))
-            .await
-            .map_err(|e| NodeError::NetSetup(format!("blob store task failed: {e}")))?
+        let pulled = self
+            .pull_with(from, id, |total, offset, data| {
+                if let Some(rx) = rx.take() {
+                    let incoming = blobs.incoming(id, total)?;
+                    writer = Some(tokio::task::spawn_blocking(move || write_all(incoming, rx)));
+                }
+                tx.send((offset, data)).map_err(|_| {
+                    writer_stopped = true;
+                    NodeError::NetSetup("the blob writer stopped".into())
+                })
+            })
+            .await;
+        drop(tx);
+        let written = match writer {
+            Some(w) => w
+                .await
+                .map_err(|e| NodeError::NetSetup(format!("blob store task failed: {e}")))?,
+            None => Ok(()),
+        };
+        match (pulled, written) {
+            (Ok(()), written) => written,
+            // The writer's error (a full disk) says more than the closed channel
+            // the pull then met; otherwise the pull's (the peer, the network) does
+            // more than the incomplete blob the writer was left with.
+            (Err(_), Err(w)) if writer_stopped => Err(w),
+            (Err(p), _) => Err(p),
+        }
     }
 
-    /// The blob's bytes from `from`, assembled from chunks with `fetch_window`
-    /// requests in flight, so the link stays busy while each answer is on its way. Not
-    /// yet checked against `id`.
+    /// The blob's bytes from `from`, assembled in memory. Not checked against `id`.
     pub(crate) async fn pull_blob(&self, from: PeerId, id: BlobId) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        self.pull_with(from, id, |total, offset, data| {
+            if out.len() as u64 != total {
+                out = vec![0u8; total as usize];
+            }
+            let start = offset as usize;
+            out[start..start + data.len()].copy_from_slice(&data);
+            Ok(())
+        })
+        .await?;
+        Ok(out)
+    }
+
+    /// Pulls blob `id` from `from` in chunks, `fetch_window` requests in flight so the
+    /// link stays busy while each answer is on its way, and hands each checked chunk
+    /// to `each(total, offset, bytes)`.
+    async fn pull_with(
+        &self,
+        from: PeerId,
+        id: BlobId,
+        mut each: impl FnMut(u64, u64, Vec<u8>) -> Result<()>,
+    ) -> Result<()> {
         let chunk = u64::from(self.chunk_bytes);
         let first = self.blob_chunk(from, id, 0, chunk).await?;
         let total = first.total;
@@ -38,11 +87,11 @@ impl NetHandle {
                 setting: "--max-blob-bytes",
             });
         }
-        let mut out = vec![0u8; total as usize];
         // Ranges to ask for again: a peer with a smaller frame limit than ours sends
         // less than asked, and the rest is fetched with further requests.
         let mut again = Vec::new();
-        place(&mut out, first, &mut again, from)?;
+        let (offset, data) = check(total, first, &mut again, from)?;
+        each(total, offset, data)?;
         let mut next = chunk.min(total);
         let mut in_flight = FuturesUnordered::new();
         loop {
@@ -61,9 +110,10 @@ impl NetHandle {
             let Some(piece) = in_flight.next().await else {
                 break;
             };
-            place(&mut out, piece?, &mut again, from)?;
+            let (offset, data) = check(total, piece?, &mut again, from)?;
+            each(total, offset, data)?;
         }
-        Ok(out)
+        Ok(())
     }
 
     async fn blob_chunk(&self, from: PeerId, id: BlobId, offset: u64, len: u64) -> Result<Piece> {
@@ -100,10 +150,14 @@ struct Piece {
     data: Vec<u8>,
 }
 
-/// Copies a chunk into the blob being assembled after checking that it fits what was
-/// asked; a short (non-empty) chunk queues the rest in `again`.
-fn place(out: &mut [u8], piece: Piece, again: &mut Vec<(u64, u64)>, from: PeerId) -> Result<()> {
-    let total = out.len() as u64;
+/// Checks that a chunk fits what was asked of a `total`-byte blob and returns its
+/// offset and bytes; a short (non-empty) chunk queues the rest in `again`.
+fn check(
+    total: u64,
+    piece: Piece,
+    again: &mut Vec<(u64, u64)>,
+    from: PeerId,
+) -> Result<(u64, Vec<u8>)> {
     let expect = piece.asked.min(total.saturating_sub(piece.offset));
     let got = piece.data.len() as u64;
     if piece.total != total || got > expect || (got == 0 && expect > 0) {
@@ -116,10 +170,20 @@ fn place(out: &mut [u8], piece: Piece, again: &mut Vec<(u64, u64)>, from: PeerId
             ),
         });
     }
-    let start = piece.offset as usize;
-    out[start..start + piece.data.len()].copy_from_slice(&piece.data);
     if got < expect {
         again.push((piece.offset + got, expect - got));
     }
-    Ok(())
+    Ok((piece.offset, piece.data))
+}
+
+/// Writes the pieces `rx` brings into `incoming` until the sender is gone, then
+/// finishes the blob.
+fn write_all(
+    mut incoming: crate::blobs::store::Incoming,
+    rx: std::sync::mpsc::Receiver<(u64, Vec<u8>)>,
+) -> Result<()> {
+    for (offset, data) in rx {
+        incoming.write_at(offset, data)?;
+    }
+    incoming.finish()
 }
