@@ -68,7 +68,7 @@ async fn only_nodes_holding_the_cluster_key_join_and_the_mesh_keeps_serving() {
         let msg = refused(c).await;
         assert!(msg.contains("--join TICKET"), "{msg}");
 
-        // Another key, then an open node (no key at all): pnet fails the handshake
+        // Another key, then an open node (no key at all): the Noise handshake fails
         // either way.
         for (name, outsider_key) in [
             ("other-key", Some(ClusterKey::generate())),

@@ -1,10 +1,11 @@
-//! The cluster key: the libp2p `pnet` pre-shared key that keeps strangers out of a
-//! mesh's transport.
+//! The cluster key: the pre-shared key that keeps strangers out of a mesh's
+//! transport.
 //!
 //! Every node of a closed mesh holds the same 32-byte key in the standard text form
-//! (`/key/swarm/psk/1.0.0/`, `/base16/`, 64 hex digits — what go-libp2p and IPFS
-//! private networks use). A connection whose other end holds another key, or none,
-//! fails before Noise even starts. This module makes keys (`gpumesh keygen`), writes
+//! (`/key/swarm/psk/1.0.0/`, `/base16/`, 64 hex digits — the libp2p private-network
+//! key file). The key is proven inside the Noise handshake (a prologue derived from
+//! it, see `net::swarm`): a connection whose other end holds another key, or none,
+//! fails its handshake, and every byte is encrypted once, by Noise. This module makes keys (`gpumesh keygen`), writes
 //! them to files only their owner can read, and loads them (`gpumesh node
 //! --cluster-key`). The key itself never appears in logs or `Debug` output: only its
 //! fingerprint does, which is enough to tell two keys apart.
@@ -63,7 +64,8 @@ impl ClusterKey {
         self.0
     }
 
-    /// Reads a key file written by `gpumesh keygen` (or any libp2p pnet tool). Errors
+    /// Reads a key file written by `gpumesh keygen` (or any libp2p private-network
+    /// key tool). Errors
     /// name the file and say how to make a good one.
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| {

@@ -24,7 +24,8 @@
 //! - [`limits`]: what one request may ask of a node, with defaults and flags.
 //! - [`admission`]: closed by default — the cluster key in the data dir, join
 //!   tickets, the API's bearer token.
-//! - [`cluster_key`]: the pnet pre-shared key that closes a mesh to strangers.
+//! - [`cluster_key`]: the pre-shared key that closes a mesh to strangers (proven in
+//!   the Noise handshake).
 //! - [`identity`]: the node key and the raft id derived from it.
 
 pub mod admission;

@@ -73,7 +73,7 @@ impl fmt::Display for BlobTransferReport {
         let rows = [
             ("raw TCP (tokio, loopback)", self.raw_tcp, 1.0),
             (
-                "mesh pull (noise+yamux+rr)",
+                "mesh pull (key in noise+yamux+rr)",
                 self.mesh_pull,
                 self.pull_ratio(),
             ),
@@ -125,6 +125,8 @@ pub async fn bench_blob_transfer_with(
     let dir = tempfile::tempdir().map_err(|e| NodeError::io(&std::env::temp_dir(), e))?;
     let cancel = CancellationToken::new();
     let max_blob = bytes as u64 + 1;
+    // A closed mesh, as meshes are by default: both nodes hold one cluster key.
+    let key = crate::cluster_key::ClusterKey::generate();
     let start_node = |name: &str| {
         let store = BlobStore::open(dir.path().join(name), max_blob);
         let cancel = cancel.clone();
@@ -134,6 +136,7 @@ pub async fn bench_blob_transfer_with(
                 .parse()
                 .map_err(|e| NodeError::NetSetup(format!("loopback address: {e}")))?];
             config.mdns = false;
+            config.psk = Some(key.psk());
             config.chunk_bytes = chunk_bytes;
             config.fetch_window = fetch_window;
             // The bench does not read events; a small channel whose overflow is

@@ -132,7 +132,7 @@ pub struct ConnectionCaps {
     pub per_peer: u32,
     /// Established connections in all, with every peer.
     pub total: u32,
-    /// Incoming connections still in their handshakes (pnet, Noise, Yamux): bounds
+    /// Incoming connections still in their handshakes (Noise, Yamux): bounds
     /// what a flood of half-open connections can cost.
     pub pending_incoming: u32,
 }

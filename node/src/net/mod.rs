@@ -1,7 +1,7 @@
 //! The network actor: the one owner of the libp2p [`Swarm`].
 //!
-//! It owns the transport (TCP + Noise + Yamux, optionally behind a `pnet` cluster
-//! key), one [`NetworkBehaviour`] (admission first: an optional allow-list of peer ids
+//! It owns the transport (TCP + Noise + Yamux; a closed mesh's cluster key is proven
+//! inside the Noise handshake), one [`NetworkBehaviour`] (admission first: an optional allow-list of peer ids
 //! and [`ConnectionCaps`]; then request-response for joins, node calls and blob
 //! chunks; long-lived streams for Raft, see [`raft_lane`]; identify to learn peers'
 //! listen addresses; mDNS when it can start), and the maps of

@@ -11,7 +11,7 @@ use libp2p::core::transport::{Boxed, ListenerId};
 use libp2p::core::upgrade::Version;
 use libp2p::identity::Keypair;
 use libp2p::multiaddr::Protocol;
-use libp2p::pnet::{PnetConfig, PreSharedKey};
+use libp2p::pnet::PreSharedKey;
 use libp2p::request_response::{self, ProtocolSupport};
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::{ConnectionDenied, DialError, NetworkBehaviour, SwarmEvent};
@@ -41,8 +41,9 @@ pub(super) struct MeshBehaviour {
     pub(super) mdns: Toggle<mdns::tokio::Behaviour>,
 }
 
-/// TCP, then the cluster key if there is one (so a stranger fails before Noise even
-/// starts), then Noise for peer authentication, then Yamux for streams.
+/// TCP, then Noise (which authenticates the peer id and, when the mesh has a
+/// cluster key, proves both ends hold it), then Yamux for streams. Every byte is
+/// encrypted once, by Noise.
 fn build_transport(
     keypair: &Keypair,
     psk: Option<PreSharedKey>,
@@ -50,21 +51,27 @@ fn build_transport(
 {
     // nodelay: request-response is latency-bound for Raft; Nagle would hold frames.
     let tcp = tcp::tokio::Transport::new(tcp::Config::default().nodelay(true));
-    let guarded = tcp.and_then(move |socket, _| async move {
-        match psk {
-            Some(psk) => PnetConfig::new(psk)
-                .handshake(socket)
-                .await
-                .map(futures::future::Either::Left),
-            None => Ok(futures::future::Either::Right(socket)),
-        }
-    });
-    Ok(guarded
+    let mut noise = noise::Config::new(keypair)?;
+    if let Some(psk) = psk {
+        noise = noise.with_prologue(prologue(&psk).to_vec());
+    }
+    Ok(tcp
         .upgrade(Version::V1Lazy)
-        .authenticate(noise::Config::new(keypair)?)
+        .authenticate(noise)
         .multiplex(yamux::Config::default())
         .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
         .boxed())
+}
+
+/// The Noise prologue of a mesh with cluster key `psk`: both ends mix it into the
+/// handshake's transcript, so the handshake's first encrypted payload fails to
+/// decrypt unless they hold the same key (none, or another one, fails alike). The
+/// prologue is derived from the key and never sent.
+fn prologue(psk: &PreSharedKey) -> [u8; 32] {
+    blake3::derive_key(
+        "gpumesh cluster key 2026-11 noise prologue",
+        psk.to_string().as_bytes(),
+    )
 }
 
 pub(super) fn build_swarm(config: &NetConfig) -> Result<Swarm<MeshBehaviour>> {
