@@ -781,3 +781,60 @@ fn a_task_run_where_it_was_submitted_is_recorded_with_its_result_in_one_entry() 
         "{status:?}"
     );
 }
+
+#[test]
+fn the_record_forgets_the_oldest_finished_tasks_beyond_its_bound_and_never_a_live_one() {
+    let mut log = Log::new();
+    let live = match log.apply(submit(4)) {
+        Outcome::TaskSubmitted { task } => task,
+        other => panic!("{other:?}"),
+    };
+    let mut one = spec(4);
+    one.shards = 1;
+    let bytes = b"done".to_vec();
+    let ran = || Command::TaskRan {
+        spec: one.clone(),
+        submitter: "p1".into(),
+        node: 2,
+        ran: Box::new(Ran::Result {
+            blob: BlobId::of(&bytes),
+            size: bytes.len() as u64,
+            inline: Some(bytes.clone()),
+        }),
+    };
+    let kept = gpumesh_consensus::KEPT_FINISHED_TASKS;
+    let mut finished = Vec::new();
+    for i in 0..kept + 3 {
+        let request = RequestId::new(5, i as u64);
+        match log.apply_as(request, ran()) {
+            Outcome::TaskSubmitted { task } => finished.push((request, task)),
+            other => panic!("{other:?}"),
+        }
+    }
+    // The three oldest finished are gone, with their request ids; the live task
+    // (older than all of them) and the newest `kept` stay.
+    assert_eq!(log.sm.tasks().len(), kept + 1);
+    assert!(
+        log.sm.task(live).is_some(),
+        "a live task is never forgotten"
+    );
+    for (request, task) in &finished[..3] {
+        assert!(log.sm.task(*task).is_none());
+        assert_eq!(log.sm.task_by_request(request), None);
+    }
+    for (request, task) in &finished[3..] {
+        assert_eq!(log.sm.task_by_request(request), Some(*task));
+    }
+    // A state restored from a snapshot forgets the same from then on.
+    let mut restored = StateMachine::from_bytes(&log.sm.to_bytes().unwrap()).unwrap();
+    let request = RequestId::new(5, 1 << 40);
+    log.apply_as(request, ran());
+    let entry = gpumesh_consensus::LogEntry {
+        origin: 1,
+        request_id: request,
+        command: ran(),
+    };
+    restored.apply(log.index, 1, &entry);
+    assert_eq!(restored, log.sm);
+    assert!(log.sm.task(finished[3].1).is_none());
+}

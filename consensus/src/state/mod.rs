@@ -37,6 +37,10 @@ pub struct StateMachine {
     /// stored), so a scheduling pass costs the live tasks, not the whole history.
     #[serde(skip)]
     active: BTreeSet<TaskId>,
+    /// Tasks finished (completed, failed or cancelled), derived like `active`: the
+    /// oldest are forgotten beyond [`KEPT_FINISHED_TASKS`].
+    #[serde(skip)]
+    finished: BTreeSet<TaskId>,
     /// GPU actors by name.
     actors: BTreeMap<String, Actor>,
     /// Members the leader judged down (`MembersDown`).
@@ -73,6 +77,7 @@ impl StateMachine {
             requests: BTreeMap::new(),
             request_order: VecDeque::new(),
             active: BTreeSet::new(),
+            finished: BTreeSet::new(),
             actors: BTreeMap::new(),
             down: BTreeSet::new(),
         }
@@ -94,12 +99,10 @@ impl StateMachine {
 
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let mut state: StateMachine = codec::from_bytes(bytes)?;
-        state.active = state
-            .tasks
-            .values()
-            .filter(|t| !t.status.is_terminal())
-            .map(|t| t.id)
-            .collect();
+        let (active, finished): (Vec<&Task>, Vec<&Task>) =
+            state.tasks.values().partition(|t| !t.status.is_terminal());
+        state.active = active.iter().map(|t| t.id).collect();
+        state.finished = finished.iter().map(|t| t.id).collect();
         Ok(state)
     }
 
@@ -291,9 +294,18 @@ impl StateMachine {
             _ => None,
         }) {
             match self.tasks.get(&task) {
-                Some(t) if !t.status.is_terminal() => self.active.insert(task),
-                _ => self.active.remove(&task),
-            };
+                Some(t) if !t.status.is_terminal() => {
+                    self.active.insert(task);
+                }
+                Some(_) => {
+                    self.active.remove(&task);
+                    self.finished.insert(task);
+                    self.forget_old_tasks();
+                }
+                None => {
+                    self.active.remove(&task);
+                }
+            }
         }
         let committed = Committed { index, outcome };
         // Submits are remembered through their task instead (see `task_by_request`).
@@ -303,6 +315,20 @@ impl StateMachine {
         Applied {
             committed,
             duplicate: false,
+        }
+    }
+
+    /// Forgets the oldest finished tasks beyond [`KEPT_FINISHED_TASKS`] (with the
+    /// request ids that named them): the record's size stays bounded however long
+    /// the mesh runs. Deterministic, like every change to the record.
+    fn forget_old_tasks(&mut self) {
+        while self.finished.len() > KEPT_FINISHED_TASKS {
+            let Some(old) = self.finished.pop_first() else {
+                break;
+            };
+            if let Some(t) = self.tasks.remove(&old) {
+                self.task_by_request.remove(&t.request_id);
+            }
         }
     }
 

@@ -12,6 +12,10 @@ pub const MAX_SHARDS_PER_TASK: u32 = 65_536;
 
 /// Largest shard result carried in its `ShardResult` entry instead of a blob.
 pub const MAX_INLINE_RESULT: usize = 4096;
+
+/// Finished tasks the record keeps (the newest by id), with their results and the
+/// request ids that made them; older ones are forgotten.
+pub const KEPT_FINISHED_TASKS: usize = 10_000;
 /// After this many failed attempts of one shard, its task fails.
 pub const MAX_SHARD_ATTEMPTS: u32 = 3;
 /// Default cap on Raft voters; further members stay learners.

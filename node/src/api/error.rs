@@ -29,7 +29,12 @@ pub(crate) fn unavailable(e: impl std::fmt::Display) -> ApiError {
 pub(crate) fn not_found(id: u64) -> ApiError {
     ApiError(
         StatusCode::NOT_FOUND,
-        format!("no task t{id}; `gpumesh tasks` lists the tasks there are"),
+        format!(
+            "no task t{id}: never made, or finished long enough ago to be forgotten (the \
+             record keeps the newest {} finished tasks); `gpumesh tasks` lists the tasks \
+             there are",
+            gpumesh_consensus::KEPT_FINISHED_TASKS
+        ),
     )
 }
 
