@@ -205,15 +205,19 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     }
     let mut d = Vec::new();
     let mut m = Vec::new();
+    let mut spin_ends = Vec::new();
+    timeline.take();
     for _ in 0..7 {
         d.push(direct.run(&job, None)?.elapsed);
         let t = Instant::now();
-        client.run(spec(SPIN, groups, 1)).await?;
+        let (task, _) = client.run(spec(SPIN, groups, 1)).await?;
         m.push(t.elapsed());
+        spin_ends.push((TaskId(task), t, Instant::now()));
     }
     d.sort();
     m.sort();
     let (d, m) = (d[3], m[3]);
+    let spin = breakdown(&timeline.take(), &spin_ends);
 
     // (4) Blob transfer between two nodes vs raw loopback TCP.
     let transfer = gpumesh::node::net::bench_blob_transfer(args.transfer_mib << 20).await?;
@@ -258,6 +262,10 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         args.in_flight
     );
     for (what, d) in &loaded {
+        println!("  {what:<56} {:>11.2} ms", ms(*d));
+    }
+    println!("\nthe spin kernel through the mesh (medians over its 7 runs)");
+    for (what, d) in &spin {
         println!("  {what:<56} {:>11.2} ms", ms(*d));
     }
     println!("\n{transfer}");
