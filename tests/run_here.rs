@@ -164,6 +164,24 @@ async fn a_run_goes_on_the_node_it_is_sent_to_and_is_recorded_with_its_result() 
             }
         }
 
+        // The dashboard's throughput counts results recorded where they ran.
+        let overview = format!("http://{}/v1/overview", nodes[0].api_addr);
+        let me = format!("{:x}", nodes[0].raft_id);
+        let mut counted = false;
+        for _ in 0..40 {
+            let o: gpumesh::node::api::Overview =
+                reqwest::get(&overview).await.unwrap().json().await.unwrap();
+            counted = o
+                .throughput
+                .iter()
+                .any(|p| p.rates.get(&me).is_some_and(|r| *r > 0.0));
+            if counted {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(counted, "no throughput shown for node {me}");
+
         // A retried request (the same request id) gets the same task; nothing runs
         // again.
         let via = client(&nodes[0]);

@@ -45,10 +45,8 @@ impl Throughput {
                 _ = cancel.cancelled() => return,
                 event = events.recv() => match event {
                     Ok(AppliedEvent::Entry { entry, committed, duplicate: false, .. }) => {
-                        if let (Command::ShardResult { node, .. }, Outcome::Applied) =
-                            (&entry.command, &committed.outcome)
-                        {
-                            *counts.entry(*node).or_default() += 1;
+                        if let Some(node) = result_of(&entry.command, &committed.outcome) {
+                            *counts.entry(node).or_default() += 1;
                         }
                     }
                     Ok(_) => {}
@@ -88,5 +86,19 @@ impl Throughput {
                 }
             })
             .collect()
+    }
+}
+
+/// The node whose shard result `command` recorded, if it recorded one: a
+/// `ShardResult` that took effect, or a task run where it was sent.
+fn result_of(command: &Command, outcome: &Outcome) -> Option<u64> {
+    match (command, outcome) {
+        (Command::ShardResult { node, .. }, Outcome::Applied) => Some(*node),
+        (Command::TaskRan { node, ran, .. }, Outcome::TaskSubmitted { .. })
+            if matches!(**ran, gpumesh_consensus::Ran::Result { .. }) =>
+        {
+            Some(*node)
+        }
+        _ => None,
     }
 }
