@@ -444,9 +444,19 @@ impl Client {
     /// fetched). A failed or cancelled task is [`ClientError::Refused`]. The request
     /// id makes a retry after a lost answer wait for the same task.
     pub async fn run(&self, spec: TaskSpec) -> ClientResult<(u64, BTreeMap<u32, Vec<u8>>)> {
+        self.run_with_id(spec, self.ids.next_id()).await
+    }
+
+    /// [`Client::run`] under a request id of the caller's choosing: a run retried
+    /// with the same id, through any node, makes one task.
+    pub async fn run_with_id(
+        &self,
+        spec: TaskSpec,
+        request_id: RequestId,
+    ) -> ClientResult<(u64, BTreeMap<u32, Vec<u8>>)> {
         let request = SubmitRequest {
             spec,
-            request_id: Some(self.ids.next_id()),
+            request_id: Some(request_id),
         };
         let reply: RunReply = self
             .retrying(|| self.json(self.http.post(self.url("/v1/tasks/run")).json(&request)))
