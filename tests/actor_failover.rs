@@ -9,7 +9,6 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::have_any;
-use common::procs::Proc;
 use gpumesh::node::api::StateInit;
 use gpumesh::protocol::{ActorCall, Grid, ShaderSource};
 use gpumesh::Client;
@@ -54,15 +53,7 @@ async fn a_counter_survives_its_host_killed_and_counts_every_acknowledged_call_o
         return;
     }
     let root = tempfile::tempdir().unwrap();
-    let mut procs: Vec<Proc> = ["a", "b", "c"]
-        .iter()
-        .map(|n| common::procs::node(root.path(), n))
-        .collect();
-    procs[0].start(&["--init"]).unwrap();
-    let ticket = procs[0].ticket().unwrap();
-    for p in &mut procs[1..] {
-        p.start(&["--join", &ticket]).unwrap();
-    }
+    let mut procs = common::procs::three(root.path());
     let clients: Vec<Client> = procs.iter().map(|p| p.client().unwrap()).collect();
     // Three voters with adapters: the mesh keeps a quorum without any one node, and
     // the actor has a host and a backup.

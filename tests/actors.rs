@@ -42,6 +42,27 @@ fn step_call(add: u32) -> ActorCall {
     }
 }
 
+/// Creates, through `via`'s record, an actor of `WORDS` words of state, all zero.
+async fn create_stepper(via: &MeshNode, name: &str) {
+    let created = via
+        .consensus
+        .propose(Command::CreateActor {
+            name: name.into(),
+            state: vec![ActorState {
+                buffer: StateBuffer {
+                    binding: 0,
+                    size: u64::from(WORDS) * 4,
+                },
+                blob: None,
+            }],
+            backend: None,
+            creator: via.peer_id.to_string(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(created.outcome, Outcome::Applied);
+}
+
 /// Reads blob `id` from whichever node holds it.
 fn blob(nodes: &[MeshNode], id: BlobId) -> Vec<u8> {
     nodes
@@ -58,23 +79,7 @@ async fn calls_from_two_nodes_run_in_log_order_on_the_host_and_match_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
     tokio::time::timeout(LIMIT, async {
         let nodes = mesh(dir.path(), 3).await;
-        let created = nodes[0]
-            .consensus
-            .propose(Command::CreateActor {
-                name: "stepper".into(),
-                state: vec![ActorState {
-                    buffer: StateBuffer {
-                        binding: 0,
-                        size: u64::from(WORDS) * 4,
-                    },
-                    blob: None,
-                }],
-                backend: None,
-                creator: nodes[0].peer_id.to_string(),
-            })
-            .await
-            .unwrap();
-        assert_eq!(created.outcome, Outcome::Applied);
+        create_stepper(&nodes[0], "stepper").await;
 
         // Calls through two nodes, several in flight at once.
         let mut calls = Vec::new();
@@ -587,23 +592,7 @@ async fn calls_waiting_together_run_back_to_back_and_a_failure_among_them_change
     let dir = tempfile::tempdir().unwrap();
     tokio::time::timeout(LIMIT, async {
         let nodes = mesh(dir.path(), 3).await;
-        let created = nodes[0]
-            .consensus
-            .propose(Command::CreateActor {
-                name: "batched".into(),
-                state: vec![ActorState {
-                    buffer: StateBuffer {
-                        binding: 0,
-                        size: u64::from(WORDS) * 4,
-                    },
-                    blob: None,
-                }],
-                backend: None,
-                creator: nodes[0].peer_id.to_string(),
-            })
-            .await
-            .unwrap();
-        assert_eq!(created.outcome, Outcome::Applied);
+        create_stepper(&nodes[0], "batched").await;
         // 24 calls through all three nodes at once; every sixth never ends (it is
         // stopped at its deadline, or on a software adapter when its loop is cut).
         let runaway = ActorCall {

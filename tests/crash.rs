@@ -9,9 +9,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::procs::Proc;
+use common::procs::{three_voters as ready, Proc};
 use common::{accepted_once, have_any};
-use gpumesh::node::api::StatusView;
 use gpumesh::node::api::TaskState;
 use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
 use gpumesh::Client;
@@ -31,25 +30,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 const STEPS: u64 = 60_000;
 const GROUPS: u32 = 6000;
 
-/// The CPU reference: x ↦ a·x + c applied STEPS times is itself x ↦ A·x + C, found
-/// by composing the map with itself (square and multiply).
+/// The CPU reference (see [`common::lcg_after`]).
 fn expected(invocations: u32) -> Vec<u8> {
-    let (mut a, mut c) = (1u32, 0u32); // the identity
-    let (mut pa, mut pc) = (1_664_525u32, 1_013_904_223u32); // the map, squared as we go
-    let mut n = STEPS;
-    while n > 0 {
-        if n & 1 == 1 {
-            // (a, c) then (pa, pc)
-            c = pa.wrapping_mul(c).wrapping_add(pc);
-            a = pa.wrapping_mul(a);
-        }
-        pc = pa.wrapping_mul(pc).wrapping_add(pc);
-        pa = pa.wrapping_mul(pa);
-        n >>= 1;
-    }
-    (0..invocations)
-        .flat_map(|x| a.wrapping_mul(x).wrapping_add(c).to_le_bytes())
-        .collect()
+    common::lcg_after(STEPS, invocations)
 }
 
 fn spec(shards: u32) -> TaskSpec {
@@ -67,29 +50,6 @@ fn spec(shards: u32) -> TaskSpec {
         merge: MergeRule::Changes,
         merges: Default::default(),
         options: Default::default(),
-    }
-}
-
-/// Waits until one leader counts three voters with adapters.
-async fn ready(procs: &[Proc]) -> StatusView {
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        for p in procs.iter().filter(|p| p.started()) {
-            if let Ok(st) = p.client().unwrap().status().await {
-                let voters = st.members.iter().filter(|m| m.role == "voter").count();
-                if st.leader != 0
-                    && voters == 3
-                    && st.members.iter().all(|m| m.adapter.is_some() && m.alive)
-                {
-                    return st;
-                }
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the mesh never had three live voters"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -158,15 +118,7 @@ async fn kill_9_of_the_leader_and_of_a_worker_mid_task_loses_nothing() {
         return;
     }
     let root = tempfile::tempdir().unwrap();
-    let mut procs: Vec<Proc> = ["a", "b", "c"]
-        .iter()
-        .map(|n| common::procs::node(root.path(), n))
-        .collect();
-    procs[0].start(&["--init"]).unwrap();
-    let ticket = procs[0].ticket().unwrap();
-    for p in &mut procs[1..] {
-        p.start(&["--join", &ticket]).unwrap();
-    }
+    let mut procs = common::procs::three(root.path());
     let st = ready(&procs).await;
 
     // 1. The leader dies mid-task and comes back.

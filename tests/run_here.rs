@@ -9,7 +9,6 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::procs::Proc;
 use common::{client, have_any, mesh_with, stop, LIMIT};
 use gpumesh::consensus::TaskId;
 use gpumesh::node::api::{from_hex, RunReply, TaskState};
@@ -252,31 +251,8 @@ async fn a_run_goes_on_the_node_it_is_sent_to_and_is_recorded_with_its_result() 
     .expect("bounded");
 }
 
-/// Waits until one leader counts three live voters with adapters; returns it.
-async fn ready(procs: &[Proc]) -> u64 {
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        for p in procs.iter().filter(|p| p.started()) {
-            if let Ok(st) = p.client().unwrap().status().await {
-                let voters = st.members.iter().filter(|m| m.role == "voter").count();
-                if st.leader != 0
-                    && voters == 3
-                    && st.members.iter().all(|m| m.adapter.is_some() && m.alive)
-                {
-                    return st.leader;
-                }
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the mesh never had three live voters"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// A kernel long enough on a software adapter to be killed mid-run: each value
-/// steps a 32-bit LCG `STEPS` times; the CPU gets there by squaring the map.
+/// steps a 32-bit LCG `STEPS` times (the CPU's answer: [`common::lcg_after`]).
 /// (Fewer than 65,536 turns in all: Mesa's software adapters end a loop there.)
 const LCG: &str = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;
 @compute @workgroup_size(64)
@@ -292,21 +268,7 @@ const STEPS: u64 = 60_000;
 const GROUPS: u32 = 3000;
 
 fn lcg_expected(invocations: u32) -> Vec<u8> {
-    let (mut a, mut c) = (1u32, 0u32);
-    let (mut pa, mut pc) = (1_664_525u32, 1_013_904_223u32);
-    let mut n = STEPS;
-    while n > 0 {
-        if n & 1 == 1 {
-            c = pa.wrapping_mul(c).wrapping_add(pc);
-            a = pa.wrapping_mul(a);
-        }
-        pc = pa.wrapping_mul(pc).wrapping_add(pc);
-        pa = pa.wrapping_mul(pa);
-        n >>= 1;
-    }
-    (0..invocations)
-        .flat_map(|x| a.wrapping_mul(x).wrapping_add(c).to_le_bytes())
-        .collect()
+    common::lcg_after(STEPS, invocations)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -315,16 +277,8 @@ async fn kill_9_of_the_node_running_a_run_then_the_retry_through_another_makes_t
         return;
     }
     let root = tempfile::tempdir().unwrap();
-    let mut procs: Vec<Proc> = ["a", "b", "c"]
-        .iter()
-        .map(|n| common::procs::node(root.path(), n))
-        .collect();
-    procs[0].start(&["--init"]).unwrap();
-    let ticket = procs[0].ticket().unwrap();
-    for p in &mut procs[1..] {
-        p.start(&["--join", &ticket]).unwrap();
-    }
-    let leader = ready(&procs).await;
+    let mut procs = common::procs::three(root.path());
+    let leader = common::procs::three_voters(&procs).await.leader;
     // The victim is a follower, so the mesh keeps its leader.
     let victim = procs.iter().position(|p| p.raft_id != leader).unwrap();
     let other = (0..3).find(|&i| i != victim).unwrap();

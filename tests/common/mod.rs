@@ -193,3 +193,26 @@ pub fn words(bytes: &[u8]) -> Vec<u32> {
         .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect()
 }
+
+/// The CPU's answer for invocation indices 0..`invocations` each stepped `steps`
+/// times through the 32-bit LCG x ↦ 1664525·x + 1013904223: the map applied `steps`
+/// times is itself x ↦ A·x + C, found by composing it with itself (square and
+/// multiply), so a kernel that takes the GPU seconds is checked at once.
+pub fn lcg_after(steps: u64, invocations: u32) -> Vec<u8> {
+    let (mut a, mut c) = (1u32, 0u32); // the identity
+    let (mut pa, mut pc) = (1_664_525u32, 1_013_904_223u32); // the map, squared as we go
+    let mut n = steps;
+    while n > 0 {
+        if n & 1 == 1 {
+            // (a, c) then (pa, pc)
+            c = pa.wrapping_mul(c).wrapping_add(pc);
+            a = pa.wrapping_mul(a);
+        }
+        pc = pa.wrapping_mul(pc).wrapping_add(pc);
+        pa = pa.wrapping_mul(pa);
+        n >>= 1;
+    }
+    (0..invocations)
+        .flat_map(|x| a.wrapping_mul(x).wrapping_add(c).to_le_bytes())
+        .collect()
+}

@@ -1,6 +1,9 @@
 //! Real `gpumesh node` processes, for the tests that kill them with SIGKILL.
 
 use std::path::Path;
+use std::time::{Duration, Instant};
+
+use gpumesh::node::api::StatusView;
 
 #[allow(unused_imports)] // each test file uses its own subset
 pub use gpumesh::process::{free_port, NodeProcess as Proc};
@@ -8,4 +11,39 @@ pub use gpumesh::process::{free_port, NodeProcess as Proc};
 /// A node process of this build's `gpumesh` binary, data in `root/name`.
 pub fn node(root: &Path, name: &str) -> Proc {
     Proc::new(env!("CARGO_BIN_EXE_gpumesh"), root, name).expect("free ports")
+}
+
+/// Three node processes, a, b and c, as the README starts them: a forms the mesh
+/// (`--init`), b and c join it with a's ticket.
+pub fn three(root: &Path) -> Vec<Proc> {
+    let mut procs: Vec<Proc> = ["a", "b", "c"].iter().map(|n| node(root, n)).collect();
+    procs[0].start(&["--init"]).unwrap();
+    let ticket = procs[0].ticket().unwrap();
+    for p in &mut procs[1..] {
+        p.start(&["--join", &ticket]).unwrap();
+    }
+    procs
+}
+
+/// Waits until one leader counts three live voters with adapters; their status.
+pub async fn three_voters(procs: &[Proc]) -> StatusView {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        for p in procs.iter().filter(|p| p.started()) {
+            if let Ok(st) = p.client().unwrap().status().await {
+                let voters = st.members.iter().filter(|m| m.role == "voter").count();
+                if st.leader != 0
+                    && voters == 3
+                    && st.members.iter().all(|m| m.adapter.is_some() && m.alive)
+                {
+                    return st;
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the mesh never had three live voters"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
