@@ -10,24 +10,11 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::procs::{three_voters as ready, Proc};
-use common::{accepted_once, have_any};
+use common::{accepted_once, have_any, LCG, LCG_STEPS as STEPS};
 use gpumesh::node::api::TaskState;
 use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
 use gpumesh::Client;
 
-/// Each invocation steps a 32-bit LCG 60,000 times from its index: slow on a GPU,
-/// but the CPU gets the same answer in a few dozen steps (see [`expected`]).
-const LCG: &str = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    var x = gid.x;
-    for (var i = 0u; i < 60000u; i++) {
-        x = x * 1664525u + 1013904223u;
-    }
-    out[gid.x] = x;
-}
-";
-const STEPS: u64 = 60_000;
 const GROUPS: u32 = 6000;
 
 /// The CPU reference (see [`common::lcg_after`]).

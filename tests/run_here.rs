@@ -9,7 +9,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{client, have_any, mesh_with, stop, LIMIT};
+use common::{client, have_any, mesh_with, stop, LCG, LCG_STEPS as STEPS, LIMIT};
 use gpumesh::consensus::TaskId;
 use gpumesh::node::api::{from_hex, RunReply, TaskState};
 use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
@@ -251,20 +251,6 @@ async fn a_run_goes_on_the_node_it_is_sent_to_and_is_recorded_with_its_result() 
     .expect("bounded");
 }
 
-/// A kernel long enough on a software adapter to be killed mid-run: each value
-/// steps a 32-bit LCG `STEPS` times (the CPU's answer: [`common::lcg_after`]).
-/// (Fewer than 65,536 turns in all: Mesa's software adapters end a loop there.)
-const LCG: &str = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    var x = gid.x;
-    for (var i = 0u; i < 60000u; i++) {
-        x = x * 1664525u + 1013904223u;
-    }
-    out[gid.x] = x;
-}
-";
-const STEPS: u64 = 60_000;
 const GROUPS: u32 = 3000;
 
 fn lcg_expected(invocations: u32) -> Vec<u8> {

@@ -194,6 +194,22 @@ pub fn words(bytes: &[u8]) -> Vec<u32> {
         .collect()
 }
 
+/// Each invocation steps a 32-bit LCG [`LCG_STEPS`] times from its index: slow on a
+/// GPU (seconds on a software adapter for a few thousand workgroups), checked on the
+/// CPU at once with [`lcg_after`]. (Fewer than 65,536 turns: Mesa's software
+/// adapters refuse more.)
+pub const LCG: &str = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var x = gid.x;
+    for (var i = 0u; i < 60000u; i++) {
+        x = x * 1664525u + 1013904223u;
+    }
+    out[gid.x] = x;
+}
+";
+pub const LCG_STEPS: u64 = 60_000;
+
 /// The CPU's answer for invocation indices 0..`invocations` each stepped `steps`
 /// times through the 32-bit LCG x ↦ 1664525·x + 1013904223: the map applied `steps`
 /// times is itself x ↦ A·x + C, found by composing it with itself (square and
