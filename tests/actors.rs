@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{have_any, mesh, stop, words, LIMIT, STEP};
+use common::{have_any, mesh, stop, words, LIMIT, RUNAWAY, STEP};
 use gpumesh::consensus::{ActorState, CallResult, Command, Outcome};
 use gpumesh::node::MeshNode;
 use gpumesh::protocol::{
@@ -157,27 +157,6 @@ async fn calls_from_two_nodes_run_in_log_order_on_the_host_and_match_the_cpu() {
     .await
     .expect("test exceeded its time limit");
 }
-
-/// Ends only when `stop` is set, and it never is: past any deadline on any adapter
-/// (llvmpipe/lavapipe cut loops at 65535 iterations, seconds of work on this grid).
-const RUNAWAY: &str = r#"
-struct Params { stop: u32, _a: u32, _b: u32, _c: u32 }
-@group(0) @binding(0) var<storage, read_write> state: array<u32>;
-@group(0) @binding(1) var<uniform> params: Params;
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    var x = gid.x;
-    loop {
-        x = (x ^ (x >> 13u)) * 1664525u + 1u;
-        if (params.stop != 0u) {
-            break;
-        }
-    }
-    if (gid.x < arrayLength(&state)) {
-        state[gid.x] = x;
-    }
-}
-"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_api_creates_calls_reads_lists_and_deletes_actors_and_refuses_what_is_wrong() {

@@ -10,9 +10,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::procs::{three_voters as ready, Proc};
-use common::{accepted_once, have_any, LCG, LCG_STEPS as STEPS};
+use common::{accepted_once, have_any, LCG_STEPS as STEPS};
 use gpumesh::node::api::TaskState;
-use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
+use gpumesh::protocol::TaskSpec;
 use gpumesh::Client;
 
 const GROUPS: u32 = 6000;
@@ -23,21 +23,7 @@ fn expected(invocations: u32) -> Vec<u8> {
 }
 
 fn spec(shards: u32) -> TaskSpec {
-    TaskSpec {
-        shader: ShaderSource::Wgsl(LCG.into()),
-        entry_point: "main".into(),
-        bindings: vec![BindingSpec {
-            binding: 0,
-            role: BindingRole::Output {
-                size: u64::from(GROUPS) * 64 * 4,
-            },
-        }],
-        grid: Grid([GROUPS, 1, 1]),
-        shards,
-        merge: MergeRule::Changes,
-        merges: Default::default(),
-        options: Default::default(),
-    }
+    common::lcg_spec(GROUPS, shards)
 }
 
 /// Submits through `via` until a task has a shard running on one of the nodes `on`

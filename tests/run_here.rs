@@ -9,7 +9,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{client, have_any, mesh_with, stop, LCG, LCG_STEPS as STEPS, LIMIT};
+use common::{client, have_any, mesh_with, stop, LCG_STEPS as STEPS, LIMIT, RUNAWAY};
 use gpumesh::consensus::TaskId;
 use gpumesh::node::api::{from_hex, RunReply, TaskState};
 use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
@@ -53,28 +53,6 @@ fn collatz(values: &[u32], limit: u32) -> Vec<u8> {
         })
         .collect()
 }
-
-/// Never ends on a GPU; on Mesa's software adapters, which end any loop after
-/// 65,535 turns, it ends only after far more work than its deadline allows.
-const RUNAWAY: &str = r#"
-struct Params { limit: u32, _a: u32, _b: u32, _c: u32 }
-@group(0) @binding(0) var<storage, read_write> values: array<u32>;
-@group(0) @binding(1) var<uniform> params: Params;
-
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    var x = gid.x;
-    loop {
-        x = (x ^ (x >> 13u)) * 1664525u + 1u;
-        if (params.limit == 0u) {
-            break;
-        }
-    }
-    if (gid.x < arrayLength(&values)) {
-        values[gid.x] = x;
-    }
-}
-"#;
 
 fn values(count: u32) -> Vec<u32> {
     (0..count).map(|i| i * 7 + 1).collect()
@@ -233,6 +211,7 @@ async fn a_run_goes_on_the_node_it_is_sent_to_and_is_recorded_with_its_result() 
         // every node goes on serving.
         let mut runaway = collatz_spec(blob, 300, 100);
         runaway.shader = ShaderSource::Wgsl(RUNAWAY.into());
+        runaway.bindings[1].role = BindingRole::Param { data: vec![0; 16] };
         runaway.grid = Grid([4000, 1, 1]);
         runaway.options.deadline_ms = Some(300);
         let answer = via.run(runaway).await;
@@ -268,21 +247,7 @@ async fn kill_9_of_the_node_running_a_run_then_the_retry_through_another_makes_t
     // The victim is a follower, so the mesh keeps its leader.
     let victim = procs.iter().position(|p| p.raft_id != leader).unwrap();
     let other = (0..3).find(|&i| i != victim).unwrap();
-    let spec = TaskSpec {
-        shader: ShaderSource::Wgsl(LCG.into()),
-        entry_point: "main".into(),
-        bindings: vec![BindingSpec {
-            binding: 0,
-            role: BindingRole::Output {
-                size: u64::from(GROUPS) * 64 * 4,
-            },
-        }],
-        grid: Grid([GROUPS, 1, 1]),
-        shards: 1,
-        merge: MergeRule::Changes,
-        merges: Default::default(),
-        options: Default::default(),
-    };
+    let spec = common::lcg_spec(GROUPS, 1);
     let body = serde_json::json!({"spec": spec, "request_id": {"client": 99, "seq": 7}});
     let post = |addr: String| {
         let body = body.clone();

@@ -210,6 +210,50 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 ";
 pub const LCG_STEPS: u64 = 60_000;
 
+/// [`LCG`] over `groups` workgroups in `shards` shards: one output word per
+/// invocation.
+pub fn lcg_spec(groups: u32, shards: u32) -> gpumesh::protocol::TaskSpec {
+    use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource};
+    gpumesh::protocol::TaskSpec {
+        shader: ShaderSource::Wgsl(LCG.into()),
+        entry_point: "main".into(),
+        bindings: vec![BindingSpec {
+            binding: 0,
+            role: BindingRole::Output {
+                size: u64::from(groups) * 64 * 4,
+            },
+        }],
+        grid: Grid([groups, 1, 1]),
+        shards,
+        merge: MergeRule::Changes,
+        merges: Default::default(),
+        options: Default::default(),
+    }
+}
+
+/// Ends only when `stop` (the uniform at binding 1) is set, and it never is: past
+/// any deadline on any adapter given a few thousand workgroups (llvmpipe and
+/// lavapipe cut loops at 65,535 turns, seconds of work there). Binding 0 is any
+/// `u32` buffer, written with bounds checked.
+pub const RUNAWAY: &str = r#"
+struct Params { stop: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<storage, read_write> state: array<u32>;
+@group(0) @binding(1) var<uniform> params: Params;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var x = gid.x;
+    loop {
+        x = (x ^ (x >> 13u)) * 1664525u + 1u;
+        if (params.stop != 0u) {
+            break;
+        }
+    }
+    if (gid.x < arrayLength(&state)) {
+        state[gid.x] = x;
+    }
+}
+"#;
+
 /// The CPU's answer for invocation indices 0..`invocations` each stepped `steps`
 /// times through the 32-bit LCG x ↦ 1664525·x + 1013904223: the map applied `steps`
 /// times is itself x ↦ A·x + C, found by composing it with itself (square and
