@@ -93,24 +93,9 @@ pub(crate) fn count(module: &Module, group: u32) -> Module {
         let target = f
             .expressions
             .append(Expression::GlobalVariable(most), Span::UNDEFINED);
-        let zero = f
-            .expressions
-            .append(Expression::Literal(Literal::U32(0)), Span::UNDEFINED);
-        let first = f.expressions.len();
-        let value = f
-            .expressions
-            .append(Expression::Load { pointer: counter }, Span::UNDEFINED);
-        let any = f.expressions.append(
-            Expression::Binary {
-                op: BinaryOperator::Greater,
-                left: value,
-                right: zero,
-            },
-            Span::UNDEFINED,
-        );
-        let emitted = f.expressions.range_from(first);
+        let (emit, value, any) = load_then(f, counter, BinaryOperator::Greater, 0);
         let report = [
-            Statement::Emit(emitted),
+            emit,
             Statement::If {
                 condition: any,
                 accept: Block::from_vec(vec![Statement::Atomic {
@@ -135,6 +120,32 @@ pub(crate) fn count(module: &Module, group: u32) -> Module {
     m
 }
 
+/// In `f`: loads the `u32` at `pointer` and applies `op` with the literal `rhs`;
+/// returns the `Emit` the two need, the loaded value and the result.
+fn load_then(
+    f: &mut Function,
+    pointer: Handle<Expression>,
+    op: BinaryOperator,
+    rhs: u32,
+) -> (Statement, Handle<Expression>, Handle<Expression>) {
+    // A literal needs no emit: it goes before the emitted range.
+    let right = f
+        .expressions
+        .append(Expression::Literal(Literal::U32(rhs)), Span::UNDEFINED);
+    let first = f.expressions.len();
+    let left = f
+        .expressions
+        .append(Expression::Load { pointer }, Span::UNDEFINED);
+    let result = f
+        .expressions
+        .append(Expression::Binary { op, left, right }, Span::UNDEFINED);
+    (
+        Statement::Emit(f.expressions.range_from(first)),
+        left,
+        result,
+    )
+}
+
 /// Puts `counter += 1` first in the body of every loop in `block`.
 fn count_in(block: &mut Block, f: &mut Function, counter: Handle<Expression>) {
     for (s, _) in block.span_iter_mut() {
@@ -144,26 +155,11 @@ fn count_in(block: &mut Block, f: &mut Function, counter: Handle<Expression>) {
             } => {
                 count_in(body, f, counter);
                 count_in(continuing, f, counter);
-                let one = f
-                    .expressions
-                    .append(Expression::Literal(Literal::U32(1)), Span::UNDEFINED);
-                let first = f.expressions.len();
-                let old = f
-                    .expressions
-                    .append(Expression::Load { pointer: counter }, Span::UNDEFINED);
-                let new = f.expressions.append(
-                    Expression::Binary {
-                        op: BinaryOperator::Add,
-                        left: old,
-                        right: one,
-                    },
-                    Span::UNDEFINED,
-                );
-                let emitted = f.expressions.range_from(first);
+                let (emit, _, new) = load_then(f, counter, BinaryOperator::Add, 1);
                 body.splice(
                     0..0,
                     Block::from_vec(vec![
-                        Statement::Emit(emitted),
+                        emit,
                         Statement::Store {
                             pointer: counter,
                             value: new,
