@@ -16,9 +16,17 @@ use gpumesh::protocol::{
     ActorCall, BindingRole, BindingSpec, BlobId, Grid, ShaderSource, StateBuffer,
 };
 
+/// A stepper's state: small enough for the record to hold it itself.
 const WORDS: u32 = 256;
+/// A stepper's state over the record's inline bound: kept as blobs on two nodes.
+const BIG_WORDS: u32 = 8192;
 
 fn step_call(add: u32) -> ActorCall {
+    step_call_over(add, WORDS)
+}
+
+/// A step of every word of a state of `words` words.
+fn step_call_over(add: u32, words: u32) -> ActorCall {
     ActorCall {
         shader: ShaderSource::Wgsl(STEP.into()),
         entry_point: "main".into(),
@@ -37,13 +45,18 @@ fn step_call(add: u32) -> ActorCall {
                 role: BindingRole::Output { size: 16 },
             },
         ],
-        grid: Grid([WORDS / 64, 1, 1]),
+        grid: Grid([words / 64, 1, 1]),
         deadline_ms: None,
     }
 }
 
 /// Creates, through `via`'s record, an actor of `WORDS` words of state, all zero.
 async fn create_stepper(via: &MeshNode, name: &str) {
+    create_stepper_of(via, name, WORDS).await;
+}
+
+/// Creates, through `via`'s record, an actor of `words` words of state, all zero.
+async fn create_stepper_of(via: &MeshNode, name: &str, words: u32) {
     let created = via
         .consensus
         .propose(Command::CreateActor {
@@ -51,7 +64,7 @@ async fn create_stepper(via: &MeshNode, name: &str) {
             state: vec![ActorState {
                 buffer: StateBuffer {
                     binding: 0,
-                    size: u64::from(WORDS) * 4,
+                    size: u64::from(words) * 4,
                 },
                 blob: None,
             }],
@@ -79,7 +92,8 @@ async fn calls_from_two_nodes_run_in_log_order_on_the_host_and_match_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
     tokio::time::timeout(LIMIT, async {
         let nodes = mesh(dir.path(), 3).await;
-        create_stepper(&nodes[0], "stepper").await;
+        // A state over the record's inline bound: stored on the host and a backup.
+        create_stepper_of(&nodes[0], "stepper", BIG_WORDS).await;
 
         // Calls through two nodes, several in flight at once.
         let mut calls = Vec::new();
@@ -91,7 +105,7 @@ async fn calls_from_two_nodes_run_in_log_order_on_the_host_and_match_the_cpu() {
                 let c = consensus
                     .propose(Command::CallActor {
                         name: "stepper".into(),
-                        call: step_call(add),
+                        call: step_call_over(add, BIG_WORDS),
                         caller,
                     })
                     .await
@@ -130,7 +144,7 @@ async fn calls_from_two_nodes_run_in_log_order_on_the_host_and_match_the_cpu() {
         assert!(actor.host.is_some() && actor.backup.is_some() && actor.backup != actor.host);
 
         // Replayed on the CPU in sequence order.
-        let mut cpu = vec![0u32; WORDS as usize];
+        let mut cpu = vec![0u32; BIG_WORDS as usize];
         for (seq, add) in &by_seq {
             let before: Vec<u32> = cpu[..4].to_vec();
             for (i, v) in cpu.iter_mut().enumerate() {
@@ -514,6 +528,30 @@ async fn calls_to_many_actors_at_once_keep_each_actors_own_order() {
             }];
             clients[0].create_actor(name, init, None).await.unwrap();
         }
+        // Placed, and the nodes connected to each other, first: a call to an actor
+        // with no host yet, or whose host cannot be reached, waits in the record's
+        // queue instead (this test follows the calls sent straight to a host).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let placed = nodes.iter().all(|n| {
+                n.consensus
+                    .read_local(|s| s.actors().values().filter(|a| a.host.is_some()).count())
+                    == names.len()
+            });
+            let mut connected = true;
+            for n in &nodes {
+                connected &= n.net.connected_peers().await.unwrap().len() >= nodes.len() - 1;
+            }
+            if placed && connected {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "not placed or not connected"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut applied = nodes[0].consensus.subscribe();
         let mut calls = Vec::new();
         for round in 0..4u32 {
             for (i, name) in names.iter().enumerate() {
@@ -556,7 +594,24 @@ async fn calls_to_many_actors_at_once_keep_each_actors_own_order() {
             }
             let state = words(&clients[2].actor_state(name, 0).await.unwrap());
             assert_eq!(state, cpu, "{name}: its calls replayed in their order");
+            let held = nodes[2]
+                .consensus
+                .read_local(|s| s.actor(name).unwrap().inline_state(0).map(words));
+            assert_eq!(held, Some(cpu), "{name}: the record holds the state");
         }
+        // Each call went straight to its actor's host and was recorded there with
+        // its result: no call waited in the record's queue.
+        let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
+        while let Ok(event) = applied.try_recv() {
+            if let gpumesh::consensus::AppliedEvent::Entry { entry, .. } = event {
+                *kinds.entry(entry.command.kind()).or_default() += 1;
+            }
+        }
+        assert_eq!(kinds.get("call-actor"), None, "{kinds:?}");
+        assert!(
+            kinds.get("actor-calls-ran").is_some_and(|n| *n >= 5),
+            "{kinds:?}"
+        );
         stop(nodes).await;
     })
     .await
@@ -655,10 +710,19 @@ async fn calls_waiting_together_run_back_to_back_and_a_failure_among_them_change
             }
         }
         assert_eq!(actor.version, version);
-        let state = actor.state[0].blob.expect("written");
-        assert_eq!(words(&blob(&nodes, state)), cpu);
-        let holders = nodes.iter().filter(|n| n.blobs.has(&state)).count();
-        assert!(holders >= 2, "the state is on {holders} node(s)");
+        // A small state is held by the record (on a quorum, in the batches'
+        // entries), not stored as a blob anywhere.
+        let state = actor
+            .inline_state(0)
+            .expect("the record holds a small state");
+        assert_eq!(words(state), cpu);
+        let id = actor.state[0].blob.expect("written");
+        assert_eq!(id, BlobId::of(state));
+        assert!(actor.backup.is_none(), "{actor:?}");
+        assert!(
+            nodes.iter().all(|n| !n.blobs.has(&id)),
+            "a state blob was written"
+        );
         // Calls were recorded several to an entry, a failure among successes.
         let mut by_entry: BTreeMap<u64, Vec<bool>> = BTreeMap::new();
         for r in actor.results.values() {

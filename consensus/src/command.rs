@@ -244,9 +244,37 @@ pub enum Command {
         first: u64,
         ran: Vec<CallRan>,
         state: Vec<(u32, BlobId)>,
+        /// The state's bytes, buffer by buffer in the actor's order, when the whole
+        /// state is at most [`INLINE_STATE_BYTES`]: the record then holds it (on a
+        /// quorum, in this entry) and `backup` means nothing. Empty otherwise.
+        inline: Vec<Vec<u8>>,
+        backup: u64,
+    },
+    /// Calls sent straight to actor `name`'s host (not queued in the record first),
+    /// which ran them back to back on the state at `version`, recorded with their
+    /// results in one entry: each takes the actor's next sequence number here, and
+    /// its request id is remembered as if queued, so a retry through the record's
+    /// queue finds it. Recorded only if the state is still at `version`, no queued
+    /// call waits (those come first) and no request id is known already (that call
+    /// went through the queue too; the batch would run it twice); else nothing
+    /// changes and the host's callers go through the queue.
+    ActorCallsRan {
+        name: String,
+        epoch: u32,
+        node: u64,
+        version: u64,
+        calls: Vec<(RequestId, CallRan)>,
+        state: Vec<(u32, BlobId)>,
+        /// As in [`Command::ActorCallsDone`].
+        inline: Vec<Vec<u8>>,
         backup: u64,
     },
 }
+
+/// The largest actor state (all buffers together) the record holds itself: calls to
+/// such an actor are acknowledged once their batch's entry (the state inside) is
+/// committed, with no blob written or copied.
+pub const INLINE_STATE_BYTES: u64 = 16 << 10;
 
 /// How one call of an [`Command::ActorCallsDone`] batch ended.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -316,6 +344,7 @@ impl Command {
             | Command::ActorCallDone { name, .. }
             | Command::ActorCallFailed { name, .. }
             | Command::ActorCallsDone { name, .. }
+            | Command::ActorCallsRan { name, .. }
             | Command::DeleteActor { name } => Some(name),
             _ => None,
         }
@@ -358,6 +387,7 @@ impl Command {
             Command::DeleteActor { .. } => "delete-actor",
             Command::MembersDown { .. } => "members-down",
             Command::ActorCallsDone { .. } => "actor-calls-done",
+            Command::ActorCallsRan { .. } => "actor-calls-ran",
         }
     }
 }

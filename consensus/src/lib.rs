@@ -82,7 +82,7 @@ pub mod wire;
 pub use cluster::ClusterId;
 pub use command::{
     ActorState, CallRan, Command, Committed, LogEntry, MergedOutput, Outcome, Ran, RequestId,
-    RequestIds, TaskId,
+    RequestIds, TaskId, INLINE_STATE_BYTES,
 };
 pub use error::{ConsensusError, Result};
 pub use replica::{AppliedEvent, ConsensusHandle, ProposalCounts, RaftRole, ReplicaConfig, Status};

@@ -7,6 +7,7 @@ mod common;
 use common::Log;
 use gpumesh_consensus::{
     ActorState, CallRan, CallResult, Command, MergedOutput, Outcome, RequestId, StateMachine,
+    INLINE_STATE_BYTES,
 };
 use gpumesh_protocol::{
     ActorCall, BindingRole, BindingSpec, BlobId, Grid, ShaderSource, StateBuffer,
@@ -265,6 +266,7 @@ fn a_batch_of_calls_is_recorded_whole_in_order_or_not_at_all() {
         first,
         ran,
         state: vec![(0, BlobId::of(b"after"))],
+        inline: vec![],
         backup: 2,
     };
     let ok = || CallRan::Done { outputs: vec![] };
@@ -318,4 +320,179 @@ fn a_batch_of_calls_is_recorded_whole_in_order_or_not_at_all() {
         (2, Some(BlobId::of(b"after")))
     );
     assert!(a.pending.is_empty());
+}
+
+/// An actor whose state (one buffer of `size` bytes at binding 0) may be inline.
+fn create_sized(name: &str, size: u64) -> Command {
+    Command::CreateActor {
+        name: name.into(),
+        state: vec![ActorState {
+            buffer: StateBuffer { binding: 0, size },
+            blob: None,
+        }],
+        backend: None,
+        creator: "p1".into(),
+    }
+}
+
+/// A batch of calls sent to host `node`, run on `version`, leaving `bytes` inline.
+fn sent(
+    name: &str,
+    (epoch, node): (u32, u64),
+    version: u64,
+    calls: Vec<(RequestId, CallRan)>,
+    bytes: &[u8],
+) -> Command {
+    Command::ActorCallsRan {
+        name: name.into(),
+        epoch,
+        node,
+        version,
+        calls,
+        state: vec![(0, BlobId::of(bytes))],
+        inline: vec![bytes.to_vec()],
+        backup: node,
+    }
+}
+
+#[test]
+fn calls_sent_to_the_host_are_recorded_once_with_the_state_inline() {
+    let mut log = Log::new();
+    log.apply(create_sized("s", 16));
+    log.apply(place("s", 0, 1));
+    let ok = || CallRan::Done { outputs: vec![] };
+    let id = |n| RequestId::new(77, n);
+    let v2 = [2u8; 16];
+    // From another node, under another epoch, or empty: nothing is recorded.
+    ignored(log.apply(sent("s", (1, 2), 0, vec![(id(1), ok())], &v2)));
+    ignored(log.apply(sent("s", (0, 1), 0, vec![(id(1), ok())], &v2)));
+    assert!(matches!(
+        log.apply(sent("s", (1, 1), 0, vec![], &v2)),
+        Outcome::Rejected(_)
+    ));
+    // Bytes that are not the state reported, or not its size: refused.
+    let mut lying = sent("s", (1, 1), 0, vec![(id(1), ok())], &v2);
+    if let Command::ActorCallsRan { inline, .. } = &mut lying {
+        inline[0][0] = 9;
+    }
+    assert!(matches!(log.apply(lying), Outcome::Rejected(_)));
+    let short = [2u8; 8];
+    assert!(matches!(
+        log.apply(sent("s", (1, 1), 0, vec![(id(1), ok())], &short)),
+        Outcome::Rejected(_)
+    ));
+    assert_eq!(log.sm.actor("s").unwrap().next_seq, 1, "no number taken");
+
+    // Two ran and one failed between them: numbered in order, the state inline.
+    let three = vec![
+        (id(1), ok()),
+        (
+            id(2),
+            CallRan::Failed {
+                reason: "deadline".into(),
+            },
+        ),
+        (id(3), ok()),
+    ];
+    assert_eq!(
+        log.apply(sent("s", (1, 1), 0, three, &v2)),
+        Outcome::Applied
+    );
+    let a = log.sm.actor("s").unwrap();
+    assert_eq!((a.version, a.next_seq, a.backup), (2, 4, None));
+    assert_eq!(a.inline_state(0), Some(&v2[..]));
+    assert_eq!(a.state[0].blob, Some(BlobId::of(&v2)));
+    assert!(matches!(a.results[&1], CallResult::Done { version: 1, .. }));
+    assert!(matches!(a.results[&2], CallResult::Failed { .. }));
+    assert!(matches!(a.results[&3], CallResult::Done { version: 2, .. }));
+    // Each request id answers as if it had been queued: a retry through the queue
+    // finds its number and makes no new call.
+    assert_eq!(
+        log.apply_as(
+            id(3),
+            Command::CallActor {
+                name: "s".into(),
+                call: call(3),
+                caller: "p2".into(),
+            }
+        ),
+        Outcome::CallQueued { seq: 3 }
+    );
+    assert!(log.sm.actor("s").unwrap().pending.is_empty());
+
+    // The same batch again, or one run on a version the state has left: ignored.
+    let v3 = [3u8; 16];
+    ignored(log.apply(sent("s", (1, 1), 2, vec![(id(1), ok())], &v3)));
+    ignored(log.apply(sent("s", (1, 1), 1, vec![(id(4), ok())], &v3)));
+    // A call that went through the queue while the host ran it too: the batch
+    // would run it twice, so it is ignored; the queued call runs first.
+    assert_eq!(
+        log.apply_as(
+            id(5),
+            Command::CallActor {
+                name: "s".into(),
+                call: call(5),
+                caller: "p2".into(),
+            }
+        ),
+        Outcome::CallQueued { seq: 4 }
+    );
+    let why = ignored(log.apply(sent("s", (1, 1), 2, vec![(id(5), ok())], &v3)));
+    assert!(why.contains("twice"), "{why}");
+    let why = ignored(log.apply(sent("s", (1, 1), 2, vec![(id(6), ok())], &v3)));
+    assert!(why.contains("queued call 4"), "{why}");
+    let queued = Command::ActorCallsDone {
+        name: "s".into(),
+        epoch: 1,
+        node: 1,
+        first: 4,
+        ran: vec![ok()],
+        state: vec![(0, BlobId::of(&v3))],
+        inline: vec![v3.to_vec()],
+        backup: 1,
+    };
+    assert_eq!(log.apply(queued), Outcome::Applied);
+    let v4 = [4u8; 16];
+    assert_eq!(
+        log.apply(sent("s", (1, 1), 3, vec![(id(6), ok())], &v4)),
+        Outcome::Applied
+    );
+    let a = log.sm.actor("s").unwrap();
+    assert_eq!((a.version, a.next_seq), (4, 6));
+    assert_eq!(a.inline_state(0), Some(&v4[..]));
+
+    // The bytes survive a snapshot.
+    let restored = StateMachine::from_bytes(&log.sm.to_bytes().unwrap()).unwrap();
+    assert_eq!(restored, log.sm);
+    assert_eq!(restored.actor("s").unwrap().inline_state(0), Some(&v4[..]));
+}
+
+#[test]
+fn a_state_over_the_inline_bound_is_never_held_by_the_record() {
+    let mut log = Log::new();
+    let size = INLINE_STATE_BYTES + 4;
+    log.apply(create_sized("big", size));
+    log.apply(place("big", 0, 1));
+    let bytes = vec![1u8; size as usize];
+    let ok = CallRan::Done { outputs: vec![] };
+    let why = match log.apply(sent(
+        "big",
+        (1, 1),
+        0,
+        vec![(RequestId::new(5, 1), ok.clone())],
+        &bytes,
+    )) {
+        Outcome::Rejected(why) => why,
+        other => panic!("{other:?}"),
+    };
+    assert!(why.contains("does not hold it"), "{why}");
+    // Reported as a blob with its second copy, it is recorded.
+    let mut blob = sent("big", (1, 1), 0, vec![(RequestId::new(5, 1), ok)], &bytes);
+    if let Command::ActorCallsRan { inline, backup, .. } = &mut blob {
+        inline.clear();
+        *backup = 2;
+    }
+    assert_eq!(log.apply(blob), Outcome::Applied);
+    let a = log.sm.actor("big").unwrap();
+    assert_eq!((a.version, a.backup, a.inline_state(0)), (1, Some(2), None));
 }

@@ -26,6 +26,13 @@ pub enum NodeRequest {
         changes: Changes,
         buffers: Vec<NextState>,
     },
+    /// Run this call of actor `name`, which you host, and record it (its input blobs
+    /// are on me); answer once it is recorded, or that it was not.
+    Call {
+        name: String,
+        call: gpumesh_protocol::ActorCall,
+        request: gpumesh_consensus::RequestId,
+    },
 }
 
 /// What a call changed in an actor's state (`ShardChanges`, encoded).
@@ -60,6 +67,8 @@ pub enum NodeReply {
     Peers(Vec<(String, Vec<String>)>),
     /// The blob (or an actor's next state) is stored here (fsync'd).
     Replicated,
+    /// What came of a [`NodeRequest::Call`].
+    Called(crate::host::CallAnswer),
     Refused(String),
 }
 

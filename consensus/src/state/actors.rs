@@ -7,12 +7,18 @@
 //! `ActorCallFailed`). Only the oldest waiting call of the current epoch's host is
 //! accepted, so a late report from a host the actor has moved away from, or one out
 //! of order, changes nothing.
+//!
+//! Calls may also reach the host directly (`ActorCallsRan`): it runs them and records
+//! them with their results in one entry, taking their sequence numbers only then; the
+//! record accepts such a batch only on the state it ran on, behind no queued call,
+//! and for request ids it has not seen. A small state ([`INLINE_STATE_BYTES`] at
+//! most) is held by the record itself, so its calls write and copy no blob.
 
 use gpumesh_protocol::actor::{check_layout, check_name};
 use gpumesh_protocol::{ActorCall, BackendKind, BlobId, StateBuffer};
 
 use super::*;
-use crate::command::{ActorState, CallRan};
+use crate::command::{ActorState, CallRan, RequestId, INLINE_STATE_BYTES};
 
 /// How many results of an actor's calls the record keeps (the newest), so that a
 /// retried call learns its result.
@@ -38,14 +44,27 @@ pub struct Actor {
     /// Moves away from a host that was down or gone.
     pub moves: u32,
     /// The node that keeps the second copy of the state (it holds each call's
-    /// changes and makes the new state from the old).
+    /// changes and makes the new state from the old); none while the record holds
+    /// the state itself (`inline`).
     pub backup: Option<u64>,
+    /// The state's bytes, buffer by buffer in `state`'s order, when the record holds
+    /// them (a state of at most [`INLINE_STATE_BYTES`], once a call changed it);
+    /// empty otherwise. Each is the bytes of its buffer's blob id.
+    pub inline: Vec<Vec<u8>>,
     /// The sequence number the next call takes.
     pub next_seq: u64,
     /// Calls waiting to run, by sequence number.
     pub pending: BTreeMap<u64, PendingCall>,
     /// Results of calls that ran (the newest [`REMEMBERED_CALLS`]), by sequence number.
     pub results: BTreeMap<u64, CallResult>,
+}
+
+/// The state a batch of calls left: each buffer's blob, the bytes when the record
+/// holds them, and the node with the second copy when it does not.
+pub(crate) struct After<'a> {
+    pub state: &'a [(u32, BlobId)],
+    pub inline: &'a [Vec<u8>],
+    pub backup: u64,
 }
 
 /// A call waiting for its turn on the host.
@@ -77,9 +96,91 @@ impl Actor {
         self.state.iter().map(|s| s.buffer).collect()
     }
 
+    /// The bytes of the state buffer at `binding`, when the record holds them.
+    pub fn inline_state(&self, binding: u32) -> Option<&[u8]> {
+        let i = self
+            .state
+            .iter()
+            .position(|s| s.buffer.binding == binding)?;
+        self.inline.get(i).map(Vec::as_slice)
+    }
+
+    /// Whether the record holds this actor's state itself once a call changed it.
+    pub fn state_is_inline(&self) -> bool {
+        self.state.iter().map(|s| s.buffer.size).sum::<u64>() <= INLINE_STATE_BYTES
+    }
+
+    /// Why the state a batch reports cannot be this actor's next, if it cannot:
+    /// another layout, or inline bytes that are not the buffers' (or for a state too
+    /// large to hold inline).
+    fn check_after(&self, after: &After) -> Option<String> {
+        let name = &self.name;
+        let same_layout = after.state.len() == self.state.len()
+            && self
+                .state
+                .iter()
+                .zip(after.state)
+                .all(|(s, (binding, _))| s.buffer.binding == *binding);
+        if !same_layout {
+            return Some(format!(
+                "actor {name}: the reported state does not match its buffers"
+            ));
+        }
+        if after.inline.is_empty() {
+            return None;
+        }
+        if !self.state_is_inline() {
+            return Some(format!(
+                "actor {name}: its state is over {INLINE_STATE_BYTES} bytes; the record \
+                 does not hold it"
+            ));
+        }
+        let matches = after.inline.len() == self.state.len()
+            && self.state.iter().zip(after.state).zip(after.inline).all(
+                |((s, (_, blob)), bytes)| {
+                    bytes.len() as u64 == s.buffer.size && BlobId::of(bytes) == *blob
+                },
+            );
+        (!matches).then(|| {
+            format!("actor {name}: the state's bytes in the entry are not the state reported")
+        })
+    }
+
+    /// Takes the state a batch left.
+    fn advance(&mut self, after: &After) {
+        for (s, (_, blob)) in self.state.iter_mut().zip(after.state) {
+            s.blob = Some(*blob);
+        }
+        if after.inline.is_empty() {
+            self.inline.clear();
+            self.backup = Some(after.backup);
+        } else {
+            self.inline = after.inline.to_vec();
+            self.backup = None;
+        }
+    }
+
     /// The call the host runs next, if any.
     pub fn next_call(&self) -> Option<(u64, &PendingCall)> {
         self.pending.iter().next().map(|(seq, c)| (*seq, c))
+    }
+
+    /// The result of a call that ran (the state one version on) or failed.
+    fn result_of(&mut self, ran: &CallRan, index: u64) -> CallResult {
+        match ran {
+            CallRan::Done { outputs } => {
+                self.version += 1;
+                CallResult::Done {
+                    version: self.version,
+                    outputs: outputs.clone(),
+                    index,
+                }
+            }
+            CallRan::Failed { reason } => CallResult::Failed {
+                reason: reason.clone(),
+                index,
+            },
+        }
     }
 
     fn finish(&mut self, seq: u64, result: CallResult) {
@@ -156,6 +257,7 @@ impl StateMachine {
                 epoch: 0,
                 moves: 0,
                 backup: None,
+                inline: Vec::new(),
                 next_seq: 1,
                 pending: BTreeMap::new(),
                 results: BTreeMap::new(),
@@ -245,6 +347,7 @@ impl StateMachine {
         }
         a.version += 1;
         a.backup = Some(backup);
+        a.inline.clear();
         let version = a.version;
         a.finish(
             seq,
@@ -282,18 +385,15 @@ impl StateMachine {
         Outcome::Applied
     }
 
-    /// A batch of calls the host ran back to back, recorded together.
-    #[allow(clippy::too_many_arguments)]
+    /// A batch of queued calls the host ran back to back, recorded together.
     pub(super) fn actor_calls_done(
         &mut self,
         index: u64,
         name: &str,
-        epoch: u32,
-        node: u64,
+        (epoch, node): (u32, u64),
         first: u64,
         ran: &[CallRan],
-        state: &[(u32, BlobId)],
-        backup: u64,
+        after: After,
     ) -> Outcome {
         let Some(a) = self.actors.get_mut(name) else {
             return Outcome::Ignored(format!("no actor named {name} (deleted?)"));
@@ -312,39 +412,90 @@ impl StateMachine {
             ));
         }
         let changed = ran.iter().any(|r| matches!(r, CallRan::Done { .. }));
-        let same_layout = state.len() == a.state.len()
-            && state
-                .iter()
-                .all(|(binding, _)| a.state.iter().any(|s| s.buffer.binding == *binding));
-        if changed && !same_layout {
-            return Outcome::Rejected(format!(
-                "actor {name}: the reported state does not match its buffers"
-            ));
+        if changed {
+            if let Some(why) = a.check_after(&after) {
+                return Outcome::Rejected(why);
+            }
         }
         for (seq, r) in (first..).zip(ran) {
-            let result = match r {
-                CallRan::Done { outputs } => {
-                    a.version += 1;
-                    CallResult::Done {
-                        version: a.version,
-                        outputs: outputs.clone(),
-                        index,
-                    }
-                }
-                CallRan::Failed { reason } => CallResult::Failed {
-                    reason: reason.clone(),
-                    index,
-                },
-            };
+            let result = a.result_of(r, index);
             a.finish(seq, result);
         }
         if changed {
-            for (binding, blob) in state {
-                if let Some(s) = a.state.iter_mut().find(|s| s.buffer.binding == *binding) {
-                    s.blob = Some(*blob);
-                }
+            a.advance(&after);
+        }
+        Outcome::Applied
+    }
+
+    /// A batch of calls sent to the host, run on the state at `version` and recorded
+    /// with their results: each takes the next sequence number now.
+    pub(super) fn actor_calls_ran(
+        &mut self,
+        index: u64,
+        name: &str,
+        (epoch, node): (u32, u64),
+        version: u64,
+        calls: &[(RequestId, CallRan)],
+        after: After,
+    ) -> Outcome {
+        if let Some((id, _)) = calls
+            .iter()
+            .find(|(id, _)| self.requests.contains_key(id) || self.task_by_request.contains_key(id))
+        {
+            return Outcome::Ignored(format!(
+                "actor {name}: request {id} was recorded already; the batch would run it twice"
+            ));
+        }
+        let Some(a) = self.actors.get_mut(name) else {
+            return Outcome::Ignored(format!("no actor named {name} (deleted?)"));
+        };
+        if epoch != a.epoch || a.host != Some(node) {
+            return Outcome::Ignored(format!(
+                "actor {name}: calls run by node {node:x} under epoch {epoch}; it is hosted \
+                 by {} under epoch {}",
+                a.host.map_or("nobody".into(), |h| format!("{h:x}")),
+                a.epoch
+            ));
+        }
+        if calls.is_empty() {
+            return Outcome::Rejected(format!("actor {name}: a batch of no calls"));
+        }
+        if let Some((seq, _)) = a.next_call() {
+            return Outcome::Ignored(format!(
+                "actor {name}: queued call {seq} runs before calls sent to the host"
+            ));
+        }
+        if version != a.version {
+            return Outcome::Ignored(format!(
+                "actor {name}: the calls ran on version {version} of the state; it is at {}",
+                a.version
+            ));
+        }
+        let changed = calls.iter().any(|(_, r)| matches!(r, CallRan::Done { .. }));
+        if changed {
+            if let Some(why) = a.check_after(&after) {
+                return Outcome::Rejected(why);
             }
-            a.backup = Some(backup);
+        }
+        let mut seqs = Vec::with_capacity(calls.len());
+        for (_, r) in calls {
+            let seq = a.next_seq;
+            a.next_seq += 1;
+            let result = a.result_of(r, index);
+            a.finish(seq, result);
+            seqs.push(seq);
+        }
+        if changed {
+            a.advance(&after);
+        }
+        for ((id, _), seq) in calls.iter().zip(seqs) {
+            self.remember(
+                *id,
+                Committed {
+                    index,
+                    outcome: Outcome::CallQueued { seq },
+                },
+            );
         }
         Outcome::Applied
     }

@@ -48,8 +48,41 @@ impl StateMachine {
                 first,
                 ran,
                 state,
+                inline,
                 backup,
-            } => self.actor_calls_done(index, name, *epoch, *node, *first, ran, state, *backup),
+            } => self.actor_calls_done(
+                index,
+                name,
+                (*epoch, *node),
+                *first,
+                ran,
+                After {
+                    state,
+                    inline,
+                    backup: *backup,
+                },
+            ),
+            Command::ActorCallsRan {
+                name,
+                epoch,
+                node,
+                version,
+                calls,
+                state,
+                inline,
+                backup,
+            } => self.actor_calls_ran(
+                index,
+                name,
+                (*epoch, *node),
+                *version,
+                calls,
+                After {
+                    state,
+                    inline,
+                    backup: *backup,
+                },
+            ),
             Command::DeleteActor { name } => self.delete_actor(name),
             Command::MembersDown { down } => {
                 self.down = down

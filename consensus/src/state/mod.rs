@@ -17,6 +17,7 @@ mod commands;
 mod placement;
 mod types;
 
+pub(crate) use actors::After;
 pub use actors::{Actor, CallResult, PendingCall, REMEMBERED_CALLS};
 pub use placement::{candidates, largest_binding, pick, Candidate};
 pub use types::*;

@@ -10,7 +10,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::Json;
-use gpumesh_consensus::{Actor, AppliedEvent, CallResult, Command, Outcome};
+use gpumesh_consensus::{Actor, AppliedEvent, CallResult, Command, MergedOutput, Outcome};
 use serde::Deserialize;
 
 use super::error::{bad, unavailable, ApiError, ApiResult};
@@ -18,6 +18,7 @@ use super::gate::BodyCaps;
 use super::read_current;
 use super::state::ApiState;
 use super::views::{ActorView, CallReply, CallRequest, CreateActorRequest, OutputView};
+use crate::host::CallAnswer;
 
 fn no_actor(name: &str) -> ApiError {
     ApiError(
@@ -188,8 +189,10 @@ pub(crate) struct CallQuery {
     timeout_ms: Option<u64>,
 }
 
-/// Queues the call (once per request id) and answers when its result is recorded:
-/// the new state is then in the log and on two nodes.
+/// Sends the call to the actor's host, or queues it in the record when the host
+/// does not record it (once per request id either way), and answers when its result
+/// is recorded: the new state is then in the log and on two nodes (or, when small,
+/// in the log entry itself).
 pub(crate) async fn call(
     State(api): State<Arc<ApiState>>,
     Path(name): Path<String>,
@@ -205,11 +208,13 @@ pub(crate) async fn call(
         .map_err(bad)?;
     // At the leader's commit index: an actor just created through another node is
     // found here too.
-    let layout = {
+    let (layout, host) = {
         let n = name.clone();
-        read_current(&api.consensus, move |s| s.actor(&n).map(|a| a.layout()))
-            .await?
-            .ok_or_else(|| no_actor(&name))?
+        read_current(&api.consensus, move |s| {
+            s.actor(&n).map(|a| (a.layout(), a.host))
+        })
+        .await?
+        .ok_or_else(|| no_actor(&name))?
     };
     // The same checks the record and the host make, before anything is committed.
     req.call.check_shape(&layout).map_err(bad)?;
@@ -236,6 +241,24 @@ pub(crate) async fn call(
     let request_id = req
         .request_id
         .unwrap_or_else(|| api.consensus.new_request_id());
+    // Straight to the host, which records the call with its result in one entry;
+    // a retry of a request the record knows waits for it there instead.
+    let known = api
+        .consensus
+        .read_local(move |s| s.prior(&request_id).is_some());
+    if let (Some(host), Some(sender), false) = (host, &api.calls, known) {
+        match sender.send(host, &name, req.call.clone(), request_id).await {
+            CallAnswer::Done {
+                seq,
+                version,
+                outputs,
+            } => return Ok(Json(call_reply(seq, version, &outputs))),
+            CallAnswer::Failed { seq, reason } => return Err(call_failed(&name, seq, &reason)),
+            CallAnswer::NotRun(why) => {
+                tracing::debug!(actor = %name, %request_id, %why, "call not run by the host; queued in the record");
+            }
+        }
+    }
     let committed = api
         .consensus
         .propose_with_id(
@@ -269,27 +292,9 @@ pub(crate) async fn call(
             }
             Some(Some(CallResult::Done {
                 version, outputs, ..
-            })) => {
-                return Ok(Json(CallReply {
-                    seq,
-                    version,
-                    outputs: outputs
-                        .iter()
-                        .map(|o| OutputView {
-                            binding: o.binding,
-                            size: o.size,
-                            blake3: o.blob.to_hex(),
-                        })
-                        .collect(),
-                }))
-            }
+            })) => return Ok(Json(call_reply(seq, version, &outputs))),
             Some(Some(CallResult::Failed { reason, .. })) => {
-                return Err(ApiError(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    format!(
-                        "call {seq} to actor {name} failed, and the state is as it was: {reason}"
-                    ),
-                ))
+                return Err(call_failed(&name, seq, &reason))
             }
             Some(None) => {}
         }
@@ -310,6 +315,28 @@ pub(crate) async fn call(
     }
 }
 
+fn call_reply(seq: u64, version: u64, outputs: &[MergedOutput]) -> CallReply {
+    CallReply {
+        seq,
+        version,
+        outputs: outputs
+            .iter()
+            .map(|o| OutputView {
+                binding: o.binding,
+                size: o.size,
+                blake3: o.blob.to_hex(),
+            })
+            .collect(),
+    }
+}
+
+fn call_failed(name: &str, seq: u64, reason: &str) -> ApiError {
+    ApiError(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        format!("call {seq} to actor {name} failed, and the state is as it was: {reason}"),
+    )
+}
+
 /// A state buffer's bytes as of the last acknowledged call, whichever node it was
 /// acknowledged through (read at the leader's commit index when it confirms it).
 pub(crate) async fn state(
@@ -325,12 +352,16 @@ pub(crate) async fn state(
                     .find(|st| st.buffer.binding == binding)
                     .copied(),
                 a.backup,
+                a.inline_state(binding).map(<[u8]>::to_vec),
             )
         })
     })
     .await?
     .ok_or_else(|| no_actor(&name))?;
-    let (Some(st), backup) = found else {
+    if let (_, _, Some(bytes)) = found {
+        return Ok(bytes); // the record holds this state itself
+    }
+    let (Some(st), backup, _) = found else {
         return Err(ApiError(
             StatusCode::NOT_FOUND,
             format!("actor {name} has no state at binding {binding}"),

@@ -11,6 +11,7 @@ use libp2p::PeerId;
 
 use super::throughput::Throughput;
 use crate::blobs::BlobsHandle;
+use crate::host::CallSender;
 use crate::limits::Limits;
 use crate::liveness::LivenessHandle;
 use crate::metrics::Metrics;
@@ -42,6 +43,8 @@ pub(crate) struct ApiState {
     /// Runs a one-shard task here when this node's GPU has a free slot (none
     /// without a GPU).
     pub run_here: Option<RunHere>,
+    /// Sends actor calls straight to their hosts.
+    pub calls: Option<CallSender>,
 }
 
 impl ApiState {
@@ -71,6 +74,7 @@ impl ApiState {
             throughput: Arc::default(),
             timeline,
             run_here: None,
+            calls: None,
         }
     }
 }

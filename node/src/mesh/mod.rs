@@ -215,11 +215,15 @@ impl MeshNode {
             cancel.clone(),
         );
         tasks.push(blobs_task);
+        // Calls sent to this node as an actor's host (by its own API or a peer's);
+        // without a GPU nothing takes them, and senders queue them in the record.
+        let (calls_tx, calls_rx) = mpsc::channel(1024);
         let _ = joined.send(Membership {
             cluster,
             consensus: consensus.clone(),
             liveness: liveness.clone(),
             blobs: blobs.clone(),
+            calls: calls_tx.clone(),
         });
         // Dial every member at once: a node restarted with no --peer finds the mesh
         // through the addresses in its own copy of the membership.
@@ -274,6 +278,7 @@ impl MeshNode {
                     gpu: gpu.clone(),
                     default_deadline: config.default_deadline,
                     calls: metrics.actor_calls.clone(),
+                    inbox: calls_rx,
                 }
                 .run(cancel.clone()),
             ));
@@ -318,6 +323,13 @@ impl MeshNode {
             config.timeline.clone(),
         );
         api.run_here = run_here;
+        api.calls = Some(crate::host::CallSender {
+            me: raft_id,
+            inbox: calls_tx,
+            net: net.clone(),
+            peers: api.peers.clone(),
+            consensus: consensus.clone(),
+        });
         let (api_addr, api_task) =
             crate::api::serve(config.api, api_token, api, cancel.clone()).await?;
         tasks.push(api_task);

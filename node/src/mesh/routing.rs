@@ -14,6 +14,8 @@ pub(super) struct Membership {
     pub consensus: ConsensusHandle,
     pub liveness: LivenessHandle,
     pub blobs: BlobsHandle,
+    /// The actor host's inbox for calls sent to it.
+    pub calls: mpsc::Sender<crate::host::SentCall>,
 }
 
 pub(super) struct Router {
@@ -166,6 +168,17 @@ impl Answering {
                     Err(e) => NodeReply::Refused(format!("could not keep an actor's state: {e}")),
                 }
             }
+            (NodeRequest::Call { .. }, None) => {
+                NodeReply::Refused("could not run an actor call: not in a mesh yet".into())
+            }
+            (
+                NodeRequest::Call {
+                    name,
+                    call,
+                    request,
+                },
+                Some(m),
+            ) => NodeReply::Called(crate::host::ask(&m.calls, name, call, request, from).await),
             (NodeRequest::Peers, _) => NodeReply::Peers(self.peers.view().book()),
         };
         match wire::encode(&reply) {

@@ -17,19 +17,31 @@
 //! that cannot run *yet* (a blob not reachable) waits, with the calls after it,
 //! for the next turn.
 //!
+//! Calls may also be sent here directly (see [`sent`]): they wait in this host's
+//! mailbox, run in batches the same way once no queued call waits, and are recorded
+//! with their results in one `ActorCallsRan` — one commit per batch, no queue entry.
+//! A state small enough for the record to hold ([`INLINE_STATE_BYTES`]) rides in
+//! the batch's entry instead of being stored and copied as blobs.
+//!
 //! Talks to: consensus (reads the actors hosted here, proposes results), blobs
 //! (state, inputs, outputs and their copies), peers (who holds what), the GPU
 //! thread, the kernel cache.
 
-use std::collections::{HashMap, HashSet};
+mod sent;
+
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpumesh_consensus::{ActorState, CallRan, Command, ConsensusHandle, MergedOutput};
+use gpumesh_consensus::{
+    ActorState, CallRan, Command, ConsensusHandle, MergedOutput, Outcome, RequestId,
+    INLINE_STATE_BYTES,
+};
 use gpumesh_protocol::changes::Base;
 use gpumesh_protocol::{ActorCall, BlobId, BufferChanges, ShardChanges, StateBuffer};
 use gpumesh_shaders::{Job, KernelCache};
 use libp2p::PeerId;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -38,6 +50,8 @@ use crate::identity;
 use crate::peers::PeersHandle;
 use crate::wire::{Changes, NextState};
 use crate::worker::GpuHandle;
+
+pub(crate) use sent::{ask, CallAnswer, CallSender, SentCall};
 
 /// Changes up to this size go to the backup inside the request; larger ones as a blob.
 const INLINE_CHANGES: usize = 1 << 20;
@@ -55,20 +69,84 @@ pub(crate) struct ActorHost {
     pub default_deadline: Duration,
     /// Calls run here whose result the record took (`gpumesh_actor_calls_total`).
     pub calls: prometheus_client::metrics::counter::Counter,
+    /// Calls sent to this node as their actor's host.
+    pub inbox: mpsc::Receiver<SentCall>,
 }
 
 /// The calls waiting for one actor hosted here (the oldest, at most [`MAX_BATCH`]),
 /// with what running them needs.
 struct Turn {
     name: String,
-    /// The sequence number of the first; the others follow it one by one.
-    first: u64,
+    /// Where the calls came from.
+    source: Source,
     epoch: u32,
     /// Each call and the peer id of the node it came through.
-    calls: Vec<(ActorCall, String)>,
+    calls: Vec<(ActorCall, Option<PeerId>)>,
     state: Vec<ActorState>,
+    /// The state's bytes when the record holds them (else empty).
+    inline: Vec<Vec<u8>>,
     backup: Option<u64>,
     creator: String,
+}
+
+/// Where a turn's calls came from.
+enum Source {
+    /// The record's queue, from sequence number `first` on.
+    Queued { first: u64 },
+    /// This host's mailbox: run on the state at `version`, answered on `replies`.
+    Sent { version: u64, replies: Vec<Waiting> },
+}
+
+/// A sent call's caller, waiting for its answer.
+struct Waiting {
+    request: RequestId,
+    reply: oneshot::Sender<CallAnswer>,
+    /// Batches it was in that the record did not take.
+    tries: u32,
+}
+
+/// How many batches a sent call may be in that the record does not take before
+/// it goes through the record's queue instead.
+const MAX_TRIES: u32 = 3;
+
+/// What a turn hands back to the host's loop: the state it left on the GPU when
+/// recorded, and sent calls to run again in a later batch.
+#[derive(Default)]
+struct TurnEnd {
+    state: Option<Vec<BlobId>>,
+    again: Vec<SentCall>,
+}
+
+/// What a turn's calls left: how each ran (the first `ran.len()` of them; the
+/// others could not run yet), the state after them, its bytes when the record is
+/// to hold them, and the node keeping the second copy otherwise.
+struct Batch {
+    ran: Vec<CallRan>,
+    state: Vec<(u32, BlobId)>,
+    inline: Vec<Vec<u8>>,
+    backup: u64,
+}
+
+impl Batch {
+    /// How many of its calls ran (the others failed).
+    fn done(&self) -> u64 {
+        self.ran
+            .iter()
+            .filter(|r| matches!(r, CallRan::Done { .. }))
+            .count() as u64
+    }
+
+    /// The state it left, when a call of it ran.
+    fn after(&self) -> Option<Vec<BlobId>> {
+        (self.done() > 0).then(|| self.state.iter().map(|(_, b)| *b).collect())
+    }
+}
+
+/// Tells each sent call it was not recorded (its caller queues it instead).
+fn not_run(replies: Vec<Waiting>, why: &str) {
+    for w in replies {
+        let _ = w.reply.send(CallAnswer::NotRun(why.to_string()));
+    }
 }
 
 /// Calls of one actor run back to back and reported in one entry, at most: the
@@ -92,25 +170,27 @@ struct Ran {
 }
 
 impl ActorHost {
-    /// Runs each hosted actor's calls in order, one at a time per actor; different
-    /// actors' calls run side by side (they meet only on the GPU thread).
-    pub async fn run(self, cancel: CancellationToken) {
+    /// Runs each hosted actor's calls in order, one batch at a time per actor;
+    /// different actors' calls run side by side (they meet only on the GPU thread).
+    pub async fn run(mut self, cancel: CancellationToken) {
+        let mut inbox = std::mem::replace(&mut self.inbox, mpsc::channel(1).1);
         let host = Arc::new(self);
         let mut applied = host.consensus.watch_state();
         // The state each actor's last call here left on the GPU, by actor.
         let mut on_gpu: HashMap<String, Vec<BlobId>> = HashMap::new();
-        // Actors with a call under way here, and those calls.
+        // Calls sent here, by actor, oldest first.
+        let mut mailbox: HashMap<String, VecDeque<SentCall>> = HashMap::new();
+        // Actors with a batch under way here, and those batches.
         let mut busy: HashMap<tokio::task::Id, String> = HashMap::new();
-        let mut running: JoinSet<Option<Vec<BlobId>>> = JoinSet::new();
+        let mut running: JoinSet<TurnEnd> = JoinSet::new();
         loop {
             applied.borrow_and_update();
             host.release_gone(&mut on_gpu).await;
-            for turn in host.turns() {
-                if !busy.values().any(|n| *n == turn.name) {
-                    let (host, name) = (host.clone(), turn.name.clone());
-                    let task = running.spawn(async move { host.turn(turn).await });
-                    busy.insert(task.id(), name);
-                }
+            host.turn_away(&mut mailbox);
+            for turn in host.turns(&mut mailbox, |name| busy.values().any(|n| n == name)) {
+                let (host, name) = (host.clone(), turn.name.clone());
+                let task = running.spawn(async move { host.turn(turn).await });
+                busy.insert(task.id(), name);
             }
             tokio::select! {
                 biased;
@@ -119,12 +199,24 @@ impl ActorHost {
                     return;
                 }
                 Some(done) = running.join_next_with_id(), if !running.is_empty() => {
-                    let (task, state) = match done {
-                        Ok((task, state)) => (task, state),
-                        Err(e) => (e.id(), None),
+                    let (task, end) = match done {
+                        Ok((task, end)) => (task, end),
+                        Err(e) => (e.id(), TurnEnd::default()),
                     };
-                    if let (Some(name), Some(state)) = (busy.remove(&task), state) {
-                        on_gpu.insert(name, state);
+                    let Some(name) = busy.remove(&task) else { continue };
+                    if let Some(state) = end.state {
+                        on_gpu.insert(name.clone(), state);
+                    }
+                    let waiting = mailbox.entry(name).or_default();
+                    for call in end.again.into_iter().rev() {
+                        waiting.push_front(call);
+                    }
+                }
+                Some(call) = inbox.recv() => {
+                    mailbox.entry(call.name.clone()).or_default().push_back(call);
+                    // Whatever else arrived meanwhile joins the same batch.
+                    while let Ok(call) = inbox.try_recv() {
+                        mailbox.entry(call.name.clone()).or_default().push_back(call);
                     }
                 }
                 changed = applied.changed() => if changed.is_err() { return },
@@ -132,35 +224,179 @@ impl ActorHost {
         }
     }
 
-    /// Runs one call and reports it; returns, when the call ran, the state it left
-    /// on the GPU. A call that could not run yet, or whose report could not be made,
-    /// is tried again after a pause.
-    async fn turn(&self, turn: Turn) -> Option<Vec<BlobId>> {
-        let (name, seq) = (turn.name.clone(), turn.first);
-        let Some(report) = self.take(turn).await else {
+    /// Runs one batch and records it; see [`TurnEnd`] for what comes back.
+    async fn turn(&self, turn: Turn) -> TurnEnd {
+        let batch = self.take(&turn).await;
+        let Turn {
+            name,
+            source,
+            epoch,
+            calls,
+            ..
+        } = turn;
+        match source {
+            Source::Queued { first } => TurnEnd {
+                state: self.record_queued(name, epoch, first, batch).await,
+                again: Vec::new(),
+            },
+            Source::Sent { version, replies } => {
+                self.record_sent(name, (epoch, version), calls, replies, batch)
+                    .await
+            }
+        }
+    }
+
+    /// Records a batch of queued calls; returns the state it left on the GPU when
+    /// recorded. A batch that could not run yet, or whose report could not be
+    /// made, is tried again after a pause.
+    async fn record_queued(
+        &self,
+        name: String,
+        epoch: u32,
+        first: u64,
+        batch: Option<Batch>,
+    ) -> Option<Vec<BlobId>> {
+        let Some(b) = batch else {
             tokio::time::sleep(RETRY).await;
             return None;
         };
-        let state = match &report {
-            Command::ActorCallsDone { state, ran, .. }
-                if ran.iter().any(|r| matches!(r, CallRan::Done { .. })) =>
-            {
-                Some(state.iter().map(|(_, b)| *b).collect())
-            }
-            _ => None,
+        let (done, after) = (b.done(), b.after());
+        let command = Command::ActorCallsDone {
+            name: name.clone(),
+            epoch,
+            node: self.me,
+            first,
+            ran: b.ran,
+            state: b.state,
+            inline: b.inline,
+            backup: b.backup,
         };
-        let done = state.is_some();
-        match self.consensus.propose(report).await {
-            Ok(c) if done && c.outcome == gpumesh_consensus::Outcome::Applied => {
-                self.calls.inc();
+        match self.consensus.propose(command).await {
+            Ok(c) if c.outcome == Outcome::Applied => {
+                self.calls.inc_by(done);
+                after
             }
-            Ok(_) => {}
+            Ok(_) => None,
             Err(e) => {
-                tracing::warn!(actor = %name, seq, error = %e, "could not report the call");
+                tracing::warn!(actor = %name, first, error = %e, "could not report the calls");
                 tokio::time::sleep(RETRY).await;
+                None
             }
         }
-        state
+    }
+
+    /// Records a batch of calls sent here and answers each. Calls the record did not
+    /// take (a queued call came first, the state moved on) run again in a later
+    /// batch while this node still hosts the actor and the record does not know
+    /// their request ids; the others are answered [`CallAnswer::NotRun`].
+    async fn record_sent(
+        &self,
+        name: String,
+        (epoch, version): (u32, u64),
+        calls: Vec<(ActorCall, Option<PeerId>)>,
+        mut replies: Vec<Waiting>,
+        batch: Option<Batch>,
+    ) -> TurnEnd {
+        let Some(b) = batch else {
+            not_run(
+                replies,
+                "an input or the state is not reachable from the host yet",
+            );
+            return TurnEnd::default();
+        };
+        not_run(
+            replies.split_off(b.ran.len()),
+            "an input is not reachable from the host yet",
+        );
+        let (done, after) = (b.done(), b.after());
+        let command = Command::ActorCallsRan {
+            name: name.clone(),
+            epoch,
+            node: self.me,
+            version,
+            calls: replies.iter().map(|w| w.request).zip(b.ran).collect(),
+            state: b.state,
+            inline: b.inline,
+            backup: b.backup,
+        };
+        let why = match self.consensus.propose(command).await {
+            Ok(c) if c.outcome == Outcome::Applied => {
+                self.calls.inc_by(done);
+                for w in replies {
+                    let answer = CallAnswer::recorded(&self.consensus, &name, w.request);
+                    let _ = w.reply.send(answer);
+                }
+                return TurnEnd {
+                    state: after,
+                    again: Vec::new(),
+                };
+            }
+            Ok(c) => match c.outcome {
+                Outcome::Ignored(why) => why,
+                // Refused outright: running it again would be refused again.
+                other => {
+                    let why = format!("the host's batch was refused: {other:?}");
+                    not_run(replies, &why);
+                    return TurnEnd::default();
+                }
+            },
+            Err(e) => e.to_string(),
+        };
+        tracing::debug!(actor = %name, %why, "a batch of sent calls was not recorded");
+        let (me, n) = (self.me, name.clone());
+        let ids: Vec<RequestId> = replies.iter().map(|w| w.request).collect();
+        let (hosted, known): (bool, Vec<bool>) = self.consensus.read_local(move |s| {
+            let hosted = s
+                .actor(&n)
+                .is_some_and(|a| a.host == Some(me) && a.epoch == epoch);
+            (hosted, ids.iter().map(|id| s.prior(id).is_some()).collect())
+        });
+        let mut again = Vec::new();
+        for (((call, caller), w), known) in calls.into_iter().zip(replies).zip(known) {
+            if hosted && !known && w.tries < MAX_TRIES {
+                again.push(SentCall {
+                    name: name.clone(),
+                    call,
+                    request: w.request,
+                    caller: caller.unwrap_or_else(|| self.peers.me()),
+                    reply: w.reply,
+                    tries: w.tries + 1,
+                });
+            } else {
+                let _ = w.reply.send(CallAnswer::NotRun(format!(
+                    "the host's batch was not recorded: {why}"
+                )));
+            }
+        }
+        TurnEnd { state: None, again }
+    }
+
+    /// Answers the calls sent here for actors this node no longer hosts (deleted,
+    /// moved, never here): their callers queue them in the record.
+    fn turn_away(&self, mailbox: &mut HashMap<String, VecDeque<SentCall>>) {
+        mailbox.retain(|_, calls| !calls.is_empty());
+        if mailbox.is_empty() {
+            return;
+        }
+        let me = self.me;
+        let names: Vec<String> = mailbox.keys().cloned().collect();
+        let hosted: HashSet<String> = self.consensus.read_local(move |s| {
+            names
+                .into_iter()
+                .filter(|n| s.actor(n).is_some_and(|a| a.host == Some(me)))
+                .collect()
+        });
+        mailbox.retain(|name, calls| {
+            if hosted.contains(name) {
+                return true;
+            }
+            for call in calls.drain(..) {
+                let _ = call.reply.send(CallAnswer::NotRun(format!(
+                    "node {me:x} does not host actor {name}"
+                )));
+            }
+            false
+        });
     }
 
     /// Frees the GPU buffers of actors no longer hosted here (deleted, or moved to
@@ -189,58 +425,102 @@ impl ActorHost {
         }
     }
 
-    /// The waiting calls of every actor hosted here under its current epoch.
-    fn turns(&self) -> Vec<Turn> {
+    /// The next batch of every actor hosted here under its current epoch that has
+    /// none under way (`busy`): its queued calls if any wait in the record, else
+    /// the calls sent here (taken out of `mailbox`).
+    fn turns(
+        &self,
+        mailbox: &mut HashMap<String, VecDeque<SentCall>>,
+        busy: impl Fn(&str) -> bool,
+    ) -> Vec<Turn> {
         let me = self.me;
-        self.consensus.read_local(move |s| {
+        let sent: HashSet<String> = mailbox
+            .iter()
+            .filter(|(name, calls)| !calls.is_empty() && !busy(name))
+            .map(|(name, _)| name.clone())
+            .collect();
+        let mut turns: Vec<Turn> = self.consensus.read_local(|s| {
             s.actors()
                 .values()
-                .filter(|a| a.host == Some(me))
+                .filter(|a| a.host == Some(me) && !busy(&a.name))
                 .filter_map(|a| {
-                    let (first, _) = a.next_call()?;
-                    let calls = (first..)
-                        .map_while(|seq| a.pending.get(&seq))
-                        .take(MAX_BATCH)
-                        .map(|p| (p.call.clone(), p.caller.clone()))
-                        .collect();
+                    let source = match a.next_call() {
+                        Some((first, _)) => Source::Queued { first },
+                        None if sent.contains(&a.name) => Source::Sent {
+                            version: a.version,
+                            replies: Vec::new(),
+                        },
+                        None => return None,
+                    };
+                    let calls = match source {
+                        Source::Queued { first } => (first..)
+                            .map_while(|seq| a.pending.get(&seq))
+                            .take(MAX_BATCH)
+                            .map(|p| (p.call.clone(), p.caller.parse().ok()))
+                            .collect(),
+                        Source::Sent { .. } => Vec::new(),
+                    };
                     Some(Turn {
                         name: a.name.clone(),
-                        first,
+                        source,
                         epoch: a.epoch,
                         calls,
                         state: a.state.clone(),
+                        inline: a.inline.clone(),
                         backup: a.backup,
                         creator: a.creator.clone(),
                     })
                 })
                 .collect()
-        })
+        });
+        for turn in &mut turns {
+            let Source::Sent { replies, .. } = &mut turn.source else {
+                continue;
+            };
+            let Some(waiting) = mailbox.get_mut(&turn.name) else {
+                continue;
+            };
+            let n = waiting.len().min(MAX_BATCH);
+            for call in waiting.drain(..n) {
+                turn.calls.push((call.call, Some(call.caller)));
+                replies.push(Waiting {
+                    request: call.request,
+                    reply: call.reply,
+                    tries: call.tries,
+                });
+            }
+        }
+        turns
     }
 
     /// Runs a turn's calls one after another, each on the state the one before left;
-    /// keeps the final state here and on a second node and the outputs on two nodes;
-    /// returns the report of the calls that ran (`None` when the first cannot run
-    /// yet).
-    async fn take(&self, t: Turn) -> Option<Command> {
-        // The state's bytes, from the node that keeps its copy or its creator; the
-        // calls' inputs, from the nodes they came through.
+    /// keeps the final state (in the batch when the record holds it, else here and
+    /// on a second node) and the outputs on two nodes; `None` when the first cannot
+    /// run yet.
+    async fn take(&self, t: &Turn) -> Option<Batch> {
+        // The state's bytes: in the record, or from the node that keeps its copy
+        // or its creator; the calls' inputs, from the nodes they came through.
         let holder = t
             .backup
             .and_then(|b| self.peers.peer(b))
             .or_else(|| t.creator.parse().ok());
-        for blob in t.state.iter().filter_map(|s| s.blob) {
+        let in_record = |i: usize| t.inline.get(i).map(|b| Arc::<[u8]>::from(b.as_slice()));
+        for (i, s) in t.state.iter().enumerate() {
+            let Some(blob) = s.blob else { continue };
+            if in_record(i).is_some() {
+                continue;
+            }
             if let Err(e) = self.blobs.fetch(blob, holder).await {
                 tracing::warn!(actor = %t.name, error = %e, "the actor's state is not reachable yet");
                 return None;
             }
         }
         let mut calls = Vec::new();
-        for (seq, (call, caller)) in (t.first..).zip(t.calls) {
-            let from: Option<PeerId> = caller.parse().ok();
+        for (call, from) in &t.calls {
             let mut reachable = true;
             for blob in call.bindings.iter().filter_map(|b| b.role.blob()) {
-                if let Err(e) = self.blobs.fetch(blob, from).await {
-                    tracing::warn!(actor = %t.name, seq, error = %e, "a call input is not reachable yet");
+                if let Err(e) = self.blobs.fetch(blob, *from).await {
+                    tracing::warn!(actor = %t.name, error = %e, "a call input is not reachable yet");
                     reachable = false;
                     break;
                 }
@@ -248,7 +528,7 @@ impl ActorHost {
             if !reachable {
                 break; // it and the calls after it wait
             }
-            calls.push((call, from));
+            calls.push((call, *from));
         }
         if calls.is_empty() {
             return None;
@@ -257,9 +537,12 @@ impl ActorHost {
         let base: Vec<Option<Arc<[u8]>>> = t
             .state
             .iter()
-            .map(|s| {
-                s.blob
-                    .and_then(|b| store.get(&b).ok().flatten().map(Arc::from))
+            .enumerate()
+            .map(|(i, s)| {
+                in_record(i).or_else(|| {
+                    s.blob
+                        .and_then(|b| store.get(&b).ok().flatten().map(Arc::from))
+                })
             })
             .collect();
         if t.state
@@ -272,7 +555,12 @@ impl ActorHost {
         // Each call starts from what the one before left.
         let mut now: Vec<(StateBuffer, Option<BlobId>)> =
             t.state.iter().map(|s| (s.buffer, s.blob)).collect();
-        let mut latest: HashMap<BlobId, Arc<[u8]>> = HashMap::new();
+        let mut latest: HashMap<BlobId, Arc<[u8]>> = t
+            .state
+            .iter()
+            .zip(&base)
+            .filter_map(|(s, b)| Some((s.blob?, b.clone()?)))
+            .collect();
         let mut ran = Vec::new();
         let mut outputs: Vec<Vec<(u32, Vec<u8>)>> = Vec::new();
         for (call, _) in &calls {
@@ -300,8 +588,14 @@ impl ActorHost {
             return None;
         }
         let changed = ran.iter().any(|r| matches!(r, CallRan::Done { .. }));
+        let small = t.state.iter().map(|s| s.buffer.size).sum::<u64>() <= INLINE_STATE_BYTES;
         let mut backup = t.backup.unwrap_or(self.me);
-        if changed {
+        let mut inline = Vec::new();
+        if changed && small {
+            for (_, blob) in &now {
+                inline.push(latest.get(&(*blob)?)?.to_vec());
+            }
+        } else if changed {
             backup = self
                 .keep_state(&t.name, t.backup, &t.state, &base, &now, &latest)
                 .await?;
@@ -327,16 +621,13 @@ impl ActorHost {
                 }
             }
         }
-        Some(Command::ActorCallsDone {
-            name: t.name,
-            epoch: t.epoch,
-            node: self.me,
-            first: t.first,
+        Some(Batch {
             ran,
             state: now
                 .iter()
                 .filter_map(|(s, blob)| Some((s.binding, (*blob)?)))
                 .collect(),
+            inline,
             backup,
         })
     }

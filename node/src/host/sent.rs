@@ -1,0 +1,141 @@
+//! Calls sent straight to an actor's host: the API node hands a call to the node
+//! that hosts the actor (itself, or a peer over the mesh), which runs it with the
+//! others waiting and records them all, results included, in one entry
+//! (`ActorCallsRan`). Anything short of that record — the host gone, moved, busy
+//! with queued calls, an input not reachable — answers [`CallAnswer::NotRun`], and
+//! the API node queues the call in the record under the same request id instead:
+//! the record runs a request id once whichever way it went.
+
+use gpumesh_consensus::{CallResult, ConsensusHandle, MergedOutput, Outcome, RequestId};
+use gpumesh_protocol::ActorCall;
+use libp2p::PeerId;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::net::NetHandle;
+use crate::peers::PeersHandle;
+use crate::wire::{self, NodeReply, NodeRequest};
+
+/// A call handed to this node's actor host.
+pub(crate) struct SentCall {
+    pub name: String,
+    pub call: ActorCall,
+    pub request: RequestId,
+    /// The node it came through (it holds the call's input blobs).
+    pub caller: PeerId,
+    pub reply: oneshot::Sender<CallAnswer>,
+    /// Batches it was in that the record did not take.
+    pub tries: u32,
+}
+
+/// How a call sent to the host ended.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum CallAnswer {
+    /// Recorded: it ran as call `seq`, leaving the state at `version`.
+    Done {
+        seq: u64,
+        version: u64,
+        outputs: Vec<MergedOutput>,
+    },
+    /// Recorded as call `seq`: it failed and left the state as it was.
+    Failed { seq: u64, reason: String },
+    /// Not recorded by the host, for this reason: queue it in the record.
+    NotRun(String),
+}
+
+impl CallAnswer {
+    /// The answer the record gives for request `request` of actor `name`, once a
+    /// batch holding it was applied here.
+    pub fn recorded(consensus: &ConsensusHandle, name: &str, request: RequestId) -> CallAnswer {
+        let name = name.to_string();
+        consensus.read_local(move |s| {
+            let Some(Outcome::CallQueued { seq }) = s.prior(&request).map(|c| &c.outcome) else {
+                return CallAnswer::NotRun(format!("request {request} is not in the record"));
+            };
+            match s.actor(&name).and_then(|a| a.results.get(seq)) {
+                Some(CallResult::Done {
+                    version, outputs, ..
+                }) => CallAnswer::Done {
+                    seq: *seq,
+                    version: *version,
+                    outputs: outputs.clone(),
+                },
+                Some(CallResult::Failed { reason, .. }) => CallAnswer::Failed {
+                    seq: *seq,
+                    reason: reason.clone(),
+                },
+                None => CallAnswer::NotRun(format!("call {seq} of actor {name} has no result")),
+            }
+        })
+    }
+}
+
+/// Hands a call to the actor host behind `inbox` and waits for its answer.
+pub(crate) async fn ask(
+    inbox: &mpsc::Sender<SentCall>,
+    name: String,
+    call: ActorCall,
+    request: RequestId,
+    caller: PeerId,
+) -> CallAnswer {
+    let (reply, answer) = oneshot::channel();
+    let sent = SentCall {
+        name,
+        call,
+        request,
+        caller,
+        reply,
+        tries: 0,
+    };
+    if inbox.send(sent).await.is_err() {
+        return CallAnswer::NotRun("this node hosts no actors (it has no GPU)".into());
+    }
+    answer
+        .await
+        .unwrap_or_else(|_| CallAnswer::NotRun("the host stopped before answering".into()))
+}
+
+/// Sends calls to actor hosts: this node's own, or a peer's over the mesh.
+#[derive(Clone)]
+pub(crate) struct CallSender {
+    pub me: u64,
+    pub inbox: mpsc::Sender<SentCall>,
+    pub net: NetHandle,
+    pub peers: PeersHandle,
+    pub consensus: ConsensusHandle,
+}
+
+impl CallSender {
+    /// Sends `call` to node `host` (the actor's host as this node's record has it)
+    /// and waits for it to be recorded there.
+    pub async fn send(
+        &self,
+        host: u64,
+        name: &str,
+        call: ActorCall,
+        request: RequestId,
+    ) -> CallAnswer {
+        let me = self.peers.me();
+        if host == self.me {
+            return ask(&self.inbox, name.to_string(), call, request, me).await;
+        }
+        let peer = self.peers.peer(host).or_else(|| {
+            self.consensus
+                .read_local(move |s| s.member(host).and_then(|m| m.peer_id.parse().ok()))
+        });
+        let Some(peer) = peer else {
+            return CallAnswer::NotRun(format!("the host, node {host:x}, is not reachable"));
+        };
+        let asked = NodeRequest::Call {
+            name: name.to_string(),
+            call,
+            request,
+        };
+        match wire::call(&self.net, peer, &asked).await {
+            Ok(NodeReply::Called(answer)) => answer,
+            Ok(NodeReply::Refused(why)) => CallAnswer::NotRun(why),
+            Ok(other) => CallAnswer::NotRun(format!("the host answered {other:?}")),
+            Err(e) => CallAnswer::NotRun(e.to_string()),
+        }
+    }
+}
