@@ -241,6 +241,9 @@ pub enum Command {
         name: String,
         epoch: u32,
         node: u64,
+        /// The version of the state they ran on: a batch run on a state the record
+        /// has since moved past (a batch of sent calls recorded meanwhile) is stale.
+        version: u64,
         first: u64,
         ran: Vec<CallRan>,
         state: Vec<(u32, BlobId)>,

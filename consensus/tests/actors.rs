@@ -259,28 +259,33 @@ fn a_batch_of_calls_is_recorded_whole_in_order_or_not_at_all() {
     for p in 1..=4 {
         queue(&mut log, "b", p);
     }
-    let batch = |first: u64, epoch: u32, node: u64, ran: Vec<CallRan>| Command::ActorCallsDone {
-        name: "b".into(),
-        epoch,
-        node,
-        first,
-        ran,
-        state: vec![(0, BlobId::of(b"after"))],
-        inline: vec![],
-        backup: 2,
+    // Each batch as run on the version the state is at when it is made.
+    let batch = |version: u64, first: u64, epoch: u32, node: u64, ran: Vec<CallRan>| {
+        Command::ActorCallsDone {
+            name: "b".into(),
+            epoch,
+            node,
+            version,
+            first,
+            ran,
+            state: vec![(0, BlobId::of(b"after"))],
+            inline: vec![],
+            backup: 2,
+        }
     };
     let ok = || CallRan::Done { outputs: vec![] };
     // Not the next call in line, not the host, not this epoch, past the waiting
-    // calls, or empty: nothing is recorded.
-    ignored(log.apply(batch(2, 1, 1, vec![ok()])));
-    ignored(log.apply(batch(1, 1, 3, vec![ok()])));
-    ignored(log.apply(batch(1, 0, 1, vec![ok()])));
+    // calls, empty, or run on a version the state is not at: nothing is recorded.
+    ignored(log.apply(batch(1, 1, 1, 1, vec![ok()])));
+    ignored(log.apply(batch(0, 2, 1, 1, vec![ok()])));
+    ignored(log.apply(batch(0, 1, 1, 3, vec![ok()])));
+    ignored(log.apply(batch(0, 1, 0, 1, vec![ok()])));
     assert!(matches!(
-        log.apply(batch(1, 1, 1, vec![ok(); 5])),
+        log.apply(batch(0, 1, 1, 1, vec![ok(); 5])),
         Outcome::Rejected(_)
     ));
     assert!(matches!(
-        log.apply(batch(1, 1, 1, vec![])),
+        log.apply(batch(0, 1, 1, 1, vec![])),
         Outcome::Rejected(_)
     ));
     assert_eq!(log.sm.actor("b").unwrap().version, 0);
@@ -294,7 +299,7 @@ fn a_batch_of_calls_is_recorded_whole_in_order_or_not_at_all() {
         },
         ok(),
     ];
-    assert_eq!(log.apply(batch(1, 1, 1, three)), Outcome::Applied);
+    assert_eq!(log.apply(batch(0, 1, 1, 1, three)), Outcome::Applied);
     let a = log.sm.actor("b").unwrap();
     assert_eq!(a.version, 2);
     assert_eq!(a.state[0].blob, Some(BlobId::of(b"after")));
@@ -304,12 +309,12 @@ fn a_batch_of_calls_is_recorded_whole_in_order_or_not_at_all() {
     assert!(matches!(a.results[&3], CallResult::Done { version: 2, .. }));
     assert_eq!(a.next_call().map(|(s, _)| s), Some(4));
     // A replay of the same batch (a retried report) changes nothing.
-    ignored(log.apply(batch(1, 1, 1, vec![ok(); 3])));
+    ignored(log.apply(batch(2, 1, 1, 1, vec![ok(); 3])));
     // A batch of failures leaves the state where it was.
     let failed = vec![CallRan::Failed {
         reason: "deadline".into(),
     }];
-    let mut only = batch(4, 1, 1, failed);
+    let mut only = batch(2, 4, 1, 1, failed);
     if let Command::ActorCallsDone { state, .. } = &mut only {
         state.clear();
     }
@@ -441,10 +446,27 @@ fn calls_sent_to_the_host_are_recorded_once_with_the_state_inline() {
     assert!(why.contains("twice"), "{why}");
     let why = ignored(log.apply(sent("s", (1, 1), 2, vec![(id(6), ok())], &v3)));
     assert!(why.contains("queued call 4"), "{why}");
+    // A batch of the queued call run on the state before the sent batch below
+    // was recorded is stale once it is: it would lose that batch's changes.
+    let queued_on = |version: u64, bytes: &[u8]| Command::ActorCallsDone {
+        name: "s".into(),
+        epoch: 1,
+        node: 1,
+        version,
+        first: 4,
+        ran: vec![ok()],
+        state: vec![(0, BlobId::of(bytes))],
+        inline: vec![bytes.to_vec()],
+        backup: 1,
+    };
+    let stale = queued_on(1, &[9u8; 16]);
+    let why = ignored(log.apply(stale));
+    assert!(why.contains("version 1"), "{why}");
     let queued = Command::ActorCallsDone {
         name: "s".into(),
         epoch: 1,
         node: 1,
+        version: 2,
         first: 4,
         ran: vec![ok()],
         state: vec![(0, BlobId::of(&v3))],

@@ -391,7 +391,7 @@ impl StateMachine {
         index: u64,
         name: &str,
         (epoch, node): (u32, u64),
-        first: u64,
+        (version, first): (u64, u64),
         ran: &[CallRan],
         after: After,
     ) -> Outcome {
@@ -400,6 +400,12 @@ impl StateMachine {
         };
         if let Some(why) = a.stale(first, epoch, node) {
             return Outcome::Ignored(why);
+        }
+        if version != a.version {
+            return Outcome::Ignored(format!(
+                "actor {name}: the calls ran on version {version} of the state; it is at {}",
+                a.version
+            ));
         }
         if ran.is_empty() {
             return Outcome::Rejected(format!("actor {name}: a batch of no calls"));

@@ -45,6 +45,7 @@ impl StateMachine {
                 name,
                 epoch,
                 node,
+                version,
                 first,
                 ran,
                 state,
@@ -54,7 +55,7 @@ impl StateMachine {
                 index,
                 name,
                 (*epoch, *node),
-                *first,
+                (*version, *first),
                 ran,
                 After {
                     state,

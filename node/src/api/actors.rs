@@ -206,15 +206,20 @@ pub(crate) async fn call(
         .kernels
         .get(&req.call.shader, &req.call.entry_point)
         .map_err(bad)?;
-    // At the leader's commit index: an actor just created through another node is
-    // found here too.
+    // An actor's layout never changes, so this node's copy of the record serves
+    // when it has the actor; one just created through another node may not be here
+    // yet, so otherwise the read is at the leader's commit index. (A host read here
+    // that has moved on answers NotRun, and the call goes through the queue.)
     let (layout, host) = {
         let n = name.clone();
-        read_current(&api.consensus, move |s| {
-            s.actor(&n).map(|a| (a.layout(), a.host))
-        })
-        .await?
-        .ok_or_else(|| no_actor(&name))?
+        let find =
+            move |s: &gpumesh_consensus::StateMachine| s.actor(&n).map(|a| (a.layout(), a.host));
+        match api.consensus.read_local(find.clone()) {
+            Some(found) => found,
+            None => read_current(&api.consensus, find)
+                .await?
+                .ok_or_else(|| no_actor(&name))?,
+        }
     };
     // The same checks the record and the host make, before anything is committed.
     req.call.check_shape(&layout).map_err(bad)?;
@@ -273,6 +278,10 @@ pub(crate) async fn call(
         .map_err(unavailable)?;
     let seq = match committed.outcome {
         Outcome::CallQueued { seq } => seq,
+        // Deleted since this node's copy of the record was read.
+        Outcome::Rejected(why) if why.starts_with("no actor named") => {
+            return Err(no_actor(&name))
+        }
         Outcome::Rejected(why) | Outcome::Ignored(why) => return Err(bad(why)),
         other => return Err(unavailable(format!("unexpected outcome {other:?}"))),
     };

@@ -80,6 +80,8 @@ struct Turn {
     /// Where the calls came from.
     source: Source,
     epoch: u32,
+    /// The version of the state the calls run on.
+    version: u64,
     /// Each call and the peer id of the node it came through.
     calls: Vec<(ActorCall, Option<PeerId>)>,
     state: Vec<ActorState>,
@@ -93,8 +95,8 @@ struct Turn {
 enum Source {
     /// The record's queue, from sequence number `first` on.
     Queued { first: u64 },
-    /// This host's mailbox: run on the state at `version`, answered on `replies`.
-    Sent { version: u64, replies: Vec<Waiting> },
+    /// This host's mailbox, answered on `replies`.
+    Sent { replies: Vec<Waiting> },
 }
 
 /// A sent call's caller, waiting for its answer.
@@ -231,15 +233,18 @@ impl ActorHost {
             name,
             source,
             epoch,
+            version,
             calls,
             ..
         } = turn;
         match source {
             Source::Queued { first } => TurnEnd {
-                state: self.record_queued(name, epoch, first, batch).await,
+                state: self
+                    .record_queued(name, (epoch, version), first, batch)
+                    .await,
                 again: Vec::new(),
             },
-            Source::Sent { version, replies } => {
+            Source::Sent { replies } => {
                 self.record_sent(name, (epoch, version), calls, replies, batch)
                     .await
             }
@@ -252,7 +257,7 @@ impl ActorHost {
     async fn record_queued(
         &self,
         name: String,
-        epoch: u32,
+        (epoch, version): (u32, u64),
         first: u64,
         batch: Option<Batch>,
     ) -> Option<Vec<BlobId>> {
@@ -265,6 +270,7 @@ impl ActorHost {
             name: name.clone(),
             epoch,
             node: self.me,
+            version,
             first,
             ran: b.ran,
             state: b.state,
@@ -447,7 +453,6 @@ impl ActorHost {
                     let source = match a.next_call() {
                         Some((first, _)) => Source::Queued { first },
                         None if sent.contains(&a.name) => Source::Sent {
-                            version: a.version,
                             replies: Vec::new(),
                         },
                         None => return None,
@@ -464,6 +469,7 @@ impl ActorHost {
                         name: a.name.clone(),
                         source,
                         epoch: a.epoch,
+                        version: a.version,
                         calls,
                         state: a.state.clone(),
                         inline: a.inline.clone(),
