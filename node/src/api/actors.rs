@@ -279,9 +279,7 @@ pub(crate) async fn call(
     let seq = match committed.outcome {
         Outcome::CallQueued { seq } => seq,
         // Deleted since this node's copy of the record was read.
-        Outcome::Rejected(why) if why.starts_with("no actor named") => {
-            return Err(no_actor(&name))
-        }
+        Outcome::Rejected(why) if why.starts_with("no actor named") => return Err(no_actor(&name)),
         Outcome::Rejected(why) | Outcome::Ignored(why) => return Err(bad(why)),
         other => return Err(unavailable(format!("unexpected outcome {other:?}"))),
     };

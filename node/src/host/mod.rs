@@ -228,7 +228,13 @@ impl ActorHost {
 
     /// Runs one batch and records it; see [`TurnEnd`] for what comes back.
     async fn turn(&self, turn: Turn) -> TurnEnd {
+        let t0 = std::time::Instant::now();
         let batch = self.take(&turn).await;
+        eprintln!(
+            "PROBE take {} n={}",
+            t0.elapsed().as_micros(),
+            turn.calls.len()
+        );
         let Turn {
             name,
             source,
@@ -325,7 +331,10 @@ impl ActorHost {
             inline: b.inline,
             backup: b.backup,
         };
-        let why = match self.consensus.propose(command).await {
+        let t0 = std::time::Instant::now();
+        let proposed = self.consensus.propose(command).await;
+        eprintln!("PROBE propose {}", t0.elapsed().as_micros());
+        let why = match proposed {
             Ok(c) if c.outcome == Outcome::Applied => {
                 self.calls.inc_by(done);
                 for w in replies {
@@ -570,7 +579,10 @@ impl ActorHost {
         let mut ran = Vec::new();
         let mut outputs: Vec<Vec<(u32, Vec<u8>)>> = Vec::new();
         for (call, _) in &calls {
-            match self.run_call(call, &now, &latest).await {
+            let t0 = std::time::Instant::now();
+            let rc = self.run_call(call, &now, &latest).await;
+            eprintln!("PROBE call {}", t0.elapsed().as_micros());
+            match rc {
                 Ok(r) => {
                     latest.clear();
                     for ((_, blob), bytes) in now.iter_mut().zip(r.state) {

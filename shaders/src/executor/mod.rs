@@ -11,6 +11,8 @@
 //! thread, since a runaway dispatch may never let it go) and builds a fresh one, so
 //! the next task runs.
 
+mod chain;
+
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,10 +28,12 @@ use wgpu::util::DeviceExt;
 
 use crate::adapter::{self, BackendChoice};
 use crate::error::{ExecError, Result};
-use crate::job::{InputBuffer, Job, ShardOutput, Start};
+use crate::job::{InputBuffer, Job, ShardOutput, Start, Writable};
 use crate::kernel::{Access, Kernel, SHARD_INFO_GROUP};
 use crate::shard::{self, ShardRange, SHARD_INFO_BYTES};
 use crate::turns;
+
+pub use chain::ChainOutput;
 
 /// Limits the executor applies on top of the adapter's own.
 #[derive(Clone, Copy, Debug)]
@@ -551,47 +555,144 @@ impl Executor {
             label: Some("gpumesh shard"),
         });
         let mut outputs = BTreeMap::new();
+        let mut bound = BTreeMap::new();
         for (&binding, writable) in &job.writable {
-            let size = writable.size;
-            // New buffers are zeroed; other fills are written through the queue
-            // (mapping at creation would panic inside wgpu on a lost device), and an
-            // in-out buffer is copied on the device from its resident start.
-            let buffer = device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("gpumesh writable"),
-                size,
-                usage: wgpu::BufferUsages::STORAGE
-                    | wgpu::BufferUsages::COPY_SRC
-                    | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
+            let buffer = self.writable_buffer(&mut encoder, binding, writable, buffers.starts)?;
+            bound.insert(binding, buffer.clone());
+            outputs.insert(binding, (buffer, self.staging(writable.size)));
+        }
+        let (turns, tiles) =
+            self.encode_pass(&mut encoder, job, pipeline, buffers.inputs, &bound, range)?;
+        for (buffer, staging) in outputs.values() {
+            encoder.copy_buffer_to_buffer(buffer, 0, staging, 0, buffer.size());
+        }
+        let submission = self.gpu.queue.submit([encoder.finish()]);
+        Tally::add(&self.tally.dispatches, tiles as u64);
+        let (turns_tx, turns_rx) = mpsc::channel();
+        if let Some((_, staging)) = &turns {
+            staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+                let _ = turns_tx.send(r);
             });
-            match &writable.start {
-                Start::Fill([0, 0, 0, 0]) => {}
-                Start::Fill(word) => {
-                    let pattern: Vec<u8> =
-                        word.iter().copied().cycle().take(size as usize).collect();
-                    self.gpu.queue.write_buffer(&buffer, 0, &pattern);
-                    Tally::add(&self.tally.bytes_to_device, size);
-                }
-                Start::Blob(_) => {
-                    let start = buffers
-                        .starts
-                        .get(&binding)
-                        .ok_or_else(|| ExecError::Binding {
-                            binding,
-                            problem: "its starting contents were not uploaded".into(),
-                        })?;
-                    encoder.copy_buffer_to_buffer(start, 0, &buffer, 0, size);
-                }
-            }
-            let staging = device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("gpumesh readback"),
-                size,
-                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            });
-            outputs.insert(binding, (buffer, staging));
         }
 
+        let (tx, rx) = mpsc::channel();
+        for (&binding, (_, staging)) in &outputs {
+            let tx = tx.clone();
+            staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+                let _ = tx.send((binding, r));
+            });
+        }
+        drop(tx);
+        self.wait(submission, started, deadline)?;
+        for _ in 0..outputs.len() {
+            match rx.try_recv() {
+                Ok((_, Ok(()))) => {}
+                Ok((binding, Err(e))) => {
+                    return Err(ExecError::Gpu(format!(
+                        "reading back binding {binding}: {e}"
+                    )))
+                }
+                Err(_) => return Err(self.lost_or("readback did not complete")),
+            }
+        }
+        if let (Some((_, staging)), Some(cap)) = (&turns, self.loop_cap) {
+            match turns_rx.try_recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(ExecError::Gpu(format!("reading back loop turns: {e}"))),
+                Err(_) => return Err(self.lost_or("readback did not complete")),
+            }
+            let most = {
+                let w = staging.slice(..).get_mapped_range();
+                u32::from_le_bytes([w[0], w[1], w[2], w[3]])
+            };
+            if most >= cap {
+                return Err(ExecError::LoopCap {
+                    cap,
+                    adapter: self.capability.adapter_name.clone(),
+                });
+            }
+        }
+        let mut result = BTreeMap::new();
+        let mut kept = Vec::new();
+        for (binding, (buffer, staging)) in outputs {
+            let changes = {
+                let after = staging.slice(..).get_mapped_range();
+                Tally::add(&self.tally.bytes_from_device, after.len() as u64);
+                if job.keep.contains(&binding) {
+                    kept.push((BlobId::of(&after), buffer));
+                }
+                let base = job.writable[&binding].base();
+                BufferChanges::diff(base, &after)
+            };
+            staging.unmap();
+            result.insert(binding, changes);
+        }
+        Ok((ShardChanges(result), kept))
+    }
+
+    /// Waits for `submission` within what is left of the deadline.
+    /// A new device buffer for writable binding `binding`, holding its start: new
+    /// buffers are zeroed; other fills are written through the queue (mapping at
+    /// creation would panic inside wgpu on a lost device), and an in-out buffer is
+    /// copied in `encoder` from its uploaded start in `starts`.
+    fn writable_buffer(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        binding: u32,
+        writable: &Writable,
+        starts: &BTreeMap<u32, wgpu::Buffer>,
+    ) -> Result<wgpu::Buffer> {
+        let size = writable.size;
+        let buffer = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("gpumesh writable"),
+            size,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        match &writable.start {
+            Start::Fill([0, 0, 0, 0]) => {}
+            Start::Fill(word) => {
+                let pattern: Vec<u8> = word.iter().copied().cycle().take(size as usize).collect();
+                self.gpu.queue.write_buffer(&buffer, 0, &pattern);
+                Tally::add(&self.tally.bytes_to_device, size);
+            }
+            Start::Blob(_) => {
+                let start = starts.get(&binding).ok_or_else(|| ExecError::Binding {
+                    binding,
+                    problem: "its starting contents were not uploaded".into(),
+                })?;
+                encoder.copy_buffer_to_buffer(start, 0, &buffer, 0, size);
+            }
+        }
+        Ok(buffer)
+    }
+
+    /// A buffer to read `size` bytes back through.
+    fn staging(&self, size: u64) -> wgpu::Buffer {
+        self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("gpumesh readback"),
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        })
+    }
+
+    /// Encodes `job`'s dispatches over `range` (one per tile) into `encoder`, its
+    /// bindings bound to `inputs` and `writable`. Returns the loop-turn counter and
+    /// the buffer it is copied to for reading, when the pipeline counts turns, and
+    /// the number of dispatches.
+    fn encode_pass(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        job: &Job,
+        pipeline: &Pipeline,
+        inputs: &BTreeMap<u32, wgpu::Buffer>,
+        writable: &BTreeMap<u32, wgpu::Buffer>,
+        range: &ShardRange,
+    ) -> Result<(Option<(wgpu::Buffer, wgpu::Buffer)>, usize)> {
+        let device = &self.gpu.device;
         let wg = job.kernel.interface.workgroup_size;
         let tiles = shard::dispatches(
             range,
@@ -620,10 +721,9 @@ impl Executor {
             .bindings
             .keys()
             .map(|binding| {
-                let buffer = buffers
-                    .inputs
+                let buffer = inputs
                     .get(binding)
-                    .or_else(|| outputs.get(binding).map(|(b, _)| b))
+                    .or_else(|| writable.get(binding))
                     .ok_or_else(|| ExecError::Binding {
                         binding: *binding,
                         problem: "has no buffer".into(),
@@ -688,77 +788,12 @@ impl Executor {
                 pass.dispatch_workgroups(tile.groups[0], tile.groups[1], tile.groups[2]);
             }
         }
-        for (buffer, staging) in outputs.values() {
-            encoder.copy_buffer_to_buffer(buffer, 0, staging, 0, buffer.size());
-        }
         if let Some((counter, staging)) = &turns {
             encoder.copy_buffer_to_buffer(counter, 0, staging, 0, 4);
         }
-        let submission = self.gpu.queue.submit([encoder.finish()]);
-        Tally::add(&self.tally.dispatches, tiles.len() as u64);
-        let (turns_tx, turns_rx) = mpsc::channel();
-        if let Some((_, staging)) = &turns {
-            staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
-                let _ = turns_tx.send(r);
-            });
-        }
-
-        let (tx, rx) = mpsc::channel();
-        for (&binding, (_, staging)) in &outputs {
-            let tx = tx.clone();
-            staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
-                let _ = tx.send((binding, r));
-            });
-        }
-        drop(tx);
-        self.wait(submission, started, deadline)?;
-        for _ in 0..outputs.len() {
-            match rx.try_recv() {
-                Ok((_, Ok(()))) => {}
-                Ok((binding, Err(e))) => {
-                    return Err(ExecError::Gpu(format!(
-                        "reading back binding {binding}: {e}"
-                    )))
-                }
-                Err(_) => return Err(self.lost_or("readback did not complete")),
-            }
-        }
-        if let (Some((_, staging)), Some(cap)) = (&turns, self.loop_cap) {
-            match turns_rx.try_recv() {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(ExecError::Gpu(format!("reading back loop turns: {e}"))),
-                Err(_) => return Err(self.lost_or("readback did not complete")),
-            }
-            let most = {
-                let w = staging.slice(..).get_mapped_range();
-                u32::from_le_bytes([w[0], w[1], w[2], w[3]])
-            };
-            if most >= cap {
-                return Err(ExecError::LoopCap {
-                    cap,
-                    adapter: self.capability.adapter_name.clone(),
-                });
-            }
-        }
-        let mut result = BTreeMap::new();
-        let mut kept = Vec::new();
-        for (binding, (buffer, staging)) in outputs {
-            let changes = {
-                let after = staging.slice(..).get_mapped_range();
-                Tally::add(&self.tally.bytes_from_device, after.len() as u64);
-                if job.keep.contains(&binding) {
-                    kept.push((BlobId::of(&after), buffer));
-                }
-                let base = job.writable[&binding].base();
-                BufferChanges::diff(base, &after)
-            };
-            staging.unmap();
-            result.insert(binding, changes);
-        }
-        Ok((ShardChanges(result), kept))
+        Ok((turns, tiles.len()))
     }
 
-    /// Waits for `submission` within what is left of the deadline.
     fn wait(
         &self,
         submission: wgpu::SubmissionIndex,

@@ -1,0 +1,240 @@
+//! Jobs chained in one submission: an actor's batch of calls, each on the state the
+//! one before left, with nothing read back between them. The carried buffers are
+//! one device buffer each, written in place by every job in turn (the same as each
+//! job copying the last one's result, which the one-at-a-time path does through the
+//! host); every job's other writable buffers are its own, read back at the end with
+//! the carried buffers' final contents.
+
+use super::*;
+
+/// What a chain of jobs left.
+#[derive(Debug)]
+pub struct ChainOutput {
+    /// Each job's own writable buffers (not the carried ones), whole, by binding.
+    pub outputs: Vec<BTreeMap<u32, Vec<u8>>>,
+    /// The carried buffers' contents after the last job, by binding.
+    pub carried: BTreeMap<u32, Vec<u8>>,
+    /// From submission to the last byte read back.
+    pub elapsed: Duration,
+}
+
+impl Executor {
+    /// Runs `jobs` (one shard each) one after another in one submission. Each
+    /// binding in `carry` is a writable buffer of every job, shared in place: it
+    /// starts as the first job's start (the later jobs' own starts there are not
+    /// used) and each job sees what the one before left. A carried buffer the first
+    /// job keeps resident stays on the device under its final contents' address.
+    ///
+    /// `Ok(None)` when the jobs cannot run as one chain here (a kernel whose loop
+    /// turns this adapter caps, which must be counted dispatch by dispatch): run
+    /// them one at a time. An error fails the whole chain, and says nothing of which
+    /// job caused it; running them one at a time finds it.
+    pub fn run_chain(
+        &mut self,
+        jobs: &[Job],
+        carry: &[u32],
+        deadline: Option<Duration>,
+    ) -> Result<Option<ChainOutput>> {
+        let Some(first) = jobs.first() else {
+            return Ok(Some(ChainOutput {
+                outputs: Vec::new(),
+                carried: BTreeMap::new(),
+                elapsed: Duration::ZERO,
+            }));
+        };
+        for job in jobs {
+            self.check_limits(job)?;
+            if job.plan.len() != 1 {
+                return Err(ExecError::Task(format!(
+                    "a chained job runs as one shard; this one has {}",
+                    job.plan.len()
+                )));
+            }
+            for b in carry {
+                let (Some(mine), Some(theirs)) = (job.writable.get(b), first.writable.get(b))
+                else {
+                    return Err(ExecError::Binding {
+                        binding: *b,
+                        problem: "is carried through the chain but not writable in every job"
+                            .into(),
+                    });
+                };
+                if mine.size != theirs.size {
+                    return Err(ExecError::Binding {
+                        binding: *b,
+                        problem: "is carried through the chain at different sizes".into(),
+                    });
+                }
+            }
+        }
+        self.rebuild_if_lost();
+        let pipelines = jobs
+            .iter()
+            .map(|j| self.pipeline(&j.kernel))
+            .collect::<Result<Vec<_>>>()?;
+        if pipelines.iter().any(|p| p.counts_turns) {
+            return Ok(None);
+        }
+        let deadline = deadline.unwrap_or(self.limits.default_deadline);
+        let started = Instant::now();
+        let device = self.gpu.device.clone();
+        device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let result = self.encode_chain(jobs, &pipelines, carry, started, deadline);
+        let validation = pollster::block_on(device.pop_error_scope());
+        let oom = pollster::block_on(device.pop_error_scope());
+        let result = match (result, validation.or(oom)) {
+            (Ok(_), Some(e)) => Err(ExecError::Gpu(e.to_string())),
+            (Ok((out, kept)), None) => {
+                // The first job's kept start is replaced by the chain's end.
+                let replaced: Vec<BlobId> = first
+                    .keep
+                    .iter()
+                    .filter_map(|b| match &first.writable.get(b)?.start {
+                        Start::Blob(input) => Some(input.id),
+                        Start::Fill(_) => None,
+                    })
+                    .collect();
+                self.forget(&replaced);
+                for (id, buffer) in kept {
+                    self.make_resident((id, false), buffer);
+                }
+                Ok(Some(out))
+            }
+            (Err(e), _) => Err(e),
+        };
+        match result {
+            Err(ExecError::Deadline { .. } | ExecError::DeviceLost(_)) => {
+                self.rebuild();
+                result
+            }
+            Err(_) if self.is_lost() => {
+                let lost = self.lost_or("device lost during the chain");
+                self.rebuild();
+                Err(lost)
+            }
+            _ => result,
+        }
+    }
+
+    fn encode_chain(
+        &mut self,
+        jobs: &[Job],
+        pipelines: &[Arc<Pipeline>],
+        carry: &[u32],
+        started: Instant,
+        deadline: Duration,
+    ) -> Result<(ChainOutput, Kept)> {
+        let first = &jobs[0];
+        let mut encoder = self
+            .gpu
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("gpumesh chain"),
+            });
+        // The carried buffers, from the first job's starts.
+        let first_starts: BTreeMap<u32, &InputBuffer> = carry
+            .iter()
+            .filter_map(|b| match &first.writable[b].start {
+                Start::Blob(input) => Some((*b, input)),
+                Start::Fill(_) => None,
+            })
+            .collect();
+        let first_starts = self.upload(first_starts.iter().map(|(b, i)| (b, *i)));
+        let mut carried = BTreeMap::new();
+        for b in carry {
+            let buffer =
+                self.writable_buffer(&mut encoder, *b, &first.writable[b], &first_starts)?;
+            carried.insert(*b, buffer);
+        }
+        let mut own: Vec<BTreeMap<u32, (wgpu::Buffer, wgpu::Buffer)>> = Vec::new();
+        let mut dispatches = 0;
+        for (job, pipeline) in jobs.iter().zip(pipelines) {
+            let inputs = self.upload(&job.inputs);
+            let starts: BTreeMap<u32, &InputBuffer> = job
+                .writable
+                .iter()
+                .filter(|(b, _)| !carry.contains(b))
+                .filter_map(|(&b, w)| match &w.start {
+                    Start::Blob(input) => Some((b, input)),
+                    Start::Fill(_) => None,
+                })
+                .collect();
+            let starts = self.upload(starts.iter().map(|(b, i)| (b, *i)));
+            let mut bound = carried.clone();
+            let mut mine = BTreeMap::new();
+            for (&binding, writable) in job.writable.iter().filter(|(b, _)| !carry.contains(b)) {
+                let buffer = self.writable_buffer(&mut encoder, binding, writable, &starts)?;
+                bound.insert(binding, buffer.clone());
+                let staging = self.staging(writable.size);
+                mine.insert(binding, (buffer, staging));
+            }
+            let (_, tiles) =
+                self.encode_pass(&mut encoder, job, pipeline, &inputs, &bound, &job.plan[0])?;
+            dispatches += tiles;
+            for (buffer, staging) in mine.values() {
+                encoder.copy_buffer_to_buffer(buffer, 0, staging, 0, buffer.size());
+            }
+            own.push(mine);
+        }
+        let finals: BTreeMap<u32, wgpu::Buffer> = carried
+            .iter()
+            .map(|(b, buffer)| {
+                let staging = self.staging(buffer.size());
+                encoder.copy_buffer_to_buffer(buffer, 0, &staging, 0, buffer.size());
+                (*b, staging)
+            })
+            .collect();
+        let submission = self.gpu.queue.submit([encoder.finish()]);
+        Tally::add(&self.tally.dispatches, dispatches as u64);
+        let (tx, rx) = mpsc::channel();
+        let stagings = own
+            .iter()
+            .flat_map(|m| m.values().map(|(_, s)| s))
+            .chain(finals.values());
+        let mut mapped = 0;
+        for staging in stagings {
+            let tx = tx.clone();
+            staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+                let _ = tx.send(r);
+            });
+            mapped += 1;
+        }
+        drop(tx);
+        self.wait(submission, started, deadline)?;
+        for _ in 0..mapped {
+            match rx.try_recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(ExecError::Gpu(format!("reading back a chain: {e}"))),
+                Err(_) => return Err(self.lost_or("readback did not complete")),
+            }
+        }
+        let read = |staging: &wgpu::Buffer| {
+            let bytes = staging.slice(..).get_mapped_range().to_vec();
+            staging.unmap();
+            Tally::add(&self.tally.bytes_from_device, bytes.len() as u64);
+            bytes
+        };
+        let outputs = own
+            .iter()
+            .map(|m| m.iter().map(|(b, (_, s))| (*b, read(s))).collect())
+            .collect();
+        let mut kept = Vec::new();
+        let mut last = BTreeMap::new();
+        for (b, staging) in &finals {
+            let bytes = read(staging);
+            if first.keep.contains(b) {
+                kept.push((BlobId::of(&bytes), carried[b].clone()));
+            }
+            last.insert(*b, bytes);
+        }
+        Ok((
+            ChainOutput {
+                outputs,
+                carried: last,
+                elapsed: started.elapsed(),
+            },
+            kept,
+        ))
+    }
+}

@@ -1,0 +1,192 @@
+//! Jobs chained in one submission (an actor's batch of calls): each step sees what
+//! the one before left in the carried buffer, each job's own output is its own, and
+//! the end matches the CPU stepping one call at a time.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+
+mod common;
+
+use std::sync::Arc;
+
+use gpumesh_protocol::{BindingRole, BindingSpec, BlobId, Grid, MergeRule, ShaderSource, TaskSpec};
+use gpumesh_shaders::{Job, Kernel};
+
+/// The way a tutorial writes a stateful step: a uniform, a bounds check, an output
+/// of what the first words were before the step.
+const STEP: &str = r#"
+struct Params { add: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<storage, read_write> state: array<u32>;
+@group(0) @binding(1) var<uniform> params: Params;
+@group(0) @binding(2) var<storage, read_write> before: array<u32, 4>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x >= arrayLength(&state)) { return; }
+    if (gid.x < 4u) { before[gid.x] = state[gid.x]; }
+    state[gid.x] = state[gid.x] * 3u + params.add + gid.x;
+}
+"#;
+
+/// The same step, with a loop in it (counted, turn by turn, where the adapter caps
+/// loops).
+const LOOPED: &str = r#"
+struct Params { add: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<storage, read_write> state: array<u32>;
+@group(0) @binding(1) var<uniform> params: Params;
+@group(0) @binding(2) var<storage, read_write> before: array<u32, 4>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x >= arrayLength(&state)) { return; }
+    if (gid.x < 4u) { before[gid.x] = state[gid.x]; }
+    var v = state[gid.x];
+    for (var i = 0u; i < 1u; i++) { v = v * 3u; }
+    state[gid.x] = v + params.add + gid.x;
+}
+"#;
+
+/// Words of state: not a whole number of workgroups, so the last one is ragged.
+const WORDS: u32 = 1000;
+
+fn bytes(words: &[u32]) -> Vec<u8> {
+    words.iter().flat_map(|w| w.to_le_bytes()).collect()
+}
+
+fn words(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks_exact(4)
+        .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+        .collect()
+}
+
+/// A step of `add` on `state` (`None`: zeros, never written).
+fn step_job(source: &str, kernel: &Arc<Kernel>, state: Option<&[u8]>, add: u32) -> Job {
+    let size = u64::from(WORDS) * 4;
+    let spec = TaskSpec {
+        shader: ShaderSource::Wgsl(source.into()),
+        entry_point: "main".into(),
+        bindings: vec![
+            BindingSpec {
+                binding: 0,
+                role: match state {
+                    Some(s) => BindingRole::InOut {
+                        blob: BlobId::of(s),
+                        size,
+                    },
+                    None => BindingRole::Output { size },
+                },
+            },
+            BindingSpec {
+                binding: 1,
+                role: BindingRole::Param {
+                    data: bytes(&[add, 0, 0, 0]),
+                },
+            },
+            BindingSpec {
+                binding: 2,
+                role: BindingRole::Output { size: 16 },
+            },
+        ],
+        grid: Grid([WORDS.div_ceil(64), 1, 1]),
+        shards: 1,
+        merge: MergeRule::Changes,
+        merges: Default::default(),
+        options: Default::default(),
+    };
+    let blob: Option<Arc<[u8]>> = state.map(Arc::from);
+    Job::new(spec, kernel.clone(), |id| {
+        blob.clone().filter(|b| id.matches(b))
+    })
+    .unwrap()
+    .keep_resident([0])
+    .unwrap()
+}
+
+#[test]
+fn a_chain_of_steps_matches_the_cpu_and_each_step_keeps_its_own_output() {
+    let kernel = Arc::new(Kernel::compile(STEP, "main").unwrap());
+    let adds = [5u32, 1, 20, 3, 11, 7, 2, 9];
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let name = adapter.backend.name();
+        for start in [None, Some((0..WORDS).map(|i| i * 7).collect::<Vec<u32>>())] {
+            let start_bytes = start.as_deref().map(bytes);
+            let jobs: Vec<Job> = adds
+                .iter()
+                .map(|add| step_job(STEP, &kernel, start_bytes.as_deref(), *add))
+                .collect();
+            let out = executor
+                .run_chain(&jobs, &[0], None)
+                .unwrap()
+                .expect("a loop-free kernel chains everywhere");
+            let mut cpu = start.clone().unwrap_or_else(|| vec![0; WORDS as usize]);
+            for (k, add) in adds.iter().enumerate() {
+                assert_eq!(
+                    words(&out.outputs[k][&2]),
+                    cpu[..4].to_vec(),
+                    "{name}: step {k} saw the state the step before left"
+                );
+                assert!(
+                    !out.outputs[k].contains_key(&0),
+                    "the state is not an output"
+                );
+                for (i, w) in cpu.iter_mut().enumerate() {
+                    *w = w.wrapping_mul(3).wrapping_add(*add).wrapping_add(i as u32);
+                }
+            }
+            let end = &out.carried[&0];
+            assert_eq!(words(end), cpu, "{name}: the chain's end is the CPU's");
+
+            // The end stays on the device: the next step starts there, uploading
+            // no state.
+            let before = executor.counters();
+            let next = step_job(STEP, &kernel, Some(end), 4);
+            let shard = executor.run_shards(&next, &next.plan, None).unwrap();
+            let uploaded = executor.counters().since(&before).bytes_to_device;
+            assert!(
+                uploaded < u64::from(WORDS) * 4,
+                "{name}: {uploaded} bytes uploaded for a state kept on the device"
+            );
+            let merged = next.merge(&[&shard[0].changes]).unwrap();
+            for (i, w) in cpu.iter_mut().enumerate() {
+                *w = w.wrapping_mul(3).wrapping_add(4).wrapping_add(i as u32);
+            }
+            assert_eq!(words(&merged[&0]), cpu, "{name}: a step after the chain");
+        }
+    }
+}
+
+#[test]
+fn a_chain_whose_loops_this_adapter_caps_is_left_to_run_one_at_a_time() {
+    let kernel = Arc::new(Kernel::compile(LOOPED, "main").unwrap());
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let name = adapter.backend.name();
+        let jobs: Vec<Job> = [1u32, 2]
+            .iter()
+            .map(|add| step_job(LOOPED, &kernel, None, *add))
+            .collect();
+        let out = executor.run_chain(&jobs, &[0], None).unwrap();
+        match (executor.loop_cap(), out) {
+            (Some(_), None) => {}
+            (None, Some(out)) => {
+                let cpu: Vec<u32> = (0..WORDS).map(|i| (i * 3 + 1 + i) * 3 + 2 + i).collect();
+                assert_eq!(words(&out.carried[&0]), cpu, "{name}");
+            }
+            (cap, out) => panic!("{name}: cap {cap:?}, chained: {}", out.is_some()),
+        }
+    }
+}
+
+#[test]
+fn a_chain_refuses_a_carried_binding_some_job_does_not_write() {
+    let kernel = Arc::new(Kernel::compile(STEP, "main").unwrap());
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let jobs = vec![step_job(STEP, &kernel, None, 1)];
+        let err = executor.run_chain(&jobs, &[1], None).unwrap_err();
+        assert!(err.to_string().contains("carried"), "{err}");
+        // And goes on working.
+        assert!(executor.run_chain(&jobs, &[0], None).unwrap().is_some());
+    }
+}
