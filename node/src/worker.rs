@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use gpumesh_consensus::{AppliedEvent, Command, ConsensusHandle, Outcome, TaskId};
 use gpumesh_protocol::{BlobId, NodeCapability, ShardChanges, TaskSpec};
 use gpumesh_shaders::{
-    calibrate, BackendChoice, ExecError, Executor, ExecutorLimits, Job, ShardOutput,
+    calibrate, BackendChoice, ChainOutput, ExecError, Executor, ExecutorLimits, Job, ShardOutput,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -30,6 +30,13 @@ enum GpuRequest {
         shard: u32,
         deadline: Option<Duration>,
         reply: oneshot::Sender<Result<ShardOutput, ExecError>>,
+    },
+    /// Run these one-shard jobs as one chain (`Executor::run_chain`).
+    Chain {
+        jobs: Vec<Job>,
+        carry: Vec<u32>,
+        deadline: Option<Duration>,
+        reply: oneshot::Sender<Result<Option<ChainOutput>, ExecError>>,
     },
     /// Free the buffers kept on the device for these contents.
     Forget(Vec<BlobId>),
@@ -95,6 +102,18 @@ impl GpuHandle {
                             metrics.record(started.elapsed(), executor.counters().since(&before));
                             let _ = reply.send(result);
                         }
+                        GpuRequest::Chain {
+                            jobs,
+                            carry,
+                            deadline,
+                            reply,
+                        } => {
+                            let before = executor.counters();
+                            let started = Instant::now();
+                            let result = executor.run_chain(&jobs, &carry, deadline);
+                            metrics.record(started.elapsed(), executor.counters().since(&before));
+                            let _ = reply.send(result);
+                        }
                         GpuRequest::Forget(ids) => executor.forget(&ids),
                     }
                     metrics.set_resident(executor.resident_bytes());
@@ -127,6 +146,29 @@ impl GpuHandle {
 }
 
 impl GpuHandle {
+    /// Runs one-shard `jobs` one after another in one submission, the `carry`
+    /// bindings shared in place (see `Executor::run_chain`); `Ok(None)` when they
+    /// cannot run chained on this adapter.
+    pub async fn run_chain(
+        &self,
+        jobs: Vec<Job>,
+        carry: Vec<u32>,
+        deadline: Option<Duration>,
+    ) -> Result<Option<ChainOutput>, ExecError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(GpuRequest::Chain {
+                jobs,
+                carry,
+                deadline,
+                reply,
+            })
+            .await
+            .map_err(|_| ExecError::Gpu("the GPU thread has stopped".into()))?;
+        rx.await
+            .map_err(|_| ExecError::Gpu("the GPU thread has stopped".into()))?
+    }
+
     /// Frees the buffers the executor keeps on the device for these contents (the
     /// state of an actor no longer hosted here). Does not wait.
     pub async fn forget(&self, ids: Vec<BlobId>) {

@@ -144,6 +144,13 @@ impl Batch {
     }
 }
 
+/// What a chain of calls left: the state after the last, by binding in the
+/// actor's order, and each call's own outputs.
+struct Chained {
+    state: Vec<Vec<u8>>,
+    outputs: Vec<Vec<(u32, Vec<u8>)>>,
+}
+
 /// Tells each sent call it was not recorded (its caller queues it instead).
 fn not_run(replies: Vec<Waiting>, why: &str) {
     for w in replies {
@@ -228,13 +235,7 @@ impl ActorHost {
 
     /// Runs one batch and records it; see [`TurnEnd`] for what comes back.
     async fn turn(&self, turn: Turn) -> TurnEnd {
-        let t0 = std::time::Instant::now();
         let batch = self.take(&turn).await;
-        eprintln!(
-            "PROBE take {} n={}",
-            t0.elapsed().as_micros(),
-            turn.calls.len()
-        );
         let Turn {
             name,
             source,
@@ -331,10 +332,7 @@ impl ActorHost {
             inline: b.inline,
             backup: b.backup,
         };
-        let t0 = std::time::Instant::now();
-        let proposed = self.consensus.propose(command).await;
-        eprintln!("PROBE propose {}", t0.elapsed().as_micros());
-        let why = match proposed {
+        let why = match self.consensus.propose(command).await {
             Ok(c) if c.outcome == Outcome::Applied => {
                 self.calls.inc_by(done);
                 for w in replies {
@@ -578,11 +576,29 @@ impl ActorHost {
             .collect();
         let mut ran = Vec::new();
         let mut outputs: Vec<Vec<(u32, Vec<u8>)>> = Vec::new();
-        for (call, _) in &calls {
-            let t0 = std::time::Instant::now();
-            let rc = self.run_call(call, &now, &latest).await;
-            eprintln!("PROBE call {}", t0.elapsed().as_micros());
-            match rc {
+        // Several calls run as one chain on the GPU when they can (no readback
+        // between them); else, or when the chain fails (to find which call fails),
+        // one at a time.
+        let mut one_by_one = &calls[..];
+        if calls.len() > 1 {
+            if let Some(chain) = self.run_chain(&calls, &now, &latest).await {
+                latest.clear();
+                for ((_, blob), bytes) in now.iter_mut().zip(chain.state) {
+                    let id = BlobId::of(&bytes);
+                    *blob = Some(id);
+                    latest.insert(id, Arc::from(bytes));
+                }
+                for own in chain.outputs {
+                    ran.push(CallRan::Done {
+                        outputs: Vec::new(),
+                    });
+                    outputs.push(own);
+                }
+                one_by_one = &[];
+            }
+        }
+        for (call, _) in one_by_one {
+            match self.run_call(call, &now, &latest).await {
                 Ok(r) => {
                     latest.clear();
                     for ((_, blob), bytes) in now.iter_mut().zip(r.state) {
@@ -648,6 +664,63 @@ impl ActorHost {
             inline,
             backup,
         })
+    }
+
+    /// Runs `calls` as one chain on the state `now` (bytes of a state not yet
+    /// stored are in `latest`): the state after the last and each call's own
+    /// outputs, or `None` when they cannot run chained or the chain failed.
+    async fn run_chain(
+        &self,
+        calls: &[(&ActorCall, Option<PeerId>)],
+        now: &[(StateBuffer, Option<BlobId>)],
+        latest: &HashMap<BlobId, Arc<[u8]>>,
+    ) -> Option<Chained> {
+        let store = self.blobs.store().clone();
+        let state_bindings: Vec<u32> = now.iter().map(|(s, _)| s.binding).collect();
+        let mut jobs = Vec::with_capacity(calls.len());
+        let mut deadline = Duration::ZERO;
+        for (call, _) in calls {
+            let spec = call.as_task(now);
+            let kernel = self.kernels.get(&spec.shader, &spec.entry_point).ok()?;
+            let job = Job::new(spec, kernel, |id| {
+                latest
+                    .get(id)
+                    .cloned()
+                    .or_else(|| store.get(id).ok().flatten().map(Arc::from))
+            })
+            .and_then(|j| j.keep_resident(state_bindings.iter().copied()))
+            .ok()?;
+            jobs.push(job);
+            // The longest a call may run: a runaway among them costs that, and
+            // then its own deadline again run alone.
+            deadline = deadline.max(
+                call.deadline_ms
+                    .map_or(self.default_deadline, Duration::from_millis),
+            );
+        }
+        let chain = match self
+            .gpu
+            .run_chain(jobs, state_bindings.clone(), Some(deadline))
+            .await
+        {
+            Ok(Some(chain)) => chain,
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::debug!(error = %e, "a chain of calls failed; running them one at a time");
+                return None;
+            }
+        };
+        let mut carried = chain.carried;
+        let state = state_bindings
+            .iter()
+            .map(|b| carried.remove(b))
+            .collect::<Option<Vec<_>>>()?;
+        let outputs = chain
+            .outputs
+            .into_iter()
+            .map(|own| own.into_iter().collect())
+            .collect();
+        Some(Chained { state, outputs })
     }
 
     /// Runs one call on the state `now` (bytes of a state not yet stored are in
