@@ -1,6 +1,7 @@
 //! `gpumesh bench ...`: measurements printed as tables, never asserted in tests.
 
 mod actors;
+mod blobs;
 mod consensus;
 mod direct;
 mod executor;
@@ -10,6 +11,7 @@ mod mesh;
 mod sharding;
 
 pub use actors::{actors, ActorsBenchArgs};
+pub use blobs::{blobs, BlobsBenchArgs};
 pub use consensus::{consensus, ConsensusBenchArgs};
 pub use executor::{executor, ExecutorBenchArgs};
 pub use faults::{faults, FaultsBenchArgs};

@@ -130,6 +130,9 @@ pub enum BenchCommand {
     /// GPU actors: call latency one at a time, calls/s with many in flight from
     /// every node, and the time to the next acknowledged call after the host dies.
     Actors(crate::bench::ActorsBenchArgs),
+    /// Blob transfer: one blob pulled between two nodes (and fetched into the blob
+    /// store, hashed and fsync'd) beside raw loopback TCP.
+    Blobs(crate::bench::BlobsBenchArgs),
 }
 
 /// What to run: the flags `gpumesh run` and `gpumesh submit` share.
@@ -336,6 +339,7 @@ pub fn execute(cli: Cli, matches: &ArgMatches) -> anyhow::Result<ExitCode> {
             BenchCommand::Mesh(args) => crate::bench::mesh(args),
             BenchCommand::Faults(args) => crate::bench::faults(args),
             BenchCommand::Actors(args) => crate::bench::actors(args),
+            BenchCommand::Blobs(args) => crate::bench::blobs(args),
         },
     }
 }

@@ -98,8 +98,14 @@ impl fmt::Display for BlobTransferReport {
 
 /// Measures moving `bytes` between two nodes on loopback with the default tuning.
 pub async fn bench_blob_transfer(bytes: usize) -> Result<BlobTransferReport> {
+    let (chunk_bytes, fetch_window) = blob_transfer_defaults();
+    bench_blob_transfer_with(bytes, chunk_bytes, fetch_window).await
+}
+
+/// A node's chunk size and chunks in flight when it pulls a blob.
+pub fn blob_transfer_defaults() -> (u32, usize) {
     let defaults = NetConfig::new(Keypair::generate_ed25519());
-    bench_blob_transfer_with(bytes, defaults.chunk_bytes, defaults.fetch_window).await
+    (defaults.chunk_bytes, defaults.fetch_window)
 }
 
 /// [`bench_blob_transfer`] with a chosen chunk size and number of chunks in flight.

@@ -60,7 +60,9 @@ use tokio_util::sync::CancellationToken;
 use crate::blobs::store::BlobStore;
 use crate::error::{NodeError, Result};
 
-pub use bench::{bench_blob_transfer, bench_blob_transfer_with, BlobTransferReport};
+pub use bench::{
+    bench_blob_transfer, bench_blob_transfer_with, blob_transfer_defaults, BlobTransferReport,
+};
 pub use codec::MESH_PROTOCOL;
 pub use config::{ConnectionCaps, NetConfig};
 pub use events::NetEvent;
