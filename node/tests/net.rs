@@ -243,7 +243,8 @@ async fn three_nodes_reach_each_other_through_known_addresses() {
 
 #[tokio::test]
 async fn a_ten_megabyte_blob_arrives_in_chunks_byte_for_byte() {
-    let server = Node::start(|_| {}).await;
+    // A holder without the blob lane: the bytes come in chunks.
+    let server = Node::start(|c| c.blob_lane = false).await;
     // Small chunks and an odd size: many pipelined requests and a short last chunk.
     let client = Node::start(|c| {
         c.chunk_bytes = 256 << 10;
@@ -690,47 +691,21 @@ async fn bootstrap_peers_are_dialled_at_start_and_after_they_come_up() {
 
 #[tokio::test]
 async fn the_transfer_bench_reports_all_three_paths() {
-    let report = bench_blob_transfer_with(2 << 20, 256 << 10, 4)
-        .await
-        .unwrap();
-    // How the paths compare is the benchmark's to measure (`gpumesh bench mesh`); this
-    // test checks that every path ran and is reported.
-    assert!(report.raw_tcp > Duration::ZERO && report.mesh_pull > Duration::ZERO);
-    assert!(report.fetch_blob > Duration::ZERO);
-    let text = report.to_string();
-    assert!(
-        text.contains("raw TCP") && text.contains("fetch_blob"),
-        "{text}"
-    );
-}
-
-/// The figures for the report: `GPUMESH_BENCH_MB=64 cargo test --release -p gpumesh-node
-/// --test net -- --ignored --nocapture` (optionally `GPUMESH_BENCH_CHUNK_KB`,
-/// `GPUMESH_BENCH_WINDOW`).
-#[tokio::test(flavor = "multi_thread")]
-#[ignore = "a measurement, not a check; run by hand"]
-async fn transfer_bench_figures() {
-    let env = |name: &str, default: usize| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    };
-    let bytes = env("GPUMESH_BENCH_MB", 64) << 20;
-    let report = match (
-        std::env::var("GPUMESH_BENCH_CHUNK_KB").ok(),
-        std::env::var("GPUMESH_BENCH_WINDOW").ok(),
-    ) {
-        (None, None) => gpumesh_node::net::bench_blob_transfer(bytes).await.unwrap(),
-        _ => bench_blob_transfer_with(
-            bytes,
-            (env("GPUMESH_BENCH_CHUNK_KB", 1024) << 10) as u32,
-            env("GPUMESH_BENCH_WINDOW", 8),
-        )
-        .await
-        .unwrap(),
-    };
-    println!("{report}");
+    // How the paths compare is the benchmark's to measure (`gpumesh bench blobs`);
+    // this test checks that every path ran and is reported, on the lane and in chunks.
+    for lane in [true, false] {
+        let report = bench_blob_transfer_with(2 << 20, 256 << 10, 4, lane)
+            .await
+            .unwrap();
+        assert!(report.raw_tcp > Duration::ZERO && report.mesh_pull > Duration::ZERO);
+        assert!(report.fetch_blob > Duration::ZERO);
+        let text = report.to_string();
+        assert!(
+            text.contains("raw TCP") && text.contains("fetch_blob"),
+            "{text}"
+        );
+        assert_eq!(text.contains("blob lane"), lane, "{text}");
+    }
 }
 
 #[tokio::test]
@@ -748,6 +723,7 @@ async fn a_peer_with_a_smaller_frame_limit_serves_a_blob_in_smaller_pieces() {
     let server = Node::start(|c| {
         c.max_frame_bytes = 256 << 10;
         c.chunk_bytes = 128 << 10;
+        c.blob_lane = false;
     })
     .await;
     let client = Node::start(|c| c.chunk_bytes = 1 << 20).await;

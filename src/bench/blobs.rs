@@ -9,10 +9,14 @@ pub struct BlobsBenchArgs {
     /// MiB per blob.
     #[arg(long, default_value_t = 64)]
     pub mib: usize,
-    /// Chunk size in KiB (default: the node's).
+    /// Move the bytes in chunks over request-response, as to a peer without the
+    /// blob lane, instead of streaming them on the lane.
+    #[arg(long)]
+    pub chunks: bool,
+    /// Chunk size in KiB with --chunks (default: the node's).
     #[arg(long)]
     pub chunk_kib: Option<u32>,
-    /// Chunks in flight at once (default: the node's).
+    /// Chunks in flight at once with --chunks (default: the node's).
     #[arg(long)]
     pub window: Option<usize>,
     /// After the table, one JSON object on the last line: blob_vs_tcp,
@@ -32,6 +36,7 @@ pub fn blobs(args: BlobsBenchArgs) -> anyhow::Result<ExitCode> {
         args.mib << 20,
         chunk,
         window,
+        !args.chunks,
     ))?;
     println!("gpumesh bench blobs — two nodes on loopback in one process\n");
     println!("{report}");

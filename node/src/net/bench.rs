@@ -29,6 +29,8 @@ const RUNS: usize = 3;
 #[derive(Clone, Debug)]
 pub struct BlobTransferReport {
     pub bytes: usize,
+    /// Whether the blob lane carried the bytes (else chunks over request-response).
+    pub lane: bool,
     pub chunk_bytes: u32,
     pub fetch_window: usize,
     /// Plain tokio `TcpStream` write → read of the same bytes over loopback.
@@ -58,13 +60,20 @@ impl BlobTransferReport {
 
 impl fmt::Display for BlobTransferReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
-            f,
-            "blob transfer over loopback: {:.1} MiB, chunks of {} KiB, {} in flight (best of {RUNS})",
-            self.bytes as f64 / (1 << 20) as f64,
-            self.chunk_bytes / 1024,
-            self.fetch_window
-        )?;
+        let mib = self.bytes as f64 / (1 << 20) as f64;
+        if self.lane {
+            writeln!(
+                f,
+                "blob transfer over loopback: {mib:.1} MiB streamed on the blob lane (best of {RUNS})"
+            )?;
+        } else {
+            writeln!(
+                f,
+                "blob transfer over loopback: {mib:.1} MiB, chunks of {} KiB, {} in flight (best of {RUNS})",
+                self.chunk_bytes / 1024,
+                self.fetch_window
+            )?;
+        }
         writeln!(
             f,
             "{:<34} {:>10} {:>10} {:>8}",
@@ -73,7 +82,7 @@ impl fmt::Display for BlobTransferReport {
         let rows = [
             ("raw TCP (tokio, loopback)", self.raw_tcp, 1.0),
             (
-                "mesh pull (key in noise+yamux+rr)",
+                "mesh pull (noise+key, yamux)",
                 self.mesh_pull,
                 self.pull_ratio(),
             ),
@@ -99,7 +108,7 @@ impl fmt::Display for BlobTransferReport {
 /// Measures moving `bytes` between two nodes on loopback with the default tuning.
 pub async fn bench_blob_transfer(bytes: usize) -> Result<BlobTransferReport> {
     let (chunk_bytes, fetch_window) = blob_transfer_defaults();
-    bench_blob_transfer_with(bytes, chunk_bytes, fetch_window).await
+    bench_blob_transfer_with(bytes, chunk_bytes, fetch_window, true).await
 }
 
 /// A node's chunk size and chunks in flight when it pulls a blob.
@@ -108,11 +117,14 @@ pub fn blob_transfer_defaults() -> (u32, usize) {
     (defaults.chunk_bytes, defaults.fetch_window)
 }
 
-/// [`bench_blob_transfer`] with a chosen chunk size and number of chunks in flight.
+/// [`bench_blob_transfer`] with a chosen chunk size and number of chunks in flight,
+/// and with the blob lane on (`lane`) or off (every byte in chunks over
+/// request-response).
 pub async fn bench_blob_transfer_with(
     bytes: usize,
     chunk_bytes: u32,
     fetch_window: usize,
+    lane: bool,
 ) -> Result<BlobTransferReport> {
     let loopback = |e: std::io::Error| NodeError::io(Path::new("127.0.0.1"), e);
     let blobs: Vec<Vec<u8>> = (0..RUNS as u64)
@@ -145,6 +157,7 @@ pub async fn bench_blob_transfer_with(
             config.psk = Some(key.psk());
             config.chunk_bytes = chunk_bytes;
             config.fetch_window = fetch_window;
+            config.blob_lane = lane;
             // The bench does not read events; a small channel whose overflow is
             // dropped is all it needs.
             let (events, _) = mpsc::channel(16);
@@ -181,6 +194,7 @@ pub async fn bench_blob_transfer_with(
         }
         Ok(BlobTransferReport {
             bytes,
+            lane,
             chunk_bytes,
             fetch_window,
             raw_tcp,

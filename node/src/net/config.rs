@@ -39,8 +39,12 @@ pub struct NetConfig {
     pub max_frame_bytes: usize,
     /// Bytes asked for per blob chunk request.
     pub chunk_bytes: u32,
-    /// Chunk requests kept in flight by one blob fetch.
+    /// Chunk requests kept in flight by one blob fetch (from a peer without the
+    /// blob lane).
     pub fetch_window: usize,
+    /// Serve and use the blob lane (a blob streamed on one stream per pull); off,
+    /// blobs move in chunks over request-response only.
+    pub blob_lane: bool,
     /// How long one request may take before it fails.
     pub request_timeout: Duration,
     /// How long a dial may take (TCP connect + handshakes) before it fails.
@@ -70,6 +74,7 @@ impl NetConfig {
             max_frame_bytes: 32 << 20,
             chunk_bytes: 1 << 20,
             fetch_window: 8,
+            blob_lane: true,
             request_timeout: Duration::from_secs(30),
             dial_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(300),

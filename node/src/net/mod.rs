@@ -39,6 +39,7 @@
 
 mod actor;
 mod bench;
+mod blob_lane;
 mod codec;
 mod config;
 mod events;
@@ -78,6 +79,10 @@ const COMMAND_QUEUE: usize = 1024;
 pub struct NetHandle {
     commands: mpsc::Sender<Command>,
     raft: std::sync::Arc<raft_lane::RaftLane>,
+    /// Opens blob-lane streams (see [`blob_lane`]); `None` when the lane is off.
+    streams: Option<libp2p_stream::Control>,
+    /// Where the blob lane counts its bytes.
+    metrics: crate::metrics::NetMetrics,
     local_peer_id: PeerId,
     blobs: BlobStore,
     chunk_bytes: u32,
@@ -120,11 +125,22 @@ impl NetHandle {
             config.metrics.clone(),
             cancel.clone(),
         )?;
+        let mut streams = swarm.behaviour().raft.new_control();
+        if config.blob_lane {
+            blob_lane::serve(
+                &mut streams,
+                blobs.clone(),
+                config.metrics.clone(),
+                cancel.clone(),
+            )?;
+        }
         let (commands_tx, commands) = mpsc::channel(COMMAND_QUEUE);
         let task = actor::spawn(swarm, &config, commands, events, blobs.clone(), cancel);
         let handle = NetHandle {
             commands: commands_tx,
             raft,
+            streams: config.blob_lane.then_some(streams),
+            metrics: config.metrics.clone(),
             local_peer_id,
             blobs,
             chunk_bytes: config.chunk_bytes,

@@ -66,19 +66,29 @@ impl NetHandle {
         Ok(out)
     }
 
-    /// Pulls blob `id` from `from` in chunks, `fetch_window` requests in flight so the
-    /// link stays busy while each answer is on its way, and hands each checked chunk
-    /// to `each(total, offset, bytes)`.
+    /// Pulls blob `id` from `from` and hands each piece to `each(total, offset,
+    /// bytes)`: on the blob lane when both ends have it, else in chunks,
+    /// `fetch_window` requests in flight so the link stays busy while each answer
+    /// is on its way.
     async fn pull_with(
         &self,
         from: PeerId,
         id: BlobId,
         mut each: impl FnMut(u64, u64, Vec<u8>) -> Result<()>,
     ) -> Result<()> {
+        let limit = self.blobs.max_blob_bytes();
+        let timeout = self.request_timeout + self.dial_timeout;
+        if let Some(streams) = &self.streams {
+            let metrics = &self.metrics;
+            if super::blob_lane::pull(streams, from, id, limit, timeout, metrics, &mut each).await?
+            {
+                return Ok(());
+            }
+        }
+        // A peer without the blob lane: chunks over request-response.
         let chunk = u64::from(self.chunk_bytes);
         let first = self.blob_chunk(from, id, 0, chunk).await?;
         let total = first.total;
-        let limit = self.blobs.max_blob_bytes();
         if total > limit {
             return Err(NodeError::Limit {
                 what: "blob size in bytes (as announced by the peer)",
