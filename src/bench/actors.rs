@@ -23,7 +23,7 @@ pub struct ActorsBenchArgs {
     #[arg(long, default_value_t = 48)]
     pub in_flight: usize,
     /// Print one JSON object as the last line (`call_p50_ms`, `call_p99_ms`,
-    /// `calls_per_s`, `failover_ms`).
+    /// `call_at_host_p50_ms`, `call_at_host_p99_ms`, `calls_per_s`, `failover_ms`).
     #[arg(long)]
     pub json: bool,
 }
@@ -96,6 +96,16 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
     }
     lat.sort();
     let (p50, p99) = (percentile(&lat, 0.5), percentile(&lat, 0.99));
+    // The same through the host's own API: no hop between nodes before the run.
+    let direct = &clients[host_index];
+    let mut at_host = Vec::new();
+    for _ in 0..args.latency_calls.max(1) {
+        let t = Instant::now();
+        direct.call_actor("bench", call(), None).await?;
+        at_host.push(t.elapsed());
+    }
+    at_host.sort();
+    let (host_p50, host_p99) = (percentile(&at_host, 0.5), percentile(&at_host, 0.99));
 
     // (2) Many in flight, through every node.
     let t = Instant::now();
@@ -117,13 +127,14 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
     let calls_per_s = total as f64 / t.elapsed().as_secs_f64();
     let version = clients[0].actor("bench").await?.version;
     anyhow::ensure!(
-        version == (lat.len() + total) as u64,
+        version == (lat.len() + at_host.len() + total) as u64,
         "the actor ran {version} calls, not {}",
-        lat.len() + total
+        lat.len() + at_host.len() + total
     );
 
     // (3) The host dies: time to the next acknowledged call.
     let survivor = clients[(host_index + 1) % nodes.len()].clone();
+    let host_led = survivor.status().await?.leader == nodes[host_index].raft_id;
     let host_node = nodes.remove(host_index);
     let killed = Instant::now();
     host_node.kill().await;
@@ -132,7 +143,7 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
     let moved = survivor.actor("bench").await?;
     anyhow::ensure!(moved.node != host.node, "the actor did not move: {moved:?}");
     let counts = survivor.actor_state("bench", 0).await?;
-    let expect = (lat.len() + total + 1) as u32;
+    let expect = (lat.len() + at_host.len() + total + 1) as u32;
     anyhow::ensure!(
         counts
             .chunks_exact(4)
@@ -153,13 +164,27 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
         ms(p99)
     );
     println!(
+        "{:<60} {:>9.2} ms",
+        "actor call through the host's own API, p50",
+        ms(host_p50)
+    );
+    println!(
+        "{:<60} {:>9.2} ms",
+        "actor call through the host's own API, p99",
+        ms(host_p99)
+    );
+    println!(
         "{:<60} {:>9.0} /s",
         format!("actor calls, {} in flight through 3 nodes", args.in_flight),
         calls_per_s
     );
     println!(
         "{:<60} {:>9.0} ms",
-        "host killed -> next call acknowledged (moved to the copy)",
+        if host_led {
+            "host (the leader too) killed -> next call acknowledged"
+        } else {
+            "host killed -> next call acknowledged (moved to the copy)"
+        },
         ms(failover)
     );
     if args.json {
@@ -168,8 +193,11 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
             serde_json::json!({
                 "call_p50_ms": ms(p50),
                 "call_p99_ms": ms(p99),
+                "call_at_host_p50_ms": ms(host_p50),
+                "call_at_host_p99_ms": ms(host_p99),
                 "calls_per_s": calls_per_s,
                 "failover_ms": ms(failover),
+                "failover_host_led": host_led,
             })
         );
     }
