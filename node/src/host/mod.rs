@@ -151,6 +151,24 @@ struct Chained {
     outputs: Vec<Vec<(u32, Vec<u8>)>>,
 }
 
+/// The most calls sent here that wait for one actor; beyond them a call is turned
+/// away and waits in the record's queue instead, so a flood of calls cannot grow
+/// the host's memory without bound.
+const MAILBOX: usize = 1024;
+
+/// Puts a sent call in its actor's mailbox, or turns it away when that is full.
+fn post(mailbox: &mut HashMap<String, VecDeque<SentCall>>, call: SentCall) {
+    let waiting = mailbox.entry(call.name.clone()).or_default();
+    if waiting.len() >= MAILBOX {
+        let _ = call.reply.send(CallAnswer::NotRun(format!(
+            "{MAILBOX} calls to actor {} already wait on its host",
+            call.name
+        )));
+    } else {
+        waiting.push_back(call);
+    }
+}
+
 /// Tells each sent call it was not recorded (its caller queues it instead).
 fn not_run(replies: Vec<Waiting>, why: &str) {
     for w in replies {
@@ -222,10 +240,10 @@ impl ActorHost {
                     }
                 }
                 Some(call) = inbox.recv() => {
-                    mailbox.entry(call.name.clone()).or_default().push_back(call);
+                    post(&mut mailbox, call);
                     // Whatever else arrived meanwhile joins the same batch.
                     while let Ok(call) = inbox.try_recv() {
-                        mailbox.entry(call.name.clone()).or_default().push_back(call);
+                        post(&mut mailbox, call);
                     }
                 }
                 changed = applied.changed() => if changed.is_err() { return },
@@ -852,5 +870,58 @@ impl ActorHost {
                 None
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use gpumesh_protocol::{Grid, ShaderSource};
+
+    use super::*;
+
+    fn sent(name: &str, n: u64) -> (SentCall, oneshot::Receiver<CallAnswer>) {
+        let (reply, answer) = oneshot::channel();
+        let call = SentCall {
+            name: name.into(),
+            call: ActorCall {
+                shader: ShaderSource::Wgsl(String::new()),
+                entry_point: "main".into(),
+                bindings: vec![],
+                grid: Grid([1, 1, 1]),
+                deadline_ms: None,
+            },
+            request: RequestId::new(1, n),
+            caller: PeerId::random(),
+            reply,
+            tries: 0,
+        };
+        (call, answer)
+    }
+
+    #[test]
+    fn a_full_mailbox_turns_a_call_away_to_the_queue_and_others_still_fit() {
+        let mut mailbox = HashMap::new();
+        let mut answers = Vec::new();
+        for n in 0..MAILBOX as u64 {
+            let (call, answer) = sent("a", n);
+            post(&mut mailbox, call);
+            answers.push(answer);
+        }
+        let (over, mut answer) = sent("a", u64::MAX);
+        post(&mut mailbox, over);
+        match answer.try_recv().unwrap() {
+            CallAnswer::NotRun(why) => assert!(why.contains("already wait"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(mailbox["a"].len(), MAILBOX);
+        // Another actor's calls are not held back by this one's.
+        let (other, mut answer) = sent("b", 0);
+        post(&mut mailbox, other);
+        assert!(answer.try_recv().is_err(), "waiting, not answered");
+        assert_eq!(mailbox["b"].len(), 1);
+        // Those waiting were not answered.
+        assert!(answers.iter_mut().all(|a| a.try_recv().is_err()));
     }
 }
