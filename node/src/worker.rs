@@ -130,18 +130,25 @@ impl GpuHandle {
         shard: u32,
         deadline: Option<Duration>,
     ) -> Result<ShardOutput, ExecError> {
+        self.ask(|reply| GpuRequest::Run {
+            job: Box::new(job),
+            shard,
+            deadline,
+            reply,
+        })
+        .await
+    }
+
+    /// Sends the GPU thread the request `make` builds around a reply channel, and
+    /// waits for the reply.
+    async fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, ExecError>>) -> GpuRequest,
+    ) -> Result<T, ExecError> {
+        let stopped = || ExecError::Gpu("the GPU thread has stopped".into());
         let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(GpuRequest::Run {
-                job: Box::new(job),
-                shard,
-                deadline,
-                reply,
-            })
-            .await
-            .map_err(|_| ExecError::Gpu("the GPU thread has stopped".into()))?;
-        rx.await
-            .map_err(|_| ExecError::Gpu("the GPU thread has stopped".into()))?
+        self.tx.send(make(reply)).await.map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())?
     }
 }
 
@@ -155,18 +162,13 @@ impl GpuHandle {
         carry: Vec<u32>,
         deadline: Option<Duration>,
     ) -> Result<Option<ChainOutput>, ExecError> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(GpuRequest::Chain {
-                jobs,
-                carry,
-                deadline,
-                reply,
-            })
-            .await
-            .map_err(|_| ExecError::Gpu("the GPU thread has stopped".into()))?;
-        rx.await
-            .map_err(|_| ExecError::Gpu("the GPU thread has stopped".into()))?
+        self.ask(|reply| GpuRequest::Chain {
+            jobs,
+            carry,
+            deadline,
+            reply,
+        })
+        .await
     }
 
     /// Frees the buffers the executor keeps on the device for these contents (the

@@ -183,7 +183,7 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
         if host_led {
             "host (the leader too) killed -> next call acknowledged"
         } else {
-            "host killed -> next call acknowledged (moved to the copy)"
+            "host killed -> next call acknowledged (moved to another node)"
         },
         ms(failover)
     );

@@ -684,6 +684,37 @@ impl ActorHost {
         })
     }
 
+    /// The job a call runs as on the state `now` (bytes of a state not yet stored
+    /// are in `latest`), its state buffers kept on the GPU after it; or why the call
+    /// cannot run (its kernel, or the call, does not fit).
+    fn call_job(
+        &self,
+        call: &ActorCall,
+        now: &[(StateBuffer, Option<BlobId>)],
+        latest: &HashMap<BlobId, Arc<[u8]>>,
+    ) -> Result<Job, String> {
+        let spec = call.as_task(now);
+        let kernel = self
+            .kernels
+            .get(&spec.shader, &spec.entry_point)
+            .map_err(|e| e.to_string())?;
+        let store = self.blobs.store().clone();
+        Job::new(spec, kernel, |id| {
+            latest
+                .get(id)
+                .cloned()
+                .or_else(|| store.get(id).ok().flatten().map(Arc::from))
+        })
+        .and_then(|j| j.keep_resident(now.iter().map(|(s, _)| s.binding)))
+        .map_err(|e| e.to_string())
+    }
+
+    /// How long a call may run on the GPU.
+    fn deadline_of(&self, call: &ActorCall) -> Duration {
+        call.deadline_ms
+            .map_or(self.default_deadline, Duration::from_millis)
+    }
+
     /// Runs `calls` as one chain on the state `now` (bytes of a state not yet
     /// stored are in `latest`): the state after the last and each call's own
     /// outputs, or `None` when they cannot run chained or the chain failed.
@@ -693,28 +724,14 @@ impl ActorHost {
         now: &[(StateBuffer, Option<BlobId>)],
         latest: &HashMap<BlobId, Arc<[u8]>>,
     ) -> Option<Chained> {
-        let store = self.blobs.store().clone();
         let state_bindings: Vec<u32> = now.iter().map(|(s, _)| s.binding).collect();
         let mut jobs = Vec::with_capacity(calls.len());
         let mut deadline = Duration::ZERO;
         for (call, _) in calls {
-            let spec = call.as_task(now);
-            let kernel = self.kernels.get(&spec.shader, &spec.entry_point).ok()?;
-            let job = Job::new(spec, kernel, |id| {
-                latest
-                    .get(id)
-                    .cloned()
-                    .or_else(|| store.get(id).ok().flatten().map(Arc::from))
-            })
-            .and_then(|j| j.keep_resident(state_bindings.iter().copied()))
-            .ok()?;
-            jobs.push(job);
+            jobs.push(self.call_job(call, now, latest).ok()?);
             // The longest a call may run: a runaway among them costs that, and
             // then its own deadline again run alone.
-            deadline = deadline.max(
-                call.deadline_ms
-                    .map_or(self.default_deadline, Duration::from_millis),
-            );
+            deadline = deadline.max(self.deadline_of(call));
         }
         let chain = match self
             .gpu
@@ -749,27 +766,13 @@ impl ActorHost {
         now: &[(StateBuffer, Option<BlobId>)],
         latest: &HashMap<BlobId, Arc<[u8]>>,
     ) -> Result<Ran, CallError> {
-        let spec = call.as_task(now);
-        let kernel = self
-            .kernels
-            .get(&spec.shader, &spec.entry_point)
-            .map_err(|e| CallError::Failed(e.to_string()))?;
-        let store = self.blobs.store().clone();
         let state_bindings: Vec<u32> = now.iter().map(|(s, _)| s.binding).collect();
-        let job = Job::new(spec, kernel, |id| {
-            latest
-                .get(id)
-                .cloned()
-                .or_else(|| store.get(id).ok().flatten().map(Arc::from))
-        })
-        .and_then(|j| j.keep_resident(state_bindings.iter().copied()))
-        .map_err(|e| CallError::Failed(e.to_string()))?;
-        let deadline = call
-            .deadline_ms
-            .map_or(self.default_deadline, Duration::from_millis);
+        let job = self
+            .call_job(call, now, latest)
+            .map_err(CallError::Failed)?;
         let out = self
             .gpu
-            .run(job.clone(), 0, Some(deadline))
+            .run(job.clone(), 0, Some(self.deadline_of(call)))
             .await
             .map_err(|e| CallError::Failed(e.to_string()))?;
         tokio::task::spawn_blocking(move || {

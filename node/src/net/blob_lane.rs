@@ -15,7 +15,7 @@
 
 use std::time::Duration;
 
-use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use futures::{AsyncReadExt, AsyncWriteExt};
 use gpumesh_protocol::BlobId;
 use libp2p::{PeerId, Stream, StreamProtocol};
 use libp2p_stream::{Control, IncomingStreams};
@@ -63,12 +63,8 @@ async fn accept(
     cancel: CancellationToken,
 ) {
     loop {
-        let (peer, stream) = tokio::select! {
-            _ = cancel.cancelled() => return,
-            next = incoming.next() => match next {
-                Some(s) => s,
-                None => return,
-            },
+        let Some((peer, stream)) = super::next_stream(&mut incoming, &cancel).await else {
+            return;
         };
         let (blobs, metrics, cancel) = (blobs.clone(), metrics.clone(), cancel.clone());
         tokio::spawn(async move {
@@ -195,14 +191,7 @@ pub(super) async fn pull(
     stream.read_exact(&mut total).await.map_err(io)?;
     let total = u64::from_le_bytes(total);
     metrics.received(Lane::Blob, 9);
-    if total > limit {
-        return Err(NodeError::Limit {
-            what: "blob size in bytes (as announced by the peer)",
-            value: total,
-            limit,
-            setting: "--max-blob-bytes",
-        });
-    }
+    super::pull::within_limit(total, limit)?;
     if total == 0 {
         each(0, 0, Vec::new())?; // an empty blob is a blob too
     }

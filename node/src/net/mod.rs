@@ -93,6 +93,19 @@ pub struct NetHandle {
     delay_us: Arc<AtomicU64>,
 }
 
+/// The next stream a peer opened on `incoming` (a lane's listener), or `None` once
+/// `cancel` fires or the listener is gone.
+async fn next_stream(
+    incoming: &mut libp2p_stream::IncomingStreams,
+    cancel: &CancellationToken,
+) -> Option<(PeerId, libp2p::Stream)> {
+    use futures::StreamExt;
+    tokio::select! {
+        _ = cancel.cancelled() => None,
+        next = incoming.next() => next,
+    }
+}
+
 impl fmt::Debug for NetHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NetHandle")

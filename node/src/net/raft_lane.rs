@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use futures::{AsyncReadExt, AsyncWriteExt};
 use libp2p::{PeerId, Stream, StreamProtocol};
 use libp2p_stream::{Control, IncomingStreams};
 use tokio::sync::mpsc;
@@ -206,12 +206,8 @@ async fn accept(
     cancel: CancellationToken,
 ) {
     loop {
-        let (peer, stream) = tokio::select! {
-            _ = cancel.cancelled() => return,
-            next = incoming.next() => match next {
-                Some(s) => s,
-                None => return,
-            },
+        let Some((peer, stream)) = super::next_stream(&mut incoming, &cancel).await else {
+            return;
         };
         tokio::spawn(read(
             peer,

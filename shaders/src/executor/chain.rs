@@ -77,44 +77,10 @@ impl Executor {
         }
         let deadline = deadline.unwrap_or(self.limits.default_deadline);
         let started = Instant::now();
-        let device = self.gpu.device.clone();
-        device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let result = self.encode_chain(jobs, &pipelines, carry, started, deadline);
-        let validation = pollster::block_on(device.pop_error_scope());
-        let oom = pollster::block_on(device.pop_error_scope());
-        let result = match (result, validation.or(oom)) {
-            (Ok(_), Some(e)) => Err(ExecError::Gpu(e.to_string())),
-            (Ok((out, kept)), None) => {
-                // The first job's kept start is replaced by the chain's end.
-                let replaced: Vec<BlobId> = first
-                    .keep
-                    .iter()
-                    .filter_map(|b| match &first.writable.get(b)?.start {
-                        Start::Blob(input) => Some(input.id),
-                        Start::Fill(_) => None,
-                    })
-                    .collect();
-                self.forget(&replaced);
-                for (id, buffer) in kept {
-                    self.make_resident((id, false), buffer);
-                }
-                Ok(Some(out))
-            }
-            (Err(e), _) => Err(e),
-        };
-        match result {
-            Err(ExecError::Deadline { .. } | ExecError::DeviceLost(_)) => {
-                self.rebuild();
-                result
-            }
-            Err(_) if self.is_lost() => {
-                let lost = self.lost_or("device lost during the chain");
-                self.rebuild();
-                Err(lost)
-            }
-            _ => result,
-        }
+        self.guarded(first, "device lost during the chain", |me| {
+            me.encode_chain(jobs, &pipelines, carry, started, deadline)
+        })
+        .map(Some)
     }
 
     fn encode_chain(

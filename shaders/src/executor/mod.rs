@@ -377,35 +377,49 @@ impl Executor {
         let deadline = deadline.unwrap_or(self.limits.default_deadline);
         let started = Instant::now();
         let pipeline = self.pipeline(&job.kernel)?;
+        self.guarded(job, "device lost during the task", |me| {
+            let inputs = me.upload(&job.inputs);
+            let starts: BTreeMap<u32, &InputBuffer> = job
+                .writable
+                .iter()
+                .filter_map(|(&b, w)| match &w.start {
+                    Start::Blob(input) => Some((b, input)),
+                    Start::Fill(_) => None,
+                })
+                .collect();
+            let starts = me.upload(starts.iter().map(|(b, i)| (b, *i)));
+            let buffers = Buffers {
+                inputs: &inputs,
+                starts: &starts,
+            };
+            me.dispatch_shards(job, &pipeline, buffers, ranges, started, deadline)
+        })
+    }
+
+    /// Runs `run` (which submits work and waits for it) inside validation and
+    /// out-of-memory error scopes. On success the buffers it kept take the place on
+    /// the device of `keeper`'s kept starts (a kept buffer started from an older
+    /// version of itself: the new version replaces it). A deadline overrun or a lost
+    /// device (`lost` says where, when nothing better does) rebuilds the device.
+    fn guarded<T>(
+        &mut self,
+        keeper: &Job,
+        lost: &str,
+        run: impl FnOnce(&mut Self) -> Result<(T, Kept)>,
+    ) -> Result<T> {
         let device = self.gpu.device.clone();
         device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let inputs = self.upload(&job.inputs);
-        let starts: BTreeMap<u32, &InputBuffer> = job
-            .writable
-            .iter()
-            .filter_map(|(&b, w)| match &w.start {
-                Start::Blob(input) => Some((b, input)),
-                Start::Fill(_) => None,
-            })
-            .collect();
-        let starts = self.upload(starts.iter().map(|(b, i)| (b, *i)));
-        let buffers = Buffers {
-            inputs: &inputs,
-            starts: &starts,
-        };
-        let result = self.dispatch_shards(job, &pipeline, buffers, ranges, started, deadline);
+        let result = run(self);
         let validation = pollster::block_on(device.pop_error_scope());
         let oom = pollster::block_on(device.pop_error_scope());
         let result = match (result, validation.or(oom)) {
             (Ok(_), Some(e)) => Err(ExecError::Gpu(e.to_string())),
-            (Ok((shards, kept)), None) => {
-                // A kept buffer started from an older version of itself: the new
-                // version takes its place on the device.
-                let replaced: Vec<BlobId> = job
+            (Ok((out, kept)), None) => {
+                let replaced: Vec<BlobId> = keeper
                     .keep
                     .iter()
-                    .filter_map(|b| match &job.writable.get(b)?.start {
+                    .filter_map(|b| match &keeper.writable.get(b)?.start {
                         Start::Blob(input) => Some(input.id),
                         Start::Fill(_) => None,
                     })
@@ -414,7 +428,7 @@ impl Executor {
                 for (id, buffer) in kept {
                     self.make_resident((id, false), buffer);
                 }
-                Ok(shards)
+                Ok(out)
             }
             (Err(e), _) => Err(e),
         };
@@ -425,7 +439,7 @@ impl Executor {
             }
             // Whatever failed, a device that was lost meanwhile is the reason.
             Err(_) if self.is_lost() => {
-                let lost = self.lost_or("device lost during the task");
+                let lost = self.lost_or(lost);
                 self.rebuild();
                 Err(lost)
             }
