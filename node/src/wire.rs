@@ -68,8 +68,23 @@ pub enum NodeReply {
     /// The blob (or an actor's next state) is stored here (fsync'd).
     Replicated,
     /// What came of a [`NodeRequest::Call`].
-    Called(crate::host::CallAnswer),
+    Called(CallAnswer),
     Refused(String),
+}
+
+/// How a call sent to the host ended.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum CallAnswer {
+    /// Recorded: it ran as call `seq`, leaving the state at `version`.
+    Done {
+        seq: u64,
+        version: u64,
+        outputs: Vec<gpumesh_consensus::MergedOutput>,
+    },
+    /// Recorded as call `seq`: it failed and left the state as it was.
+    Failed { seq: u64, reason: String },
+    /// Not recorded by the host, for this reason: queue it in the record.
+    NotRun(String),
 }
 
 pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {

@@ -6,14 +6,14 @@
 //! the API node queues the call in the record under the same request id instead:
 //! the record runs a request id once whichever way it went.
 
-use gpumesh_consensus::{CallResult, ConsensusHandle, MergedOutput, Outcome, RequestId};
+use gpumesh_consensus::{CallResult, ConsensusHandle, Outcome, RequestId};
 use gpumesh_protocol::ActorCall;
 use libp2p::PeerId;
-use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::net::NetHandle;
 use crate::peers::PeersHandle;
+pub use crate::wire::CallAnswer;
 use crate::wire::{self, NodeReply, NodeRequest};
 
 /// A call handed to this node's actor host.
@@ -26,21 +26,6 @@ pub(crate) struct SentCall {
     pub reply: oneshot::Sender<CallAnswer>,
     /// Batches it was in that the record did not take.
     pub tries: u32,
-}
-
-/// How a call sent to the host ended.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub enum CallAnswer {
-    /// Recorded: it ran as call `seq`, leaving the state at `version`.
-    Done {
-        seq: u64,
-        version: u64,
-        outputs: Vec<MergedOutput>,
-    },
-    /// Recorded as call `seq`: it failed and left the state as it was.
-    Failed { seq: u64, reason: String },
-    /// Not recorded by the host, for this reason: queue it in the record.
-    NotRun(String),
 }
 
 impl CallAnswer {

@@ -21,7 +21,7 @@ use libp2p::{PeerId, Stream, StreamProtocol};
 use libp2p_stream::{Control, IncomingStreams};
 use tokio_util::sync::CancellationToken;
 
-use crate::blobs::BlobStore;
+use crate::blobs::store::BlobStore;
 use crate::error::{NodeError, Result};
 use crate::metrics::{Lane, NetMetrics};
 
@@ -191,7 +191,7 @@ pub(super) async fn pull(
     stream.read_exact(&mut total).await.map_err(io)?;
     let total = u64::from_le_bytes(total);
     metrics.received(Lane::Blob, 9);
-    super::pull::within_limit(total, limit)?;
+    within_limit(total, limit)?;
     if total == 0 {
         each(0, 0, Vec::new())?; // an empty blob is a blob too
     }
@@ -239,6 +239,20 @@ impl Stalling {
     async fn close(&mut self) -> std::io::Result<()> {
         Self::within("closing", self.0.close()).await
     }
+}
+
+/// Refuses a blob a peer announces as larger than this node keeps (`limit`, its
+/// `--max-blob-bytes`), before any of it is received.
+pub(super) fn within_limit(total: u64, limit: u64) -> Result<()> {
+    if total > limit {
+        return Err(NodeError::Limit {
+            what: "blob size in bytes (as announced by the peer)",
+            value: total,
+            limit,
+            setting: "--max-blob-bytes",
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

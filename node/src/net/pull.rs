@@ -89,7 +89,7 @@ impl NetHandle {
         let chunk = u64::from(self.chunk_bytes);
         let first = self.blob_chunk(from, id, 0, chunk).await?;
         let total = first.total;
-        within_limit(total, limit)?;
+        super::blob_lane::within_limit(total, limit)?;
         // Ranges to ask for again: a peer with a smaller frame limit than ours sends
         // less than asked, and the rest is fetched with further requests.
         let mut again = Vec::new();
@@ -142,20 +142,6 @@ impl NetHandle {
             }),
         }
     }
-}
-
-/// Refuses a blob a peer announces as larger than this node keeps (`limit`, its
-/// `--max-blob-bytes`), before any of it is received.
-pub(super) fn within_limit(total: u64, limit: u64) -> Result<()> {
-    if total > limit {
-        return Err(NodeError::Limit {
-            what: "blob size in bytes (as announced by the peer)",
-            value: total,
-            limit,
-            setting: "--max-blob-bytes",
-        });
-    }
-    Ok(())
 }
 
 /// One answered chunk request.
