@@ -89,7 +89,7 @@ pub use replica::{AppliedEvent, ConsensusHandle, ProposalCounts, RaftRole, Repli
 pub use state::{
     candidates, largest_binding, pick, Actor, CallResult, Candidate, ClusterSettings, Liveness,
     Member, PendingCall, Role, Shard, ShardOutput, ShardState, StateMachine, Task, TaskStatus,
-    KEPT_FINISHED_TASKS, MAX_HISTORY, MAX_INLINE_RESULT, REMEMBERED_CALLS,
+    KEPT_FINISHED_TASKS, MAX_HISTORY, MAX_INLINE_RESULT, MAX_WAITING_CALLS, REMEMBERED_CALLS,
 };
 pub use storage::RedbStorage;
 pub use tracing_drain::{raft_logger, TracingDrain};

@@ -7,7 +7,7 @@ mod common;
 use common::Log;
 use gpumesh_consensus::{
     ActorState, CallRan, CallResult, Command, MergedOutput, Outcome, RequestId, StateMachine,
-    INLINE_STATE_BYTES,
+    INLINE_STATE_BYTES, MAX_WAITING_CALLS,
 };
 use gpumesh_protocol::{
     ActorCall, BindingRole, BindingSpec, BlobId, Grid, ShaderSource, StateBuffer,
@@ -517,4 +517,59 @@ fn a_state_over_the_inline_bound_is_never_held_by_the_record() {
     assert_eq!(log.apply(blob), Outcome::Applied);
     let a = log.sm.actor("big").unwrap();
     assert_eq!((a.version, a.backup, a.inline_state(0)), (1, Some(2), None));
+}
+
+#[test]
+fn calls_waiting_in_the_record_are_capped_per_actor_and_a_retry_still_finds_its_call() {
+    let mut log = Log::new();
+    log.apply(create("full"));
+    log.apply(create("other"));
+    // No host yet: every call waits in the record.
+    let first = RequestId::new(9, 0);
+    let call = |name: &str| Command::CallActor {
+        name: name.into(),
+        call: call(1),
+        caller: "p1".into(),
+    };
+    assert_eq!(
+        log.apply_as(first, call("full")),
+        Outcome::CallQueued { seq: 1 }
+    );
+    for _ in 1..MAX_WAITING_CALLS {
+        assert!(matches!(
+            log.apply(call("full")),
+            Outcome::CallQueued { .. }
+        ));
+    }
+    match log.apply(call("full")) {
+        Outcome::Rejected(why) => assert!(why.contains("calls waiting to run"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    let a = log.sm.actor("full").unwrap();
+    assert_eq!(a.pending.len(), MAX_WAITING_CALLS);
+    assert_eq!(a.next_seq, MAX_WAITING_CALLS as u64 + 1, "no number taken");
+    // A retry of a call already waiting finds it; another actor is not held back.
+    assert_eq!(
+        log.apply_as(first, call("full")),
+        Outcome::CallQueued { seq: 1 }
+    );
+    assert_eq!(log.apply(call("other")), Outcome::CallQueued { seq: 1 });
+    // Once some have run, calls are taken again.
+    log.apply(place("full", 0, 1));
+    let batch = Command::ActorCallsDone {
+        name: "full".into(),
+        epoch: 1,
+        node: 1,
+        version: 0,
+        first: 1,
+        ran: vec![CallRan::Done { outputs: vec![] }; 16],
+        state: vec![(0, BlobId::of(&[1u8; 16]))],
+        inline: vec![vec![1u8; 16]],
+        backup: 1,
+    };
+    assert_eq!(log.apply(batch), Outcome::Applied);
+    assert!(matches!(
+        log.apply(call("full")),
+        Outcome::CallQueued { .. }
+    ));
 }

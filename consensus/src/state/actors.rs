@@ -24,6 +24,11 @@ use crate::command::{ActorState, CallRan, RequestId, INLINE_STATE_BYTES};
 /// retried call learns its result.
 pub const REMEMBERED_CALLS: usize = 10_000;
 
+/// The most calls that wait in the record's queue for one actor: beyond them a call
+/// is refused (the caller tries again later), so a flood of calls to an actor whose
+/// host is away cannot grow the record without bound.
+pub const MAX_WAITING_CALLS: usize = 4096;
+
 /// One actor.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Actor {
@@ -299,6 +304,13 @@ impl StateMachine {
         };
         if let Err(e) = call.check_shape(&a.layout()) {
             return Outcome::Rejected(e.to_string());
+        }
+        if a.pending.len() >= MAX_WAITING_CALLS {
+            return Outcome::Rejected(format!(
+                "actor {name} has {} calls waiting to run, the limit; try again once some \
+                 have run",
+                a.pending.len()
+            ));
         }
         let seq = a.next_seq;
         a.next_seq += 1;

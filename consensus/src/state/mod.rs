@@ -18,7 +18,7 @@ mod placement;
 mod types;
 
 pub(crate) use actors::After;
-pub use actors::{Actor, CallResult, PendingCall, REMEMBERED_CALLS};
+pub use actors::{Actor, CallResult, PendingCall, MAX_WAITING_CALLS, REMEMBERED_CALLS};
 pub use placement::{candidates, largest_binding, pick, Candidate};
 pub use types::*;
 

@@ -280,6 +280,9 @@ pub(crate) async fn call(
         Outcome::CallQueued { seq } => seq,
         // Deleted since this node's copy of the record was read.
         Outcome::Rejected(why) if why.starts_with("no actor named") => return Err(no_actor(&name)),
+        Outcome::Rejected(why) if why.contains("calls waiting to run") => {
+            return Err(ApiError(StatusCode::TOO_MANY_REQUESTS, why))
+        }
         Outcome::Rejected(why) | Outcome::Ignored(why) => return Err(bad(why)),
         other => return Err(unavailable(format!("unexpected outcome {other:?}"))),
     };
