@@ -39,6 +39,9 @@ pub(super) const TINY: &str = "@group(0) @binding(0) var<storage, read_write> ou
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) { out[gid.x] = gid.x * 2u; }\n";
 
 /// Each invocation hashes 60,000 times; the workgroup count sets the run time.
+/// Trivial tasks run before the latency is timed.
+const WARM_UP: usize = 64;
+
 pub(super) const SPIN: &str = r#"
 @group(0) @binding(0) var<storage, read_write> out: array<u32>;
 @compute @workgroup_size(64)
@@ -145,7 +148,13 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     );
 
     // (1) Latency of a trivial task, submit to result, one at a time.
-    // One request each (`Client::run`: submit, wait, outputs inline).
+    // One request each (`Client::run`: submit, wait, outputs inline). Warmed up
+    // first, as the Ray script warms up its cluster: the first runs compile the
+    // kernel on each node and open the client's connections.
+    for _ in 0..WARM_UP {
+        client.run(spec(TINY, 1, 1)).await?;
+    }
+    timeline.take();
     let mut lat = Vec::new();
     let mut ends = Vec::new();
     for _ in 0..args.latency_tasks.max(1) {
