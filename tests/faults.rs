@@ -219,27 +219,6 @@ async fn replicas_on_vulkan_and_gl_outvote_a_faulty_node() {
     .expect("test exceeded its time limit");
 }
 
-/// A loop that ends only when `stop` is set, and it never is: no adapter finishes it
-/// before the deadline. (llvmpipe and lavapipe cut any shader's loops off after 65535
-/// iterations, which makes it a few seconds of work there; other adapters run it
-/// until the deadline abandons the device.)
-const RUNAWAY: &str = r#"
-struct Params { stop: u32, _a: u32, _b: u32, _c: u32 }
-@group(0) @binding(0) var<uniform> params: Params;
-@group(0) @binding(1) var<storage, read_write> out: array<u32>;
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    var x = gid.x;
-    loop {
-        x = (x ^ (x >> 13u)) * 1664525u + 1u;
-        if (params.stop != 0u) {
-            break;
-        }
-    }
-    out[gid.x] = x;
-}
-"#;
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_shader_that_never_ends_fails_its_task_and_the_node_keeps_serving() {
     if !have_any() {
@@ -252,17 +231,19 @@ async fn a_shader_that_never_ends_fails_its_task_and_the_node_keeps_serving() {
         let spec = TaskSpec {
             shader: ShaderSource::Wgsl(RUNAWAY.into()),
             entry_point: "main".into(),
+            // The shared never-ending kernel (common::RUNAWAY): its stop flag at
+            // binding 1, zero.
             bindings: vec![
                 BindingSpec {
                     binding: 0,
-                    role: BindingRole::Param {
-                        data: vec![0u8; 16],
+                    role: BindingRole::Output {
+                        size: u64::from(groups) * 256,
                     },
                 },
                 BindingSpec {
                     binding: 1,
-                    role: BindingRole::Output {
-                        size: u64::from(groups) * 256,
+                    role: BindingRole::Param {
+                        data: vec![0u8; 16],
                     },
                 },
             ],
