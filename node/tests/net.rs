@@ -14,7 +14,8 @@ use async_trait::async_trait;
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, StreamExt};
 use gpumesh_node::blobs::BlobStore;
 use gpumesh_node::net::{
-    bench_blob_transfer_with, ConnectionCaps, NetConfig, NetEvent, NetHandle, MESH_PROTOCOL,
+    bench_blob_transfer_with, BlobRoute, ConnectionCaps, NetConfig, NetEvent, NetHandle,
+    MESH_PROTOCOL,
 };
 use gpumesh_node::NodeError;
 use gpumesh_protocol::{seal, BlobId, MeshRequest, MeshResponse};
@@ -692,9 +693,9 @@ async fn bootstrap_peers_are_dialled_at_start_and_after_they_come_up() {
 #[tokio::test]
 async fn the_transfer_bench_reports_all_three_paths() {
     // How the paths compare is the benchmark's to measure (`gpumesh bench blobs`);
-    // this test checks that every path ran and is reported, on the lane and in chunks.
-    for lane in [true, false] {
-        let report = bench_blob_transfer_with(2 << 20, 256 << 10, 4, lane)
+    // this test checks that every path ran and is reported, on each route.
+    for route in [BlobRoute::Direct, BlobRoute::Stream, BlobRoute::Chunks] {
+        let report = bench_blob_transfer_with(2 << 20, 256 << 10, 4, route)
             .await
             .unwrap();
         assert!(report.raw_tcp > Duration::ZERO && report.mesh_pull > Duration::ZERO);
@@ -704,7 +705,16 @@ async fn the_transfer_bench_reports_all_three_paths() {
             text.contains("raw TCP") && text.contains("fetch_blob"),
             "{text}"
         );
-        assert_eq!(text.contains("blob lane"), lane, "{text}");
+        assert_eq!(
+            text.contains("blob lane"),
+            route != BlobRoute::Chunks,
+            "{text}"
+        );
+        assert_eq!(
+            text.contains("direct"),
+            route == BlobRoute::Direct,
+            "{text}"
+        );
     }
 }
 

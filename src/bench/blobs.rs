@@ -1,8 +1,11 @@
-//! `gpumesh bench blobs`: one blob pulled between two nodes on loopback (the mesh's
-//! transport: Noise with the cluster key, Yamux, request-response) and fetched into
-//! the blob store (hashed, fsync'd), beside raw TCP moving the same bytes.
+//! `gpumesh bench blobs`: one blob pulled between two nodes on loopback (by default
+//! on the blob lane's direct channel; `--stream` on the lane's stream over Noise and
+//! Yamux; `--chunks` over request-response) and fetched into the blob store (hashed,
+//! fsync'd), beside raw TCP moving the same bytes.
 
 use std::process::ExitCode;
+
+use gpumesh::node::net::BlobRoute;
 
 #[derive(clap::Args, Debug)]
 pub struct BlobsBenchArgs {
@@ -11,8 +14,12 @@ pub struct BlobsBenchArgs {
     pub mib: usize,
     /// Move the bytes in chunks over request-response, as to a peer without the
     /// blob lane, instead of streaming them on the lane.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "stream")]
     pub chunks: bool,
+    /// Stream the bytes on the blob lane's libp2p stream (Noise with the cluster
+    /// key, Yamux) instead of its direct channel.
+    #[arg(long)]
+    pub stream: bool,
     /// Chunk size in KiB with --chunks (default: the node's).
     #[arg(long)]
     pub chunk_kib: Option<u32>,
@@ -36,7 +43,13 @@ pub fn blobs(args: BlobsBenchArgs) -> anyhow::Result<ExitCode> {
         args.mib << 20,
         chunk,
         window,
-        !args.chunks,
+        if args.chunks {
+            BlobRoute::Chunks
+        } else if args.stream {
+            BlobRoute::Stream
+        } else {
+            BlobRoute::Direct
+        },
     ))?;
     println!("gpumesh bench blobs — two nodes on loopback in one process\n");
     println!("{report}");

@@ -184,6 +184,16 @@ impl BlobStore {
         Ok(Some((total, buf)))
     }
 
+    /// The blob's file, open for reading; `None` if it is not here.
+    pub fn open_file(&self, id: &BlobId) -> Result<Option<File>> {
+        let path = self.path(id);
+        match File::open(&path) {
+            Ok(f) => Ok(Some(f)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(NodeError::io(&path, e)),
+        }
+    }
+
     /// (count, bytes) of everything stored.
     pub fn stats(&self) -> (u64, u64) {
         let mut count = 0;

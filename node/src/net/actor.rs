@@ -39,6 +39,7 @@ pub(super) fn spawn(
     commands: mpsc::Receiver<Command>,
     events: mpsc::Sender<NetEvent>,
     blobs: BlobStore,
+    direct: super::blob_direct::Peers,
     cancel: CancellationToken,
 ) -> JoinHandle<()> {
     let (replies_tx, replies) = mpsc::channel(REPLY_QUEUE);
@@ -61,6 +62,7 @@ pub(super) fn spawn(
         replies_tx,
         replies,
         blobs,
+        direct,
         pending_requests: HashMap::new(),
         pending_dials: HashMap::new(),
         bootstrap,
@@ -113,6 +115,8 @@ struct NetActor {
     replies_tx: mpsc::Sender<Reply>,
     replies: mpsc::Receiver<Reply>,
     blobs: BlobStore,
+    /// Where each peer was reached, for pulls on the direct blob channel.
+    direct: super::blob_direct::Peers,
     pending_requests: HashMap<OutboundRequestId, PendingRequest>,
     pending_dials: HashMap<ConnectionId, PendingDial>,
     bootstrap: Vec<Bootstrap>,
@@ -335,6 +339,7 @@ impl NetActor {
                 ..
             } => {
                 let remote = endpoint.get_remote_address().clone();
+                self.direct.connected(peer_id, &remote);
                 if endpoint.is_dialer() {
                     // Remember what worked, so request-response can redial it.
                     self.swarm.add_peer_address(peer_id, remote.clone());

@@ -2,8 +2,9 @@
 //! same bytes move over a plain loopback TCP socket, in one run on one machine.
 //!
 //! Both nodes live in this process and talk over 127.0.0.1 through the full stack
-//! (Noise, Yamux, request-response, the envelope, the blob store), so the ratio is
-//! the cost of the mesh's framing and encryption relative to the kernel alone.
+//! (a closed mesh's Noise and Yamux, the blob lane and its direct channel, or
+//! request-response; the blob store), so the ratio is the cost of the mesh's framing
+//! and encryption relative to the kernel alone.
 
 use std::fmt;
 use std::path::Path;
@@ -25,12 +26,26 @@ use crate::error::{NodeError, Result};
 /// decide the result.
 const RUNS: usize = 3;
 
+/// Which way a blob's bytes go between two nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlobRoute {
+    /// Chunks over request-response on the mesh's connection (a peer without the
+    /// blob lane).
+    Chunks,
+    /// One stream on the mesh's connection (Noise, Yamux): the blob lane with the
+    /// direct channel off.
+    Stream,
+    /// The direct channel: a TCP connection of its own, AES-256-GCM under a key
+    /// agreed on the lane. The default.
+    Direct,
+}
+
 /// The outcome of [`bench_blob_transfer`].
 #[derive(Clone, Debug)]
 pub struct BlobTransferReport {
     pub bytes: usize,
-    /// Whether the blob lane carried the bytes (else chunks over request-response).
-    pub lane: bool,
+    /// Which way the bytes went.
+    pub route: BlobRoute,
     pub chunk_bytes: u32,
     pub fetch_window: usize,
     /// Plain tokio `TcpStream` write → read of the same bytes over loopback.
@@ -61,19 +76,27 @@ impl BlobTransferReport {
 impl fmt::Display for BlobTransferReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mib = self.bytes as f64 / (1 << 20) as f64;
-        if self.lane {
-            writeln!(
+        match self.route {
+            BlobRoute::Direct => writeln!(
+                f,
+                "blob transfer over loopback: {mib:.1} MiB on the blob lane's direct channel (best of {RUNS})"
+            )?,
+            BlobRoute::Stream => writeln!(
                 f,
                 "blob transfer over loopback: {mib:.1} MiB streamed on the blob lane (best of {RUNS})"
-            )?;
-        } else {
-            writeln!(
+            )?,
+            BlobRoute::Chunks => writeln!(
                 f,
                 "blob transfer over loopback: {mib:.1} MiB, chunks of {} KiB, {} in flight (best of {RUNS})",
                 self.chunk_bytes / 1024,
                 self.fetch_window
-            )?;
+            )?,
         }
+        let pull = match self.route {
+            BlobRoute::Direct => "mesh pull (direct, AES-256-GCM)",
+            BlobRoute::Stream => "mesh pull (noise+key, yamux)",
+            BlobRoute::Chunks => "mesh pull (chunks, noise+key)",
+        };
         writeln!(
             f,
             "{:<34} {:>10} {:>10} {:>8}",
@@ -81,11 +104,7 @@ impl fmt::Display for BlobTransferReport {
         )?;
         let rows = [
             ("raw TCP (tokio, loopback)", self.raw_tcp, 1.0),
-            (
-                "mesh pull (noise+key, yamux)",
-                self.mesh_pull,
-                self.pull_ratio(),
-            ),
+            (pull, self.mesh_pull, self.pull_ratio()),
             (
                 "fetch_blob (+blake3 +fsync)",
                 self.fetch_blob,
@@ -108,7 +127,7 @@ impl fmt::Display for BlobTransferReport {
 /// Measures moving `bytes` between two nodes on loopback with the default tuning.
 pub async fn bench_blob_transfer(bytes: usize) -> Result<BlobTransferReport> {
     let (chunk_bytes, fetch_window) = blob_transfer_defaults();
-    bench_blob_transfer_with(bytes, chunk_bytes, fetch_window, true).await
+    bench_blob_transfer_with(bytes, chunk_bytes, fetch_window, BlobRoute::Direct).await
 }
 
 /// A node's chunk size and chunks in flight when it pulls a blob.
@@ -117,14 +136,13 @@ pub fn blob_transfer_defaults() -> (u32, usize) {
     (defaults.chunk_bytes, defaults.fetch_window)
 }
 
-/// [`bench_blob_transfer`] with a chosen chunk size and number of chunks in flight,
-/// and with the blob lane on (`lane`) or off (every byte in chunks over
-/// request-response).
+/// [`bench_blob_transfer`] with a chosen chunk size and number of chunks in flight
+/// (for [`BlobRoute::Chunks`]), and the route the bytes take.
 pub async fn bench_blob_transfer_with(
     bytes: usize,
     chunk_bytes: u32,
     fetch_window: usize,
-    lane: bool,
+    route: BlobRoute,
 ) -> Result<BlobTransferReport> {
     let loopback = |e: std::io::Error| NodeError::io(Path::new("127.0.0.1"), e);
     let blobs: Vec<Vec<u8>> = (0..RUNS as u64)
@@ -157,7 +175,8 @@ pub async fn bench_blob_transfer_with(
             config.psk = Some(key.psk());
             config.chunk_bytes = chunk_bytes;
             config.fetch_window = fetch_window;
-            config.blob_lane = lane;
+            config.blob_lane = route != BlobRoute::Chunks;
+            config.blob_direct = route == BlobRoute::Direct;
             // The bench does not read events; a small channel whose overflow is
             // dropped is all it needs.
             let (events, _) = mpsc::channel(16);
@@ -194,7 +213,7 @@ pub async fn bench_blob_transfer_with(
         }
         Ok(BlobTransferReport {
             bytes,
-            lane,
+            route,
             chunk_bytes,
             fetch_window,
             raw_tcp,

@@ -9,10 +9,14 @@
 //! over request-response instead.
 //!
 //! Request: the blob id (32 bytes), the offset and the most bytes wanted (u64
-//! little-endian each). Answer: `OK` and the blob's total size (u64), then the
-//! bytes from the offset to the end of the range; or `NOT_FOUND`; or `ERROR` and a
-//! message (u32 length, UTF-8).
+//! little-endian each), and the route asked for: `ON_STREAM`, or `DIRECT` and a
+//! ticket and key (see [`super::blob_direct`]). Answer: `OK`, the blob's total size
+//! (u64) and the route taken: `ON_STREAM` and the bytes from the offset to the end
+//! of the range, or `DIRECT` and the port (u16) of the holder's direct listener;
+//! or `NOT_FOUND`; or `ERROR` and a message (u32 length, UTF-8). A holder without
+//! the direct channel, or with too many tickets waiting, answers on the stream.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use futures::{AsyncReadExt, AsyncWriteExt};
@@ -21,15 +25,23 @@ use libp2p::{PeerId, Stream, StreamProtocol};
 use libp2p_stream::{Control, IncomingStreams};
 use tokio_util::sync::CancellationToken;
 
+use super::blob_direct::{self, Holder, Offer, Peers, KEY, TICKET};
 use crate::blobs::store::BlobStore;
 use crate::error::{NodeError, Result};
 use crate::metrics::{Lane, NetMetrics};
 
-pub const BLOB_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpumesh/blob/1");
+pub const BLOB_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpumesh/blob/2");
 
 const OK: u8 = 0;
 const NOT_FOUND: u8 = 1;
 const ERROR: u8 = 2;
+
+/// Routes: the bytes on this stream, or on the direct channel.
+const ON_STREAM: u8 = 0;
+const DIRECT: u8 = 1;
+
+/// A request's fixed part: id, offset, most bytes wanted, route.
+const REQUEST: usize = 32 + 8 + 8 + 1;
 
 /// Bytes read from the file (and handed to the puller) at a time.
 pub(super) const PIECE: u64 = 1 << 20;
@@ -43,16 +55,18 @@ const STALL: Duration = Duration::from_secs(30);
 
 /// Serves pulls of this node's blobs until `cancel` fires.
 /// Bytes count in the `blob` lane of `metrics` as they are written or read.
+/// With `direct`, pulls that ask for it are answered with its port.
 pub(super) fn serve(
     control: &mut Control,
     blobs: BlobStore,
     metrics: NetMetrics,
+    direct: Option<Holder>,
     cancel: CancellationToken,
 ) -> Result<()> {
     let incoming = control
         .accept(BLOB_PROTOCOL)
         .map_err(|e| NodeError::NetSetup(format!("blob protocol: {e}")))?;
-    tokio::spawn(accept(incoming, blobs, metrics, cancel));
+    tokio::spawn(accept(incoming, blobs, metrics, direct, cancel));
     Ok(())
 }
 
@@ -60,6 +74,7 @@ async fn accept(
     mut incoming: IncomingStreams,
     blobs: BlobStore,
     metrics: NetMetrics,
+    direct: Option<Holder>,
     cancel: CancellationToken,
 ) {
     loop {
@@ -67,10 +82,11 @@ async fn accept(
             return;
         };
         let (blobs, metrics, cancel) = (blobs.clone(), metrics.clone(), cancel.clone());
+        let direct = direct.clone();
         tokio::spawn(async move {
             tokio::select! {
                 _ = cancel.cancelled() => {}
-                served = answer(stream, blobs, metrics) => if let Err(e) = served {
+                served = answer(stream, blobs, metrics, direct) => if let Err(e) = served {
                     tracing::debug!(%peer, error = %e, "a blob pull ended early");
                 }
             }
@@ -78,12 +94,34 @@ async fn accept(
     }
 }
 
-/// Answers one pull: the range asked for, a piece at a time.
-async fn answer(stream: Stream, blobs: BlobStore, metrics: NetMetrics) -> std::io::Result<()> {
+/// Answers one pull: the range asked for, a piece at a time, or the port to fetch
+/// it from directly.
+async fn answer(
+    stream: Stream,
+    blobs: BlobStore,
+    metrics: NetMetrics,
+    direct: Option<Holder>,
+) -> std::io::Result<()> {
     let mut stream = Stalling(stream);
-    let mut request = [0u8; 48];
+    let mut request = [0u8; REQUEST];
     stream.read_exact(&mut request).await?;
     metrics.received(Lane::Blob, request.len());
+    let offer = match request[REQUEST - 1] {
+        ON_STREAM => None,
+        DIRECT => {
+            let mut offer = [0u8; TICKET + KEY];
+            stream.read_exact(&mut offer).await?;
+            metrics.received(Lane::Blob, offer.len());
+            let mut o = Offer {
+                ticket: [0; TICKET],
+                key: [0; KEY],
+            };
+            o.ticket.copy_from_slice(&offer[..TICKET]);
+            o.key.copy_from_slice(&offer[TICKET..]);
+            Some(o)
+        }
+        other => return Err(std::io::Error::other(format!("unknown route {other}"))),
+    };
     let mut id = [0u8; 32];
     id.copy_from_slice(&request[..32]);
     let id = BlobId(id);
@@ -101,6 +139,18 @@ async fn answer(stream: Stream, blobs: BlobStore, metrics: NetMetrics) -> std::i
     let mut at = offset.min(total);
     let mut header = vec![OK];
     header.extend_from_slice(&total.to_le_bytes());
+    let port = match (offer, &direct) {
+        (Some(offer), Some(holder)) if at < end => holder.issue(&offer, id, at, end),
+        _ => None,
+    };
+    if let Some(port) = port {
+        header.push(DIRECT);
+        header.extend_from_slice(&port.to_le_bytes());
+        stream.write_all(&header).await?;
+        metrics.sent(Lane::Blob, header.len());
+        return stream.close().await;
+    }
+    header.push(ON_STREAM);
     stream.write_all(&header).await?;
     metrics.sent(Lane::Blob, header.len());
     while at < end {
@@ -130,9 +180,11 @@ async fn answer(stream: Stream, blobs: BlobStore, metrics: NetMetrics) -> std::i
     stream.close().await
 }
 
-/// Pulls bytes `offset..` of blob `id` from `from` on one stream, handing each piece
-/// to `each(total, offset, bytes)` as it arrives; refuses a blob announced larger
-/// than `limit`. `Ok(false)` when the peer does not speak the lane.
+/// Pulls blob `id` from `from`, handing each piece to `each(total, offset, bytes)` as
+/// it arrives; refuses a blob announced larger than `limit`. With `direct`, asks for
+/// the direct channel and falls back to the stream if the holder's port cannot be
+/// reached. `Ok(false)` when the peer does not speak the lane.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn pull(
     control: &Control,
     from: PeerId,
@@ -140,8 +192,77 @@ pub(super) async fn pull(
     limit: u64,
     timeout: Duration,
     metrics: &NetMetrics,
+    direct: Option<&Peers>,
     each: &mut impl FnMut(u64, u64, Vec<u8>) -> Result<()>,
 ) -> Result<bool> {
+    let route = match direct.and_then(|peers| peers.ip(&from)) {
+        Some(ip) => Some((ip, Offer::new()?)),
+        None => None,
+    };
+    let offer = route.as_ref().map(|(_, offer)| offer);
+    let (total, port) =
+        match pull_on_stream(control, from, id, limit, timeout, metrics, offer, each).await? {
+            Answered::NotSpoken => return Ok(false),
+            Answered::Streamed => return Ok(true),
+            Answered::Direct { total, port } => (total, port),
+        };
+    let Some((ip, offer)) = route else {
+        return Err(NodeError::Request {
+            peer: from.to_string(),
+            reason: format!("pulling blob {id}: a direct port offered though none was asked for"),
+        });
+    };
+    let addr = SocketAddr::new(ip, port);
+    let mut pieces = |offset, bytes| each(total, offset, bytes);
+    match blob_direct::pull(addr, &offer, id, 0, total, timeout, metrics, &mut pieces).await {
+        Ok(()) => Ok(true),
+        Err(blob_direct::Failed::Each(e)) => Err(e),
+        Err(blob_direct::Failed::Broken(reason)) => Err(NodeError::Request {
+            peer: from.to_string(),
+            reason: format!("pulling blob {id} directly: {reason}"),
+        }),
+        Err(blob_direct::Failed::Unreached(reason)) => {
+            tracing::debug!(peer = %from, %reason, "direct blob port unreachable; pulling on the lane");
+            if let Some(peers) = direct {
+                peers.unreachable(from);
+            }
+            match pull_on_stream(control, from, id, limit, timeout, metrics, None, each).await? {
+                Answered::NotSpoken => Ok(false),
+                Answered::Streamed => Ok(true),
+                Answered::Direct { .. } => Err(NodeError::Request {
+                    peer: from.to_string(),
+                    reason: format!(
+                        "pulling blob {id}: a direct port offered though none was asked for"
+                    ),
+                }),
+            }
+        }
+    }
+}
+
+/// What a pull on the stream came to.
+enum Answered {
+    /// The peer does not speak the lane.
+    NotSpoken,
+    /// Every byte came on the stream.
+    Streamed,
+    /// The holder gave the port of its direct channel for the `total`-byte blob.
+    Direct { total: u64, port: u16 },
+}
+
+/// One request on a fresh stream: the whole blob on it, or (with `offer`) the
+/// holder's direct port.
+#[allow(clippy::too_many_arguments)]
+async fn pull_on_stream(
+    control: &Control,
+    from: PeerId,
+    id: BlobId,
+    limit: u64,
+    timeout: Duration,
+    metrics: &NetMetrics,
+    offer: Option<&Offer>,
+    each: &mut impl FnMut(u64, u64, Vec<u8>) -> Result<()>,
+) -> Result<Answered> {
     let peer = from.to_string();
     let failed = |reason: String| NodeError::Request {
         peer: peer.clone(),
@@ -151,7 +272,9 @@ pub(super) async fn pull(
     let mut stream =
         match tokio::time::timeout(timeout, control.open_stream(from, BLOB_PROTOCOL)).await {
             Ok(Ok(s)) => s,
-            Ok(Err(libp2p_stream::OpenStreamError::UnsupportedProtocol(_))) => return Ok(false),
+            Ok(Err(libp2p_stream::OpenStreamError::UnsupportedProtocol(_))) => {
+                return Ok(Answered::NotSpoken)
+            }
             Ok(Err(e)) => return Err(failed(format!("opening a blob stream: {e}"))),
             Err(_) => return Err(failed("opening a blob stream timed out".into())),
         };
@@ -159,10 +282,18 @@ pub(super) async fn pull(
     let within = |what: &'static str| {
         move |_| failed(format!("pulling blob {id}: no {what} within {timeout:?}"))
     };
-    let mut request = Vec::with_capacity(48);
+    let mut request = Vec::with_capacity(REQUEST + TICKET + KEY);
     request.extend_from_slice(&id.0);
     request.extend_from_slice(&0u64.to_le_bytes());
     request.extend_from_slice(&u64::MAX.to_le_bytes());
+    match offer {
+        Some(offer) => {
+            request.push(DIRECT);
+            request.extend_from_slice(&offer.ticket);
+            request.extend_from_slice(&offer.key);
+        }
+        None => request.push(ON_STREAM),
+    }
     stream.write_all(&request).await.map_err(io)?;
     stream.flush().await.map_err(io)?;
     metrics.sent(Lane::Blob, request.len());
@@ -187,11 +318,26 @@ pub(super) async fn pull(
         }
         other => return Err(failed(format!("unknown blob answer {other}"))),
     }
+    let mut header = [0u8; 9];
+    stream.read_exact(&mut header).await.map_err(io)?;
     let mut total = [0u8; 8];
-    stream.read_exact(&mut total).await.map_err(io)?;
+    total.copy_from_slice(&header[..8]);
     let total = u64::from_le_bytes(total);
-    metrics.received(Lane::Blob, 9);
+    metrics.received(Lane::Blob, 10);
     within_limit(total, limit)?;
+    match header[8] {
+        ON_STREAM => {}
+        DIRECT if offer.is_some() => {
+            let mut port = [0u8; 2];
+            stream.read_exact(&mut port).await.map_err(io)?;
+            metrics.received(Lane::Blob, 2);
+            return Ok(Answered::Direct {
+                total,
+                port: u16::from_le_bytes(port),
+            });
+        }
+        other => return Err(failed(format!("unknown blob route {other}"))),
+    }
     if total == 0 {
         each(0, 0, Vec::new())?; // an empty blob is a blob too
     }
@@ -207,7 +353,7 @@ pub(super) async fn pull(
         each(total, at, piece)?;
         at += len;
     }
-    Ok(true)
+    Ok(Answered::Streamed)
 }
 
 /// A stream whose every read and write must make progress within [`STALL`]: a
@@ -260,16 +406,30 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use libp2p::identity::Keypair;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     use tokio::sync::mpsc;
 
     use super::*;
+    use crate::net::blob_direct::{nonce, sealing_key, TAG};
     use crate::net::{NetConfig, NetHandle};
 
-    async fn node(dir: &std::path::Path, lane: bool) -> (NetHandle, NetMetrics, CancellationToken) {
+    /// How a test node moves blobs.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Route {
+        Chunks,
+        Stream,
+        Direct,
+    }
+
+    async fn node(
+        dir: &std::path::Path,
+        route: Route,
+    ) -> (NetHandle, NetMetrics, CancellationToken) {
         let mut config = NetConfig::new(Keypair::generate_ed25519());
         config.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
         config.mdns = false;
-        config.blob_lane = lane;
+        config.blob_lane = route != Route::Chunks;
+        config.blob_direct = route == Route::Direct;
         let metrics = config.metrics.clone();
         let (events, _) = mpsc::channel(16);
         let cancel = CancellationToken::new();
@@ -292,38 +452,81 @@ mod tests {
             .collect()
     }
 
+    /// A request for bytes `offset..offset + len` of `id` on the stream.
+    fn request(id: &[u8], offset: u64, len: u64) -> Vec<u8> {
+        let mut r = id.to_vec();
+        r.extend_from_slice(&offset.to_le_bytes());
+        r.extend_from_slice(&len.to_le_bytes());
+        r.push(ON_STREAM);
+        r
+    }
+
     /// Sends `request` on a fresh blob stream to `to` and reads the answer to its end.
     async fn raw(net: &NetHandle, to: PeerId, request: &[u8]) -> Vec<u8> {
         let mut control = net.streams.clone().unwrap();
         let mut stream = control.open_stream(to, BLOB_PROTOCOL).await.unwrap();
-        stream.write_all(request).await.unwrap();
-        stream.close().await.unwrap();
+        futures::AsyncWriteExt::write_all(&mut stream, request)
+            .await
+            .unwrap();
+        futures::AsyncWriteExt::close(&mut stream).await.unwrap();
         let mut answer = Vec::new();
-        let _ = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
+        let _ = tokio::time::timeout(
+            Duration::from_secs(10),
+            futures::AsyncReadExt::read_to_end(&mut stream, &mut answer),
+        )
+        .await
+        .unwrap();
+        answer
+    }
+
+    /// Connects to the holder's direct port, sends `ticket` and reads to the end.
+    async fn direct_raw(port: u16, ticket: &[u8]) -> Vec<u8> {
+        let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        socket.write_all(ticket).await.unwrap();
+        socket.shutdown().await.unwrap();
+        let mut answer = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(10), socket.read_to_end(&mut answer))
             .await
             .unwrap();
         answer
     }
 
+    /// Asks `net`'s peer `to` for `id` with a direct offer; the port it answers with.
+    async fn ask_direct(net: &NetHandle, to: PeerId, id: BlobId, offer: &Offer) -> u16 {
+        let mut ask = request(&id.0, 0, u64::MAX);
+        *ask.last_mut().unwrap() = DIRECT;
+        ask.extend_from_slice(&offer.ticket);
+        ask.extend_from_slice(&offer.key);
+        let answer = raw(net, to, &ask).await;
+        assert_eq!(answer.len(), 12, "{answer:?}");
+        assert_eq!((answer[0], answer[9]), (OK, DIRECT));
+        u16::from_le_bytes([answer[10], answer[11]])
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_blob_streams_whole_on_the_lane_and_a_peer_without_it_gets_chunks() {
+    async fn a_blob_moves_whole_on_every_route_and_a_peer_without_the_lane_gets_chunks() {
         let dir = tempfile::tempdir().unwrap();
-        let (server, server_metrics, stop_server) = node(&dir.path().join("s"), true).await;
-        let (client, _, stop_client) = node(&dir.path().join("c"), true).await;
+        let (server, server_metrics, stop_server) =
+            node(&dir.path().join("s"), Route::Direct).await;
+        let (client, _, stop_client) = node(&dir.path().join("c"), Route::Direct).await;
         let data = bytes(3 * PIECE as usize + 12_345, 7);
         let id = server.blobs.put(&data).unwrap();
         let empty = server.blobs.put(b"").unwrap();
         let addr = server.listen_addrs().await.unwrap().remove(0);
         let peer = client.dial(addr.clone()).await.unwrap();
 
+        // Direct: every record carries its tag, which the stream never sends.
         assert!(
             client.pull_blob(peer, id).await.unwrap() == data,
             "bytes differ"
         );
         let (sent, _) = server_metrics.totals(Lane::Blob);
+        let records = data.len().div_ceil(PIECE as usize);
         assert!(
-            sent >= data.len() as u64,
-            "the lane carried {sent} bytes of a {}-byte blob",
+            sent >= (data.len() + records * TAG) as u64,
+            "the direct channel carried {sent} bytes of a {}-byte blob in {records} records",
             data.len()
         );
         client.fetch_blob(peer, empty).await.unwrap();
@@ -332,8 +535,17 @@ mod tests {
         let err = client.fetch_blob(peer, unknown).await.unwrap_err();
         assert!(matches!(err, NodeError::BlobNotFound { .. }), "{err:?}");
 
+        // A puller without the direct channel: on the stream, exactly the bytes.
+        let (streamer, _, stop_streamer) = node(&dir.path().join("l"), Route::Stream).await;
+        let from = streamer.dial(addr.clone()).await.unwrap();
+        let before = server_metrics.totals(Lane::Blob).0;
+        streamer.fetch_blob(from, id).await.unwrap();
+        assert!(streamer.blobs.get(&id).unwrap().unwrap() == data);
+        let streamed = server_metrics.totals(Lane::Blob).0 - before;
+        assert_eq!(streamed, data.len() as u64 + 10, "header and bytes only");
+
         // A client without the lane (and so a server it asks in chunks).
-        let (old, _, stop_old) = node(&dir.path().join("o"), false).await;
+        let (old, _, stop_old) = node(&dir.path().join("o"), Route::Chunks).await;
         let peer = old.dial(addr).await.unwrap();
         old.fetch_blob(peer, id).await.unwrap();
         assert!(old.blobs.get(&id).unwrap().unwrap() == data, "bytes differ");
@@ -343,16 +555,118 @@ mod tests {
         let other = old.blobs.put(&bytes(100_000, 9)).unwrap();
         client.fetch_blob(from_old, other).await.unwrap();
         assert!(client.blobs.has(&other));
-        for stop in [stop_server, stop_client, stop_old] {
+        for stop in [stop_server, stop_client, stop_streamer, stop_old] {
             stop.cancel();
         }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_direct_port_out_of_reach_falls_back_to_the_stream() {
+        let dir = tempfile::tempdir().unwrap();
+        let (server, server_metrics, stop_server) =
+            node(&dir.path().join("s"), Route::Direct).await;
+        let (client, _, stop_client) = node(&dir.path().join("c"), Route::Direct).await;
+        let data = bytes(2 * PIECE as usize + 1, 5);
+        let id = server.blobs.put(&data).unwrap();
+        let peer = client
+            .dial(server.listen_addrs().await.unwrap().remove(0))
+            .await
+            .unwrap();
+        // As if the server were reached at an address its direct listener is not on
+        // (the listener is on 127.0.0.1 only): the connect is refused.
+        let peers = client.direct.clone().unwrap();
+        peers.connected(peer, &"/ip4/127.0.0.2/tcp/1".parse().unwrap());
+        client.fetch_blob(peer, id).await.unwrap();
+        assert!(
+            client.blobs.get(&id).unwrap().unwrap() == data,
+            "bytes differ"
+        );
+        assert_eq!(peers.ip(&peer), None, "not tried directly again");
+        // The next pull goes on the stream at once: header and bytes only.
+        let before = server_metrics.totals(Lane::Blob).0;
+        assert!(client.pull_blob(peer, id).await.unwrap() == data);
+        assert_eq!(
+            server_metrics.totals(Lane::Blob).0 - before,
+            data.len() as u64 + 10
+        );
+        stop_server.cancel();
+        stop_client.cancel();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_ticket_opens_its_range_once_and_garbage_on_the_direct_port_gets_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (server, _, stop_server) = node(&dir.path().join("s"), Route::Direct).await;
+        let (client, _, stop_client) = node(&dir.path().join("c"), Route::Direct).await;
+        let data = bytes(PIECE as usize + 777, 11);
+        let id = server.blobs.put(&data).unwrap();
+        let peer = client
+            .dial(server.listen_addrs().await.unwrap().remove(0))
+            .await
+            .unwrap();
+
+        // The records: each piece sealed under the offer's key, numbered from 0,
+        // the blob id as associated data.
+        let offer = Offer::new().unwrap();
+        let port = ask_direct(&client, peer, id, &offer).await;
+        let sealed = direct_raw(port, &offer.ticket).await;
+        assert_eq!(sealed.len(), data.len() + 2 * TAG);
+        let key = sealing_key(&offer.key);
+        let mut first = sealed[..PIECE as usize + TAG].to_vec();
+        let mut second = sealed[PIECE as usize + TAG..].to_vec();
+        let opened = key
+            .open_in_place(nonce(0), ring::aead::Aad::from(id.0), &mut first)
+            .unwrap()
+            .to_vec();
+        assert!(opened == data[..PIECE as usize], "first record");
+        let opened = key
+            .open_in_place(nonce(1), ring::aead::Aad::from(id.0), &mut second)
+            .unwrap();
+        assert_eq!(opened, &data[PIECE as usize..]);
+        // Under another key, or as another record, nothing opens.
+        let mut again = sealed[..PIECE as usize + TAG].to_vec();
+        let other = sealing_key(&Offer::new().unwrap().key);
+        assert!(other
+            .open_in_place(nonce(0), ring::aead::Aad::from(id.0), &mut again)
+            .is_err());
+        let mut again = sealed[PIECE as usize + TAG..].to_vec();
+        assert!(key
+            .open_in_place(nonce(0), ring::aead::Aad::from(id.0), &mut again)
+            .is_err());
+
+        // The ticket is spent; a made-up one, one cut short and none open nothing.
+        assert!(direct_raw(port, &offer.ticket).await.is_empty());
+        assert!(direct_raw(port, &[7u8; TICKET]).await.is_empty());
+        let fresh = Offer::new().unwrap();
+        let port = ask_direct(&client, peer, id, &fresh).await;
+        assert!(direct_raw(port, &fresh.ticket[..5]).await.is_empty());
+        assert!(direct_raw(port, &[]).await.is_empty());
+        // An unknown blob with an offer: NOT_FOUND, no port.
+        let mut unknown = request(&[9u8; 32], 0, u64::MAX);
+        *unknown.last_mut().unwrap() = DIRECT;
+        unknown.extend_from_slice(&fresh.ticket);
+        unknown.extend_from_slice(&fresh.key);
+        assert_eq!(raw(&client, peer, &unknown).await, vec![NOT_FOUND]);
+        // An offer cut short, an unknown route: nothing.
+        let mut short = request(&id.0, 0, u64::MAX);
+        *short.last_mut().unwrap() = DIRECT;
+        short.extend_from_slice(&[1, 2, 3]);
+        assert!(raw(&client, peer, &short).await.is_empty());
+        let mut odd = request(&id.0, 0, u64::MAX);
+        *odd.last_mut().unwrap() = 9;
+        assert!(raw(&client, peer, &odd).await.is_empty());
+
+        // The holder serves on, directly.
+        assert!(client.pull_blob(peer, id).await.unwrap() == data);
+        stop_server.cancel();
+        stop_client.cancel();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn garbage_on_a_blob_stream_gets_no_bytes_and_the_holder_serves_on() {
         let dir = tempfile::tempdir().unwrap();
-        let (server, _, stop_server) = node(&dir.path().join("s"), true).await;
-        let (client, _, stop_client) = node(&dir.path().join("c"), true).await;
+        let (server, _, stop_server) = node(&dir.path().join("s"), Route::Direct).await;
+        let (client, _, stop_client) = node(&dir.path().join("c"), Route::Direct).await;
         let data = bytes(100_000, 3);
         let id = server.blobs.put(&data).unwrap();
         let peer = client
@@ -363,23 +677,18 @@ mod tests {
         assert!(raw(&client, peer, &[1, 2, 3]).await.is_empty());
         assert!(raw(&client, peer, &[]).await.is_empty());
         // An unknown blob: NOT_FOUND and nothing else.
-        let mut unknown = vec![9u8; 32];
-        unknown.extend_from_slice(&0u64.to_le_bytes());
-        unknown.extend_from_slice(&u64::MAX.to_le_bytes());
+        let unknown = request(&[9u8; 32], 0, u64::MAX);
         assert_eq!(raw(&client, peer, &unknown).await, vec![NOT_FOUND]);
-        // An offset past the end: the size, and no bytes.
-        let mut past = id.0.to_vec();
-        past.extend_from_slice(&u64::MAX.to_le_bytes());
-        past.extend_from_slice(&u64::MAX.to_le_bytes());
+        // An offset past the end: the size, the route, and no bytes.
+        let past = request(&id.0, u64::MAX, u64::MAX);
         let answer = raw(&client, peer, &past).await;
         assert_eq!(answer[0], OK);
-        assert_eq!(answer[1..], (data.len() as u64).to_le_bytes());
+        assert_eq!(answer[1..9], (data.len() as u64).to_le_bytes());
+        assert_eq!(answer[9..], [ON_STREAM]);
         // A range in the middle: exactly those bytes.
-        let mut middle = id.0.to_vec();
-        middle.extend_from_slice(&1000u64.to_le_bytes());
-        middle.extend_from_slice(&10u64.to_le_bytes());
+        let middle = request(&id.0, 1000, 10);
         let answer = raw(&client, peer, &middle).await;
-        assert_eq!(answer[9..], data[1000..1010]);
+        assert_eq!(answer[10..], data[1000..1010]);
         // The holder still serves a whole blob.
         assert!(client.pull_blob(peer, id).await.unwrap() == data);
         stop_server.cancel();

@@ -45,6 +45,12 @@ pub struct NetConfig {
     /// Serve and use the blob lane (a blob streamed on one stream per pull); off,
     /// blobs move in chunks over request-response only.
     pub blob_lane: bool,
+    /// With the blob lane: serve and use the direct channel (a blob's bytes on a TCP
+    /// connection of their own, sealed with AES-256-GCM under a key agreed on the
+    /// lane; see `blob_direct`). The holder listens on the IP of its first TCP
+    /// listen address, on any free port; a puller that cannot reach it streams on
+    /// the lane instead.
+    pub blob_direct: bool,
     /// How long one request may take before it fails.
     pub request_timeout: Duration,
     /// How long a dial may take (TCP connect + handshakes) before it fails.
@@ -75,6 +81,7 @@ impl NetConfig {
             chunk_bytes: 1 << 20,
             fetch_window: 8,
             blob_lane: true,
+            blob_direct: true,
             request_timeout: Duration::from_secs(30),
             dial_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(300),
@@ -120,6 +127,8 @@ impl fmt::Debug for NetConfig {
             .field("max_frame_bytes", &self.max_frame_bytes)
             .field("chunk_bytes", &self.chunk_bytes)
             .field("fetch_window", &self.fetch_window)
+            .field("blob_lane", &self.blob_lane)
+            .field("blob_direct", &self.blob_direct)
             .field("request_timeout", &self.request_timeout)
             .field("dial_timeout", &self.dial_timeout)
             .field("idle_timeout", &self.idle_timeout)

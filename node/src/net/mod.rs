@@ -39,6 +39,7 @@
 
 mod actor;
 mod bench;
+mod blob_direct;
 mod blob_lane;
 mod codec;
 mod config;
@@ -62,7 +63,8 @@ use crate::blobs::store::BlobStore;
 use crate::error::{NodeError, Result};
 
 pub use bench::{
-    bench_blob_transfer, bench_blob_transfer_with, blob_transfer_defaults, BlobTransferReport,
+    bench_blob_transfer, bench_blob_transfer_with, blob_transfer_defaults, BlobRoute,
+    BlobTransferReport,
 };
 pub use codec::MESH_PROTOCOL;
 pub use config::{ConnectionCaps, NetConfig};
@@ -81,6 +83,9 @@ pub struct NetHandle {
     raft: std::sync::Arc<raft_lane::RaftLane>,
     /// Opens blob-lane streams (see [`blob_lane`]); `None` when the lane is off.
     streams: Option<libp2p_stream::Control>,
+    /// Where peers' direct blob ports are (see [`blob_direct`]); `None` when the
+    /// direct channel is off.
+    direct: Option<blob_direct::Peers>,
     /// Where the blob lane counts its bytes.
     metrics: crate::metrics::NetMetrics,
     local_peer_id: PeerId,
@@ -139,20 +144,44 @@ impl NetHandle {
             cancel.clone(),
         )?;
         let mut streams = swarm.behaviour().raft.new_control();
+        let direct = config.blob_lane && config.blob_direct;
         if config.blob_lane {
+            let holder = match direct {
+                true => {
+                    blob_direct::Holder::start(
+                        &config.listen,
+                        blobs.clone(),
+                        config.metrics.clone(),
+                        cancel.clone(),
+                    )
+                    .await?
+                }
+                false => None,
+            };
             blob_lane::serve(
                 &mut streams,
                 blobs.clone(),
                 config.metrics.clone(),
+                holder,
                 cancel.clone(),
             )?;
         }
+        let peers = blob_direct::Peers::default();
         let (commands_tx, commands) = mpsc::channel(COMMAND_QUEUE);
-        let task = actor::spawn(swarm, &config, commands, events, blobs.clone(), cancel);
+        let task = actor::spawn(
+            swarm,
+            &config,
+            commands,
+            events,
+            blobs.clone(),
+            peers.clone(),
+            cancel,
+        );
         let handle = NetHandle {
             commands: commands_tx,
             raft,
             streams: config.blob_lane.then_some(streams),
+            direct: direct.then_some(peers),
             metrics: config.metrics.clone(),
             local_peer_id,
             blobs,

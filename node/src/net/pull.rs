@@ -80,7 +80,11 @@ impl NetHandle {
         let timeout = self.request_timeout + self.dial_timeout;
         if let Some(streams) = &self.streams {
             let metrics = &self.metrics;
-            if super::blob_lane::pull(streams, from, id, limit, timeout, metrics, &mut each).await?
+            let direct = self.direct.as_ref();
+            if super::blob_lane::pull(
+                streams, from, id, limit, timeout, metrics, direct, &mut each,
+            )
+            .await?
             {
                 return Ok(());
             }

@@ -1,0 +1,413 @@
+//! The direct blob channel: a blob's bytes on a TCP connection of their own, sealed
+//! with AES-256-GCM under a key used for that one transfer.
+//!
+//! Why: on the mesh's connection every byte crosses Yamux and Noise's
+//! ChaCha20-Poly1305 at both ends; a large blob spends more time there than on the
+//! wire. Here the bytes cross one AEAD that the CPU does in hardware (AES-NI and
+//! carry-less multiply, via `ring`) and the kernel's socket, nothing else.
+//!
+//! How it stays closed: nothing about a transfer is agreed on this connection. The
+//! puller asks for the blob on the blob lane (a libp2p stream, so Noise with the
+//! cluster key has authenticated both peers and encrypts the request) and sends
+//! there a fresh random key and a fresh random ticket. The holder keeps the ticket
+//! for [`TICKET_LIFE`] and answers with the port of its direct listener. The puller
+//! connects, sends the ticket, and reads the range as records: each the next piece
+//! of at most [`PIECE`] bytes, sealed with the key, the record's number as the
+//! nonce and the blob id as associated data, followed by its 16-byte tag. The
+//! puller knows every record's length from the size the lane told it, so nothing
+//! on this connection is taken on trust: a ticket works once, a record that does
+//! not open ends the pull, and bytes missing at the end are an error. Whoever
+//! watches or meddles with the connection sees a ticket already spent and
+//! ciphertext under a key that never left the Noise channel.
+//!
+//! A connection that does not bring a live ticket within [`TICKET_WAIT`] is closed
+//! with nothing sent; at most [`MAX_TICKETS`] tickets wait at once (more pulls are
+//! answered on the lane itself). A puller that cannot reach the port (a firewall, an
+//! address it cannot route to) pulls on the lane instead and does not try this peer
+//! directly again until it reconnects to it.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{Read, Seek, SeekFrom};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use gpumesh_protocol::BlobId;
+use libp2p::multiaddr::Protocol;
+use libp2p::{Multiaddr, PeerId};
+use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
+use ring::rand::{SecureRandom, SystemRandom};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::blob_lane::PIECE;
+use crate::blobs::store::BlobStore;
+use crate::error::{NodeError, Result};
+use crate::metrics::{Lane, NetMetrics};
+
+/// Bytes of a ticket and of a key.
+pub(super) const TICKET: usize = 16;
+pub(super) const KEY: usize = 32;
+/// Bytes of the tag after each record.
+pub(super) const TAG: usize = 16;
+
+/// How long a ticket waits for its connection.
+const TICKET_LIFE: Duration = Duration::from_secs(30);
+/// How long an accepted connection has to send its ticket.
+const TICKET_WAIT: Duration = Duration::from_secs(5);
+/// Tickets waiting at once; more pulls are answered on the lane.
+const MAX_TICKETS: usize = 256;
+/// How long a puller waits for the holder's port to accept.
+const CONNECT: Duration = Duration::from_secs(2);
+/// How long the holder waits for the puller to take the next record.
+const STALL: Duration = Duration::from_secs(30);
+/// Sealed records read ahead of the socket on the holder.
+const READ_AHEAD: usize = 4;
+
+/// What a puller sends on the lane to ask for the direct channel.
+#[derive(Clone, Copy)]
+pub(super) struct Offer {
+    pub ticket: [u8; TICKET],
+    pub key: [u8; KEY],
+}
+
+impl Offer {
+    /// A fresh random ticket and key.
+    pub(super) fn new() -> Result<Offer> {
+        let random = SystemRandom::new();
+        let mut offer = Offer {
+            ticket: [0; TICKET],
+            key: [0; KEY],
+        };
+        random
+            .fill(&mut offer.ticket)
+            .and_then(|()| random.fill(&mut offer.key))
+            .map_err(|_| NodeError::NetSetup("the system's random source failed".into()))?;
+        Ok(offer)
+    }
+}
+
+/// A range a ticket opens.
+struct Ticket {
+    key: [u8; KEY],
+    id: BlobId,
+    at: u64,
+    end: u64,
+    issued: Instant,
+}
+
+/// The holder's side: its listener's port and the tickets waiting for it.
+#[derive(Clone)]
+pub(super) struct Holder {
+    port: u16,
+    tickets: Arc<Mutex<HashMap<[u8; TICKET], Ticket>>>,
+}
+
+impl Holder {
+    /// Binds a listener on the address of the node's first TCP listen address (any
+    /// free port) and serves connections until `cancel` fires. `None` when the node
+    /// listens on no TCP address.
+    pub(super) async fn start(
+        listen: &[Multiaddr],
+        blobs: BlobStore,
+        metrics: NetMetrics,
+        cancel: CancellationToken,
+    ) -> Result<Option<Holder>> {
+        let Some(ip) = listen.iter().find_map(tcp_ip) else {
+            return Ok(None);
+        };
+        let at = SocketAddr::new(ip, 0);
+        let listener = TcpListener::bind(at)
+            .await
+            .map_err(|e| NodeError::NetSetup(format!("direct blob listener on {at}: {e}")))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| NodeError::NetSetup(format!("direct blob listener: {e}")))?
+            .port();
+        let holder = Holder {
+            port,
+            tickets: Arc::default(),
+        };
+        tokio::spawn(holder.clone().accept(listener, blobs, metrics, cancel));
+        Ok(Some(holder))
+    }
+
+    /// Keeps `offer`'s ticket for bytes `at..end` of `id` and returns the port to
+    /// connect to; `None` when too many tickets wait already.
+    pub(super) fn issue(&self, offer: &Offer, id: BlobId, at: u64, end: u64) -> Option<u16> {
+        let mut tickets = self.tickets.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        tickets.retain(|_, t| now.duration_since(t.issued) < TICKET_LIFE);
+        if tickets.len() >= MAX_TICKETS {
+            return None;
+        }
+        tickets.insert(
+            offer.ticket,
+            Ticket {
+                key: offer.key,
+                id,
+                at,
+                end,
+                issued: now,
+            },
+        );
+        Some(self.port)
+    }
+
+    /// The ticket, if it is live; spent by this.
+    fn redeem(&self, ticket: &[u8; TICKET]) -> Option<Ticket> {
+        let mut tickets = self.tickets.lock().unwrap_or_else(PoisonError::into_inner);
+        let t = tickets.remove(ticket)?;
+        (t.issued.elapsed() < TICKET_LIFE).then_some(t)
+    }
+
+    async fn accept(
+        self,
+        listener: TcpListener,
+        blobs: BlobStore,
+        metrics: NetMetrics,
+        cancel: CancellationToken,
+    ) {
+        loop {
+            let accepted = tokio::select! {
+                _ = cancel.cancelled() => return,
+                accepted = listener.accept() => accepted,
+            };
+            let (socket, from) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors and the like: wait rather than spin.
+                    tracing::warn!(error = %e, "direct blob listener: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let (holder, blobs, metrics, cancel) =
+                (self.clone(), blobs.clone(), metrics.clone(), cancel.clone());
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = cancel.cancelled() => {}
+                    served = holder.serve(socket, blobs, metrics) => if let Err(e) = served {
+                        tracing::debug!(%from, error = %e, "a direct blob connection ended early");
+                    }
+                }
+            });
+        }
+    }
+
+    /// One connection: its ticket, then the range it opens, record by record.
+    async fn serve(
+        &self,
+        mut socket: TcpStream,
+        blobs: BlobStore,
+        metrics: NetMetrics,
+    ) -> std::io::Result<()> {
+        let mut ticket = [0u8; TICKET];
+        tokio::time::timeout(TICKET_WAIT, socket.read_exact(&mut ticket))
+            .await
+            .map_err(|_| std::io::Error::other("no ticket in time"))??;
+        let Some(ticket) = self.redeem(&ticket) else {
+            return Err(std::io::Error::other("not a live ticket"));
+        };
+        socket.set_nodelay(true)?;
+        let (tx, mut rx) = mpsc::channel(READ_AHEAD);
+        let reader = tokio::task::spawn_blocking(move || read_sealed(&blobs, &ticket, tx));
+        while let Some(record) = rx.recv().await {
+            let record: Vec<u8> = record?;
+            tokio::time::timeout(STALL, socket.write_all(&record))
+                .await
+                .map_err(|_| std::io::Error::other("the puller stopped reading"))??;
+            metrics.sent(Lane::Blob, record.len());
+        }
+        reader.await.map_err(std::io::Error::other)?;
+        socket.shutdown().await
+    }
+}
+
+/// Reads the ticket's range from the blob's file a piece at a time, seals each piece
+/// and sends it on `tx`; stops at the end or when the receiver is gone.
+fn read_sealed(blobs: &BlobStore, ticket: &Ticket, tx: mpsc::Sender<std::io::Result<Vec<u8>>>) {
+    let key = sealing_key(&ticket.key);
+    let opened = blobs.open_file(&ticket.id).and_then(|f| {
+        f.ok_or_else(|| NodeError::BlobNotFound {
+            id: ticket.id,
+            peer: "this node".into(),
+        })
+    });
+    let mut file = match opened {
+        Ok(f) => f,
+        Err(e) => {
+            let _ = tx.blocking_send(Err(std::io::Error::other(e.to_string())));
+            return;
+        }
+    };
+    let mut at = ticket.at;
+    let mut number = 0u64;
+    let mut first = true;
+    while at < ticket.end {
+        let len = PIECE.min(ticket.end - at) as usize;
+        let mut record = Vec::with_capacity(len + TAG);
+        record.resize(len, 0);
+        let read = if first {
+            file.seek(SeekFrom::Start(at)).map(|_| ())
+        } else {
+            Ok(())
+        }
+        .and_then(|()| file.read_exact(&mut record));
+        first = false;
+        let sealed = read.and_then(|()| {
+            key.seal_in_place_separate_tag(nonce(number), Aad::from(ticket.id.0), &mut record)
+                .map(|tag| record.extend_from_slice(tag.as_ref()))
+                .map_err(|_| std::io::Error::other("sealing failed"))
+        });
+        let failed = sealed.is_err();
+        if tx.blocking_send(sealed.map(|()| record)).is_err() || failed {
+            return;
+        }
+        at += len as u64;
+        number += 1;
+    }
+}
+
+/// How a direct pull fell short.
+pub(super) enum Failed {
+    /// Before any piece was handed over: the lane can still carry the blob.
+    Unreached(String),
+    /// After some pieces were handed over.
+    Broken(String),
+    /// `each` refused a piece.
+    Each(NodeError),
+}
+
+/// Reads bytes `at..end` of `id` from the holder at `addr` with `offer`, handing each
+/// piece to `each(offset, bytes)`.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn pull(
+    addr: SocketAddr,
+    offer: &Offer,
+    id: BlobId,
+    at: u64,
+    end: u64,
+    timeout: Duration,
+    metrics: &NetMetrics,
+    each: &mut impl FnMut(u64, Vec<u8>) -> Result<()>,
+) -> std::result::Result<(), Failed> {
+    let mut socket = match tokio::time::timeout(CONNECT, TcpStream::connect(addr)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => return Err(Failed::Unreached(format!("connecting to {addr}: {e}"))),
+        Err(_) => {
+            return Err(Failed::Unreached(format!(
+                "{addr} did not accept within {CONNECT:?}"
+            )))
+        }
+    };
+    let _ = socket.set_nodelay(true);
+    socket
+        .write_all(&offer.ticket)
+        .await
+        .map_err(|e| Failed::Unreached(format!("sending the ticket to {addr}: {e}")))?;
+    let key = sealing_key(&offer.key);
+    let mut offset = at;
+    let mut number = 0u64;
+    while offset < end {
+        let len = PIECE.min(end - offset) as usize;
+        let mut record = vec![0u8; len + TAG];
+        let fail = |reason: String| {
+            if offset > at {
+                Failed::Broken(reason)
+            } else {
+                Failed::Unreached(reason)
+            }
+        };
+        match tokio::time::timeout(timeout, socket.read_exact(&mut record)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(fail(format!("reading from {addr}: {e}"))),
+            Err(_) => return Err(fail(format!("no bytes from {addr} within {timeout:?}"))),
+        }
+        metrics.received(Lane::Blob, record.len());
+        if key
+            .open_in_place(nonce(number), Aad::from(id.0), &mut record)
+            .is_err()
+        {
+            return Err(Failed::Broken(format!(
+                "record {number} from {addr} does not open"
+            )));
+        }
+        record.truncate(len);
+        each(offset, record).map_err(Failed::Each)?;
+        offset += len as u64;
+        number += 1;
+    }
+    Ok(())
+}
+
+pub(super) fn sealing_key(key: &[u8; KEY]) -> LessSafeKey {
+    // A 32-byte key is what AES-256-GCM takes; `new` fails only on another length.
+    match UnboundKey::new(&AES_256_GCM, key) {
+        Ok(k) => LessSafeKey::new(k),
+        Err(_) => unreachable!("AES-256-GCM takes a {KEY}-byte key"),
+    }
+}
+
+/// Record `number`'s nonce: each key seals one transfer, so the count is unique.
+pub(super) fn nonce(number: u64) -> Nonce {
+    let mut n = [0u8; 12];
+    n[4..].copy_from_slice(&number.to_be_bytes());
+    Nonce::assume_unique_for_key(n)
+}
+
+/// The IP of a `/ip4/../tcp/..` or `/ip6/../tcp/..` address.
+fn tcp_ip(addr: &Multiaddr) -> Option<IpAddr> {
+    let mut parts = addr.iter();
+    let ip = match parts.next()? {
+        Protocol::Ip4(ip) => IpAddr::V4(ip),
+        Protocol::Ip6(ip) => IpAddr::V6(ip),
+        _ => return None,
+    };
+    matches!(parts.next()?, Protocol::Tcp(_)).then_some(ip)
+}
+
+/// Where each peer was last reached (the IP of its connection), and the peers whose
+/// direct port did not answer since; shared by the network actor, which fills it as
+/// connections come up, and the pullers.
+#[derive(Clone, Default)]
+pub(super) struct Peers(Arc<Mutex<PeerIps>>);
+
+#[derive(Default)]
+struct PeerIps {
+    ips: HashMap<PeerId, IpAddr>,
+    unreachable: HashSet<PeerId>,
+}
+
+impl Peers {
+    /// A connection to `peer` came up at `addr`: try its direct port again.
+    pub(super) fn connected(&self, peer: PeerId, addr: &Multiaddr) {
+        let Some(ip) = addr.iter().find_map(|p| match p {
+            Protocol::Ip4(ip) => Some(IpAddr::V4(ip)),
+            Protocol::Ip6(ip) => Some(IpAddr::V6(ip)),
+            _ => None,
+        }) else {
+            return;
+        };
+        let mut peers = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        peers.ips.insert(peer, ip);
+        peers.unreachable.remove(&peer);
+    }
+
+    /// The IP to reach `peer`'s direct port at, unless it did not answer there.
+    pub(super) fn ip(&self, peer: &PeerId) -> Option<IpAddr> {
+        let peers = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if peers.unreachable.contains(peer) {
+            return None;
+        }
+        peers.ips.get(peer).copied()
+    }
+
+    /// `peer`'s direct port did not answer: pull on the lane until it reconnects.
+    pub(super) fn unreachable(&self, peer: PeerId) {
+        let mut peers = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        peers.unreachable.insert(peer);
+    }
+}
