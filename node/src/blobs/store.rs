@@ -94,6 +94,8 @@ impl BlobStore {
             hashed: 0,
             early: std::collections::BTreeMap::new(),
             done: false,
+            unflushed: 0,
+            flusher: None,
         })
     }
 
@@ -224,6 +226,43 @@ pub struct Incoming {
     /// Pieces that came before the bytes ahead of them, by offset.
     early: std::collections::BTreeMap<u64, Vec<u8>>,
     done: bool,
+    /// Bytes written since the flusher was last asked to write back.
+    unflushed: u64,
+    /// A thread that writes the file back to disk while more of it arrives (see
+    /// [`FLUSH_EVERY`]), so the fsync at the end waits for the tail alone.
+    flusher: Option<Flusher>,
+}
+
+/// Bytes written to an incoming blob between two write-backs by its flusher.
+const FLUSH_EVERY: u64 = 8 << 20;
+
+struct Flusher {
+    wake: std::sync::mpsc::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Flusher {
+    /// A thread that calls `fdatasync` on `file` each time it is woken, until the
+    /// sender is dropped. Its errors are not kept: the fsync at the end reports.
+    fn start(file: &File) -> Option<Flusher> {
+        let file = file.try_clone().ok()?;
+        let (wake, woken) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("blob-flush".into())
+            .spawn(move || {
+                while woken.recv().is_ok() {
+                    while woken.try_recv().is_ok() {}
+                    let _ = file.sync_data();
+                }
+            })
+            .ok()?;
+        Some(Flusher { wake, thread })
+    }
+
+    fn stop(self) {
+        drop(self.wake);
+        let _ = self.thread.join();
+    }
 }
 
 impl Incoming {
@@ -239,6 +278,16 @@ impl Incoming {
         self.file
             .write_all_at(&data, offset)
             .map_err(|e| NodeError::io(&self.tmp, e))?;
+        self.unflushed += data.len() as u64;
+        if self.unflushed >= FLUSH_EVERY && self.total > FLUSH_EVERY {
+            self.unflushed = 0;
+            if self.flusher.is_none() {
+                self.flusher = Flusher::start(&self.file);
+            }
+            if let Some(f) = &self.flusher {
+                let _ = f.wake.send(());
+            }
+        }
         if offset != self.hashed {
             self.early.insert(offset, data);
             return Ok(());
@@ -255,6 +304,9 @@ impl Incoming {
     /// Checks that every byte came and that they hash to the blob's id, then makes
     /// the blob durable (one fsync of the file, the rename, the directory's fsync).
     pub fn finish(mut self) -> Result<()> {
+        if let Some(f) = self.flusher.take() {
+            f.stop();
+        }
         if self.hashed != self.total || !self.early.is_empty() {
             return Err(NodeError::BlobMismatch {
                 id: self.id,
@@ -278,6 +330,9 @@ impl Incoming {
 
 impl Drop for Incoming {
     fn drop(&mut self) {
+        if let Some(f) = self.flusher.take() {
+            f.stop();
+        }
         if !self.done {
             let _ = fs::remove_file(&self.tmp);
         }
@@ -360,6 +415,40 @@ mod tests {
         assert_eq!(tmp_files(), 0);
         // Over the store's limit: refused before anything is written.
         assert!(store.incoming(id, 2 << 20).is_err());
+    }
+
+    #[test]
+    fn a_blob_written_back_while_it_arrives_is_kept_whole_or_not_at_all() {
+        // Over FLUSH_EVERY several times, so the flusher runs while pieces come.
+        let dir = tempfile::tempdir().unwrap();
+        let total = 3 * FLUSH_EVERY as usize + 12_345;
+        let store = BlobStore::open(dir.path(), total as u64).unwrap();
+        let bytes: Vec<u8> = (0..total).map(|i| (i * 31 % 253) as u8).collect();
+        let id = BlobId::of(&bytes);
+        let piece = 1 << 20;
+        let offsets: Vec<usize> = (0..total).step_by(piece).collect();
+        // Left halfway, after write-backs began: nothing kept, nothing left behind.
+        let mut halfway = store.incoming(id, total as u64).unwrap();
+        for &at in &offsets[..offsets.len() / 2 + 1] {
+            halfway
+                .write_at(at as u64, bytes[at..(at + piece).min(total)].to_vec())
+                .unwrap();
+        }
+        assert!(halfway.flusher.is_some());
+        drop(halfway);
+        assert!(!store.has(&id));
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
+        // Whole, the second and first pieces swapped: kept, read back as sent.
+        let mut whole = store.incoming(id, total as u64).unwrap();
+        let mut order = offsets.clone();
+        order.swap(0, 1);
+        for at in order {
+            whole
+                .write_at(at as u64, bytes[at..(at + piece).min(total)].to_vec())
+                .unwrap();
+        }
+        whole.finish().unwrap();
+        assert!(store.get(&id).unwrap().unwrap() == bytes);
     }
 
     #[test]
