@@ -230,6 +230,200 @@ async fn a_run_goes_on_the_node_it_is_sent_to_and_is_recorded_with_its_result() 
     .expect("bounded");
 }
 
+/// Tutorial kernels without loops, so every adapter can batch them: an affine step
+/// on values in place (uniform, bounds check, ragged last workgroup) ...
+const AFFINE: &str = r#"
+struct Params { mul: u32, add: u32, _a: u32, _b: u32 }
+@group(0) @binding(0) var<storage, read_write> values: array<u32>;
+@group(0) @binding(1) var<uniform> params: Params;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i >= arrayLength(&values)) {
+        return;
+    }
+    values[i] = values[i] * params.mul + params.add + i;
+}
+"#;
+
+/// ... and a histogram counted with atomics.
+const HISTOGRAM: &str = r#"
+struct Params { bins: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<storage, read> values: array<u32>;
+@group(0) @binding(1) var<uniform> params: Params;
+@group(0) @binding(2) var<storage, read_write> counts: array<atomic<u32>>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i >= arrayLength(&values)) {
+        return;
+    }
+    atomicAdd(&counts[values[i] % params.bins], 1u);
+}
+"#;
+
+/// Task `k` of a burst: its spec, and the CPU's bytes for its one output binding.
+fn burst_task(k: u32, blob: gpumesh::protocol::BlobId, input: &[u32]) -> (TaskSpec, u32, Vec<u8>) {
+    let count = input.len() as u32;
+    let param = |words: [u32; 4]| BindingRole::Param {
+        data: bytes(&words),
+    };
+    if k % 2 == 0 {
+        let (mul, add) = (k + 2, 1000 * k + 1);
+        let cpu: Vec<u32> = input
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v.wrapping_mul(mul).wrapping_add(add).wrapping_add(i as u32))
+            .collect();
+        let spec = TaskSpec {
+            shader: ShaderSource::Wgsl(AFFINE.into()),
+            entry_point: "main".into(),
+            bindings: vec![
+                BindingSpec {
+                    binding: 0,
+                    role: BindingRole::InOut {
+                        blob,
+                        size: u64::from(count) * 4,
+                    },
+                },
+                BindingSpec {
+                    binding: 1,
+                    role: param([mul, add, 0, 0]),
+                },
+            ],
+            grid: Grid([count.div_ceil(64), 1, 1]),
+            shards: 1,
+            merge: MergeRule::Changes,
+            merges: Default::default(),
+            options: Default::default(),
+        };
+        (spec, 0, bytes(&cpu))
+    } else {
+        let bins = 3 + k % 13;
+        let mut cpu = vec![0u32; bins as usize];
+        for v in input {
+            cpu[(v % bins) as usize] += 1;
+        }
+        let spec = TaskSpec {
+            shader: ShaderSource::Wgsl(HISTOGRAM.into()),
+            entry_point: "main".into(),
+            bindings: vec![
+                BindingSpec {
+                    binding: 0,
+                    role: BindingRole::Input {
+                        blob,
+                        size: u64::from(count) * 4,
+                    },
+                },
+                BindingSpec {
+                    binding: 1,
+                    role: param([bins, 0, 0, 0]),
+                },
+                BindingSpec {
+                    binding: 2,
+                    role: BindingRole::Output {
+                        size: u64::from(bins) * 4,
+                    },
+                },
+            ],
+            grid: Grid([count.div_ceil(64), 1, 1]),
+            shards: 1,
+            merge: MergeRule::Changes,
+            merges: Default::default(),
+            options: Default::default(),
+        };
+        (spec, 2, bytes(&cpu))
+    }
+}
+
+/// node's `gpumesh_gpu_batched_runs_total`.
+async fn batched_runs(node: &gpumesh::node::MeshNode) -> u64 {
+    let text = reqwest::get(format!("http://{}/metrics", node.api_addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("gpumesh_gpu_batched_runs_total "))
+        .expect("the metric is there")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn runs_waiting_for_the_gpu_share_a_submission_and_each_gets_its_own_result() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        // One node, so every run waits for the one GPU.
+        let nodes = mesh_with(dir.path(), 1, |_, _| {}).await;
+        let c = client(&nodes[0]);
+        for with_runaway in [false, true] {
+            // Tasks of two kernels, different sizes (none a whole number of
+            // workgroups), inputs and uniforms, uploaded first.
+            let mut burst = Vec::new();
+            for k in 0..20u32 {
+                let input: Vec<u32> = (0..100 + 37 * k).map(|i| i * (k + 3) + k).collect();
+                let blob = c.upload(bytes(&input)).await.unwrap();
+                burst.push(burst_task(k, blob, &input));
+            }
+            let before = batched_runs(&nodes[0]).await;
+            // A long run holds the GPU while the burst queues behind it.
+            let blocker = tokio::spawn({
+                let c = c.clone();
+                async move { c.run(common::lcg_spec(300, 1)).await }
+            });
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let mut runs = tokio::task::JoinSet::new();
+            for (k, (spec, binding, cpu)) in burst.into_iter().enumerate() {
+                let c = c.clone();
+                runs.spawn(async move {
+                    let (task, out) = c.run(spec).await.unwrap();
+                    assert!(
+                        out[&binding] == cpu,
+                        "task {k} (t{task}) differs from the CPU"
+                    );
+                });
+            }
+            if with_runaway {
+                // Among them, a kernel that never ends: it fails on its own deadline
+                // and takes none of the others with it.
+                let input = c.upload(bytes(&values(300))).await.unwrap();
+                let mut runaway = collatz_spec(input, 300, 1);
+                runaway.shader = ShaderSource::Wgsl(RUNAWAY.into());
+                runaway.bindings[1].role = BindingRole::Param { data: vec![0; 16] };
+                runaway.grid = Grid([4000, 1, 1]);
+                runaway.options.deadline_ms = Some(300);
+                match c.run(runaway).await {
+                    Err(ClientError::Refused(why)) => assert!(why.contains("deadline"), "{why}"),
+                    other => panic!("a runaway kernel's run: {other:?}"),
+                }
+            }
+            while let Some(done) = runs.join_next().await {
+                done.unwrap();
+            }
+            let (_, out) = blocker.await.unwrap().unwrap();
+            assert!(
+                out[&0] == lcg_expected(300 * 64),
+                "the long run differs from the CPU"
+            );
+            let batched = batched_runs(&nodes[0]).await - before;
+            if !with_runaway {
+                assert!(batched >= 2, "{batched} runs shared a submission");
+            }
+        }
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
 const GROUPS: u32 = 3000;
 
 fn lcg_expected(invocations: u32) -> Vec<u8> {

@@ -27,10 +27,11 @@
 //! | `gpumesh_shard_run_seconds` | histogram | wall time of a shard that produced outputs here: inputs fetched and read from the store, GPU run, readback |
 //! | `gpumesh_gpu_busy_seconds_total` | counter | time the GPU thread spent running shards (upload, dispatch, wait, readback) |
 //! | `gpumesh_gpu_dispatches_total` | counter | compute dispatches submitted (one per tile of a shard) |
+//! | `gpumesh_gpu_batched_runs_total` | counter | one-shard runs that shared a submission with other runs waiting for the GPU |
 //! | `gpumesh_gpu_bytes_total{direction}` | counter | bytes written to the device (`to_gpu`: inputs not already resident, output fill, shard info) and read back (`from_gpu`) |
 //! | `gpumesh_gpu_resident_bytes` | gauge | bytes of GPU buffers kept on the device between runs: actors' state, inputs reused by later tasks |
-//! | `gpumesh_net_sent_bytes_total{lane}` | counter | bytes of gpumesh frames written to libp2p streams |
-//! | `gpumesh_net_received_bytes_total{lane}` | counter | bytes of gpumesh frames read from libp2p streams |
+//! | `gpumesh_net_sent_bytes_total{lane}` | counter | bytes of gpumesh frames written to libp2p streams (and, in the `blob` lane, sealed records on direct blob connections) |
+//! | `gpumesh_net_received_bytes_total{lane}` | counter | bytes of gpumesh frames read from libp2p streams (and direct blob connections) |
 //! | `gpumesh_net_connected_peers` | gauge | peers with at least one open connection |
 //! | `gpumesh_kernels_compiled` | gauge | kernels compiled on this node since it started (each source once while it stays cached) |
 //! | `gpumesh_actors` | gauge | GPU actors in this node's copy of the record |
@@ -162,6 +163,11 @@ impl Metrics {
             "Compute dispatches submitted to the GPU, one per tile of a shard",
             gpu.dispatches.clone(),
         );
+        registry.register(
+            "gpu_batched_runs",
+            "One-shard runs that shared a GPU submission with other runs waiting",
+            gpu.batched_runs.clone(),
+        );
         registry.register_with_unit(
             "gpu",
             "Bytes written to GPU buffers (to_gpu: inputs not already resident, output fill, \
@@ -185,15 +191,15 @@ impl Metrics {
         gpu.record(Duration::ZERO, ExecutorCounters::default());
         registry.register_with_unit(
             "net_sent",
-            "Bytes of gpumesh frames written to libp2p streams, by lane (raft, blob, call); \
-             transport overhead not included",
+            "Bytes of gpumesh frames written to libp2p streams, by lane (raft, blob, call), and \
+             of sealed records on direct blob connections (blob); transport overhead not included",
             Unit::Bytes,
             net.sent.clone(),
         );
         registry.register_with_unit(
             "net_received",
-            "Bytes of gpumesh frames read from libp2p streams, by lane (raft, blob, call); \
-             transport overhead not included",
+            "Bytes of gpumesh frames read from libp2p streams, by lane (raft, blob, call), and \
+             of sealed records on direct blob connections (blob); transport overhead not included",
             Unit::Bytes,
             net.received.clone(),
         );
@@ -365,6 +371,8 @@ pub struct GpuMetrics {
     busy_seconds: Counter<f64, AtomicU64>,
     /// Compute dispatches submitted.
     dispatches: Counter,
+    /// One-shard runs that shared a submission with others.
+    batched_runs: Counter,
     /// Bytes by direction: `to_gpu`, `from_gpu`.
     bytes: Family<Label, Counter>,
     /// Bytes of buffers kept on the device between runs (actor state, reused inputs).
@@ -382,6 +390,11 @@ impl GpuMetrics {
         self.bytes
             .get_or_create(&[("direction", "from_gpu")])
             .inc_by(work.bytes_from_device);
+    }
+
+    /// Counts `runs` that shared one submission.
+    pub fn batched(&self, runs: usize) {
+        self.batched_runs.inc_by(runs as u64);
     }
 
     pub fn set_resident(&self, bytes: u64) {

@@ -84,7 +84,13 @@ impl GpuHandle {
                     }
                 }
                 let _ = ready_tx.send(Some(executor.capability().clone()));
-                while let Some(req) = rx.blocking_recv() {
+                // A request taken from the queue while gathering a batch, and not
+                // part of it: handled next.
+                let mut held = None;
+                loop {
+                    let Some(req) = held.take().or_else(|| rx.blocking_recv()) else {
+                        break;
+                    };
                     match req {
                         GpuRequest::Run {
                             job,
@@ -92,15 +98,42 @@ impl GpuHandle {
                             deadline,
                             reply,
                         } => {
-                            let before = executor.counters();
-                            let started = Instant::now();
-                            let result = job_shard(&job, shard).and_then(|range| {
-                                executor
-                                    .run_shards(&job, &[range], deadline)
-                                    .map(|mut v| v.remove(0))
-                            });
-                            metrics.record(started.elapsed(), executor.counters().since(&before));
-                            let _ = reply.send(result);
+                            let mut batch = vec![Queued {
+                                job,
+                                shard,
+                                deadline,
+                                reply,
+                            }];
+                            // Runs waiting behind this one go in the same submission.
+                            while batch[0].batches() && batch.len() < MAX_BATCH {
+                                match rx.try_recv() {
+                                    Ok(GpuRequest::Run {
+                                        job,
+                                        shard,
+                                        deadline,
+                                        reply,
+                                    }) => {
+                                        let next = Queued {
+                                            job,
+                                            shard,
+                                            deadline,
+                                            reply,
+                                        };
+                                        if next.batches() {
+                                            batch.push(next);
+                                        } else {
+                                            held = Some(next.into_request());
+                                            break;
+                                        }
+                                    }
+                                    Ok(other) => {
+                                        held = Some(other);
+                                        break;
+                                    }
+                                    Err(_) => break,
+                                }
+                            }
+                            run_queued(&mut executor, batch, &metrics);
                         }
                         GpuRequest::Chain {
                             jobs,
@@ -177,6 +210,83 @@ impl GpuHandle {
         if !ids.is_empty() {
             let _ = self.tx.send(GpuRequest::Forget(ids)).await;
         }
+    }
+}
+
+/// Runs waiting on the GPU thread that go in one submission at most.
+const MAX_BATCH: usize = 16;
+
+/// A run taken from the GPU thread's queue.
+struct Queued {
+    job: Box<Job>,
+    shard: u32,
+    deadline: Option<Duration>,
+    reply: oneshot::Sender<Result<ShardOutput, ExecError>>,
+}
+
+impl Queued {
+    /// Whether it can share a submission: the whole of a one-shard job (one that
+    /// keeps a buffer on the device is still run alone, see `Executor::run_batch`).
+    fn batches(&self) -> bool {
+        self.shard == 0 && self.job.plan.len() == 1
+    }
+
+    fn into_request(self) -> GpuRequest {
+        GpuRequest::Run {
+            job: self.job,
+            shard: self.shard,
+            deadline: self.deadline,
+            reply: self.reply,
+        }
+    }
+}
+
+/// Runs `batch`: together in one submission when there are several (the shortest
+/// of their deadlines for all), else, or when that fails or cannot be done here,
+/// one at a time, so each run gets its own result and its own error.
+fn run_queued(executor: &mut Executor, batch: Vec<Queued>, metrics: &GpuMetrics) {
+    let mut batch = batch;
+    if batch.len() > 1 {
+        // The shortest: no run is let go on past its own deadline in the batch (one
+        // that takes longer fails the batch, and each then runs alone under its own).
+        let default = executor.limits().default_deadline;
+        let deadline = batch.iter().map(|q| q.deadline.unwrap_or(default)).min();
+        let (jobs, rest): (Vec<Job>, Vec<_>) = batch
+            .into_iter()
+            .map(|q| (*q.job, (q.shard, q.deadline, q.reply)))
+            .unzip();
+        let before = executor.counters();
+        let started = Instant::now();
+        let ran = executor.run_batch(&jobs, deadline);
+        metrics.record(started.elapsed(), executor.counters().since(&before));
+        if let Ok(Some(outputs)) = ran {
+            metrics.batched(outputs.len());
+            for ((_, _, reply), output) in rest.into_iter().zip(outputs) {
+                let _ = reply.send(Ok(output));
+            }
+            return;
+        }
+        batch = jobs
+            .into_iter()
+            .zip(rest)
+            .map(|(job, (shard, deadline, reply))| Queued {
+                job: Box::new(job),
+                shard,
+                deadline,
+                reply,
+            })
+            .collect();
+    }
+    for q in batch {
+        let before = executor.counters();
+        let started = Instant::now();
+        let result = job_shard(&q.job, q.shard).and_then(|range| {
+            executor
+                .run_shards(&q.job, &[range], q.deadline)
+                .map(|mut v| v.remove(0))
+        });
+        metrics.record(started.elapsed(), executor.counters().since(&before));
+        let _ = q.reply.send(result);
     }
 }
 

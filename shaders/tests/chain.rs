@@ -1,6 +1,7 @@
 //! Jobs chained in one submission (an actor's batch of calls): each step sees what
 //! the one before left in the carried buffer, each job's own output is its own, and
-//! the end matches the CPU stepping one call at a time.
+//! the end matches the CPU stepping one call at a time. Independent jobs batched in
+//! one submission (tasks waiting on one GPU) each get what they get alone.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
 
@@ -59,8 +60,16 @@ fn words(bytes: &[u8]) -> Vec<u32> {
         .collect()
 }
 
-/// A step of `add` on `state` (`None`: zeros, never written).
+/// A step of `add` on `state` (`None`: zeros, never written), keeping the state on
+/// the device.
 fn step_job(source: &str, kernel: &Arc<Kernel>, state: Option<&[u8]>, add: u32) -> Job {
+    loose_step(source, kernel, state, add)
+        .keep_resident([0])
+        .unwrap()
+}
+
+/// The same step, keeping nothing on the device (a one-shot task).
+fn loose_step(source: &str, kernel: &Arc<Kernel>, state: Option<&[u8]>, add: u32) -> Job {
     let size = u64::from(WORDS) * 4;
     let spec = TaskSpec {
         shader: ShaderSource::Wgsl(source.into()),
@@ -97,8 +106,6 @@ fn step_job(source: &str, kernel: &Arc<Kernel>, state: Option<&[u8]>, add: u32) 
     Job::new(spec, kernel.clone(), |id| {
         blob.clone().filter(|b| id.matches(b))
     })
-    .unwrap()
-    .keep_resident([0])
     .unwrap()
 }
 
@@ -188,5 +195,59 @@ fn a_chain_refuses_a_carried_binding_some_job_does_not_write() {
         assert!(err.to_string().contains("carried"), "{err}");
         // And goes on working.
         assert!(executor.run_chain(&jobs, &[0], None).unwrap().is_some());
+    }
+}
+
+#[test]
+fn a_batch_of_independent_tasks_gives_each_what_it_gets_alone() {
+    let kernel = Arc::new(Kernel::compile(STEP, "main").unwrap());
+    let looped = Arc::new(Kernel::compile(LOOPED, "main").unwrap());
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let name = adapter.backend.name();
+        // In-place buffers from different starts (and one from zeros), different
+        // uniforms: nothing of one may reach another.
+        let starts: Vec<Option<Vec<u32>>> = (0..6u32)
+            .map(|k| (k != 2).then(|| (0..WORDS).map(|i| i * (k + 1) + k).collect()))
+            .collect();
+        let start_bytes: Vec<Option<Vec<u8>>> =
+            starts.iter().map(|s| s.as_deref().map(bytes)).collect();
+        let jobs: Vec<Job> = start_bytes
+            .iter()
+            .enumerate()
+            .map(|(k, s)| loose_step(STEP, &kernel, s.as_deref(), 10 + k as u32))
+            .collect();
+        let out = executor
+            .run_batch(&jobs, None)
+            .unwrap()
+            .expect("loop-free one-shard jobs that keep nothing batch everywhere");
+        assert_eq!(out.len(), jobs.len());
+        for (k, (job, shard)) in jobs.iter().zip(&out).enumerate() {
+            let start = starts[k].clone().unwrap_or_else(|| vec![0; WORDS as usize]);
+            let cpu: Vec<u32> = start
+                .iter()
+                .enumerate()
+                .map(|(i, w)| w.wrapping_mul(3).wrapping_add(10 + k as u32 + i as u32))
+                .collect();
+            let merged = job.merge(&[&shard.changes]).unwrap();
+            assert_eq!(words(&merged[&0]), cpu, "{name}: task {k}'s state");
+            assert_eq!(words(&merged[&2]), start[..4], "{name}: task {k}'s output");
+            // And the same as the task run alone.
+            let alone = executor.run_shards(job, &job.plan, None).unwrap();
+            assert_eq!(alone[0].changes, shard.changes, "{name}: task {k}");
+        }
+        // What cannot share a submission is left to run alone: a job that keeps a
+        // buffer on the device, and (where the adapter caps loops) a counted loop.
+        let kept = vec![
+            loose_step(STEP, &kernel, None, 1),
+            step_job(STEP, &kernel, None, 2),
+        ];
+        assert!(executor.run_batch(&kept, None).unwrap().is_none(), "{name}");
+        let loops = vec![
+            loose_step(LOOPED, &looped, None, 1),
+            loose_step(STEP, &kernel, None, 2),
+        ];
+        let out = executor.run_batch(&loops, None).unwrap();
+        assert_eq!(out.is_none(), executor.loop_cap().is_some(), "{name}");
     }
 }
