@@ -23,8 +23,10 @@ use crate::timeline::{Stage, Timeline};
 use crate::worker::{store_and_copy, ShardError, ShardRunner};
 
 /// The tasks under way here at once by default; beyond them a task is placed by
-/// the mesh (where the record can see it and spread the load).
-pub const DEFAULT_SLOTS: usize = 16;
+/// the mesh (where the record can see it and spread the load). [`WAIT_BUDGET`]
+/// bounds the queue by time first: only runs as short as tiny tasks (which the GPU
+/// thread batches) stack this deep.
+pub const DEFAULT_SLOTS: usize = 64;
 
 /// The longest a task may expect to wait here behind the runs under way (by how
 /// long runs took here lately) before it is better placed by the mesh: about what
