@@ -14,7 +14,8 @@
 //! (u64) and the route taken: `ON_STREAM` and the bytes from the offset to the end
 //! of the range, or `DIRECT` and the port (u16) of the holder's direct listener;
 //! or `NOT_FOUND`; or `ERROR` and a message (u32 length, UTF-8). A holder without
-//! the direct channel, or with too many tickets waiting, answers on the stream.
+//! the direct channel, with too many tickets waiting, or asked for less than
+//! [`DIRECT_MIN`] bytes, answers on the stream.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -39,6 +40,10 @@ const ERROR: u8 = 2;
 /// Routes: the bytes on this stream, or on the direct channel.
 const ON_STREAM: u8 = 0;
 const DIRECT: u8 = 1;
+
+/// The smallest range a holder sends on the direct channel: below it, the connection
+/// it opens (a round trip on a real network) costs more than the cipher saves.
+pub(super) const DIRECT_MIN: u64 = PIECE;
 
 /// A request's fixed part: id, offset, most bytes wanted, route.
 const REQUEST: usize = 32 + 8 + 8 + 1;
@@ -140,7 +145,7 @@ async fn answer(
     let mut header = vec![OK];
     header.extend_from_slice(&total.to_le_bytes());
     let port = match (offer, &direct) {
-        (Some(offer), Some(holder)) if at < end => holder.issue(&offer, id, at, end),
+        (Some(offer), Some(holder)) if end - at >= DIRECT_MIN => holder.issue(&offer, id, at, end),
         _ => None,
     };
     if let Some(port) = port {
@@ -529,6 +534,11 @@ mod tests {
             "the direct channel carried {sent} bytes of a {}-byte blob in {records} records",
             data.len()
         );
+        // Less than DIRECT_MIN: on the stream, though the direct channel was offered.
+        let small = server.blobs.put(&bytes(100_000, 4)).unwrap();
+        let before = server_metrics.totals(Lane::Blob).0;
+        client.fetch_blob(peer, small).await.unwrap();
+        assert_eq!(server_metrics.totals(Lane::Blob).0 - before, 100_000 + 10);
         client.fetch_blob(peer, empty).await.unwrap();
         assert_eq!(client.blobs.get(&empty).unwrap().unwrap(), b"");
         let unknown = BlobId::of(b"nobody has this");
