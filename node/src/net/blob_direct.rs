@@ -21,7 +21,8 @@
 //! ciphertext under a key that never left the Noise channel.
 //!
 //! A connection that does not bring a live ticket within [`TICKET_WAIT`] is closed
-//! with nothing sent; at most [`MAX_TICKETS`] tickets wait at once (more pulls are
+//! with nothing sent; at most [`MAX_CONNECTIONS`] are open at once (one more is
+//! closed as it comes) and at most [`MAX_TICKETS`] tickets wait (more pulls are
 //! answered on the lane itself). A puller that cannot reach the port (a firewall, an
 //! address it cannot route to) pulls on the lane instead and does not try this peer
 //! directly again until it reconnects to it.
@@ -64,7 +65,11 @@ const CONNECT: Duration = Duration::from_secs(2);
 /// How long the holder waits for the puller to take the next record.
 const STALL: Duration = Duration::from_secs(30);
 /// Sealed records read ahead of the socket on the holder.
-const READ_AHEAD: usize = 4;
+const READ_AHEAD: usize = 2;
+/// Connections a holder keeps open at once (waiting for their ticket or served);
+/// one more is closed at once. Bounds what idle connections from anyone, and the
+/// records read ahead for each, can cost.
+pub(super) const MAX_CONNECTIONS: usize = 32;
 
 /// What a puller sends on the lane to ask for the direct channel.
 #[derive(Clone, Copy)]
@@ -170,6 +175,7 @@ impl Holder {
         metrics: NetMetrics,
         cancel: CancellationToken,
     ) {
+        let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         loop {
             let accepted = tokio::select! {
                 _ = cancel.cancelled() => return,
@@ -184,9 +190,14 @@ impl Holder {
                     continue;
                 }
             };
+            let Ok(permit) = open.clone().try_acquire_owned() else {
+                tracing::debug!(%from, "direct blob listener: too many connections; closing one");
+                continue;
+            };
             let (holder, blobs, metrics, cancel) =
                 (self.clone(), blobs.clone(), metrics.clone(), cancel.clone());
             tokio::spawn(async move {
+                let _permit = permit;
                 tokio::select! {
                     _ = cancel.cancelled() => {}
                     served = holder.serve(socket, blobs, metrics) => if let Err(e) = served {

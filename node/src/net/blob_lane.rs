@@ -606,7 +606,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_ticket_opens_its_range_once_and_garbage_on_the_direct_port_gets_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let (server, _, stop_server) = node(&dir.path().join("s"), Route::Direct).await;
+        let (server, server_metrics, stop_server) =
+            node(&dir.path().join("s"), Route::Direct).await;
         let (client, _, stop_client) = node(&dir.path().join("c"), Route::Direct).await;
         let data = bytes(PIECE as usize + 777, 11);
         let id = server.blobs.put(&data).unwrap();
@@ -666,8 +667,31 @@ mod tests {
         *odd.last_mut().unwrap() = 9;
         assert!(raw(&client, peer, &odd).await.is_empty());
 
-        // The holder serves on, directly.
+        // Connections that never send a ticket fill the holder's room; one more is
+        // closed at once. Once they go, it serves on, directly.
+        let mut idle = Vec::new();
+        for _ in 0..blob_direct::MAX_CONNECTIONS {
+            idle.push(
+                tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .unwrap(),
+            );
+        }
+        let mut extra = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let mut nothing = Vec::new();
+        tokio::time::timeout(Duration::from_secs(4), extra.read_to_end(&mut nothing))
+            .await
+            .expect("the connection over the cap is closed before the ticket wait")
+            .unwrap();
+        assert!(nothing.is_empty());
+        drop(idle);
+        // The holder sees them end (EOF before a ticket) and frees their room.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (sent, _) = server_metrics.totals(Lane::Blob);
         assert!(client.pull_blob(peer, id).await.unwrap() == data);
+        assert!(server_metrics.totals(Lane::Blob).0 - sent > (data.len() + TAG) as u64);
         stop_server.cancel();
         stop_client.cancel();
     }
