@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{have_any, mesh, stop, words, LIMIT, RUNAWAY, STEP};
+use common::{have_any, mesh, metric, stop, words, LIMIT, RUNAWAY, STEP};
 use gpumesh::consensus::{ActorState, CallResult, Command, Outcome};
 use gpumesh::node::MeshNode;
 use gpumesh::protocol::{
@@ -370,19 +370,6 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     state[i] = state[i] + add.x + gid.x;
 }
 "#;
-
-/// One sample of node `n`'s /metrics.
-async fn metric(n: &MeshNode, key: &str) -> f64 {
-    let text = reqwest::get(format!("http://{}/metrics", n.api_addr))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(key)?.strip_prefix(' '))
-        .map_or(0.0, |v| v.trim().parse().unwrap())
-}
 
 /// Bytes node `n` has read from blob chunk streams and node requests (where an
 /// actor's changes travel: inline in the request, or as a blob).

@@ -127,6 +127,19 @@ pub fn client(node: &MeshNode) -> Client {
     Client::new(node.api_addr.to_string())
 }
 
+/// One sample of node `n`'s /metrics: the value after `key` (0 if it is not there).
+pub async fn metric(n: &MeshNode, key: &str) -> f64 {
+    let text = reqwest::get(format!("http://{}/metrics", n.api_addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(' '))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
 /// Uploads the problem's inputs through `via` and submits it in `shards` shards.
 pub async fn submit(via: &Client, problem: &Problem, shards: u32) -> u64 {
     for (id, bytes) in &problem.blobs {

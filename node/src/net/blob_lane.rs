@@ -212,10 +212,7 @@ pub(super) async fn pull(
             Answered::Direct { total, port } => (total, port),
         };
     let Some((ip, offer)) = route else {
-        return Err(NodeError::Request {
-            peer: from.to_string(),
-            reason: format!("pulling blob {id}: a direct port offered though none was asked for"),
-        });
+        return Err(unasked(from, id));
     };
     let addr = SocketAddr::new(ip, port);
     let mut pieces = |offset, bytes| each(total, offset, bytes);
@@ -234,14 +231,17 @@ pub(super) async fn pull(
             match pull_on_stream(control, from, id, limit, timeout, metrics, None, each).await? {
                 Answered::NotSpoken => Ok(false),
                 Answered::Streamed => Ok(true),
-                Answered::Direct { .. } => Err(NodeError::Request {
-                    peer: from.to_string(),
-                    reason: format!(
-                        "pulling blob {id}: a direct port offered though none was asked for"
-                    ),
-                }),
+                Answered::Direct { .. } => Err(unasked(from, id)),
             }
         }
+    }
+}
+
+/// A holder answered with a direct port where none was asked for.
+fn unasked(from: PeerId, id: BlobId) -> NodeError {
+    NodeError::Request {
+        peer: from.to_string(),
+        reason: format!("pulling blob {id}: a direct port offered though none was asked for"),
     }
 }
 
