@@ -12,7 +12,7 @@
 //! there a fresh random key and a fresh random ticket. The holder keeps the ticket
 //! for [`TICKET_LIFE`] and answers with the port of its direct listener. The puller
 //! connects, sends the ticket, and reads the range as records: each the next piece
-//! of at most [`PIECE`] bytes, sealed with the key, the record's number as the
+//! of at most [`RECORD`] bytes, sealed with the key, the record's number as the
 //! nonce and the blob id as associated data, followed by its 16-byte tag. The
 //! puller knows every record's length from the size the lane told it, so nothing
 //! on this connection is taken on trust: a ticket works once, a record that does
@@ -43,10 +43,12 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::blob_lane::PIECE;
 use crate::blobs::store::BlobStore;
 use crate::error::{NodeError, Result};
 use crate::metrics::{Lane, NetMetrics};
+
+/// Bytes of a record's plaintext (the last one of a range may be shorter).
+pub(super) const RECORD: u64 = 1 << 20;
 
 /// Bytes of a ticket and of a key.
 pub(super) const TICKET: usize = 16;
@@ -258,7 +260,7 @@ fn read_sealed(blobs: &BlobStore, ticket: &Ticket, tx: mpsc::Sender<std::io::Res
     let mut number = 0u64;
     let mut first = true;
     while at < ticket.end {
-        let len = PIECE.min(ticket.end - at) as usize;
+        let len = RECORD.min(ticket.end - at) as usize;
         let mut record = Vec::with_capacity(len + TAG);
         record.resize(len, 0);
         let read = if first {
@@ -323,7 +325,7 @@ pub(super) async fn pull(
     let mut offset = at;
     let mut number = 0u64;
     while offset < end {
-        let len = PIECE.min(end - offset) as usize;
+        let len = RECORD.min(end - offset) as usize;
         let mut record = vec![0u8; len + TAG];
         let fail = |reason: String| {
             if offset > at {

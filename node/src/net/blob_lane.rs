@@ -43,13 +43,13 @@ const DIRECT: u8 = 1;
 
 /// The smallest range a holder sends on the direct channel: below it, the connection
 /// it opens (a round trip on a real network) costs more than the cipher saves.
-pub(super) const DIRECT_MIN: u64 = PIECE;
+pub(super) const DIRECT_MIN: u64 = blob_direct::RECORD;
 
 /// A request's fixed part: id, offset, most bytes wanted, route.
 const REQUEST: usize = 32 + 8 + 8 + 1;
 
 /// Bytes read from the file (and handed to the puller) at a time.
-pub(super) const PIECE: u64 = 1 << 20;
+const PIECE: u64 = 1 << 20;
 
 /// The longest error message a holder sends.
 const MAX_MESSAGE: u32 = 4096;
@@ -415,7 +415,7 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
-    use crate::net::blob_direct::{nonce, sealing_key, TAG};
+    use crate::net::blob_direct::{nonce, sealing_key, RECORD, TAG};
     use crate::net::{NetConfig, NetHandle};
 
     /// How a test node moves blobs.
@@ -528,7 +528,7 @@ mod tests {
             "bytes differ"
         );
         let (sent, _) = server_metrics.totals(Lane::Blob);
-        let records = data.len().div_ceil(PIECE as usize);
+        let records = data.len().div_ceil(RECORD as usize);
         assert!(
             sent >= (data.len() + records * TAG) as u64,
             "the direct channel carried {sent} bytes of a {}-byte blob in {records} records",
@@ -609,7 +609,7 @@ mod tests {
         let (server, server_metrics, stop_server) =
             node(&dir.path().join("s"), Route::Direct).await;
         let (client, _, stop_client) = node(&dir.path().join("c"), Route::Direct).await;
-        let data = bytes(PIECE as usize + 777, 11);
+        let data = bytes(RECORD as usize + 777, 11);
         let id = server.blobs.put(&data).unwrap();
         let peer = client
             .dial(server.listen_addrs().await.unwrap().remove(0))
@@ -623,24 +623,24 @@ mod tests {
         let sealed = direct_raw(port, &offer.ticket).await;
         assert_eq!(sealed.len(), data.len() + 2 * TAG);
         let key = sealing_key(&offer.key);
-        let mut first = sealed[..PIECE as usize + TAG].to_vec();
-        let mut second = sealed[PIECE as usize + TAG..].to_vec();
+        let mut first = sealed[..RECORD as usize + TAG].to_vec();
+        let mut second = sealed[RECORD as usize + TAG..].to_vec();
         let opened = key
             .open_in_place(nonce(0), ring::aead::Aad::from(id.0), &mut first)
             .unwrap()
             .to_vec();
-        assert!(opened == data[..PIECE as usize], "first record");
+        assert!(opened == data[..RECORD as usize], "first record");
         let opened = key
             .open_in_place(nonce(1), ring::aead::Aad::from(id.0), &mut second)
             .unwrap();
-        assert_eq!(opened, &data[PIECE as usize..]);
+        assert_eq!(opened, &data[RECORD as usize..]);
         // Under another key, or as another record, nothing opens.
-        let mut again = sealed[..PIECE as usize + TAG].to_vec();
+        let mut again = sealed[..RECORD as usize + TAG].to_vec();
         let other = sealing_key(&Offer::new().unwrap().key);
         assert!(other
             .open_in_place(nonce(0), ring::aead::Aad::from(id.0), &mut again)
             .is_err());
-        let mut again = sealed[PIECE as usize + TAG..].to_vec();
+        let mut again = sealed[RECORD as usize + TAG..].to_vec();
         assert!(key
             .open_in_place(nonce(0), ring::aead::Aad::from(id.0), &mut again)
             .is_err());
