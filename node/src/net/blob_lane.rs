@@ -189,33 +189,28 @@ async fn answer(
 /// it arrives; refuses a blob announced larger than `limit`. With `direct`, asks for
 /// the direct channel and falls back to the stream if the holder's port cannot be
 /// reached. `Ok(false)` when the peer does not speak the lane.
-#[allow(clippy::too_many_arguments)]
 pub(super) async fn pull(
-    control: &Control,
-    from: PeerId,
-    id: BlobId,
-    limit: u64,
-    timeout: Duration,
-    metrics: &NetMetrics,
+    ask: &Ask<'_>,
     direct: Option<&Peers>,
     each: &mut impl FnMut(u64, u64, Vec<u8>) -> Result<()>,
 ) -> Result<bool> {
+    let (from, id) = (ask.from, ask.id);
     let route = match direct.and_then(|peers| peers.ip(&from)) {
         Some(ip) => Some((ip, Offer::new()?)),
         None => None,
     };
     let offer = route.as_ref().map(|(_, offer)| offer);
-    let (total, port) =
-        match pull_on_stream(control, from, id, limit, timeout, metrics, offer, each).await? {
-            Answered::NotSpoken => return Ok(false),
-            Answered::Streamed => return Ok(true),
-            Answered::Direct { total, port } => (total, port),
-        };
+    let (total, port) = match pull_on_stream(ask, offer, each).await? {
+        Answered::NotSpoken => return Ok(false),
+        Answered::Streamed => return Ok(true),
+        Answered::Direct { total, port } => (total, port),
+    };
     let Some((ip, offer)) = route else {
         return Err(unasked(from, id));
     };
     let addr = SocketAddr::new(ip, port);
     let mut pieces = |offset, bytes| each(total, offset, bytes);
+    let (timeout, metrics) = (ask.timeout, ask.metrics);
     match blob_direct::pull(addr, &offer, id, 0, total, timeout, metrics, &mut pieces).await {
         Ok(()) => Ok(true),
         Err(blob_direct::Failed::Each(e)) => Err(e),
@@ -228,13 +223,26 @@ pub(super) async fn pull(
             if let Some(peers) = direct {
                 peers.unreachable(from);
             }
-            match pull_on_stream(control, from, id, limit, timeout, metrics, None, each).await? {
+            match pull_on_stream(ask, None, each).await? {
                 Answered::NotSpoken => Ok(false),
                 Answered::Streamed => Ok(true),
                 Answered::Direct { .. } => Err(unasked(from, id)),
             }
         }
     }
+}
+
+/// What one pull asks for and of whom.
+pub(super) struct Ask<'a> {
+    pub control: &'a Control,
+    pub from: PeerId,
+    pub id: BlobId,
+    /// The largest blob taken (`--max-blob-bytes`).
+    pub limit: u64,
+    /// The longest wait for an answer or for the next bytes.
+    pub timeout: Duration,
+    /// Where the bytes are counted.
+    pub metrics: &'a NetMetrics,
 }
 
 /// A holder answered with a direct port where none was asked for.
@@ -257,17 +265,19 @@ enum Answered {
 
 /// One request on a fresh stream: the whole blob on it, or (with `offer`) the
 /// holder's direct port.
-#[allow(clippy::too_many_arguments)]
 async fn pull_on_stream(
-    control: &Control,
-    from: PeerId,
-    id: BlobId,
-    limit: u64,
-    timeout: Duration,
-    metrics: &NetMetrics,
+    ask: &Ask<'_>,
     offer: Option<&Offer>,
     each: &mut impl FnMut(u64, u64, Vec<u8>) -> Result<()>,
 ) -> Result<Answered> {
+    let Ask {
+        control,
+        from,
+        id,
+        limit,
+        timeout,
+        metrics,
+    } = *ask;
     let peer = from.to_string();
     let failed = |reason: String| NodeError::Request {
         peer: peer.clone(),
@@ -445,6 +455,48 @@ mod tests {
         (net, metrics, cancel)
     }
 
+    /// A holder with `data` stored and a puller connected to it, both with the
+    /// direct channel.
+    struct Pair {
+        /// Kept so the holder's network runs until `stop`.
+        _server: NetHandle,
+        server_metrics: NetMetrics,
+        client: NetHandle,
+        peer: PeerId,
+        id: BlobId,
+        stops: [CancellationToken; 2],
+        _dir: tempfile::TempDir,
+    }
+
+    impl Pair {
+        async fn start(data: &[u8]) -> Pair {
+            let dir = tempfile::tempdir().unwrap();
+            let (server, server_metrics, stop_server) =
+                node(&dir.path().join("s"), Route::Direct).await;
+            let (client, _, stop_client) = node(&dir.path().join("c"), Route::Direct).await;
+            let id = server.blobs.put(data).unwrap();
+            let peer = client
+                .dial(server.listen_addrs().await.unwrap().remove(0))
+                .await
+                .unwrap();
+            Pair {
+                _server: server,
+                server_metrics,
+                client,
+                peer,
+                id,
+                stops: [stop_server, stop_client],
+                _dir: dir,
+            }
+        }
+
+        fn stop(&self) {
+            for stop in &self.stops {
+                stop.cancel();
+            }
+        }
+    }
+
     fn bytes(len: usize, seed: u64) -> Vec<u8> {
         let mut x = seed;
         (0..len)
@@ -572,16 +624,10 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_direct_port_out_of_reach_falls_back_to_the_stream() {
-        let dir = tempfile::tempdir().unwrap();
-        let (server, server_metrics, stop_server) =
-            node(&dir.path().join("s"), Route::Direct).await;
-        let (client, _, stop_client) = node(&dir.path().join("c"), Route::Direct).await;
         let data = bytes(2 * PIECE as usize + 1, 5);
-        let id = server.blobs.put(&data).unwrap();
-        let peer = client
-            .dial(server.listen_addrs().await.unwrap().remove(0))
-            .await
-            .unwrap();
+        let pair = Pair::start(&data).await;
+        let (client, peer, id) = (&pair.client, pair.peer, pair.id);
+        let server_metrics = &pair.server_metrics;
         // As if the server were reached at an address its direct listener is not on
         // (the listener is on 127.0.0.1 only): the connect is refused.
         let peers = client.direct.clone().unwrap();
@@ -599,27 +645,20 @@ mod tests {
             server_metrics.totals(Lane::Blob).0 - before,
             data.len() as u64 + 10
         );
-        stop_server.cancel();
-        stop_client.cancel();
+        pair.stop();
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_ticket_opens_its_range_once_and_garbage_on_the_direct_port_gets_nothing() {
-        let dir = tempfile::tempdir().unwrap();
-        let (server, server_metrics, stop_server) =
-            node(&dir.path().join("s"), Route::Direct).await;
-        let (client, _, stop_client) = node(&dir.path().join("c"), Route::Direct).await;
         let data = bytes(RECORD as usize + 777, 11);
-        let id = server.blobs.put(&data).unwrap();
-        let peer = client
-            .dial(server.listen_addrs().await.unwrap().remove(0))
-            .await
-            .unwrap();
+        let pair = Pair::start(&data).await;
+        let (client, peer, id) = (&pair.client, pair.peer, pair.id);
+        let server_metrics = &pair.server_metrics;
 
         // The records: each piece sealed under the offer's key, numbered from 0,
         // the blob id as associated data.
         let offer = Offer::new().unwrap();
-        let port = ask_direct(&client, peer, id, &offer).await;
+        let port = ask_direct(client, peer, id, &offer).await;
         let sealed = direct_raw(port, &offer.ticket).await;
         assert_eq!(sealed.len(), data.len() + 2 * TAG);
         let key = sealing_key(&offer.key);
@@ -649,7 +688,7 @@ mod tests {
         assert!(direct_raw(port, &offer.ticket).await.is_empty());
         assert!(direct_raw(port, &[7u8; TICKET]).await.is_empty());
         let fresh = Offer::new().unwrap();
-        let port = ask_direct(&client, peer, id, &fresh).await;
+        let port = ask_direct(client, peer, id, &fresh).await;
         assert!(direct_raw(port, &fresh.ticket[..5]).await.is_empty());
         assert!(direct_raw(port, &[]).await.is_empty());
         // An unknown blob with an offer: NOT_FOUND, no port.
@@ -657,15 +696,15 @@ mod tests {
         *unknown.last_mut().unwrap() = DIRECT;
         unknown.extend_from_slice(&fresh.ticket);
         unknown.extend_from_slice(&fresh.key);
-        assert_eq!(raw(&client, peer, &unknown).await, vec![NOT_FOUND]);
+        assert_eq!(raw(client, peer, &unknown).await, vec![NOT_FOUND]);
         // An offer cut short, an unknown route: nothing.
         let mut short = request(&id.0, 0, u64::MAX);
         *short.last_mut().unwrap() = DIRECT;
         short.extend_from_slice(&[1, 2, 3]);
-        assert!(raw(&client, peer, &short).await.is_empty());
+        assert!(raw(client, peer, &short).await.is_empty());
         let mut odd = request(&id.0, 0, u64::MAX);
         *odd.last_mut().unwrap() = 9;
-        assert!(raw(&client, peer, &odd).await.is_empty());
+        assert!(raw(client, peer, &odd).await.is_empty());
 
         // Connections that never send a ticket fill the holder's room; one more is
         // closed at once. Once they go, it serves on, directly.
@@ -692,40 +731,32 @@ mod tests {
         let (sent, _) = server_metrics.totals(Lane::Blob);
         assert!(client.pull_blob(peer, id).await.unwrap() == data);
         assert!(server_metrics.totals(Lane::Blob).0 - sent > (data.len() + TAG) as u64);
-        stop_server.cancel();
-        stop_client.cancel();
+        pair.stop();
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn garbage_on_a_blob_stream_gets_no_bytes_and_the_holder_serves_on() {
-        let dir = tempfile::tempdir().unwrap();
-        let (server, _, stop_server) = node(&dir.path().join("s"), Route::Direct).await;
-        let (client, _, stop_client) = node(&dir.path().join("c"), Route::Direct).await;
         let data = bytes(100_000, 3);
-        let id = server.blobs.put(&data).unwrap();
-        let peer = client
-            .dial(server.listen_addrs().await.unwrap().remove(0))
-            .await
-            .unwrap();
+        let pair = Pair::start(&data).await;
+        let (client, peer, id) = (&pair.client, pair.peer, pair.id);
         // A request cut short, then an empty one: the stream ends, nothing sent.
-        assert!(raw(&client, peer, &[1, 2, 3]).await.is_empty());
-        assert!(raw(&client, peer, &[]).await.is_empty());
+        assert!(raw(client, peer, &[1, 2, 3]).await.is_empty());
+        assert!(raw(client, peer, &[]).await.is_empty());
         // An unknown blob: NOT_FOUND and nothing else.
         let unknown = request(&[9u8; 32], 0, u64::MAX);
-        assert_eq!(raw(&client, peer, &unknown).await, vec![NOT_FOUND]);
+        assert_eq!(raw(client, peer, &unknown).await, vec![NOT_FOUND]);
         // An offset past the end: the size, the route, and no bytes.
         let past = request(&id.0, u64::MAX, u64::MAX);
-        let answer = raw(&client, peer, &past).await;
+        let answer = raw(client, peer, &past).await;
         assert_eq!(answer[0], OK);
         assert_eq!(answer[1..9], (data.len() as u64).to_le_bytes());
         assert_eq!(answer[9..], [ON_STREAM]);
         // A range in the middle: exactly those bytes.
         let middle = request(&id.0, 1000, 10);
-        let answer = raw(&client, peer, &middle).await;
+        let answer = raw(client, peer, &middle).await;
         assert_eq!(answer[10..], data[1000..1010]);
         // The holder still serves a whole blob.
         assert!(client.pull_blob(peer, id).await.unwrap() == data);
-        stop_server.cancel();
-        stop_client.cancel();
+        pair.stop();
     }
 }

@@ -79,13 +79,15 @@ impl NetHandle {
         let limit = self.blobs.max_blob_bytes();
         let timeout = self.request_timeout + self.dial_timeout;
         if let Some(streams) = &self.streams {
-            let metrics = &self.metrics;
-            let direct = self.direct.as_ref();
-            if super::blob_lane::pull(
-                streams, from, id, limit, timeout, metrics, direct, &mut each,
-            )
-            .await?
-            {
+            let ask = super::blob_lane::Ask {
+                control: streams,
+                from,
+                id,
+                limit,
+                timeout,
+                metrics: &self.metrics,
+            };
+            if super::blob_lane::pull(&ask, self.direct.as_ref(), &mut each).await? {
                 return Ok(());
             }
         }
