@@ -1,8 +1,11 @@
 //! Durable Raft storage on redb: log entries, hard state, the latest snapshot (with
 //! the state machine inside), all committed with fsync before Raft may act on them.
 //!
-//! Layout: table `meta` (format tag, cluster id, hard state, snapshot, truncation
-//! point) and table `log` (index → protobuf `Entry`). The unsnapshotted tail of the
+//! Layout: table `meta` (format tag, cluster id, hard state, truncation point),
+//! table `snapshot` (the latest snapshot alone) and table `log` (index → protobuf
+//! `Entry`). The snapshot has a table of its own because redb copies a B-tree leaf
+//! on every write to it: beside the hard state, which every Ready rewrites, a
+//! snapshot of megabytes would be copied and written again with each append. The unsnapshotted tail of the
 //! log is also kept in memory, so raft-rs's frequent `term`/`entries` calls never
 //! touch the disk; memory stays bounded because the log is compacted after every
 //! snapshot.
@@ -27,6 +30,7 @@ use crate::state::{ClusterSettings, StateMachine};
 
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("log");
+const SNAPSHOT: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshot");
 
 /// Tags a redb file as ours, so a foreign database is refused instead of misread.
 const FORMAT: &[u8] = b"gpumesh-consensus/1";
@@ -98,6 +102,7 @@ impl RedbStorage {
         {
             let mut meta = txn.open_table(META).map_err(|e| err(e.into()))?;
             txn.open_table(LOG).map_err(|e| err(e.into()))?;
+            let mut snapshots = txn.open_table(SNAPSHOT).map_err(|e| err(e.into()))?;
             let format = meta
                 .get(KEY_FORMAT)
                 .map_err(|e| err(e.into()))?
@@ -111,7 +116,7 @@ impl RedbStorage {
                         .list_tables()
                         .map_err(|e| err(e.into()))?
                         .map(|t| t.name().to_owned())
-                        .find(|name| name != "meta" && name != "log");
+                        .find(|name| !["meta", "log", "snapshot"].contains(&name.as_str()));
                     if let Some(name) = foreign {
                         return Err(corrupt(format!(
                             "not a gpumesh consensus store (it has a table {name:?})"
@@ -121,7 +126,18 @@ impl RedbStorage {
                     meta.insert(KEY_CLUSTER, cluster.0.to_le_bytes().as_slice())
                         .map_err(|e| err(e.into()))?;
                 }
-                Some(f) if f == FORMAT => {}
+                Some(f) if f == FORMAT => {
+                    // Written before the snapshot had a table of its own: move it.
+                    let old = meta
+                        .remove(KEY_SNAPSHOT)
+                        .map_err(|e| err(e.into()))?
+                        .map(|v| v.value().to_vec());
+                    if let Some(old) = old {
+                        snapshots
+                            .insert(KEY_SNAPSHOT, old.as_slice())
+                            .map_err(|e| err(e.into()))?;
+                    }
+                }
                 Some(f) => {
                     return Err(corrupt(format!(
                         "unknown format tag {:?}",
@@ -134,6 +150,7 @@ impl RedbStorage {
 
         let txn = db.begin_read().map_err(|e| err(e.into()))?;
         let meta = txn.open_table(META).map_err(|e| err(e.into()))?;
+        let snapshots = txn.open_table(SNAPSHOT).map_err(|e| err(e.into()))?;
         let get = |key: &str| -> Result<Option<Vec<u8>>> {
             Ok(meta
                 .get(key)
@@ -160,7 +177,11 @@ impl RedbStorage {
             }
             None => HardState::default(),
         };
-        let snapshot = match get(KEY_SNAPSHOT)? {
+        let stored = snapshots
+            .get(KEY_SNAPSHOT)
+            .map_err(|e| err(e.into()))?
+            .map(|v| v.value().to_vec());
+        let snapshot = match stored {
             Some(b) => {
                 Snapshot::parse_from_bytes(&b).map_err(|e| corrupt(format!("snapshot: {e}")))?
             }
@@ -205,6 +226,7 @@ impl RedbStorage {
             entries.push_back(entry);
         }
         drop(log);
+        drop(snapshots);
         drop(meta);
         drop(txn);
 
@@ -337,7 +359,9 @@ impl RedbStorage {
                 next.truncated = (md.index, md.term);
                 next.hard_state.term = next.hard_state.term.max(md.term);
                 next.hard_state.commit = next.hard_state.commit.max(md.index);
-                meta.insert(KEY_SNAPSHOT, snap.write_to_bytes()?.as_slice())
+                txn.open_table(SNAPSHOT)
+                    .map_err(|e| self.err(e))?
+                    .insert(KEY_SNAPSHOT, snap.write_to_bytes()?.as_slice())
                     .map_err(|e| self.err(e))?;
                 next.snapshot = Some(snap.clone());
             }
@@ -434,7 +458,9 @@ impl RedbStorage {
                 log.retain_in(..=truncated.0, |_, _| false)
                     .map_err(|e| self.err(e))?;
             }
-            meta.insert(KEY_SNAPSHOT, snapshot.write_to_bytes()?.as_slice())
+            txn.open_table(SNAPSHOT)
+                .map_err(|e| self.err(e))?
+                .insert(KEY_SNAPSHOT, snapshot.write_to_bytes()?.as_slice())
                 .map_err(|e| self.err(e))?;
             meta.insert(KEY_TRUNCATED, truncation_bytes(truncated).as_slice())
                 .map_err(|e| self.err(e))?;

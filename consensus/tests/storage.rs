@@ -287,3 +287,84 @@ fn a_commit_index_alone_is_not_written_until_the_next_append() {
     let st = s.initial_state().expect("state").hard_state;
     assert_eq!((st.term, st.vote), (3, 2));
 }
+
+#[test]
+fn a_snapshot_stored_beside_the_hard_state_is_moved_to_a_table_of_its_own() {
+    const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
+    const SNAPSHOT: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("snapshot");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("raft.redb");
+    {
+        let mut s = initialized(&path);
+        s.persist(None, &[entry(2, 1)], None).expect("persist");
+    }
+    // The layout before the snapshot had its own table: it sat in `meta`.
+    {
+        let db = redb::Database::create(&path).expect("raw open");
+        let txn = db.begin_write().expect("txn");
+        {
+            let mut snapshots = txn.open_table(SNAPSHOT).expect("snapshot");
+            let bytes = snapshots
+                .remove("snapshot")
+                .expect("remove")
+                .expect("a snapshot")
+                .value()
+                .to_vec();
+            let mut meta = txn.open_table(META).expect("meta");
+            meta.insert("snapshot", bytes.as_slice()).expect("insert");
+        }
+        txn.delete_table(SNAPSHOT).expect("delete");
+        txn.commit().expect("commit");
+    }
+    {
+        let s = RedbStorage::open(&path, CLUSTER).expect("open the old layout");
+        assert_eq!((s.first(), s.last()), (2, 2));
+        assert_eq!(s.snapshot_metadata().index, 1);
+        assert_eq!(s.snapshot_state().expect("sm").members().len(), 3);
+    }
+    let db = redb::Database::create(&path).expect("raw open");
+    let txn = db.begin_read().expect("txn");
+    let meta = txn.open_table(META).expect("meta");
+    assert!(
+        meta.get("snapshot").expect("get").is_none(),
+        "moved out of meta"
+    );
+    let snapshots = txn.open_table(SNAPSHOT).expect("snapshot");
+    assert!(snapshots.get("snapshot").expect("get").is_some());
+}
+
+#[test]
+fn appends_after_a_large_snapshot_do_not_write_it_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("raft.redb");
+    let mut s = initialized(&path);
+    s.persist(None, &[entry(2, 1)], None).expect("persist");
+    // Only its size matters here: the bytes are stored, not decoded, until a reopen.
+    const SIZE: usize = 4 << 20;
+    let mut snap = Snapshot {
+        data: vec![7u8; SIZE].into(),
+        ..Default::default()
+    };
+    snap.mut_metadata().index = 2;
+    snap.mut_metadata().term = 1;
+    snap.mut_metadata().mut_conf_state().voters = vec![1, 2, 3];
+    s.compact(snap, 2).expect("compact");
+    let size = || std::fs::metadata(&path).expect("size").len();
+    let before = size();
+    for i in 3..200u64 {
+        let hs = HardState {
+            term: 1,
+            vote: 1,
+            commit: i - 1,
+            ..Default::default()
+        };
+        s.persist(None, &[entry(i, 1)], Some(&hs)).expect("persist");
+    }
+    // Had each append copied the snapshot, the file would hold two of it at least.
+    let grew = size() - before;
+    assert!(
+        grew < SIZE as u64 / 2,
+        "file grew {grew} bytes (from {before})"
+    );
+    assert_eq!(s.snapshot(0, 1).expect("snapshot").data.len(), SIZE);
+}
