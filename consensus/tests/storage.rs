@@ -3,10 +3,12 @@
 mod common;
 
 use common::CLUSTER;
+use gpumesh_consensus::storage::SEGMENT;
 use gpumesh_consensus::{ClusterId, ClusterSettings, ConsensusError, RedbStorage};
 use protobuf::Message as _;
 use raft::eraftpb::{Entry, HardState, Snapshot};
 use raft::{GetEntriesContext, Storage};
+use redb::{ReadableTable as _, TableHandle as _};
 
 fn entry(index: u64, term: u64) -> Entry {
     Entry {
@@ -185,7 +187,8 @@ fn a_damaged_database_is_refused() {
 #[test]
 fn undecodable_values_are_refused() {
     const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
-    const LOG: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::new("log");
+    // Entry 2 is in the log's first segment.
+    const LOG: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::new("log.000000000000");
     let dir = tempfile::tempdir().expect("tempdir");
     for (table, what) in [("meta", "hard state"), ("log", "log entry")] {
         let path = dir.path().join(format!("{table}.redb"));
@@ -289,16 +292,18 @@ fn a_commit_index_alone_is_not_written_until_the_next_append() {
 }
 
 #[test]
-fn a_snapshot_stored_beside_the_hard_state_is_moved_to_a_table_of_its_own() {
+fn a_store_in_the_first_layout_is_moved_to_the_present_one() {
     const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
     const SNAPSHOT: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("snapshot");
+    const OLD_LOG: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::new("log");
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("raft.redb");
     {
         let mut s = initialized(&path);
-        s.persist(None, &[entry(2, 1)], None).expect("persist");
+        let ents: Vec<Entry> = (2..=SEGMENT + 10).map(|i| entry(i, 1)).collect();
+        s.persist(None, &ents, None).expect("persist");
     }
-    // The layout before the snapshot had its own table: it sat in `meta`.
+    // The first layout: the snapshot sat in `meta`, the log was one table.
     {
         let db = redb::Database::create(&path).expect("raw open");
         let txn = db.begin_write().expect("txn");
@@ -314,11 +319,34 @@ fn a_snapshot_stored_beside_the_hard_state_is_moved_to_a_table_of_its_own() {
             meta.insert("snapshot", bytes.as_slice()).expect("insert");
         }
         txn.delete_table(SNAPSHOT).expect("delete");
+        // And the log was one table.
+        let first = redb::TableDefinition::<u64, &[u8]>::new("log.000000000000");
+        let second = redb::TableDefinition::<u64, &[u8]>::new("log.000000000001");
+        let mut entries = Vec::new();
+        for def in [first, second] {
+            for item in txn.open_table(def).expect("segment").iter().expect("iter") {
+                let (k, v) = item.expect("item");
+                entries.push((k.value(), v.value().to_vec()));
+            }
+            txn.delete_table(def).expect("delete");
+        }
+        let mut log = txn.open_table(OLD_LOG).expect("log");
+        for (k, v) in entries {
+            log.insert(k, v.as_slice()).expect("insert");
+        }
+        drop(log);
         txn.commit().expect("commit");
     }
     {
         let s = RedbStorage::open(&path, CLUSTER).expect("open the old layout");
-        assert_eq!((s.first(), s.last()), (2, 2));
+        assert_eq!((s.first(), s.last()), (2, SEGMENT + 10));
+        let got = s
+            .entries(2, SEGMENT + 11, None, GetEntriesContext::empty(false))
+            .expect("entries");
+        assert_eq!(
+            got,
+            (2..=SEGMENT + 10).map(|i| entry(i, 1)).collect::<Vec<_>>()
+        );
         assert_eq!(s.snapshot_metadata().index, 1);
         assert_eq!(s.snapshot_state().expect("sm").members().len(), 3);
     }
@@ -331,6 +359,74 @@ fn a_snapshot_stored_beside_the_hard_state_is_moved_to_a_table_of_its_own() {
     );
     let snapshots = txn.open_table(SNAPSHOT).expect("snapshot");
     assert!(snapshots.get("snapshot").expect("get").is_some());
+    assert!(
+        txn.list_tables()
+            .expect("tables")
+            .all(|t| t.name() != "log"),
+        "the one log table is gone"
+    );
+}
+
+#[test]
+fn the_log_across_segments_survives_compaction_overwrites_and_reopening() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("raft.redb");
+    let last = 3 * SEGMENT + 5;
+    {
+        let mut s = initialized(&path);
+        let ents: Vec<Entry> = (2..=last).map(|i| entry(i, 2)).collect();
+        s.persist(None, &ents, None).expect("persist");
+        // A new leader's suffix from inside the second segment on.
+        let from = SEGMENT + 100;
+        let ents: Vec<Entry> = (from..=from + 3).map(|i| entry(i, 3)).collect();
+        s.persist(None, &ents, None).expect("overwrite");
+        assert_eq!(s.last(), from + 3);
+    }
+    let mut s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+    let last = SEGMENT + 103;
+    assert_eq!((s.first(), s.last()), (2, last));
+    assert_eq!(s.term(SEGMENT + 99).expect("term"), 2);
+    assert_eq!(s.term(SEGMENT + 100).expect("term"), 3);
+    // Appends go on after the overwritten suffix, into the segments it cut.
+    let ents: Vec<Entry> = (last + 1..=2 * SEGMENT + 50).map(|i| entry(i, 3)).collect();
+    s.persist(None, &ents, None).expect("append");
+    // Compaction to the middle of the second segment drops the first whole.
+    let state = s.snapshot_state().expect("sm");
+    let mut snap = Snapshot {
+        data: state.to_bytes().expect("bytes").into(),
+        ..Default::default()
+    };
+    snap.mut_metadata().index = SEGMENT + 200;
+    snap.mut_metadata().term = 3;
+    snap.mut_metadata().mut_conf_state().voters = vec![1, 2, 3];
+    s.compact(snap, SEGMENT + 150).expect("compact");
+    drop(s);
+    let s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+    assert_eq!((s.first(), s.last()), (SEGMENT + 150, 2 * SEGMENT + 50));
+    let got = s
+        .entries(
+            SEGMENT + 150,
+            2 * SEGMENT + 51,
+            None,
+            GetEntriesContext::empty(false),
+        )
+        .expect("entries");
+    let want: Vec<Entry> = (SEGMENT + 150..=2 * SEGMENT + 50)
+        .map(|i| entry(i, if i < SEGMENT + 100 { 2 } else { 3 }))
+        .collect();
+    assert_eq!(got, want);
+    drop(s);
+    // The first segment went as a whole; the one holding the truncation point stays.
+    let db = redb::Database::create(&path).expect("raw open");
+    let txn = db.begin_read().expect("txn");
+    let mut tables: Vec<String> = txn
+        .list_tables()
+        .expect("tables")
+        .map(|t| t.name().to_owned())
+        .filter(|n| n.starts_with("log."))
+        .collect();
+    tables.sort();
+    assert_eq!(tables, ["log.000000000001", "log.000000000002"]);
 }
 
 #[test]
