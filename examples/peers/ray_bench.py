@@ -4,7 +4,7 @@ measurements on a 3-node local Ray cluster (one CPU per node), on the same machi
 Optional; Ray is not a dependency of gpumesh or its tests. To run it:
 
     python3 -m venv /tmp/rayvenv && /tmp/rayvenv/bin/pip install "ray[default]"
-    /tmp/rayvenv/bin/python examples/peers/ray_bench.py [--json]
+    /tmp/rayvenv/bin/python examples/peers/ray_bench.py [--json] [--throughput-tasks N]
 
 Prints a table; with --json the last line is one JSON object with the keys of both
 gpumesh benches: p50_ms, p99_ms, tasks_per_s, mesh_vs_direct, blob_vs_tcp,
@@ -22,7 +22,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 LATENCY_TASKS = 200
-THROUGHPUT_TASKS = 1000
+THROUGHPUT_TASKS = 10000
 IN_FLIGHT = 64
 CALLS = 200
 CALLS_IN_FLIGHT = 48
@@ -107,6 +107,9 @@ def raw_tcp_seconds(nbytes):
 
 def main():
     as_json = "--json" in sys.argv
+    throughput_tasks = THROUGHPUT_TASKS
+    if "--throughput-tasks" in sys.argv:
+        throughput_tasks = int(sys.argv[sys.argv.index("--throughput-tasks") + 1])
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1, resources={"producer": 1})
     cluster.add_node(num_cpus=1, resources={"consumer": 1})
@@ -125,7 +128,7 @@ def main():
 
     start = time.perf_counter()
     pending, done = [], 0
-    for _ in range(THROUGHPUT_TASKS):
+    for _ in range(throughput_tasks):
         if len(pending) >= IN_FLIGHT:
             ready, pending = ray.wait(pending, num_returns=1)
             ray.get(ready)

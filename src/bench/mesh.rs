@@ -18,8 +18,9 @@ pub struct MeshBenchArgs {
     /// Trivial tasks timed one at a time for the latency figures.
     #[arg(long, default_value_t = 200)]
     pub latency_tasks: usize,
-    /// Tiny tasks submitted for the throughput figure.
-    #[arg(long, default_value_t = 1000)]
+    /// Tiny tasks submitted for the throughput figure (enough to be sustained:
+    /// a few seconds, past a snapshot and compaction of the record on each node).
+    #[arg(long, default_value_t = 10_000)]
     pub throughput_tasks: usize,
     /// Tiny tasks in flight at once during the throughput run.
     #[arg(long, default_value_t = 64)]
