@@ -87,8 +87,10 @@ pub struct RedbStorage {
     snapshot: Snapshot,
     /// Index and term of the last entry removed from the log (0, 0 if none).
     truncated: (u64, u64),
-    /// Entries `truncated.0 + 1 ..= last_index`, mirrored from the `log` table.
+    /// Entries `truncated.0 + 1 ..= last_index`, mirrored from the log's tables.
     entries: VecDeque<Entry>,
+    /// The bytes of their commands, together.
+    entry_bytes: u64,
     /// Raft asked for a snapshot newer than the one held; the actor makes one.
     snapshot_wanted: AtomicBool,
     /// Test hook: writes left before every write fails (a simulated crash).
@@ -304,6 +306,7 @@ impl RedbStorage {
             hard_state,
             snapshot,
             truncated,
+            entry_bytes: entries.iter().map(entry_size).sum(),
             entries,
             snapshot_wanted: AtomicBool::new(false),
             fail_after: None,
@@ -381,6 +384,12 @@ impl RedbStorage {
     /// Index of the first entry still in the log.
     pub fn first(&self) -> u64 {
         self.truncated.0 + 1
+    }
+
+    /// The bytes of the commands in the log held in memory (what a snapshot and
+    /// compaction would free, but for the entries kept behind it).
+    pub fn log_bytes(&self) -> u64 {
+        self.entry_bytes
     }
 
     /// Index of the last entry in the log (or of the snapshot if the log is empty).
@@ -477,13 +486,20 @@ impl RedbStorage {
         // Durable: now mirror it in memory.
         if let Some(snap) = next.snapshot {
             self.entries.clear();
+            self.entry_bytes = 0;
             self.snapshot = snap;
         }
         self.truncated = next.truncated;
         if let Some(first) = entries.first() {
             let keep = (first.index - self.truncated.0 - 1) as usize;
+            let cut: u64 = self
+                .entries
+                .range(keep.min(self.entries.len())..)
+                .map(entry_size)
+                .sum();
             self.entries.truncate(keep);
             self.entries.extend(entries.iter().cloned());
+            self.entry_bytes = self.entry_bytes - cut + entries.iter().map(entry_size).sum::<u64>();
         }
         self.hard_state = next.hard_state;
         tracing::trace!(
@@ -543,7 +559,8 @@ impl RedbStorage {
         }
         txn.commit().map_err(|e| self.err(e))?;
         let dropped = (truncated.0 - self.truncated.0) as usize;
-        self.entries.drain(..dropped);
+        let gone: u64 = self.entries.drain(..dropped).map(|e| entry_size(&e)).sum();
+        self.entry_bytes -= gone;
         self.truncated = truncated;
         self.snapshot = snapshot;
         self.hard_state = hard_state;
@@ -620,6 +637,10 @@ struct NextState {
     hard_state: HardState,
     snapshot: Option<Snapshot>,
     truncated: (u64, u64),
+}
+
+fn entry_size(e: &Entry) -> u64 {
+    (e.data.len() + e.context.len()) as u64
 }
 
 fn truncation_bytes((index, term): (u64, u64)) -> [u8; 16] {

@@ -188,6 +188,48 @@ async fn lagging_follower_catches_up_through_a_snapshot() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn the_log_is_compacted_once_it_holds_snapshot_bytes() {
+    // Entries alone would never call for a snapshot here; only their bytes can.
+    fn limited(id: u64, snapshot_bytes: u64) -> gpumesh_consensus::ReplicaConfig {
+        let mut c = test_config(id);
+        c.snapshot_interval = 1_000_000;
+        c.snapshot_bytes = snapshot_bytes;
+        c.log_retain = 5;
+        c
+    }
+    async fn first_index_after_60(
+        config: fn(u64) -> gpumesh_consensus::ReplicaConfig,
+    ) -> (u64, u64) {
+        let c = Cluster::with(3, 3, config, 5).await;
+        let leader = c.leader().await;
+        let mut last = 0;
+        for i in 0..60 {
+            last = c
+                .node(leader)
+                .propose(submit(i + 1))
+                .await
+                .expect("submit")
+                .index;
+        }
+        let all = c.ids();
+        c.wait_applied(&all, last, 10 * SEC).await;
+        let first = c.status(leader).await.first_index;
+        c.shutdown().await;
+        (first, last)
+    }
+    let (first, last) = first_index_after_60(|id| limited(id, 1 << 10)).await;
+    assert!(
+        first > 10 && first <= last,
+        "compacted by bytes: first {first}, last {last}"
+    );
+    let (first, _) = first_index_after_60(|id| limited(id, 64 << 20)).await;
+    assert!(
+        first <= 2,
+        "nothing compacted under the byte limit: first {first}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn membership_add_promote_cap_and_remove() {
     // Two founders, cap 3 voters; nodes 3 and 4 join empty.
     let mut c = Cluster::with(2, 9, test_config, 3).await;

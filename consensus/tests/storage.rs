@@ -400,6 +400,14 @@ fn the_log_across_segments_survives_compaction_overwrites_and_reopening() {
     snap.mut_metadata().term = 3;
     snap.mut_metadata().mut_conf_state().voters = vec![1, 2, 3];
     s.compact(snap, SEGMENT + 150).expect("compact");
+    let bytes: usize = (SEGMENT + 150..=2 * SEGMENT + 50)
+        .map(|i| entry(i, 3).data.len())
+        .sum();
+    assert_eq!(
+        s.log_bytes(),
+        bytes as u64,
+        "kept count, cut and compacted do not"
+    );
     drop(s);
     let s = RedbStorage::open(&path, CLUSTER).expect("reopen");
     assert_eq!((s.first(), s.last()), (SEGMENT + 150, 2 * SEGMENT + 50));
@@ -415,6 +423,8 @@ fn the_log_across_segments_survives_compaction_overwrites_and_reopening() {
         .map(|i| entry(i, if i < SEGMENT + 100 { 2 } else { 3 }))
         .collect();
     assert_eq!(got, want);
+    let bytes: usize = want.iter().map(|e| e.data.len()).sum();
+    assert_eq!(s.log_bytes(), bytes as u64, "the bytes of the log held");
     drop(s);
     // The first segment went as a whole; the one holding the truncation point stays.
     let db = redb::Database::create(&path).expect("raw open");

@@ -50,24 +50,34 @@ impl Actor {
         let applied = self.state.get().applied_index();
         let snap_index = self.raw.store().snapshot_metadata().index;
         let requested = self.raw.store().take_snapshot_request();
-        if applied <= snap_index
-            || (!requested && applied - snap_index < self.cfg.snapshot_interval)
-        {
+        let since = applied.saturating_sub(snap_index);
+        // By bytes only once past the entries kept behind a snapshot, which a
+        // compaction leaves in memory.
+        let due = since >= self.cfg.staggered(self.cfg.snapshot_interval)
+            || (since > self.cfg.log_retain
+                && self.raw.store().log_bytes() >= self.cfg.staggered(self.cfg.snapshot_bytes));
+        if since == 0 || !(requested || due) {
             return Ok(());
         }
+        let began = std::time::Instant::now();
         let mut snapshot = Snapshot {
             data: self.state.get().to_bytes()?.into(),
             ..Default::default()
         };
+        let encoded = began.elapsed();
         let meta = snapshot.mut_metadata();
         meta.index = applied;
         meta.term = self.state.get().applied_term();
         meta.set_conf_state(self.conf_state.clone());
         let compact_to = (applied + 1).saturating_sub(self.cfg.log_retain);
+        let bytes = snapshot.data.len();
         self.raw.mut_store().compact(snapshot, compact_to)?;
         debug!(
             raft_id = self.cfg.id,
             index = applied,
+            bytes,
+            encode_ms = encoded.as_secs_f64() * 1e3,
+            total_ms = began.elapsed().as_secs_f64() * 1e3,
             "snapshot taken, log compacted"
         );
         Ok(())
