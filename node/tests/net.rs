@@ -608,6 +608,39 @@ async fn dialling_a_closed_port_is_refused_not_timed_out_naming_the_address() {
 }
 
 #[tokio::test]
+async fn a_peer_named_by_host_name_is_dialled_and_serves_blobs() {
+    let server = Node::start(|_| {}).await;
+    let client = Node::start(|_| {}).await;
+    let port = server
+        .addr
+        .iter()
+        .find_map(|p| match p {
+            Protocol::Tcp(port) => Some(port),
+            _ => None,
+        })
+        .unwrap();
+    let named: Multiaddr = format!("/dns4/localhost/tcp/{port}/p2p/{}", server.id())
+        .parse()
+        .unwrap();
+    assert_eq!(client.net.dial(named).await.unwrap(), server.id());
+    // Over a megabyte: the pull asks for the direct channel.
+    let data = pseudo_random(3_000_001, 11);
+    let id = server.blobs.put(&data).unwrap();
+    client.net.fetch_blob(server.id(), id).await.unwrap();
+    assert!(
+        client.blobs.get(&id).unwrap().unwrap() == data,
+        "bytes differ"
+    );
+
+    // A name that does not resolve is an error that names the address.
+    let nowhere: Multiaddr = "/dns4/no-such-host.invalid/tcp/4001".parse().unwrap();
+    let err = client.net.dial(nowhere.clone()).await.unwrap_err();
+    assert!(err.to_string().contains(&nowhere.to_string()), "{err}");
+    server.stop().await;
+    client.stop().await;
+}
+
+#[tokio::test]
 async fn a_peer_that_never_answers_times_out_naming_the_address() {
     let node = Node::start(|c| c.dial_timeout = Duration::from_millis(800)).await;
     // Accepts TCP connections and then says nothing, like a wedged process.

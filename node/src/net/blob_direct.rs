@@ -388,6 +388,13 @@ fn tcp_ip(addr: &Multiaddr) -> Option<IpAddr> {
 #[derive(Clone, Default)]
 pub(super) struct Peers(Arc<Mutex<PeerIps>>);
 
+/// How a connection's address names its peer's host.
+enum Host {
+    Ip(IpAddr),
+    /// A DNS name, and whether only IPv4 (`/dns4`) or IPv6 (`/dns6`) answers count.
+    Name(String, Option<bool>),
+}
+
 #[derive(Default)]
 struct PeerIps {
     ips: HashMap<PeerId, IpAddr>,
@@ -395,15 +402,38 @@ struct PeerIps {
 }
 
 impl Peers {
-    /// A connection to `peer` came up at `addr`: try its direct port again.
+    /// A connection to `peer` came up at `addr`: try its direct port again. A peer
+    /// dialled by host name (`/dns4/...`) is reached at what that name resolves to.
     pub(super) fn connected(&self, peer: PeerId, addr: &Multiaddr) {
-        let Some(ip) = addr.iter().find_map(|p| match p {
-            Protocol::Ip4(ip) => Some(IpAddr::V4(ip)),
-            Protocol::Ip6(ip) => Some(IpAddr::V6(ip)),
+        let host = addr.iter().find_map(|p| match p {
+            Protocol::Ip4(ip) => Some(Host::Ip(IpAddr::V4(ip))),
+            Protocol::Ip6(ip) => Some(Host::Ip(IpAddr::V6(ip))),
+            Protocol::Dns(name) => Some(Host::Name(name.to_string(), None)),
+            Protocol::Dns4(name) => Some(Host::Name(name.to_string(), Some(true))),
+            Protocol::Dns6(name) => Some(Host::Name(name.to_string(), Some(false))),
             _ => None,
-        }) else {
-            return;
-        };
+        });
+        match host {
+            Some(Host::Ip(ip)) => self.reached(peer, ip),
+            Some(Host::Name(name, v4)) => {
+                let peers = self.clone();
+                tokio::spawn(async move {
+                    let Ok(found) = tokio::net::lookup_host((name.as_str(), 0)).await else {
+                        return;
+                    };
+                    let ip = found
+                        .map(|a| a.ip())
+                        .find(|ip| v4.is_none_or(|v4| ip.is_ipv4() == v4));
+                    if let Some(ip) = ip {
+                        peers.reached(peer, ip);
+                    }
+                });
+            }
+            None => {}
+        }
+    }
+
+    fn reached(&self, peer: PeerId, ip: IpAddr) {
         let mut peers = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         peers.ips.insert(peer, ip);
         peers.unreachable.remove(&peer);
@@ -422,5 +452,44 @@ impl Peers {
     pub(super) fn unreachable(&self, peer: PeerId) {
         let mut peers = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         peers.unreachable.insert(peer);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// The IP recorded for `peer` once `addr` connected, waiting up to `tenths`
+    /// tenths of a second for a name to resolve.
+    async fn reached(addr: &str, tenths: u32) -> Option<IpAddr> {
+        let peers = Peers::default();
+        let peer = PeerId::random();
+        peers.connected(peer, &addr.parse().unwrap());
+        for _ in 0..tenths {
+            if let Some(ip) = peers.ip(&peer) {
+                return Some(ip);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        None
+    }
+
+    #[tokio::test]
+    async fn a_peer_reached_by_host_name_is_pulled_from_at_what_the_name_resolves_to() {
+        assert_eq!(
+            reached("/ip4/10.1.2.3/tcp/4001", 1).await,
+            Some("10.1.2.3".parse().unwrap())
+        );
+        assert_eq!(
+            reached("/dns4/localhost/tcp/4001", 50).await,
+            Some("127.0.0.1".parse().unwrap())
+        );
+        // A name that does not resolve leaves the peer to the lane's stream.
+        assert_eq!(
+            reached("/dns4/no-such-host.invalid/tcp/4001", 10).await,
+            None
+        );
     }
 }

@@ -16,8 +16,8 @@ use libp2p::request_response::{self, ProtocolSupport};
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::{ConnectionDenied, DialError, NetworkBehaviour, SwarmEvent};
 use libp2p::{
-    allow_block_list, identify, mdns, noise, tcp, yamux, Multiaddr, PeerId, Swarm, SwarmBuilder,
-    Transport,
+    allow_block_list, dns, identify, mdns, noise, tcp, yamux, Multiaddr, PeerId, Swarm,
+    SwarmBuilder, Transport,
 };
 
 use super::codec::{self, MESH_PROTOCOL};
@@ -51,6 +51,18 @@ fn build_transport(
 {
     // nodelay: request-response is latency-bound for Raft; Nagle would hold frames.
     let tcp = tcp::tokio::Transport::new(tcp::Config::default().nodelay(true));
+    // /dns, /dns4 and /dns6 addresses (a peer named by its host name) resolve with
+    // the system's resolver; without its configuration, the hosts file still names.
+    let tcp = dns::tokio::Transport::system(tcp).unwrap_or_else(|e| {
+        tracing::warn!(
+            "no system DNS configuration ({e}); host names resolve from the hosts file only"
+        );
+        dns::tokio::Transport::custom(
+            tcp::tokio::Transport::new(tcp::Config::default().nodelay(true)),
+            dns::ResolverConfig::new(),
+            dns::ResolverOpts::default(),
+        )
+    });
     let mut noise = noise::Config::new(keypair)?;
     if let Some(psk) = psk {
         noise = noise.with_prologue(prologue(&psk).to_vec());
