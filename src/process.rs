@@ -13,8 +13,27 @@ use crate::Client;
 /// How long a node may take to print "API on" (it calibrates its adapter first).
 const START_LIMIT: Duration = Duration::from_secs(90);
 
-/// A port free on loopback now (the OS picks it; the caller binds it soon after).
+/// A port free on loopback now, for the caller to bind soon after (and again when
+/// it restarts a node). It is drawn below the OS's ephemeral range where there is
+/// room: a port from that range can be handed to any outgoing connection or port-0
+/// listener between now and the bind ("Address already in use").
 pub fn free_port() -> std::io::Result<u16> {
+    const FLOOR: u16 = 10_000;
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    if low > FLOOR + 1_000 {
+        use std::hash::{BuildHasher, Hasher};
+        for _ in 0..64 {
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u32(std::process::id());
+            let port = FLOOR + (h.finish() % u64::from(low - FLOOR)) as u16;
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())

@@ -412,15 +412,14 @@ async fn bootstrap_expect_forms_one_mesh_of_all_founders() {
     }
     let dir = tempfile::tempdir().unwrap();
     tokio::time::timeout(LIMIT, async {
-        let ports: Vec<u16> = (0..3)
-            .map(|_| {
-                std::net::TcpListener::bind("127.0.0.1:0")
-                    .unwrap()
-                    .local_addr()
-                    .unwrap()
-                    .port()
-            })
-            .collect();
+        // Three different ports, out of the OS's ephemeral range (see free_port).
+        let mut ports: Vec<u16> = Vec::new();
+        while ports.len() < 3 {
+            let p = gpumesh::process::free_port().unwrap();
+            if !ports.contains(&p) {
+                ports.push(p);
+            }
+        }
         let addr = |p: u16| -> Multiaddr { format!("/ip4/127.0.0.1/tcp/{p}").parse().unwrap() };
         let configs: Vec<NodeConfig> = (0..3)
             .map(|i| {
