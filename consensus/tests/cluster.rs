@@ -141,6 +141,20 @@ async fn minority_partition_cannot_commit_and_heals() {
     c.shutdown().await;
 }
 
+/// Sixty submits through `leader`, one after another; the index of the last.
+async fn submit_60(c: &Cluster, leader: u64) -> u64 {
+    let mut last = 0;
+    for i in 0..60 {
+        last = c
+            .node(leader)
+            .propose(submit(i + 1))
+            .await
+            .expect("submit")
+            .index;
+    }
+    last
+}
+
 #[tokio::test(start_paused = true)]
 async fn lagging_follower_catches_up_through_a_snapshot() {
     fn small_snapshots(id: u64) -> gpumesh_consensus::ReplicaConfig {
@@ -158,15 +172,7 @@ async fn lagging_follower_catches_up_through_a_snapshot() {
         .expect("follower");
     let mut events = c.node(lagger).subscribe();
     c.net.isolate(lagger, &c.ids());
-    let mut last = 0;
-    for i in 0..60 {
-        last = c
-            .node(leader)
-            .propose(submit(i + 1))
-            .await
-            .expect("submit")
-            .index;
-    }
+    let last = submit_60(&c, leader).await;
     let st = c.status(leader).await;
     assert!(
         st.first_index > c.status(lagger).await.last_index,
@@ -202,15 +208,7 @@ async fn the_log_is_compacted_once_it_holds_snapshot_bytes() {
     ) -> (u64, u64) {
         let c = Cluster::with(3, 3, config, 5).await;
         let leader = c.leader().await;
-        let mut last = 0;
-        for i in 0..60 {
-            last = c
-                .node(leader)
-                .propose(submit(i + 1))
-                .await
-                .expect("submit")
-                .index;
-        }
+        let last = submit_60(&c, leader).await;
         let all = c.ids();
         c.wait_applied(&all, last, 10 * SEC).await;
         let first = c.status(leader).await.first_index;

@@ -79,6 +79,17 @@ impl Node {
         self.net.local_peer_id()
     }
 
+    /// The TCP port it listens on.
+    fn port(&self) -> u16 {
+        self.addr
+            .iter()
+            .find_map(|p| match p {
+                Protocol::Tcp(port) => Some(port),
+                _ => None,
+            })
+            .unwrap()
+    }
+
     /// The first event that `pick` accepts (it hands back the others, which are kept
     /// for later calls, so arrival order between kinds does not matter); panics after
     /// [`WAIT`].
@@ -413,14 +424,7 @@ async fn garbage_on_the_wire_does_not_stop_the_node_from_serving() {
     let id = victim.blobs.put(&data).unwrap();
 
     // 1. Raw TCP junk at the listening port: fails the handshake, nothing more.
-    let tcp_port = victim
-        .addr
-        .iter()
-        .find_map(|p| match p {
-            Protocol::Tcp(port) => Some(port),
-            _ => None,
-        })
-        .unwrap();
+    let tcp_port = victim.port();
     for junk in [&b"GET / HTTP/1.1\r\n\r\n"[..], &[0xFF; 4096][..], &[][..]] {
         use tokio::io::AsyncWriteExt as _;
         let mut raw = tokio::net::TcpStream::connect(("127.0.0.1", tcp_port))
@@ -611,15 +615,7 @@ async fn dialling_a_closed_port_is_refused_not_timed_out_naming_the_address() {
 async fn a_peer_named_by_host_name_is_dialled_and_serves_blobs() {
     let server = Node::start(|_| {}).await;
     let client = Node::start(|_| {}).await;
-    let port = server
-        .addr
-        .iter()
-        .find_map(|p| match p {
-            Protocol::Tcp(port) => Some(port),
-            _ => None,
-        })
-        .unwrap();
-    let named: Multiaddr = format!("/dns4/localhost/tcp/{port}/p2p/{}", server.id())
+    let named: Multiaddr = format!("/dns4/localhost/tcp/{}/p2p/{}", server.port(), server.id())
         .parse()
         .unwrap();
     assert_eq!(client.net.dial(named).await.unwrap(), server.id());
