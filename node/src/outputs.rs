@@ -130,16 +130,26 @@ pub(crate) async fn merge_shards(
     }
     let starts = starts(blobs, task).await?;
     let spec = task.spec.clone();
+    let bytes: u64 = spec.bindings.iter().map(|b| b.role.size()).sum();
     // Deterministic from here: the same results fail the same way on any node. Off
-    // the async runtime: a merge walks every changed word of every shard.
-    tokio::task::spawn_blocking(move || {
+    // the async runtime unless small: a merge walks every changed word of every shard.
+    let merge = move || {
         let targets = merge::targets(&spec, |b| starts.get(&b).map(Vec::as_slice));
         let refs: Vec<&ShardChanges> = shards.iter().collect();
         merge::merge(&targets, &refs).map_err(|e| MergeError::Fatal(e.to_string()))
-    })
-    .await
-    .map_err(|e| MergeError::Unavailable(format!("the merge did not finish: {e}")))?
+    };
+    if bytes <= MERGE_IN_PLACE_BYTES {
+        return merge();
+    }
+    tokio::task::spawn_blocking(merge)
+        .await
+        .map_err(|e| MergeError::Unavailable(format!("the merge did not finish: {e}")))?
 }
+
+/// Outputs of at most this many bytes in all are merged on the task that wants
+/// them: a hand-over to the blocking pool (a thread to wake, then the task again)
+/// costs more than such a merge.
+pub(crate) const MERGE_IN_PLACE_BYTES: u64 = 64 << 10;
 
 /// On the leader: merges a task awaiting its merge, keeps the outputs on two nodes
 /// and records them, or fails the task on a conflict. Anything unavailable is left

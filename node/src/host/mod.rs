@@ -775,7 +775,9 @@ impl ActorHost {
             .run(job.clone(), 0, Some(self.deadline_of(call)))
             .await
             .map_err(|e| CallError::Failed(e.to_string()))?;
-        tokio::task::spawn_blocking(move || {
+        let bytes: u64 = now.iter().map(|(s, _)| s.size).sum::<u64>()
+            + call.bindings.iter().map(|b| b.role.size()).sum::<u64>();
+        let finish = move || {
             let mut merged = job
                 .merge(&[&out.changes])
                 .map_err(|e| CallError::Failed(e.to_string()))?;
@@ -788,9 +790,13 @@ impl ActorHost {
                 state,
                 outputs: merged.into_iter().collect(),
             })
-        })
-        .await
-        .map_err(|_| CallError::NotYet)?
+        };
+        if bytes <= crate::outputs::MERGE_IN_PLACE_BYTES {
+            return finish();
+        }
+        tokio::task::spawn_blocking(finish)
+            .await
+            .map_err(|_| CallError::NotYet)?
     }
 
     /// Stores the state a batch left (`now`, bytes in `latest`) here, while the node
