@@ -6,6 +6,9 @@
 # everyone joined through) with SIGKILL and submits again through b.
 #
 #   bash examples/three_nodes.sh        (builds gpumesh in release mode first)
+#
+# Ports 27001-27003 (peers) and 27101-27103 (APIs): below Linux's ephemeral range
+# (32768 on), so no outgoing connection is handed one of them before a node binds it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --quiet
@@ -33,19 +36,19 @@ start() { # name listen-port api-port extra-args...
   grep -q "API on" "$work/$name.log" || { cat "$work/$name.log"; exit 1; }
 }
 
-start a 47001 47101 --init
+start a 27001 27101 --init
 ticket=$("$bin" ticket --data-dir "$work/a" | tail -n 1)
-start b 47002 47102 --join "$ticket"
-start c 47003 47103 --join "$ticket"
+start b 27002 27102 --join "$ticket"
+start c 27003 27103 --join "$ticket"
 echo "three nodes up; b and c joined with a's ticket ${ticket:0:24}…"
 
-GPUMESH_API=127.0.0.1:47102 "$bin" submit --builtin matmul --size 512 --shards 6 --wait --verify
-task=$(GPUMESH_API=127.0.0.1:47101 "$bin" tasks --json | grep -o '"id": *[0-9]*' | tail -1 | grep -o '[0-9]*$')
-GPUMESH_API=127.0.0.1:47103 "$bin" result "t$task" --out-dir "$work/out"
-GPUMESH_API=127.0.0.1:47101 "$bin" status
-GPUMESH_API=127.0.0.1:47101 "$bin" tasks
+GPUMESH_API=127.0.0.1:27102 "$bin" submit --builtin matmul --size 512 --shards 6 --wait --verify
+task=$(GPUMESH_API=127.0.0.1:27101 "$bin" tasks --json | grep -o '"id": *[0-9]*' | tail -1 | grep -o '[0-9]*$')
+GPUMESH_API=127.0.0.1:27103 "$bin" result "t$task" --out-dir "$work/out"
+GPUMESH_API=127.0.0.1:27101 "$bin" status
+GPUMESH_API=127.0.0.1:27101 "$bin" tasks
 
 echo "kill -9 of node a, the one b and c joined through"
 kill -9 "${pids[0]}"
-GPUMESH_API=127.0.0.1:47102 "$bin" submit --builtin matmul --size 256 --shards 4 --wait --verify
-GPUMESH_API=127.0.0.1:47103 "$bin" status
+GPUMESH_API=127.0.0.1:27102 "$bin" submit --builtin matmul --size 256 --shards 4 --wait --verify
+GPUMESH_API=127.0.0.1:27103 "$bin" status

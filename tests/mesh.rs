@@ -49,6 +49,34 @@ async fn three_nodes_submit_from_each_and_fetch_from_each() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_joined_node_serves_once_it_votes() {
+    // As the README starts a mesh: a forms it, b and c join through a. Once c is up,
+    // losing a must leave a quorum: b and c are voters by the time each serves.
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let a = MeshNode::start(config(&dir.path().join("a"), Formation::Init, &[]))
+            .await
+            .unwrap();
+        let mut nodes = vec![a];
+        for name in ["b", "c"] {
+            let c = config(&dir.path().join(name), Formation::Join, &[seed(&nodes[0])]);
+            let node = MeshNode::start(c).await.unwrap();
+            let st = client(&node).status().await.unwrap();
+            let me = st
+                .members
+                .iter()
+                .find(|m| m.raft_id == node.raft_id)
+                .expect("in the membership");
+            assert_ne!(me.role, "learner", "{name} serves as a learner: {st:?}");
+            nodes.push(node);
+        }
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_shard_output_is_on_two_nodes_so_losing_its_worker_loses_nothing() {
     if !have_any() {
         return;

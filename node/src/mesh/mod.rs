@@ -91,6 +91,9 @@ pub struct MeshNode {
 
 /// How long a member restarting on its data dir waits for a leader before serving.
 const RESTART_WAIT: Duration = Duration::from_secs(5);
+/// How long a joined node waits to be made a voter before it serves anyway (the
+/// leader promotes a caught-up learner within a second or so).
+const PROMOTION_WAIT: Duration = Duration::from_secs(10);
 
 /// How long [`MeshNode::stop`] waits for a dispatch under way to end.
 const GPU_STOP_WAIT: Duration = Duration::from_secs(30);
@@ -233,10 +236,14 @@ impl MeshNode {
             config.data_dir.clone(),
             cancel.clone(),
         )));
+        let joining = joined_through.is_some();
         if let Some(peer) = joined_through {
             join_through(&newcomer, peer, config.join_timeout).await?;
         }
         Self::wait_until_serving(&consensus, &config, restarting).await?;
+        if joining {
+            Self::wait_until_voting(&consensus, config.join_timeout.min(PROMOTION_WAIT)).await;
+        }
 
         // Before the API answers, so `gpumesh ticket` works as soon as the node is up.
         record_mesh_addrs(
@@ -391,6 +398,32 @@ impl MeshNode {
             );
         }
         Ok(())
+    }
+
+    /// A node that joined serves once the leader has made it a voter (or the mesh
+    /// has all the voters it takes): until then the mesh's quorum does not count
+    /// on it, and losing one of the voters it joined could stop the whole mesh —
+    /// the README's recipe kills the node everyone joined through right after
+    /// the third is up. After `wait` it serves anyway, saying so.
+    async fn wait_until_voting(consensus: &ConsensusHandle, wait: Duration) {
+        let me = consensus.id();
+        let voting = move |s: &gpumesh_consensus::StateMachine| {
+            s.member(me)
+                .is_some_and(|m| m.role == gpumesh_consensus::Role::Voter)
+                || s.voter_count() >= s.settings().max_voters as usize
+        };
+        let promoted = tokio::time::timeout(wait, async {
+            while !consensus.read_local(voting) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        if promoted.is_err() {
+            tracing::warn!(
+                "still a learner {wait:?} after joining: serving, but the mesh's quorum \
+                 does not count on this node until the leader promotes it"
+            );
+        }
     }
 
     /// Leaves the mesh gracefully: hands leadership away, asks to be removed, stops.
