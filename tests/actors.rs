@@ -282,12 +282,7 @@ async fn the_api_creates_calls_reads_lists_and_deletes_actors_and_refuses_what_i
         let status = b.status().await.unwrap();
         assert_eq!(status.actors.len(), 1, "{status:?}");
         assert_eq!(status.actors[0].version, 3);
-        let metrics = reqwest::get(format!("http://{}/metrics", host.api_addr))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let metrics = common::metrics(host).await;
         for line in [
             "gpumesh_actors 1",
             "gpumesh_actors_hosted 1",

@@ -57,9 +57,47 @@ fn segment_name(segment: u64) -> String {
     format!("log.{segment:012}")
 }
 
-/// The table of a segment, by its name (see [`segment_name`]).
-fn segment(name: &str) -> TableDefinition<'_, u64, &'static [u8]> {
-    TableDefinition::new(name)
+type Segment<'txn> = redb::Table<'txn, u64, &'static [u8]>;
+
+/// Opens (creating it if new) the table of log segment `segment`.
+fn open_segment(
+    txn: &redb::WriteTransaction,
+    segment: u64,
+) -> std::result::Result<Segment<'_>, redb::TableError> {
+    txn.open_table(TableDefinition::new(&segment_name(segment)))
+}
+
+/// Deletes the table of log segment `segment` (nothing if there is none).
+fn drop_segment(
+    txn: &redb::WriteTransaction,
+    segment: u64,
+) -> std::result::Result<bool, redb::TableError> {
+    txn.delete_table(TableDefinition::<u64, &[u8]>::new(&segment_name(segment)))
+}
+
+/// Writes log entries `(index, bytes)`, in index order, each into its segment;
+/// `err` says which store failed.
+fn write_log(
+    txn: &redb::WriteTransaction,
+    entries: impl IntoIterator<Item = (u64, Vec<u8>)>,
+    err: impl Fn(redb::Error) -> ConsensusError,
+) -> Result<()> {
+    let mut open: Option<(u64, Segment<'_>)> = None;
+    for (index, bytes) in entries {
+        let s = segment_of(index);
+        let table = match &mut open {
+            Some((n, t)) if *n == s => t,
+            _ => {
+                open = None;
+                let table = open_segment(txn, s).map_err(|e| err(e.into()))?;
+                &mut open.insert((s, table)).1
+            }
+        };
+        table
+            .insert(index, bytes.as_slice())
+            .map_err(|e| err(e.into()))?;
+    }
+    Ok(())
 }
 
 fn parse_segment(table: &str) -> Option<u64> {
@@ -193,12 +231,7 @@ impl RedbStorage {
                             let (k, v) = item.map_err(|e| err(e.into()))?;
                             moved.push((k.value(), v.value().to_vec()));
                         }
-                        for (index, bytes) in moved {
-                            txn.open_table(segment(&segment_name(segment_of(index))))
-                                .map_err(|e| err(e.into()))?
-                                .insert(index, bytes.as_slice())
-                                .map_err(|e| err(e.into()))?;
-                        }
+                        write_log(&txn, moved, err)?;
                         txn.delete_table(OLD_LOG).map_err(|e| err(e.into()))?;
                     }
                 }
@@ -273,8 +306,9 @@ impl RedbStorage {
         let mut expect = truncated.0 + 1;
         let from = segment_of(expect);
         for s in in_log.into_iter().filter(|s| *s >= from) {
-            let name = segment_name(s);
-            let log = txn.open_table(segment(&name)).map_err(|e| err(e.into()))?;
+            let log = txn
+                .open_table(TableDefinition::<u64, &[u8]>::new(&segment_name(s)))
+                .map_err(|e| err(e.into()))?;
             for item in log.range(expect..).map_err(|e| err(e.into()))? {
                 let (k, v) = item.map_err(|e| err(e.into()))?;
                 let index = k.value();
@@ -430,8 +464,7 @@ impl RedbStorage {
                 let md = snap.get_metadata();
                 // A snapshot replaces the whole log (raft-rs restarts from it).
                 for s in segments(&txn).map_err(|e| self.err(e))? {
-                    txn.delete_table(segment(&segment_name(s)))
-                        .map_err(|e| self.err(e))?;
+                    drop_segment(&txn, s).map_err(|e| self.err(e))?;
                 }
                 clear_from = Some(0);
                 next.truncated = (md.index, md.term);
@@ -462,13 +495,12 @@ impl RedbStorage {
                 // New entries overwrite any conflicting suffix.
                 if first.index <= last_before {
                     let from = segment_of(first.index);
-                    txn.open_table(segment(&segment_name(from)))
+                    open_segment(&txn, from)
                         .map_err(|e| self.err(e))?
                         .retain_in(first.index.., |_, _| false)
                         .map_err(|e| self.err(e))?;
                     for s in from + 1..=segment_of(last_before) {
-                        txn.delete_table(segment(&segment_name(s)))
-                            .map_err(|e| self.err(e))?;
+                        drop_segment(&txn, s).map_err(|e| self.err(e))?;
                     }
                 }
                 self.append(&txn, entries)?;
@@ -545,8 +577,7 @@ impl RedbStorage {
             // Whole segments behind the new truncation point go; the one holding it
             // stays (its entries up to the point are never read again).
             for s in segment_of(self.truncated.0 + 1)..segment_of(truncated.0 + 1) {
-                txn.delete_table(segment(&segment_name(s)))
-                    .map_err(|e| self.err(e))?;
+                drop_segment(&txn, s).map_err(|e| self.err(e))?;
             }
             txn.open_table(SNAPSHOT)
                 .map_err(|e| self.err(e))?
@@ -608,24 +639,11 @@ impl RedbStorage {
 
     /// Appends `entries` (in order) to the segments they belong in.
     fn append(&self, txn: &redb::WriteTransaction, entries: &[Entry]) -> Result<()> {
-        let mut open: Option<(u64, redb::Table<u64, &[u8]>)> = None;
-        for e in entries {
-            let s = segment_of(e.index);
-            let table = match &mut open {
-                Some((n, t)) if *n == s => t,
-                _ => {
-                    open = None;
-                    let table = txn
-                        .open_table(segment(&segment_name(s)))
-                        .map_err(|e| self.err(e))?;
-                    &mut open.insert((s, table)).1
-                }
-            };
-            table
-                .insert(e.index, e.write_to_bytes()?.as_slice())
-                .map_err(|e| self.err(e))?;
-        }
-        Ok(())
+        let encoded = entries
+            .iter()
+            .map(|e| Ok((e.index, e.write_to_bytes()?)))
+            .collect::<Result<Vec<_>>>()?;
+        write_log(txn, encoded, |e| self.err(e))
     }
 
     fn err(&self, e: impl Into<redb::Error>) -> ConsensusError {

@@ -127,15 +127,21 @@ pub fn client(node: &MeshNode) -> Client {
     Client::new(node.api_addr.to_string())
 }
 
-/// One sample of node `n`'s /metrics: the value after `key` (0 if it is not there).
-pub async fn metric(n: &MeshNode, key: &str) -> f64 {
-    let text = reqwest::get(format!("http://{}/metrics", n.api_addr))
+/// Node `n`'s /metrics page.
+pub async fn metrics(n: &MeshNode) -> String {
+    reqwest::get(format!("http://{}/metrics", n.api_addr))
         .await
         .unwrap()
         .text()
         .await
-        .unwrap();
-    text.lines()
+        .unwrap()
+}
+
+/// One sample of node `n`'s /metrics: the value after `key` (0 if it is not there).
+pub async fn metric(n: &MeshNode, key: &str) -> f64 {
+    metrics(n)
+        .await
+        .lines()
         .find_map(|l| l.strip_prefix(key)?.strip_prefix(' '))
         .map_or(0.0, |v| v.trim().parse().unwrap())
 }

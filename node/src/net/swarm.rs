@@ -50,15 +50,15 @@ fn build_transport(
 ) -> std::result::Result<Boxed<(PeerId, StreamMuxerBox)>, Box<dyn std::error::Error + Send + Sync>>
 {
     // nodelay: request-response is latency-bound for Raft; Nagle would hold frames.
-    let tcp = tcp::tokio::Transport::new(tcp::Config::default().nodelay(true));
+    let tcp = || tcp::tokio::Transport::new(tcp::Config::default().nodelay(true));
     // /dns, /dns4 and /dns6 addresses (a peer named by its host name) resolve with
     // the system's resolver; without its configuration, the hosts file still names.
-    let tcp = dns::tokio::Transport::system(tcp).unwrap_or_else(|e| {
+    let tcp = dns::tokio::Transport::system(tcp()).unwrap_or_else(|e| {
         tracing::warn!(
             "no system DNS configuration ({e}); host names resolve from the hosts file only"
         );
         dns::tokio::Transport::custom(
-            tcp::tokio::Transport::new(tcp::Config::default().nodelay(true)),
+            tcp(),
             dns::ResolverConfig::new(),
             dns::ResolverOpts::default(),
         )
