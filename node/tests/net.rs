@@ -593,6 +593,323 @@ async fn garbage_on_a_raft_stream_closes_that_stream_and_nothing_else() {
     victim.stop().await;
 }
 
+/// A call-lane frame: length, id, kind, body.
+fn call_frame(id: u64, kind: u8, body: &[u8]) -> Vec<u8> {
+    [
+        ((8 + 1 + body.len()) as u32).to_le_bytes().to_vec(),
+        id.to_le_bytes().to_vec(),
+        vec![kind],
+        body.to_vec(),
+    ]
+    .concat()
+}
+
+#[tokio::test]
+async fn node_requests_in_flight_together_each_get_their_own_answer() {
+    let mut a = Node::start(|_| {}).await;
+    let b = Node::start(|_| {}).await;
+    b.net.dial(a.addr.clone()).await.unwrap();
+    let a_id = a.id();
+    let mut asking = Vec::new();
+    for i in 0..20u8 {
+        let net = b.net.clone();
+        asking.push(tokio::spawn(async move {
+            net.request(a_id, MeshRequest::Node(vec![i; 1 + usize::from(i)]))
+                .await
+        }));
+    }
+    let mut replies = Vec::new();
+    for _ in 0..20 {
+        replies.push(
+            a.expect("Request", |e| match e {
+                NetEvent::Request {
+                    request: MeshRequest::Node(body),
+                    reply,
+                    ..
+                } => Ok((body, reply)),
+                other => Err(other),
+            })
+            .await,
+        );
+    }
+    // Answered newest first: each caller still gets the answer to its own request.
+    for (body, reply) in replies.into_iter().rev() {
+        let answer = body.iter().map(|b| b.wrapping_mul(3)).collect();
+        reply.send(MeshResponse::Node(answer)).unwrap();
+    }
+    for (i, asked) in asking.into_iter().enumerate() {
+        let answer = tokio::time::timeout(WAIT, asked)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let i = i as u8;
+        assert_eq!(
+            answer,
+            MeshResponse::Node(vec![i.wrapping_mul(3); 1 + usize::from(i)])
+        );
+    }
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test]
+async fn first_requests_from_many_peers_at_once_are_all_answered() {
+    // Each peer's first request opens its call stream; arriving together, the
+    // node cannot take them all at once (libp2p drops what its queue of new streams
+    // has no room for), and each must still get through.
+    let mut victim = Node::start(|_| {}).await;
+    let victim_id = victim.id();
+    let mut peers = Vec::new();
+    for _ in 0..8 {
+        let p = Node::start(|_| {}).await;
+        p.net.dial(victim.addr.clone()).await.unwrap();
+        peers.push(p);
+    }
+    for round in 0..3u8 {
+        let start = std::sync::Arc::new(tokio::sync::Barrier::new(peers.len()));
+        let mut asking = Vec::new();
+        for (i, p) in peers.iter().enumerate() {
+            let (net, start) = (p.net.clone(), start.clone());
+            asking.push(tokio::spawn(async move {
+                start.wait().await;
+                net.request(victim_id, MeshRequest::Node(vec![round, i as u8]))
+                    .await
+            }));
+        }
+        for _ in 0..peers.len() {
+            let (body, reply) = victim
+                .expect("Request", |e| match e {
+                    NetEvent::Request {
+                        request: MeshRequest::Node(body),
+                        reply,
+                        ..
+                    } => Ok((body, reply)),
+                    other => Err(other),
+                })
+                .await;
+            reply.send(MeshResponse::Node(body)).unwrap();
+        }
+        for (i, asked) in asking.into_iter().enumerate() {
+            let answer = tokio::time::timeout(WAIT, asked).await.unwrap().unwrap();
+            assert_eq!(
+                answer.unwrap(),
+                MeshResponse::Node(vec![round, i as u8]),
+                "peer {i}, round {round}"
+            );
+        }
+    }
+    victim.stop().await;
+    for p in peers {
+        p.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn many_peers_pulling_from_one_holder_at_once_all_get_the_blob() {
+    // Small and large (the direct channel) blobs, each pull on a blob stream of its
+    // own opened at the same moment: the holder cannot take them all at once.
+    let holder = Node::start(|_| {}).await;
+    let small = pseudo_random(10_000, 3);
+    let large = pseudo_random(1_500_000, 4);
+    let ids = [
+        holder.blobs.put(&small).unwrap(),
+        holder.blobs.put(&large).unwrap(),
+    ];
+    let mut pullers = Vec::new();
+    for _ in 0..8 {
+        let p = Node::start(|_| {}).await;
+        p.net.dial(holder.addr.clone()).await.unwrap();
+        pullers.push(p);
+    }
+    let start = std::sync::Arc::new(tokio::sync::Barrier::new(pullers.len() * 2));
+    let mut pulling = Vec::new();
+    for p in &pullers {
+        for id in ids {
+            let (net, start, from) = (p.net.clone(), start.clone(), holder.id());
+            pulling.push(tokio::spawn(async move {
+                start.wait().await;
+                net.fetch_blob(from, id).await
+            }));
+        }
+    }
+    for pulled in pulling {
+        tokio::time::timeout(WAIT, pulled)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    }
+    for p in &pullers {
+        assert!(p.blobs.get(&ids[0]).unwrap().unwrap() == small);
+        assert!(p.blobs.get(&ids[1]).unwrap().unwrap() == large);
+    }
+    holder.stop().await;
+    for p in pullers {
+        p.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn first_raft_frames_from_many_peers_at_once_all_arrive() {
+    let mut victim = Node::start(|_| {}).await;
+    let victim_id = victim.id();
+    let mut peers = Vec::new();
+    for _ in 0..8 {
+        let p = Node::start(|_| {}).await;
+        p.net.dial(victim.addr.clone()).await.unwrap();
+        peers.push(p);
+    }
+    // Each peer's first frame opens its Raft stream, all at the same moment.
+    for (i, p) in peers.iter().enumerate() {
+        p.net.send_raft(victim_id, vec![i as u8; 3]).unwrap();
+    }
+    let mut got = std::collections::BTreeMap::new();
+    for _ in 0..peers.len() {
+        let (from, frame) = victim
+            .expect("Raft", |e| match e {
+                NetEvent::Raft { from, frame } => Ok((from, frame)),
+                other => Err(other),
+            })
+            .await;
+        got.insert(from, frame);
+    }
+    for (i, p) in peers.iter().enumerate() {
+        assert_eq!(got.get(&p.id()), Some(&vec![i as u8; 3]), "peer {i}");
+    }
+    victim.stop().await;
+    for p in peers {
+        p.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn a_request_waiting_on_a_peer_that_stops_fails_without_waiting_out_its_timeout() {
+    let mut a = Node::start(|_| {}).await;
+    let b = Node::start(|c| c.request_timeout = Duration::from_secs(600)).await;
+    b.net.dial(a.addr.clone()).await.unwrap();
+    let a_id = a.id();
+    let asking = tokio::spawn({
+        let net = b.net.clone();
+        async move {
+            net.request(a_id, MeshRequest::Node(b"anyone?".to_vec()))
+                .await
+        }
+    });
+    let reply = a
+        .expect("Request", |e| match e {
+            NetEvent::Request { reply, .. } => Ok(reply),
+            other => Err(other),
+        })
+        .await;
+    // The node stops without answering (its reply is never sent).
+    std::mem::forget(reply);
+    a.stop().await;
+    let err = tokio::time::timeout(WAIT, asking)
+        .await
+        .expect("the request waited on a stopped peer")
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(err, NodeError::Request { ref peer, .. } if *peer == a_id.to_string()),
+        "{err:?}"
+    );
+    b.stop().await;
+}
+
+#[tokio::test]
+async fn garbage_on_a_call_stream_closes_that_stream_and_nothing_else() {
+    let mut victim = Node::start(|c| {
+        c.max_frame_bytes = 1 << 20;
+        c.chunk_bytes = 64 << 10;
+    })
+    .await;
+    let victim_id = victim.id();
+    let mut rogue = SwarmBuilder::with_new_identity()
+        .with_tokio()
+        .with_tcp(
+            tcp::Config::default(),
+            noise::Config::new,
+            yamux::Config::default,
+        )
+        .unwrap()
+        .with_behaviour(|_| libp2p_stream::Behaviour::new())
+        .unwrap()
+        .build();
+    let rogue_id = *rogue.local_peer_id();
+    let mut control = rogue.behaviour().new_control();
+    rogue.dial(victim.addr.clone()).unwrap();
+    let driver = tokio::spawn(async move {
+        loop {
+            rogue.select_next_some().await;
+        }
+    });
+    let lane = StreamProtocol::new("/gpumesh/call/1");
+    let junk: Vec<Vec<u8>> = vec![
+        u32::MAX.to_le_bytes().to_vec(), // a length far over the limit
+        ((1u32 << 20) + 1).to_le_bytes().to_vec(), // just over it
+        3u32.to_le_bytes().to_vec(),     // too short for an id and a kind
+        call_frame(1, 7, b"what kind is this"), // an unknown kind
+        call_frame(2, 1, b"an answer nobody asked for"), // an answer sent as a request
+        call_frame(3, 0, &[9; 100])[..50].to_vec(), // cut short
+        vec![1, 2],                      // not even a length
+    ];
+    for bytes in &junk {
+        let mut stream = tokio::time::timeout(WAIT, control.open_stream(victim_id, lane.clone()))
+            .await
+            .unwrap()
+            .unwrap();
+        let _ = stream.write_all(bytes).await;
+        let _ = stream.close().await;
+        let mut rest = Vec::new();
+        let _ = tokio::time::timeout(WAIT, stream.read_to_end(&mut rest))
+            .await
+            .unwrap();
+        // The serving side's first byte says it took the stream; nothing follows.
+        assert!(rest.len() <= 1, "junk was answered: {rest:?}");
+    }
+    // None of it reached the node as a request.
+    assert!(!victim
+        .backlog
+        .iter()
+        .any(|e| matches!(e, NetEvent::Request { .. })));
+    while let Ok(e) = victim.events.try_recv() {
+        assert!(
+            !matches!(e, NetEvent::Request { .. }),
+            "junk reached the node"
+        );
+    }
+    // A well-formed request on a fresh stream reaches the node, and its answer comes
+    // back under the request's id.
+    let mut stream = control.open_stream(victim_id, lane).await.unwrap();
+    stream
+        .write_all(&call_frame(41, 0, b"hello after junk"))
+        .await
+        .unwrap();
+    stream.flush().await.unwrap();
+    let (from, reply) = victim
+        .expect("Request", |e| match e {
+            NetEvent::Request {
+                from,
+                request: MeshRequest::Node(body),
+                reply,
+            } if body == b"hello after junk" => Ok((from, reply)),
+            other => Err(other),
+        })
+        .await;
+    assert_eq!(from, rogue_id);
+    reply.send(MeshResponse::Node(b"hi".to_vec())).unwrap();
+    let mut answer = vec![0u8; 1 + 4 + 8 + 1 + 2];
+    tokio::time::timeout(WAIT, stream.read_exact(&mut answer))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(answer, [&[0xA5][..], &call_frame(41, 1, b"hi")].concat());
+    assert!(!victim.task.is_finished(), "the net actor died");
+    driver.abort();
+    victim.stop().await;
+}
+
 #[tokio::test]
 async fn dialling_a_closed_port_is_refused_not_timed_out_naming_the_address() {
     // A dial timeout far longer than the test may take: the error must come from

@@ -51,6 +51,11 @@ const REQUEST: usize = 32 + 8 + 8 + 1;
 /// Bytes read from the file (and handed to the puller) at a time.
 const PIECE: u64 = 1 << 20;
 
+/// Streams opened for one pull when the holder drops them unanswered.
+const OPEN_TRIES: u32 = 8;
+/// How long to wait before opening another.
+const REOPEN_PAUSE: Duration = Duration::from_millis(5);
+
 /// The longest error message a holder sends.
 const MAX_MESSAGE: u32 = 4096;
 
@@ -283,16 +288,6 @@ async fn pull_on_stream(
         peer: peer.clone(),
         reason,
     };
-    let mut control = control.clone();
-    let mut stream =
-        match tokio::time::timeout(timeout, control.open_stream(from, BLOB_PROTOCOL)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(libp2p_stream::OpenStreamError::UnsupportedProtocol(_))) => {
-                return Ok(Answered::NotSpoken)
-            }
-            Ok(Err(e)) => return Err(failed(format!("opening a blob stream: {e}"))),
-            Err(_) => return Err(failed("opening a blob stream timed out".into())),
-        };
     let io = |e: std::io::Error| failed(format!("pulling blob {id}: {e}"));
     let within = |what: &'static str| {
         move |_| failed(format!("pulling blob {id}: no {what} within {timeout:?}"))
@@ -309,15 +304,40 @@ async fn pull_on_stream(
         }
         None => request.push(ON_STREAM),
     }
-    stream.write_all(&request).await.map_err(io)?;
-    stream.flush().await.map_err(io)?;
-    metrics.sent(Lane::Blob, request.len());
-    let mut status = [0u8; 1];
-    tokio::time::timeout(timeout, stream.read_exact(&mut status))
-        .await
-        .map_err(within("answer"))?
-        .map_err(io)?;
-    match status[0] {
+    let mut control = control.clone();
+    let mut tries = 0;
+    let (mut stream, status) = loop {
+        tries += 1;
+        let mut stream =
+            match tokio::time::timeout(timeout, control.open_stream(from, BLOB_PROTOCOL)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(libp2p_stream::OpenStreamError::UnsupportedProtocol(_))) => {
+                    return Ok(Answered::NotSpoken)
+                }
+                Ok(Err(e)) => return Err(failed(format!("opening a blob stream: {e}"))),
+                Err(_) => return Err(failed("opening a blob stream timed out".into())),
+            };
+        let asked = async {
+            stream.write_all(&request).await?;
+            stream.flush().await?;
+            metrics.sent(Lane::Blob, request.len());
+            let mut status = [0u8; 1];
+            stream.read_exact(&mut status).await?;
+            Ok::<_, std::io::Error>(status[0])
+        };
+        match tokio::time::timeout(timeout, asked).await {
+            Ok(Ok(status)) => break (stream, status),
+            // libp2p drops a new stream the holder's queue of them has no room for
+            // (many pulls at once): nothing was read there, so ask again on another.
+            Ok(Err(e)) if tries < OPEN_TRIES => {
+                tracing::debug!(%from, %id, "blob stream dropped before the answer: {e}");
+                tokio::time::sleep(REOPEN_PAUSE).await;
+            }
+            Ok(Err(e)) => return Err(io(e)),
+            Err(e) => return Err(within("answer")(e)),
+        }
+    };
+    match status {
         OK => {}
         NOT_FOUND => return Err(NodeError::BlobNotFound { id, peer }),
         ERROR => {

@@ -2,8 +2,9 @@
 //!
 //! It owns the transport (TCP + Noise + Yamux; a closed mesh's cluster key is proven
 //! inside the Noise handshake), one [`NetworkBehaviour`] (admission first: an optional allow-list of peer ids
-//! and [`ConnectionCaps`]; then request-response for joins, node calls and blob
-//! chunks; long-lived streams for Raft, see [`raft_lane`]; identify to learn peers'
+//! and [`ConnectionCaps`]; then request-response for blob chunks; long-lived
+//! streams for Raft, see [`raft_lane`], and for node requests (joins, calls sent to
+//! an actor's host, copies asked of a peer), see [`call_lane`]; identify to learn peers'
 //! listen addresses; mDNS when it can start), and the maps of
 //! requests and dials still waiting for an answer. Everything else reaches the network
 //! through a cloneable [`NetHandle`]; what arrives from peers leaves as [`NetEvent`]s
@@ -17,7 +18,7 @@
 //!
 //! Whom it talks to:
 //! - the node (raft, api): [`NetEvent::Raft`] frames and [`NetEvent::Request`]s for
-//!   `Join` / `Node` requests, which the node answers through a oneshot;
+//!   node requests, which the node answers through a oneshot;
 //! - the [`BlobStore`]: it serves [`MeshRequest::BlobChunk`] itself, reading on the
 //!   blocking pool, and [`NetHandle::fetch_blob`] pulls blobs into it.
 //!
@@ -34,13 +35,15 @@
 //! - `swarm`: transport, behaviour, listening, refusals put into words.
 //! - `actor`: the loop that owns the swarm.
 //! - `pull`: a blob pulled from a peer a window of chunks at a time.
-//! - `codec`: request-response framing; `raft_lane`: long-lived Raft streams.
+//! - `codec`: request-response framing; `raft_lane`: long-lived Raft streams;
+//!   `call_lane`: long-lived streams for node requests and their answers.
 //! - `bench`: the blob transfer benchmark behind `gpumesh bench mesh`.
 
 mod actor;
 mod bench;
 mod blob_direct;
 mod blob_lane;
+mod call_lane;
 mod codec;
 mod config;
 mod events;
@@ -81,6 +84,8 @@ const COMMAND_QUEUE: usize = 1024;
 pub struct NetHandle {
     commands: mpsc::Sender<Command>,
     raft: std::sync::Arc<raft_lane::RaftLane>,
+    /// Node requests and their answers (see [`call_lane`]).
+    calls: std::sync::Arc<call_lane::CallLane>,
     /// Opens blob-lane streams (see [`blob_lane`]); `None` when the lane is off.
     streams: Option<libp2p_stream::Control>,
     /// Where peers' direct blob ports are (see [`blob_direct`]); `None` when the
@@ -143,6 +148,14 @@ impl NetHandle {
             config.metrics.clone(),
             cancel.clone(),
         )?;
+        let calls = call_lane::CallLane::start(
+            swarm.behaviour().raft.new_control(),
+            events.clone(),
+            config.max_frame_bytes,
+            config.request_timeout.mul_f32(0.9),
+            config.metrics.clone(),
+            cancel.clone(),
+        )?;
         let mut streams = swarm.behaviour().raft.new_control();
         let direct = config.blob_lane && config.blob_direct;
         if config.blob_lane {
@@ -180,6 +193,7 @@ impl NetHandle {
         let handle = NetHandle {
             commands: commands_tx,
             raft,
+            calls,
             streams: config.blob_lane.then_some(streams),
             direct: direct.then_some(peers),
             metrics: config.metrics.clone(),
@@ -239,15 +253,24 @@ impl NetHandle {
         if delay > 0 {
             tokio::time::sleep(Duration::from_micros(delay)).await;
         }
-        let (reply, rx) = oneshot::channel();
-        self.command(Command::Request { to, request, reply })
-            .await?;
-        // request-response times the exchange itself; this bound also covers a dial
-        // that hangs before the request is ever sent.
+        // This bound also covers a dial that hangs before the request is ever sent.
         let limit = self.request_timeout + self.dial_timeout;
-        match tokio::time::timeout(limit, rx).await {
-            Ok(Ok(result)) => result,
-            Ok(Err(_)) => Err(NodeError::NetStopped),
+        let answer = match request {
+            MeshRequest::Node(body) => {
+                tokio::time::timeout(limit, self.calls.request(to, body)).await
+            }
+            request => {
+                let (reply, rx) = oneshot::channel();
+                self.command(Command::Request { to, request, reply })
+                    .await?;
+                tokio::time::timeout(limit, async {
+                    rx.await.unwrap_or(Err(NodeError::NetStopped))
+                })
+                .await
+            }
+        };
+        match answer {
+            Ok(result) => result,
             Err(_) => Err(NodeError::Request {
                 peer: to.to_string(),
                 reason: format!("no answer within {:.1}s", limit.as_secs_f64()),

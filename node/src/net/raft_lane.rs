@@ -8,7 +8,9 @@
 //! together in the next one. The lane gives no receipt: Raft retries what is lost.
 //!
 //! Outbound, a writer task per peer owns the stream and reopens it (dialling if
-//! needed) after a failure, dropping what was queued meanwhile. Inbound, a reader
+//! needed) after a failure, dropping what was queued meanwhile. A new stream is
+//! written to once the reader on the other side has said it took it (one byte):
+//! libp2p drops a new stream its acceptor has no room for yet. Inbound, a reader
 //! task per stream hands frames to the node; a frame over the limit closes that
 //! stream and is logged, and the node carries on. Bytes count in the `raft` lane of
 //! the node's metrics: each frame with its length prefix, once written (flushed) or
@@ -39,6 +41,10 @@ const BATCH_BYTES: usize = 1 << 20;
 const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
 /// After a failed open, frames for the peer are dropped for this long.
 const RETRY_AFTER: Duration = Duration::from_millis(500);
+/// The byte a reader writes first: it took the stream.
+const READY: u8 = 0xA5;
+/// How long to wait before opening again a stream the peer dropped unread.
+const REOPEN_PAUSE: Duration = Duration::from_millis(5);
 /// A writer with nothing to send for this long ends; the next frame starts another.
 const IDLE: Duration = Duration::from_secs(300);
 
@@ -167,8 +173,7 @@ async fn write(
             }
         }
         if stream.is_none() {
-            match tokio::time::timeout(OPEN_TIMEOUT, control.open_stream(peer, RAFT_PROTOCOL)).await
-            {
+            match tokio::time::timeout(OPEN_TIMEOUT, open(&mut control, peer)).await {
                 Ok(Ok(s)) => stream = Some(s),
                 Ok(Err(e)) => {
                     tracing::debug!(%peer, "raft stream: {e}");
@@ -193,6 +198,32 @@ async fn write(
                     tracing::debug!(%peer, "raft stream closed: {e}");
                     stream = None;
                 }
+            }
+        }
+    }
+}
+
+/// Opens a stream to `peer` that its reader has taken (it wrote [`READY`]), so no
+/// frame goes into one that libp2p dropped on arrival (the peer's queue of new
+/// streams full, as when several open at once); opens another while that happens.
+async fn open(control: &mut Control, peer: PeerId) -> std::io::Result<Stream> {
+    loop {
+        let mut stream = control
+            .open_stream(peer, RAFT_PROTOCOL)
+            .await
+            .map_err(std::io::Error::other)?;
+        let mut ready = [0u8; 1];
+        match stream.read_exact(&mut ready).await {
+            Ok(()) if ready[0] == READY => return Ok(stream),
+            Ok(()) => {
+                return Err(std::io::Error::other(format!(
+                    "the peer began the stream with {:#x}",
+                    ready[0]
+                )))
+            }
+            Err(e) => {
+                tracing::debug!(%peer, "raft stream dropped by the peer before use: {e}");
+                tokio::time::sleep(REOPEN_PAUSE).await;
             }
         }
     }
@@ -231,6 +262,9 @@ async fn read(
     cancel: CancellationToken,
 ) {
     let frames = async {
+        if stream.write_all(&[READY]).await.is_err() || stream.flush().await.is_err() {
+            return;
+        }
         loop {
             let mut len = [0u8; 4];
             if stream.read_exact(&mut len).await.is_err() {
