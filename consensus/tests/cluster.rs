@@ -619,3 +619,81 @@ async fn leader_changes_and_proposal_outcomes_are_counted() {
     assert_eq!(after, seen_before + 1, "one change: {old} to {new}");
     c.shutdown().await;
 }
+
+/// Proposals through `through`, one after another, for `secs` seconds (paused time
+/// advances with the cluster's ticks); how many.
+async fn propose_for(c: &Cluster, through: &[u64], secs: u64) -> u32 {
+    let until = tokio::time::Instant::now() + Duration::from_secs(secs);
+    let mut n = 0;
+    while tokio::time::Instant::now() < until {
+        let id = through[n as usize % through.len()];
+        c.node(id)
+            .propose(submit(n % 64 + 1))
+            .await
+            .expect("submit");
+        n += 1;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    n
+}
+
+#[tokio::test(start_paused = true)]
+async fn leadership_moves_to_the_replica_that_proposes_most() {
+    let c = Cluster::new(3, 41).await;
+    let old = c.leader().await;
+    let busy = c.ids().into_iter().find(|&i| i != old).expect("a follower");
+    let changes = c.status(busy).await.leader_changes;
+    // Every proposal through one follower: after a window of them, it leads.
+    let n = propose_for(&c, &[busy], 3).await;
+    assert!(n > 300, "{n} proposals");
+    assert_eq!(
+        c.status(busy).await.role,
+        RaftRole::Leader,
+        "after {n} proposals"
+    );
+    assert_eq!(c.leader_among(&c.ids(), SEC).await, busy);
+    assert_eq!(
+        c.status(busy).await.leader_changes,
+        changes + 1,
+        "leadership moved once"
+    );
+    // Every proposal went through and was applied once, on every replica.
+    let ids = c.ids();
+    let last = c.node(busy).propose(submit(1)).await.expect("submit").index;
+    c.wait_applied(&ids, last, 5 * SEC).await;
+    c.converged(&ids, 5 * SEC).await;
+    assert_eq!(
+        c.node(old).read_local(|s| s.tasks().len()),
+        (n + 1) as usize
+    );
+    c.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn leadership_stays_put_under_an_even_workload_or_when_switched_off() {
+    // Proposals spread over all three replicas: nobody's share is large enough.
+    let c = Cluster::new(3, 43).await;
+    let leader = c.leader().await;
+    let changes = c.status(leader).await.leader_changes;
+    propose_for(&c, &c.ids(), 3).await;
+    assert_eq!(c.leader_among(&c.ids(), SEC).await, leader);
+    assert_eq!(c.status(leader).await.leader_changes, changes);
+    c.shutdown().await;
+
+    // Switched off: one follower's proposals alone leave the leader where it is.
+    fn unfollowing(id: u64) -> gpumesh_consensus::ReplicaConfig {
+        let mut cfg = test_config(id);
+        cfg.follow_workload = false;
+        cfg
+    }
+    let c = Cluster::with(3, 47, unfollowing, 5).await;
+    let leader = c.leader().await;
+    let busy = c
+        .ids()
+        .into_iter()
+        .find(|&i| i != leader)
+        .expect("a follower");
+    propose_for(&c, &[busy], 3).await;
+    assert_eq!(c.leader_among(&c.ids(), SEC).await, leader);
+    c.shutdown().await;
+}

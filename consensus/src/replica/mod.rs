@@ -27,7 +27,7 @@
 //! the leader ignores a context it already holds, and a restarted replica must not
 //! take an old answer for a new read.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -91,6 +91,10 @@ pub struct ReplicaConfig {
     pub read_timeout: Duration,
     /// Leader-side: promote caught-up learners while voters are below the cap.
     pub auto_promote: bool,
+    /// Leader-side: hand leadership to the voter whose proposals make up most of
+    /// what the leader appends (see [`FOLLOW_MIN`]), so they skip the forward to the
+    /// leader and their commits the hop back.
+    pub follow_workload: bool,
     /// Capacity of the actor's inbox.
     pub inbox_capacity: usize,
     /// Capacity of the applied-event broadcast (slow subscribers see `Lagged`).
@@ -110,6 +114,7 @@ impl ReplicaConfig {
             proposal_timeout: Duration::from_secs(10),
             read_timeout: Duration::from_secs(5),
             auto_promote: true,
+            follow_workload: true,
             inbox_capacity: 8192,
             event_capacity: 8192,
         }
@@ -373,8 +378,14 @@ struct Actor {
     next_read: u64,
     ids: Arc<RequestIds>,
     ticks: u64,
-    /// The leader as of the last tick; a change re-sends unplaced proposals at once.
+    /// The leader as last seen; a change re-sends unplaced proposals at once.
     last_leader: u64,
+    /// Leader-side: proposals appended since `workload_since`, by the replica that
+    /// made them (this one's own included).
+    workload: HashMap<u64, u64>,
+    workload_since: Instant,
+    /// When this replica last handed leadership on for the workload.
+    followed_at: Option<Instant>,
     /// The last non-zero leader seen when publishing the status, and how many
     /// times it changed (see [`Status::leader_changes`]).
     known_leader: u64,
@@ -394,6 +405,17 @@ fn blocking<R>(f: impl FnOnce() -> R) -> R {
         _ => f(),
     }
 }
+
+/// Workload following (see [`ReplicaConfig::follow_workload`]): over each window of
+/// [`FOLLOW_WINDOW`], a voter whose proposals were at least this many and three
+/// quarters of all the leader appended, and that has nearly the whole log, becomes leader;
+/// at most once per [`FOLLOW_COOLDOWN`] per replica, so leadership cannot swing
+/// back and forth with a workload that does.
+const FOLLOW_MIN: u64 = 50;
+const FOLLOW_WINDOW: Duration = Duration::from_millis(250);
+const FOLLOW_COOLDOWN: Duration = Duration::from_secs(30);
+/// How far behind the leader's log a voter may be and still be handed leadership.
+const FOLLOW_LAG: u64 = 256;
 
 /// Unanswered ReadIndex requests remembered per replica (each retry adds one).
 const MAX_READ_REQUESTS: usize = 16;
@@ -435,6 +457,15 @@ impl Actor {
                 // A storage failure leaves Raft unable to go on safely.
                 error!(raft_id = self.cfg.id, "consensus stopped: {e}");
                 break;
+            }
+            // A new leader (an election, a handover): the proposals waiting to be
+            // placed go to it now, not at the next tick.
+            if self.leader_changed() {
+                self.flush_batch();
+                if let Err(e) = blocking(|| self.drive()) {
+                    error!(raft_id = self.cfg.id, "consensus stopped: {e}");
+                    break;
+                }
             }
         }
         let id = self.cfg.id;

@@ -55,6 +55,7 @@ impl Actor {
                 p.batched = true;
                 p.sent = true;
                 self.batch.push((p.entry.clone(), Source::Local));
+                *self.workload.entry(self.cfg.id).or_default() += 1;
             }
         } else if leader != 0 {
             p.sent = true;
@@ -266,5 +267,6 @@ impl Actor {
             return;
         }
         self.batch.push((entry, Source::Forwarded(from)));
+        *self.workload.entry(from).or_default() += 1;
     }
 }

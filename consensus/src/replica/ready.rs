@@ -210,17 +210,7 @@ impl Actor {
         self.ticks += 1;
         let now = Instant::now();
 
-        // A new leader: proposals forwarded to the old one (now lost) go to it at
-        // once rather than after the retry interval.
-        let leader = self.leader();
-        if leader != self.last_leader {
-            self.last_leader = leader;
-            if leader != 0 {
-                for p in self.pending.values_mut() {
-                    p.next_retry = now;
-                }
-            }
-        }
+        self.leader_changed();
 
         // Proposals: answer the expired, retry the unplaced.
         let mut expired = Vec::new();
@@ -258,6 +248,85 @@ impl Actor {
         if self.cfg.auto_promote && self.is_leader() && self.ticks % 5 == 0 {
             self.maybe_promote();
         }
+        if now.duration_since(self.workload_since) >= FOLLOW_WINDOW {
+            self.maybe_follow_workload();
+            self.workload.clear();
+            self.workload_since = now;
+        }
+    }
+
+    /// Whether the leader changed since last seen; if so, proposals forwarded to
+    /// the old one (now lost) and those waiting for a leader go to the new one at
+    /// once rather than after the retry interval.
+    pub(super) fn leader_changed(&mut self) -> bool {
+        let leader = self.leader();
+        if leader == self.last_leader {
+            return false;
+        }
+        self.last_leader = leader;
+        self.workload.clear();
+        if leader == 0 {
+            return false;
+        }
+        let unplaced: Vec<RequestId> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.placements.is_empty() && !p.batched)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in unplaced {
+            self.place(id);
+        }
+        true
+    }
+
+    /// Leader-side: hands leadership to the voter that proposed most of what this
+    /// leader appended over the last window (see [`FOLLOW_MIN`]).
+    pub(super) fn maybe_follow_workload(&mut self) {
+        if !self.cfg.follow_workload
+            || !self.is_leader()
+            || self.raw.raft.lead_transferee.is_some()
+            || self.raw.raft.has_pending_conf()
+            || self
+                .followed_at
+                .is_some_and(|at| at.elapsed() < FOLLOW_COOLDOWN)
+        {
+            return;
+        }
+        let total: u64 = self.workload.values().sum();
+        let Some((&to, &theirs)) = self
+            .workload
+            .iter()
+            .filter(|(id, _)| **id != self.cfg.id)
+            .max_by_key(|(_, n)| **n)
+        else {
+            return;
+        };
+        if theirs < FOLLOW_MIN || theirs * 4 < total * 3 {
+            return;
+        }
+        let last = self.raw.raft.raft_log.last_index();
+        let voter = self.raw.raft.prs().conf().voters().contains(to);
+        // Nearly caught up: raft-rs holds new proposals back during the handover
+        // and sends the rest of the log first.
+        let caught_up = self
+            .raw
+            .raft
+            .prs()
+            .get(to)
+            .is_some_and(|p| p.matched + FOLLOW_LAG >= last);
+        if !voter || !caught_up {
+            return;
+        }
+        info!(
+            raft_id = self.cfg.id,
+            to,
+            theirs,
+            of = total,
+            "handing leadership to the replica that proposes most"
+        );
+        self.followed_at = Some(Instant::now());
+        self.raw.transfer_leader(to);
     }
 
     pub(super) fn on_peer_unreachable(&mut self, id: u64) {

@@ -123,6 +123,11 @@ pub(crate) async fn serve(
     let bound = listener
         .local_addr()
         .map_err(|e| NodeError::Config(e.to_string()))?;
+    // Answers go out as soon as they are written, not held back by Nagle's
+    // algorithm behind an unacknowledged segment.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |socket| {
+        let _ = socket.set_nodelay(true);
+    });
     let task = tokio::spawn(async move {
         let server = axum::serve(listener, app)
             .with_graceful_shutdown(async move { cancel.cancelled().await });
