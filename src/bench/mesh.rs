@@ -145,7 +145,9 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         .map_or(0, |n| n.api_addr.port());
     let client = Client::new(format!("127.0.0.1:{follower}"));
     println!(
-        "gpumesh bench mesh — 3 nodes on loopback in one process, submitting through a follower"
+        "gpumesh bench mesh — 3 nodes on loopback in one process, submitting through a node \
+         that does not lead at the start (leadership follows the node most proposals come \
+         from)"
     );
 
     // (1) Latency of a trivial task, submit to result, one at a time.
