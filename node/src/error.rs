@@ -39,6 +39,10 @@ pub enum NodeError {
     DialTimeout { addr: String, secs: f64 },
     #[error("request to peer {peer} failed: {reason}")]
     Request { peer: String, reason: String },
+    /// Nothing was sent: no stream to the peer could be opened (no connection and
+    /// no address to dial, the dial refused).
+    #[error("could not reach peer {peer}: {reason}")]
+    Unreached { peer: String, reason: String },
     #[error("peer {peer} answered: {reason}")]
     PeerRefused { peer: String, reason: String },
     #[error("peer {peer} does not have blob {id}")]

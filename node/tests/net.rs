@@ -784,6 +784,42 @@ async fn first_raft_frames_from_many_peers_at_once_all_arrive() {
 }
 
 #[tokio::test]
+async fn a_request_to_a_peer_not_connected_dials_it_at_a_known_address_or_says_it_cannot() {
+    let mut a = Node::start(|_| {}).await;
+    let b = Node::start(|c| c.request_timeout = Duration::from_secs(600)).await;
+    let a_id = a.id();
+    // No connection and no address: nothing can be sent, and the error says so at
+    // once (not after the request timeout).
+    let err = tokio::time::timeout(WAIT, b.net.request(a_id, MeshRequest::Node(b"hi".to_vec())))
+        .await
+        .expect("waited out a timeout")
+        .unwrap_err();
+    assert!(
+        matches!(err, NodeError::Unreached { ref peer, .. } if *peer == a_id.to_string()),
+        "{err:?}"
+    );
+    // An address learned for it (as the membership sweep hands them on): the
+    // request dials it and is answered.
+    b.net.add_address(a_id, a.addr.clone()).await.unwrap();
+    assert!(!b.net.connected_peers().await.unwrap().contains(&a_id));
+    let asking = tokio::spawn({
+        let net = b.net.clone();
+        async move { net.request(a_id, MeshRequest::Node(b"hi".to_vec())).await }
+    });
+    let reply = a
+        .expect("Request", |e| match e {
+            NetEvent::Request { reply, .. } => Ok(reply),
+            other => Err(other),
+        })
+        .await;
+    reply.send(MeshResponse::Node(b"hello".to_vec())).unwrap();
+    let answer = tokio::time::timeout(WAIT, asking).await.unwrap().unwrap();
+    assert_eq!(answer.unwrap(), MeshResponse::Node(b"hello".to_vec()));
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test]
 async fn a_request_waiting_on_a_peer_that_stops_fails_without_waiting_out_its_timeout() {
     let mut a = Node::start(|_| {}).await;
     let b = Node::start(|c| c.request_timeout = Duration::from_secs(600)).await;
@@ -1253,7 +1289,8 @@ async fn an_allow_list_admits_only_its_peers_both_ways() {
         .request(guarded.id(), MeshRequest::Node(b"hello?".to_vec()))
         .await
         .unwrap_err();
-    assert!(matches!(err, NodeError::Request { .. }), "{err:?}");
+    // Nothing was sent: the guarded node cannot be reached at all.
+    assert!(matches!(err, NodeError::Unreached { .. }), "{err:?}");
     // Nor does the guarded node connect out to anyone unlisted.
     let err = guarded.net.dial(stranger.addr.clone()).await.unwrap_err();
     assert!(

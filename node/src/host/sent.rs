@@ -11,6 +11,7 @@ use gpumesh_protocol::ActorCall;
 use libp2p::PeerId;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::error::NodeError;
 use crate::net::NetHandle;
 use crate::peers::PeersHandle;
 pub use crate::wire::CallAnswer;
@@ -116,7 +117,17 @@ impl CallSender {
             call,
             request,
         };
-        match wire::call(&self.net, peer, &asked).await {
+        let mut answer = wire::call(&self.net, peer, &asked).await;
+        if let Err(NodeError::Unreached { .. }) = answer {
+            // No connection to the host yet (a mesh just formed, a connection
+            // lost): connect as the membership sweep would, at once, and send the
+            // call again (it was not sent), rather than the slow way, through the
+            // record.
+            let connected = self.net.connected_peers().await.unwrap_or_default();
+            self.peers.connect(&connected, &[peer]).await;
+            answer = wire::call(&self.net, peer, &asked).await;
+        }
+        match answer {
             Ok(NodeReply::Called(answer)) => answer,
             Ok(NodeReply::Refused(why)) => CallAnswer::NotRun(why),
             Ok(other) => CallAnswer::NotRun(format!("the host answered {other:?}")),

@@ -265,11 +265,12 @@ async fn call(
     metrics: NetMetrics,
     cancel: CancellationToken,
 ) {
+    // Why the stream ended, and whether it was ever open (if not, nothing was sent).
     let why = async {
         let stream = match tokio::time::timeout(OPEN_TIMEOUT, open(&mut control, peer)).await {
             Ok(Ok(s)) => s,
-            Ok(Err(e)) => return format!("cannot open a call stream: {e}"),
-            Err(_) => return "the call stream did not open in time".to_string(),
+            Ok(Err(e)) => return (format!("cannot open a call stream: {e}"), false),
+            Err(_) => return ("the call stream did not open in time".to_string(), false),
         };
         let (mut reader, mut writer) = stream.split();
         let write = async {
@@ -305,12 +306,12 @@ async fn call(
             }
         };
         tokio::select! {
-            why = write => why,
-            why = read => why,
+            why = write => (why, true),
+            why = read => (why, true),
         }
     };
-    let why = tokio::select! {
-        _ = cancel.cancelled() => "the network stopped".to_string(),
+    let (why, opened) = tokio::select! {
+        _ = cancel.cancelled() => ("the network stopped".to_string(), true),
         why = why => why,
     };
     tracing::debug!(%peer, "call stream ended: {why}");
@@ -321,10 +322,17 @@ async fn call(
         .map(|mut w| w.drain().map(|(_, c)| c).collect())
         .unwrap_or_default();
     for caller in stranded {
-        let _ = caller.send(Err(NodeError::Request {
-            peer: peer.to_string(),
-            reason: why.clone(),
-        }));
+        let error = match opened {
+            true => NodeError::Request {
+                peer: peer.to_string(),
+                reason: why.clone(),
+            },
+            false => NodeError::Unreached {
+                peer: peer.to_string(),
+                reason: why.clone(),
+            },
+        };
+        let _ = caller.send(Err(error));
     }
 }
 

@@ -146,6 +146,16 @@ impl PeersHandle {
         if peers.is_empty() {
             return;
         }
+        // The swarm learns them too, so anything that reaches a peer by its id (a
+        // Raft or call stream to a member not connected yet) can dial it.
+        for (peer, addrs) in &peers {
+            if *peer == self.me {
+                continue;
+            }
+            for a in addrs {
+                let _ = self.net.add_address(*peer, a.clone()).await;
+            }
+        }
         let (respond_to, done) = oneshot::channel();
         if self
             .tx
