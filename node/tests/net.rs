@@ -524,14 +524,10 @@ async fn garbage_on_the_wire_does_not_stop_the_node_from_serving() {
     client.stop().await;
 }
 
-#[tokio::test]
-async fn garbage_on_a_raft_stream_closes_that_stream_and_nothing_else() {
-    let mut victim = Node::start(|c| {
-        c.max_frame_bytes = 1 << 20;
-        c.chunk_bytes = 64 << 10;
-    })
-    .await;
-    let victim_id = victim.id();
+/// A libp2p peer outside gpumesh, dialled to `victim`, that opens raw streams on
+/// its connection: its id, its stream control, and the task polling its swarm
+/// (streams open only while the swarm is polled).
+fn rogue_streams(victim: &Multiaddr) -> (PeerId, libp2p_stream::Control, JoinHandle<()>) {
     let mut rogue = SwarmBuilder::with_new_identity()
         .with_tokio()
         .with_tcp(
@@ -543,14 +539,26 @@ async fn garbage_on_a_raft_stream_closes_that_stream_and_nothing_else() {
         .with_behaviour(|_| libp2p_stream::Behaviour::new())
         .unwrap()
         .build();
-    let mut control = rogue.behaviour().new_control();
-    rogue.dial(victim.addr.clone()).unwrap();
-    // The swarm must be polled for streams to open.
+    let id = *rogue.local_peer_id();
+    let control = rogue.behaviour().new_control();
+    rogue.dial(victim.clone()).unwrap();
     let driver = tokio::spawn(async move {
         loop {
             rogue.select_next_some().await;
         }
     });
+    (id, control, driver)
+}
+
+#[tokio::test]
+async fn garbage_on_a_raft_stream_closes_that_stream_and_nothing_else() {
+    let mut victim = Node::start(|c| {
+        c.max_frame_bytes = 1 << 20;
+        c.chunk_bytes = 64 << 10;
+    })
+    .await;
+    let victim_id = victim.id();
+    let (_, mut control, driver) = rogue_streams(&victim.addr);
     let raft = StreamProtocol::new("/gpumesh/raft/1");
     let framed_raft =
         |body: &[u8]| [(body.len() as u32).to_le_bytes().to_vec(), body.to_vec()].concat();
@@ -861,25 +869,7 @@ async fn garbage_on_a_call_stream_closes_that_stream_and_nothing_else() {
     })
     .await;
     let victim_id = victim.id();
-    let mut rogue = SwarmBuilder::with_new_identity()
-        .with_tokio()
-        .with_tcp(
-            tcp::Config::default(),
-            noise::Config::new,
-            yamux::Config::default,
-        )
-        .unwrap()
-        .with_behaviour(|_| libp2p_stream::Behaviour::new())
-        .unwrap()
-        .build();
-    let rogue_id = *rogue.local_peer_id();
-    let mut control = rogue.behaviour().new_control();
-    rogue.dial(victim.addr.clone()).unwrap();
-    let driver = tokio::spawn(async move {
-        loop {
-            rogue.select_next_some().await;
-        }
-    });
+    let (rogue_id, mut control, driver) = rogue_streams(&victim.addr);
     let lane = StreamProtocol::new("/gpumesh/call/1");
     let junk: Vec<Vec<u8>> = vec![
         u32::MAX.to_le_bytes().to_vec(), // a length far over the limit

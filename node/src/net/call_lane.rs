@@ -17,7 +17,7 @@
 //! order), or an error when the node drops it or takes too long. A frame over the
 //! limit closes that stream and is logged; the node carries on.
 //!
-//! The serving side writes one byte first ([`READY`]) so the opener knows the
+//! The serving side writes one byte first (`READY`) so the opener knows the
 //! stream was taken: libp2p drops an inbound stream its acceptor's queue has no
 //! room for, and a request written into it would be lost. Then each frame is a
 //! little-endian u32 length, then the id (u64), a kind byte and the
@@ -51,13 +51,6 @@ const BATCH_BYTES: usize = 1 << 20;
 const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
 /// The id, kind and length prefix around a frame's body.
 const HEADER: usize = 4 + 8 + 1;
-
-/// The byte the serving side writes first: it holds the stream and will read it.
-/// (A stream the peer could not take in time — its queue of new streams was
-/// full — is dropped there, and the first read here fails instead.)
-const READY: u8 = 0xA5;
-/// How long to wait before opening again a stream the peer dropped.
-const REOPEN_PAUSE: Duration = Duration::from_millis(5);
 
 const KIND_REQUEST: u8 = 0;
 const KIND_ANSWER: u8 = 1;
@@ -336,24 +329,10 @@ async fn call(
     }
 }
 
-/// Opens a stream to `peer` that its serving side has taken (it wrote [`READY`]);
-/// opens another while the peer drops them.
 async fn open(control: &mut Control, peer: PeerId) -> std::result::Result<Stream, String> {
-    loop {
-        let mut stream = control
-            .open_stream(peer, CALL_PROTOCOL)
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut ready = [0u8; 1];
-        match stream.read_exact(&mut ready).await {
-            Ok(()) if ready[0] == READY => return Ok(stream),
-            Ok(()) => return Err(format!("the peer began the stream with {:#x}", ready[0])),
-            Err(e) => {
-                tracing::debug!(%peer, "call stream dropped by the peer before use: {e}");
-                tokio::time::sleep(REOPEN_PAUSE).await;
-            }
-        }
-    }
+    super::open_taken(control, peer, CALL_PROTOCOL, "call")
+        .await
+        .map_err(|e| e.to_string())
 }
 
 /// What serving inbound streams takes.
@@ -381,7 +360,7 @@ async fn serve(peer: PeerId, stream: Stream, events: mpsc::Sender<NetEvent>, wit
     let (answers_tx, mut answers) = mpsc::channel::<Frame>(QUEUE);
     let metrics = with.metrics.clone();
     let write = async {
-        if writer.write_all(&[READY]).await.is_err() || writer.flush().await.is_err() {
+        if !super::say_taken(&mut writer).await {
             return;
         }
         while let Some(first) = answers.recv().await {

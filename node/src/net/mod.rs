@@ -116,6 +116,51 @@ async fn next_stream(
     }
 }
 
+/// The byte the serving side of a long-lived lane writes first: it took the stream.
+/// libp2p drops a new inbound stream its acceptor has no room for yet (one slot, so
+/// streams opened together lose); a stream is written to only once this arrives.
+const READY: u8 = 0xA5;
+/// How long to wait before opening again a stream the peer dropped unread.
+const REOPEN_PAUSE: Duration = Duration::from_millis(5);
+
+/// Opens a `protocol` stream to `peer` that the serving side has taken (it wrote
+/// [`READY`]); opens another while the peer drops them. `lane` names it in the log.
+async fn open_taken(
+    control: &mut libp2p_stream::Control,
+    peer: PeerId,
+    protocol: libp2p::StreamProtocol,
+    lane: &str,
+) -> std::io::Result<libp2p::Stream> {
+    use futures::AsyncReadExt;
+    loop {
+        let mut stream = control
+            .open_stream(peer, protocol.clone())
+            .await
+            .map_err(std::io::Error::other)?;
+        let mut ready = [0u8; 1];
+        match stream.read_exact(&mut ready).await {
+            Ok(()) if ready[0] == READY => return Ok(stream),
+            Ok(()) => {
+                return Err(std::io::Error::other(format!(
+                    "the peer began the {lane} stream with {:#x}",
+                    ready[0]
+                )))
+            }
+            Err(e) => {
+                tracing::debug!(%peer, "{lane} stream dropped by the peer before use: {e}");
+                tokio::time::sleep(REOPEN_PAUSE).await;
+            }
+        }
+    }
+}
+
+/// The serving side's first write on a lane's stream (see [`READY`]); false if the
+/// stream is already gone.
+async fn say_taken(stream: &mut (impl futures::AsyncWrite + Unpin)) -> bool {
+    use futures::AsyncWriteExt;
+    stream.write_all(&[READY]).await.is_ok() && stream.flush().await.is_ok()
+}
+
 impl fmt::Debug for NetHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NetHandle")

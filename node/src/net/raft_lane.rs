@@ -41,10 +41,6 @@ const BATCH_BYTES: usize = 1 << 20;
 const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
 /// After a failed open, frames for the peer are dropped for this long.
 const RETRY_AFTER: Duration = Duration::from_millis(500);
-/// The byte a reader writes first: it took the stream.
-const READY: u8 = 0xA5;
-/// How long to wait before opening again a stream the peer dropped unread.
-const REOPEN_PAUSE: Duration = Duration::from_millis(5);
 /// A writer with nothing to send for this long ends; the next frame starts another.
 const IDLE: Duration = Duration::from_secs(300);
 
@@ -203,30 +199,8 @@ async fn write(
     }
 }
 
-/// Opens a stream to `peer` that its reader has taken (it wrote [`READY`]), so no
-/// frame goes into one that libp2p dropped on arrival (the peer's queue of new
-/// streams full, as when several open at once); opens another while that happens.
 async fn open(control: &mut Control, peer: PeerId) -> std::io::Result<Stream> {
-    loop {
-        let mut stream = control
-            .open_stream(peer, RAFT_PROTOCOL)
-            .await
-            .map_err(std::io::Error::other)?;
-        let mut ready = [0u8; 1];
-        match stream.read_exact(&mut ready).await {
-            Ok(()) if ready[0] == READY => return Ok(stream),
-            Ok(()) => {
-                return Err(std::io::Error::other(format!(
-                    "the peer began the stream with {:#x}",
-                    ready[0]
-                )))
-            }
-            Err(e) => {
-                tracing::debug!(%peer, "raft stream dropped by the peer before use: {e}");
-                tokio::time::sleep(REOPEN_PAUSE).await;
-            }
-        }
-    }
+    super::open_taken(control, peer, RAFT_PROTOCOL, "raft").await
 }
 
 async fn accept(
@@ -262,7 +236,7 @@ async fn read(
     cancel: CancellationToken,
 ) {
     let frames = async {
-        if stream.write_all(&[READY]).await.is_err() || stream.flush().await.is_err() {
+        if !super::say_taken(&mut stream).await {
             return;
         }
         loop {
