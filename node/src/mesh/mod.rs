@@ -467,8 +467,13 @@ impl MeshNode {
 
     async fn halt(self) {
         self.cancel.cancel();
-        for t in self.tasks {
-            let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+        // One deadline for all of them: a task stuck past it (a shard still in its
+        // GPU wait) is aborted, not waited on in turn.
+        let limit = tokio::time::Instant::now() + Duration::from_secs(5);
+        for mut t in self.tasks {
+            if tokio::time::timeout_at(limit, &mut t).await.is_err() {
+                t.abort();
+            }
         }
         // The device is destroyed on the GPU thread once its last dispatch ends; a
         // process that exits before then can crash in the driver's exit handlers.
