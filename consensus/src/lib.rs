@@ -77,6 +77,7 @@ pub mod state;
 pub mod storage;
 mod tracing_drain;
 pub mod transport;
+pub mod wal;
 pub mod wire;
 
 pub use cluster::ClusterId;

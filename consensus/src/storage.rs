@@ -1,26 +1,30 @@
-//! Durable Raft storage on redb: log entries, hard state, the latest snapshot (with
-//! the state machine inside), all committed with fsync before Raft may act on them.
+//! Durable Raft storage: log entries, hard state, the latest snapshot (with the
+//! state machine inside), all synced to disk before Raft may act on them.
 //!
-//! Layout: table `meta` (format tag, cluster id, hard state, truncation point),
-//! table `snapshot` (the latest snapshot alone) and the log in segments of
-//! [`SEGMENT`] entries, a table each (`log.<n>`: index → protobuf `Entry`). The
-//! snapshot has a table of its own because redb copies a B-tree leaf on every write
-//! to it: beside the hard state, which every Ready rewrites, a snapshot of megabytes
-//! would be copied and written again with each append. The log is in segments
-//! because compaction then drops whole tables: deleting 9,000 entries one key at a
-//! time took redb ~125 ms on the Raft thread, dropping their tables ~7 ms. Entries
-//! at or below the truncation point may stay in the segment that holds it until
-//! that whole segment is behind; nothing reads them. The unsnapshotted tail of the
-//! log is also kept in memory, so raft-rs's frequent `term`/`entries` calls never
-//! touch the disk; memory stays bounded because the log is compacted after every
-//! snapshot.
+//! Two files. The redb store holds what changes seldom: table `meta` (format tag,
+//! cluster id, truncation point, the log's current generation, the hard state as of
+//! that generation's start) and table `snapshot` (the latest snapshot alone). The log
+//! (entries and hard states, one append and one `fdatasync` per Ready) is a file of
+//! its own beside it, [`crate::wal`]: a redb commit rewrote B-tree pages across its
+//! file for each append, and every commit of the mesh waits for two appends.
+//! Taking or receiving a snapshot starts a new generation of the log file, holding
+//! only the entries the snapshot leaves; the old file is then removed, so the log's
+//! size on disk is bounded by what compaction keeps plus what came since.
+//!
+//! Stores written before the log had a file of its own kept it in redb tables (one
+//! table `log`, later segments `log.<n>` of [`SEGMENT`] entries); on opening such a
+//! store its entries move to a log file and the tables go, in one step.
+//!
+//! The unsnapshotted tail of the log is also kept in memory, so raft-rs's frequent
+//! `term`/`entries` calls never touch the disk; memory stays bounded because the log
+//! is compacted after every snapshot.
 //!
 //! The applied index is not stored: on restart the state machine is rebuilt from the
 //! snapshot and the committed entries after it are replayed (raft-rs hands them over
 //! in the first Ready), so the conf state kept here is the snapshot's.
 
 use std::collections::VecDeque;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use protobuf::Message as _;
@@ -32,6 +36,7 @@ use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition, Tabl
 use crate::cluster::ClusterId;
 use crate::error::{ConsensusError, Result};
 use crate::state::{ClusterSettings, StateMachine};
+use crate::wal::{Record, Wal, Write};
 
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 /// The one log table of stores written before the log had segments.
@@ -45,8 +50,10 @@ const KEY_CLUSTER: &str = "cluster_id";
 const KEY_HARD_STATE: &str = "hard_state";
 const KEY_SNAPSHOT: &str = "snapshot";
 const KEY_TRUNCATED: &str = "truncated";
+/// The generation of the log file that holds the log (absent in stores from before).
+const KEY_LOG_GENERATION: &str = "log_generation";
 
-/// Log entries per segment table.
+/// Log entries per segment table, in stores from before the log file.
 pub const SEGMENT: u64 = 1024;
 
 fn segment_of(index: u64) -> u64 {
@@ -57,47 +64,12 @@ fn segment_name(segment: u64) -> String {
     format!("log.{segment:012}")
 }
 
-type Segment<'txn> = redb::Table<'txn, u64, &'static [u8]>;
-
-/// Opens (creating it if new) the table of log segment `segment`.
-fn open_segment(
-    txn: &redb::WriteTransaction,
-    segment: u64,
-) -> std::result::Result<Segment<'_>, redb::TableError> {
-    txn.open_table(TableDefinition::new(&segment_name(segment)))
-}
-
 /// Deletes the table of log segment `segment` (nothing if there is none).
 fn drop_segment(
     txn: &redb::WriteTransaction,
     segment: u64,
 ) -> std::result::Result<bool, redb::TableError> {
     txn.delete_table(TableDefinition::<u64, &[u8]>::new(&segment_name(segment)))
-}
-
-/// Writes log entries `(index, bytes)`, in index order, each into its segment;
-/// `err` says which store failed.
-fn write_log(
-    txn: &redb::WriteTransaction,
-    entries: impl IntoIterator<Item = (u64, Vec<u8>)>,
-    err: impl Fn(redb::Error) -> ConsensusError,
-) -> Result<()> {
-    let mut open: Option<(u64, Segment<'_>)> = None;
-    for (index, bytes) in entries {
-        let s = segment_of(index);
-        let table = match &mut open {
-            Some((n, t)) if *n == s => t,
-            _ => {
-                open = None;
-                let table = open_segment(txn, s).map_err(|e| err(e.into()))?;
-                &mut open.insert((s, table)).1
-            }
-        };
-        table
-            .insert(index, bytes.as_slice())
-            .map_err(|e| err(e.into()))?;
-    }
-    Ok(())
 }
 
 fn parse_segment(table: &str) -> Option<u64> {
@@ -119,6 +91,10 @@ pub struct RedbStorage {
     db: Database,
     /// For error messages (`<memory>` for the in-memory backend).
     path: String,
+    /// The redb file; `None` for the in-memory backend.
+    store: Option<PathBuf>,
+    /// The log's file, current generation.
+    wal: Wal,
     cluster: ClusterId,
     hard_state: HardState,
     /// The latest snapshot, state machine bytes included (empty before init).
@@ -154,7 +130,7 @@ impl RedbStorage {
     pub fn open(path: impl AsRef<Path>, cluster: ClusterId) -> Result<Self> {
         let path_text = path.as_ref().display().to_string();
         let db = Database::create(path.as_ref()).map_err(|e| db_err(&path_text, e))?;
-        Self::load(db, path_text, cluster)
+        Self::load(db, path_text, Some(path.as_ref().to_owned()), cluster)
     }
 
     /// Storage in memory (redb's in-memory backend): for tests and benchmarks only.
@@ -163,10 +139,15 @@ impl RedbStorage {
         let db = Database::builder()
             .create_with_backend(InMemoryBackend::new())
             .map_err(|e| db_err(&path, e))?;
-        Self::load(db, path, cluster)
+        Self::load(db, path, None, cluster)
     }
 
-    fn load(db: Database, path: String, cluster: ClusterId) -> Result<Self> {
+    fn load(
+        db: Database,
+        path: String,
+        store: Option<PathBuf>,
+        cluster: ClusterId,
+    ) -> Result<Self> {
         let err = |e: redb::Error| db_err(&path, e);
         let corrupt = |what: String| ConsensusError::CorruptStorage {
             path: path.clone(),
@@ -215,25 +196,6 @@ impl RedbStorage {
                             .insert(KEY_SNAPSHOT, old.as_slice())
                             .map_err(|e| err(e.into()))?;
                     }
-                    // Written before the log had segments: move its entries.
-                    let has_old_log = txn
-                        .list_tables()
-                        .map_err(|e| err(e.into()))?
-                        .any(|t| t.name() == "log");
-                    if has_old_log {
-                        let mut moved = Vec::new();
-                        for item in txn
-                            .open_table(OLD_LOG)
-                            .map_err(|e| err(e.into()))?
-                            .iter()
-                            .map_err(|e| err(e.into()))?
-                        {
-                            let (k, v) = item.map_err(|e| err(e.into()))?;
-                            moved.push((k.value(), v.value().to_vec()));
-                        }
-                        write_log(&txn, moved, err)?;
-                        txn.delete_table(OLD_LOG).map_err(|e| err(e.into()))?;
-                    }
                 }
                 Some(f) => {
                     return Err(corrupt(format!(
@@ -244,6 +206,10 @@ impl RedbStorage {
             }
         }
         let in_log = segments(&txn).map_err(|e| err(e.into()))?;
+        let has_old_log = txn
+            .list_tables()
+            .map_err(|e| err(e.into()))?
+            .any(|t| t.name() == "log");
         txn.commit().map_err(|e| err(e.into()))?;
 
         let txn = db.begin_read().map_err(|e| err(e.into()))?;
@@ -302,40 +268,112 @@ impl RedbStorage {
                 .map_err(|e| corrupt(format!("state machine in snapshot: {e}")))?;
         }
 
-        let mut entries = VecDeque::new();
-        let mut expect = truncated.0 + 1;
-        let from = segment_of(expect);
-        for s in in_log.into_iter().filter(|s| *s >= from) {
-            let log = txn
-                .open_table(TableDefinition::<u64, &[u8]>::new(&segment_name(s)))
-                .map_err(|e| err(e.into()))?;
-            for item in log.range(expect..).map_err(|e| err(e.into()))? {
-                let (k, v) = item.map_err(|e| err(e.into()))?;
-                let index = k.value();
-                if index != expect {
-                    return Err(corrupt(format!(
-                        "log has a gap: expected entry {expect}, found {index}"
-                    )));
+        let generation = match get(KEY_LOG_GENERATION)? {
+            Some(b) => {
+                Some(u64::from_le_bytes(b.as_slice().try_into().map_err(
+                    |_| corrupt(format!("log generation of {} bytes", b.len())),
+                )?))
+            }
+            None => None,
+        };
+        // A store from before the log file: its entries, from its tables.
+        let mut legacy = Vec::new();
+        if generation.is_none() {
+            let mut expect = truncated.0 + 1;
+            let from = segment_of(expect);
+            let mut tables: Vec<String> = Vec::new();
+            if has_old_log {
+                tables.push("log".into());
+            }
+            tables.extend(in_log.into_iter().filter(|s| *s >= from).map(segment_name));
+            for name in tables {
+                let log = txn
+                    .open_table(TableDefinition::<u64, &[u8]>::new(&name))
+                    .map_err(|e| err(e.into()))?;
+                for item in log.range(expect..).map_err(|e| err(e.into()))? {
+                    let (k, v) = item.map_err(|e| err(e.into()))?;
+                    let index = k.value();
+                    if index != expect {
+                        return Err(corrupt(format!(
+                            "log has a gap: expected entry {expect}, found {index}"
+                        )));
+                    }
+                    let entry = Entry::parse_from_bytes(v.value())
+                        .map_err(|e| corrupt(format!("log entry {index}: {e}")))?;
+                    if entry.index != index {
+                        return Err(corrupt(format!(
+                            "log entry stored at {index} says it is {}",
+                            entry.index
+                        )));
+                    }
+                    legacy.push(entry);
+                    expect += 1;
                 }
-                let entry = Entry::parse_from_bytes(v.value())
-                    .map_err(|e| corrupt(format!("log entry {index}: {e}")))?;
-                if entry.index != index {
-                    return Err(corrupt(format!(
-                        "log entry stored at {index} says it is {}",
-                        entry.index
-                    )));
-                }
-                entries.push_back(entry);
-                expect += 1;
             }
         }
         drop(snapshots);
         drop(meta);
         drop(txn);
 
+        let mut hard_state = hard_state;
+        let mut entries = VecDeque::new();
+        let wal = match (generation, store.as_deref()) {
+            (Some(generation), Some(file)) => {
+                let (wal, records) = Wal::open(file, generation, cluster)?;
+                for record in records {
+                    match record {
+                        Record::HardState(hs) => hard_state = hs,
+                        Record::Entries(run) => {
+                            replay(&mut entries, truncated.0, run).map_err(|what| {
+                                ConsensusError::CorruptStorage {
+                                    path: crate::wal::file_of(file, generation)
+                                        .display()
+                                        .to_string(),
+                                    what,
+                                }
+                            })?
+                        }
+                    }
+                }
+                wal
+            }
+            (Some(_), None) => return Err(corrupt("an in-memory store with a log file".into())),
+            (None, file) => {
+                // New, or from before the log file: the log starts its first file,
+                // and the store names it and drops its old log tables in one commit.
+                let mut first = Vec::new();
+                if !legacy.is_empty() {
+                    first.push(Write::Entries(&legacy));
+                }
+                first.push(Write::HardState(&hard_state));
+                let wal = Wal::create(file, 1, cluster, &first)?;
+                let txn = db.begin_write().map_err(|e| err(e.into()))?;
+                {
+                    let mut meta = txn.open_table(META).map_err(|e| err(e.into()))?;
+                    meta.insert(KEY_LOG_GENERATION, 1u64.to_le_bytes().as_slice())
+                        .map_err(|e| err(e.into()))?;
+                    if has_old_log {
+                        txn.delete_table(OLD_LOG).map_err(|e| err(e.into()))?;
+                    }
+                    for s in segments(&txn).map_err(|e| err(e.into()))? {
+                        drop_segment(&txn, s).map_err(|e| err(e.into()))?;
+                    }
+                }
+                txn.commit().map_err(|e| err(e.into()))?;
+                entries.extend(legacy);
+                wal
+            }
+        };
+        if let Some(file) = &store {
+            wal.remove_others(file);
+        }
+        hard_state.commit = hard_state.commit.max(truncated.0);
+
         Ok(Self {
             db,
             path,
+            store,
+            wal,
             cluster,
             hard_state,
             snapshot,
@@ -431,9 +469,10 @@ impl RedbStorage {
         self.truncated.0 + self.entries.len() as u64
     }
 
-    /// Persists one Ready in a single durable write transaction, in raft-rs's order
-    /// (called by the replica; public for storage tests):
-    /// a received snapshot, then new entries, then the hard state.
+    /// Persists one Ready, in raft-rs's order (called by the replica; public for
+    /// storage tests): a received snapshot, then new entries, then the hard state.
+    /// Entries and hard state are one append to the log file; a snapshot starts the
+    /// log file's next generation.
     pub fn persist(
         &mut self,
         snapshot: Option<&Snapshot>,
@@ -443,85 +482,66 @@ impl RedbStorage {
         // Only the commit index moved: it waits for the next write instead of costing
         // an fsync of its own (see `set_commit`: after a crash Raft learns it again).
         if snapshot.is_none_or(|s| s.is_empty()) && entries.is_empty() {
-            if let Some(hs) = hard_state {
-                if hs.term == self.hard_state.term && hs.vote == self.hard_state.vote {
+            match hard_state {
+                None => return Ok(()),
+                Some(hs) if hs.term == self.hard_state.term && hs.vote == self.hard_state.vote => {
                     self.set_commit(hs.commit);
                     return Ok(());
                 }
+                Some(_) => {}
             }
         }
         self.count_write()?;
-        let mut next = NextState {
-            hard_state: self.hard_state.clone(),
-            snapshot: None,
-            truncated: self.truncated,
-        };
-        let txn = self.db.begin_write().map_err(|e| self.err(e))?;
-        {
-            let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;
-            let mut clear_from = None;
-            if let Some(snap) = snapshot.filter(|s| !s.is_empty()) {
-                let md = snap.get_metadata();
-                // A snapshot replaces the whole log (raft-rs restarts from it).
-                for s in segments(&txn).map_err(|e| self.err(e))? {
-                    drop_segment(&txn, s).map_err(|e| self.err(e))?;
-                }
-                clear_from = Some(0);
-                next.truncated = (md.index, md.term);
-                next.hard_state.term = next.hard_state.term.max(md.term);
-                next.hard_state.commit = next.hard_state.commit.max(md.index);
-                txn.open_table(SNAPSHOT)
-                    .map_err(|e| self.err(e))?
-                    .insert(KEY_SNAPSHOT, snap.write_to_bytes()?.as_slice())
-                    .map_err(|e| self.err(e))?;
-                next.snapshot = Some(snap.clone());
-            }
-            if let Some(first) = entries.first() {
-                let last_before = if clear_from.is_some() {
-                    next.truncated.0
-                } else {
-                    self.last()
-                };
-                if first.index <= next.truncated.0 || first.index > last_before + 1 {
-                    return Err(ConsensusError::Storage {
-                        path: self.path.clone(),
-                        reason: format!(
-                            "append at {} does not fit the log ({}..={last_before})",
-                            first.index,
-                            next.truncated.0 + 1
-                        ),
-                    });
-                }
-                // New entries overwrite any conflicting suffix.
-                if first.index <= last_before {
-                    let from = segment_of(first.index);
-                    open_segment(&txn, from)
-                        .map_err(|e| self.err(e))?
-                        .retain_in(first.index.., |_, _| false)
-                        .map_err(|e| self.err(e))?;
-                    for s in from + 1..=segment_of(last_before) {
-                        drop_segment(&txn, s).map_err(|e| self.err(e))?;
-                    }
-                }
-                self.append(&txn, entries)?;
-            }
-            if let Some(hs) = hard_state {
-                next.hard_state = hs.clone();
-            }
-            meta.insert(KEY_HARD_STATE, next.hard_state.write_to_bytes()?.as_slice())
-                .map_err(|e| self.err(e))?;
-            meta.insert(KEY_TRUNCATED, truncation_bytes(next.truncated).as_slice())
-                .map_err(|e| self.err(e))?;
+        let mut next_hs = self.hard_state.clone();
+        let mut truncated = self.truncated;
+        let snapshot = snapshot.filter(|s| !s.is_empty());
+        if let Some(snap) = snapshot {
+            let md = snap.get_metadata();
+            truncated = (md.index, md.term);
+            next_hs.term = next_hs.term.max(md.term);
+            next_hs.commit = next_hs.commit.max(md.index);
         }
-        txn.commit().map_err(|e| self.err(e))?;
+        if let Some(hs) = hard_state {
+            next_hs = hs.clone();
+        }
+        if let Some(first) = entries.first() {
+            // A snapshot replaces the whole log (raft-rs restarts from it).
+            let last_before = if snapshot.is_some() {
+                truncated.0
+            } else {
+                self.last()
+            };
+            if first.index <= truncated.0 || first.index > last_before + 1 {
+                return Err(ConsensusError::Storage {
+                    path: self.path.clone(),
+                    reason: format!(
+                        "append at {} does not fit the log ({}..={last_before})",
+                        first.index,
+                        truncated.0 + 1
+                    ),
+                });
+            }
+        }
+        match snapshot {
+            Some(snap) => {
+                self.start_generation(Some(snap), truncated, &next_hs, entries)?;
+                self.entries.clear();
+                self.entry_bytes = 0;
+                self.snapshot = snap.clone();
+                self.truncated = truncated;
+            }
+            None => {
+                // New entries overwrite any conflicting suffix (so they do on replay).
+                let mut writes = Vec::with_capacity(2);
+                if !entries.is_empty() {
+                    writes.push(Write::Entries(entries));
+                }
+                writes.push(Write::HardState(&next_hs));
+                self.wal.append(&writes)?;
+            }
+        }
 
         // Durable: now mirror it in memory.
-        if let Some(snap) = next.snapshot {
-            self.entries.clear();
-            self.entry_bytes = 0;
-            self.snapshot = snap;
-        }
-        self.truncated = next.truncated;
         if let Some(first) = entries.first() {
             let keep = (first.index - self.truncated.0 - 1) as usize;
             let cut: u64 = self
@@ -533,7 +553,7 @@ impl RedbStorage {
             self.entries.extend(entries.iter().cloned());
             self.entry_bytes = self.entry_bytes - cut + entries.iter().map(entry_size).sum::<u64>();
         }
-        self.hard_state = next.hard_state;
+        self.hard_state = next_hs;
         tracing::trace!(
             path = %self.path,
             appended = ?entries.first().map(|e| (e.index, entries.len())),
@@ -545,6 +565,48 @@ impl RedbStorage {
         Ok(())
     }
 
+    /// Starts the next generation of the log file holding `kept` (the entries after
+    /// the truncation point) and `hard_state`, then names it in the store with the
+    /// snapshot (if a new one) and the truncation point, in one commit; the old file
+    /// goes after. A crash before the commit leaves the old generation named, whole.
+    fn start_generation(
+        &mut self,
+        snapshot: Option<&Snapshot>,
+        truncated: (u64, u64),
+        hard_state: &HardState,
+        kept: &[Entry],
+    ) -> Result<()> {
+        let generation = self.wal.generation() + 1;
+        let mut first = Vec::with_capacity(2);
+        if !kept.is_empty() {
+            first.push(Write::Entries(kept));
+        }
+        first.push(Write::HardState(hard_state));
+        let wal = Wal::create(self.store.as_deref(), generation, self.cluster, &first)?;
+        let txn = self.db.begin_write().map_err(|e| self.err(e))?;
+        {
+            let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;
+            if let Some(snap) = snapshot {
+                txn.open_table(SNAPSHOT)
+                    .map_err(|e| self.err(e))?
+                    .insert(KEY_SNAPSHOT, snap.write_to_bytes()?.as_slice())
+                    .map_err(|e| self.err(e))?;
+            }
+            meta.insert(KEY_HARD_STATE, hard_state.write_to_bytes()?.as_slice())
+                .map_err(|e| self.err(e))?;
+            meta.insert(KEY_TRUNCATED, truncation_bytes(truncated).as_slice())
+                .map_err(|e| self.err(e))?;
+            meta.insert(KEY_LOG_GENERATION, generation.to_le_bytes().as_slice())
+                .map_err(|e| self.err(e))?;
+        }
+        txn.commit().map_err(|e| self.err(e))?;
+        if let Some(file) = &self.store {
+            wal.remove_others(file);
+        }
+        self.wal = wal;
+        Ok(())
+    }
+
     /// Records a newer commit index in memory; it reaches the disk with the next
     /// write. Losing it in a crash is harmless: Raft learns it again from the leader,
     /// and snapshots (the only thing the applied state depends on) persist their own.
@@ -553,8 +615,8 @@ impl RedbStorage {
     }
 
     /// Stores a snapshot the local state machine produced at `snapshot`'s index and
-    /// drops log entries before `compact_to` (at most the snapshot index + 1), in one
-    /// durable transaction.
+    /// drops log entries before `compact_to` (at most the snapshot index + 1): the
+    /// entries kept start the log file's next generation.
     pub fn compact(&mut self, snapshot: Snapshot, compact_to: u64) -> Result<()> {
         self.count_write()?;
         let index = snapshot.get_metadata().index;
@@ -571,25 +633,9 @@ impl RedbStorage {
         }
         let mut hard_state = self.hard_state.clone();
         hard_state.commit = hard_state.commit.max(index);
-        let txn = self.db.begin_write().map_err(|e| self.err(e))?;
-        {
-            let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;
-            // Whole segments behind the new truncation point go; the one holding it
-            // stays (its entries up to the point are never read again).
-            for s in segment_of(self.truncated.0 + 1)..segment_of(truncated.0 + 1) {
-                drop_segment(&txn, s).map_err(|e| self.err(e))?;
-            }
-            txn.open_table(SNAPSHOT)
-                .map_err(|e| self.err(e))?
-                .insert(KEY_SNAPSHOT, snapshot.write_to_bytes()?.as_slice())
-                .map_err(|e| self.err(e))?;
-            meta.insert(KEY_TRUNCATED, truncation_bytes(truncated).as_slice())
-                .map_err(|e| self.err(e))?;
-            meta.insert(KEY_HARD_STATE, hard_state.write_to_bytes()?.as_slice())
-                .map_err(|e| self.err(e))?;
-        }
-        txn.commit().map_err(|e| self.err(e))?;
         let dropped = (truncated.0 - self.truncated.0) as usize;
+        let kept: Vec<Entry> = self.entries.range(dropped..).cloned().collect();
+        self.start_generation(Some(&snapshot), truncated, &hard_state, &kept)?;
         let gone: u64 = self.entries.drain(..dropped).map(|e| entry_size(&e)).sum();
         self.entry_bytes -= gone;
         self.truncated = truncated;
@@ -637,24 +683,41 @@ impl RedbStorage {
             .map(|e| e.term)
     }
 
-    /// Appends `entries` (in order) to the segments they belong in.
-    fn append(&self, txn: &redb::WriteTransaction, entries: &[Entry]) -> Result<()> {
-        let encoded = entries
-            .iter()
-            .map(|e| Ok((e.index, e.write_to_bytes()?)))
-            .collect::<Result<Vec<_>>>()?;
-        write_log(txn, encoded, |e| self.err(e))
-    }
-
     fn err(&self, e: impl Into<redb::Error>) -> ConsensusError {
         db_err(&self.path, e.into())
     }
 }
 
-struct NextState {
-    hard_state: HardState,
-    snapshot: Option<Snapshot>,
-    truncated: (u64, u64),
+/// Puts a run of entries read back from the log file into `entries` (the log after
+/// `truncated`): entries at or before the truncation point are behind a snapshot
+/// already; the rest replace whatever the log held from the run's first index on.
+fn replay(
+    entries: &mut VecDeque<Entry>,
+    truncated: u64,
+    run: Vec<Entry>,
+) -> std::result::Result<(), String> {
+    let last = truncated + entries.len() as u64;
+    let mut run = run.into_iter().filter(|e| e.index > truncated).peekable();
+    let Some(first) = run.peek().map(|e| e.index) else {
+        return Ok(());
+    };
+    if first > last + 1 {
+        return Err(format!(
+            "log has a gap: expected entry {} at most, found {first}",
+            last + 1
+        ));
+    }
+    entries.truncate((first - truncated - 1) as usize);
+    for (expect, entry) in (first..).zip(run) {
+        if entry.index != expect {
+            return Err(format!(
+                "log entry {} where {expect} was expected",
+                entry.index
+            ));
+        }
+        entries.push_back(entry);
+    }
+    Ok(())
 }
 
 fn entry_size(e: &Entry) -> u64 {

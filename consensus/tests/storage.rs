@@ -8,7 +8,7 @@ use gpumesh_consensus::{ClusterId, ClusterSettings, ConsensusError, RedbStorage}
 use protobuf::Message as _;
 use raft::eraftpb::{Entry, HardState, Snapshot};
 use raft::{GetEntriesContext, Storage};
-use redb::{ReadableTable as _, TableHandle as _};
+use redb::TableHandle as _;
 
 fn entry(index: u64, term: u64) -> Entry {
     Entry {
@@ -185,38 +185,29 @@ fn a_damaged_database_is_refused() {
 }
 
 #[test]
-fn undecodable_values_are_refused() {
+fn an_undecodable_hard_state_is_refused() {
     const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
-    // Entry 2 is in the log's first segment.
-    const LOG: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::new("log.000000000000");
     let dir = tempfile::tempdir().expect("tempdir");
-    for (table, what) in [("meta", "hard state"), ("log", "log entry")] {
-        let path = dir.path().join(format!("{table}.redb"));
-        {
-            let mut s = initialized(&path);
-            s.persist(None, &[entry(2, 1)], None).expect("persist");
-        }
-        {
-            let db = redb::Database::create(&path).expect("raw open");
-            let txn = db.begin_write().expect("txn");
-            if table == "meta" {
-                let mut t = txn.open_table(META).expect("meta");
-                t.insert("hard_state", [0xffu8; 7].as_slice())
-                    .expect("insert");
-            } else {
-                let mut t = txn.open_table(LOG).expect("log");
-                t.insert(2, [0xffu8; 7].as_slice()).expect("insert");
-            }
-            txn.commit().expect("commit");
-        }
-        let err = RedbStorage::open(&path, CLUSTER).expect_err("must refuse");
-        assert!(
-            matches!(err, ConsensusError::CorruptStorage { .. }),
-            "{err}"
-        );
-        assert!(err.to_string().contains(what), "{err}");
+    let path = dir.path().join("raft.redb");
+    {
+        let mut s = initialized(&path);
+        s.persist(None, &[entry(2, 1)], None).expect("persist");
     }
-    let _ = HardState::default().write_to_bytes();
+    {
+        let db = redb::Database::create(&path).expect("raw open");
+        let txn = db.begin_write().expect("txn");
+        txn.open_table(META)
+            .expect("meta")
+            .insert("hard_state", [0xffu8; 7].as_slice())
+            .expect("insert");
+        txn.commit().expect("commit");
+    }
+    let err = RedbStorage::open(&path, CLUSTER).expect_err("must refuse");
+    assert!(
+        matches!(err, ConsensusError::CorruptStorage { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("hard state"), "{err}");
 }
 
 #[test]
@@ -291,84 +282,109 @@ fn a_commit_index_alone_is_not_written_until_the_next_append() {
     assert_eq!((st.term, st.vote), (3, 2));
 }
 
-#[test]
-fn a_store_in_the_first_layout_is_moved_to_the_present_one() {
-    const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
-    const SNAPSHOT: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("snapshot");
-    const OLD_LOG: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::new("log");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("raft.redb");
-    {
-        let mut s = initialized(&path);
-        let ents: Vec<Entry> = (2..=SEGMENT + 10).map(|i| entry(i, 1)).collect();
-        s.persist(None, &ents, None).expect("persist");
-    }
-    // The first layout: the snapshot sat in `meta`, the log was one table.
-    {
-        let db = redb::Database::create(&path).expect("raw open");
-        let txn = db.begin_write().expect("txn");
-        {
-            let mut snapshots = txn.open_table(SNAPSHOT).expect("snapshot");
-            let bytes = snapshots
-                .remove("snapshot")
-                .expect("remove")
-                .expect("a snapshot")
-                .value()
-                .to_vec();
-            let mut meta = txn.open_table(META).expect("meta");
-            meta.insert("snapshot", bytes.as_slice()).expect("insert");
-        }
-        txn.delete_table(SNAPSHOT).expect("delete");
-        // And the log was one table.
-        let first = redb::TableDefinition::<u64, &[u8]>::new("log.000000000000");
-        let second = redb::TableDefinition::<u64, &[u8]>::new("log.000000000001");
-        let mut entries = Vec::new();
-        for def in [first, second] {
-            for item in txn.open_table(def).expect("segment").iter().expect("iter") {
-                let (k, v) = item.expect("item");
-                entries.push((k.value(), v.value().to_vec()));
-            }
-            txn.delete_table(def).expect("delete");
-        }
-        let mut log = txn.open_table(OLD_LOG).expect("log");
-        for (k, v) in entries {
-            log.insert(k, v.as_slice()).expect("insert");
-        }
-        drop(log);
-        txn.commit().expect("commit");
-    }
-    {
-        let s = RedbStorage::open(&path, CLUSTER).expect("open the old layout");
-        assert_eq!((s.first(), s.last()), (2, SEGMENT + 10));
-        let got = s
-            .entries(2, SEGMENT + 11, None, GetEntriesContext::empty(false))
-            .expect("entries");
-        assert_eq!(
-            got,
-            (2..=SEGMENT + 10).map(|i| entry(i, 1)).collect::<Vec<_>>()
-        );
-        assert_eq!(s.snapshot_metadata().index, 1);
-        assert_eq!(s.snapshot_state().expect("sm").members().len(), 3);
-    }
-    let db = redb::Database::create(&path).expect("raw open");
-    let txn = db.begin_read().expect("txn");
-    let meta = txn.open_table(META).expect("meta");
-    assert!(
-        meta.get("snapshot").expect("get").is_none(),
-        "moved out of meta"
-    );
-    let snapshots = txn.open_table(SNAPSHOT).expect("snapshot");
-    assert!(snapshots.get("snapshot").expect("get").is_some());
-    assert!(
-        txn.list_tables()
-            .expect("tables")
-            .all(|t| t.name() != "log"),
-        "the one log table is gone"
-    );
+/// The files of the store's log in `dir`, by name.
+fn log_files(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .expect("list")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".log-"))
+        .collect();
+    names.sort();
+    names
 }
 
 #[test]
-fn the_log_across_segments_survives_compaction_overwrites_and_reopening() {
+fn stores_from_before_the_log_file_move_their_log_into_one() {
+    const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
+    const SNAPSHOT: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("snapshot");
+    let last = SEGMENT + 10;
+    let want: Vec<Entry> = (2..=last).map(|i| entry(i, 1)).collect();
+    // The first layout: the snapshot in `meta`, the log one table; the second: the
+    // log in segments of SEGMENT entries. Neither had a log file.
+    for layout in ["one table", "segments"] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("raft.redb");
+        drop(initialized(&path));
+        for f in log_files(dir.path()) {
+            std::fs::remove_file(dir.path().join(f)).expect("remove");
+        }
+        {
+            let db = redb::Database::create(&path).expect("raw open");
+            let txn = db.begin_write().expect("txn");
+            {
+                let mut meta = txn.open_table(META).expect("meta");
+                meta.remove("log_generation").expect("remove");
+                let hs = HardState {
+                    term: 1,
+                    vote: 2,
+                    commit: 4,
+                    ..Default::default()
+                };
+                meta.insert("hard_state", hs.write_to_bytes().expect("hs").as_slice())
+                    .expect("insert");
+                if layout == "one table" {
+                    let bytes = txn
+                        .open_table(SNAPSHOT)
+                        .expect("snapshot")
+                        .remove("snapshot")
+                        .expect("remove")
+                        .expect("a snapshot")
+                        .value()
+                        .to_vec();
+                    meta.insert("snapshot", bytes.as_slice()).expect("insert");
+                }
+            }
+            if layout == "one table" {
+                txn.delete_table(SNAPSHOT).expect("delete");
+            }
+            for e in &want {
+                let table = match layout {
+                    "one table" => "log".to_string(),
+                    _ => format!("log.{:012}", e.index / SEGMENT),
+                };
+                txn.open_table(redb::TableDefinition::<u64, &[u8]>::new(&table))
+                    .expect("log table")
+                    .insert(e.index, e.write_to_bytes().expect("entry").as_slice())
+                    .expect("insert");
+            }
+            txn.commit().expect("commit");
+        }
+        for reopen in 0..2 {
+            let s = RedbStorage::open(&path, CLUSTER).expect("open the old layout");
+            assert_eq!((s.first(), s.last()), (2, last), "{layout}, open {reopen}");
+            let got = s
+                .entries(2, last + 1, None, GetEntriesContext::empty(false))
+                .expect("entries");
+            assert_eq!(got, want, "{layout}");
+            let hs = s.initial_state().expect("state").hard_state;
+            assert_eq!((hs.term, hs.vote, hs.commit), (1, 2, 4), "{layout}");
+            assert_eq!(s.snapshot_metadata().index, 1);
+            assert_eq!(s.snapshot_state().expect("sm").members().len(), 3);
+        }
+        assert_eq!(log_files(dir.path()).len(), 1, "{layout}: one log file");
+        let db = redb::Database::create(&path).expect("raw open");
+        let txn = db.begin_read().expect("txn");
+        let meta = txn.open_table(META).expect("meta");
+        assert!(
+            meta.get("snapshot").expect("get").is_none(),
+            "moved out of meta"
+        );
+        let snapshots = txn.open_table(SNAPSHOT).expect("snapshot");
+        assert!(snapshots.get("snapshot").expect("get").is_some());
+        let tables: Vec<String> = txn
+            .list_tables()
+            .expect("tables")
+            .map(|t| t.name().to_owned())
+            .collect();
+        assert!(
+            tables.iter().all(|t| !t.starts_with("log")),
+            "{layout}: the log tables are gone: {tables:?}"
+        );
+    }
+}
+
+#[test]
+fn the_log_survives_compaction_overwrites_and_reopening() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("raft.redb");
     let last = 3 * SEGMENT + 5;
@@ -426,17 +442,8 @@ fn the_log_across_segments_survives_compaction_overwrites_and_reopening() {
     let bytes: usize = want.iter().map(|e| e.data.len()).sum();
     assert_eq!(s.log_bytes(), bytes as u64, "the bytes of the log held");
     drop(s);
-    // The first segment went as a whole; the one holding the truncation point stays.
-    let db = redb::Database::create(&path).expect("raw open");
-    let txn = db.begin_read().expect("txn");
-    let mut tables: Vec<String> = txn
-        .list_tables()
-        .expect("tables")
-        .map(|t| t.name().to_owned())
-        .filter(|n| n.starts_with("log."))
-        .collect();
-    tables.sort();
-    assert_eq!(tables, ["log.000000000001", "log.000000000002"]);
+    // The compaction started the log file's next generation; the old file is gone.
+    assert_eq!(log_files(dir.path()), ["raft.redb.log-0000000003"]);
 }
 
 #[test]
@@ -473,4 +480,157 @@ fn appends_after_a_large_snapshot_do_not_write_it_again() {
         "file grew {grew} bytes (from {before})"
     );
     assert_eq!(s.snapshot(0, 1).expect("snapshot").data.len(), SIZE);
+}
+
+/// Where the last append wrote in the log file: the bytes that differ between the
+/// file before and after it.
+fn written_by(before: &[u8], after: &[u8]) -> std::ops::Range<usize> {
+    let start = (0..after.len())
+        .find(|i| before.get(*i) != Some(&after[*i]))
+        .expect("a change");
+    let end = (0..after.len())
+        .rev()
+        .find(|i| before.get(*i) != Some(&after[*i]))
+        .expect("a change");
+    start..end + 1
+}
+
+fn the_log_file(dir: &std::path::Path) -> std::path::PathBuf {
+    let files = log_files(dir);
+    assert_eq!(files.len(), 1, "{files:?}");
+    dir.join(&files[0])
+}
+
+#[test]
+fn a_last_append_cut_short_by_a_crash_is_dropped_and_the_log_goes_on() {
+    // Cut two ways: its end never written, or its head never written (the disk may
+    // write a record's blocks in any order).
+    for cut in ["end", "head"] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("raft.redb");
+        let hs = |commit| HardState {
+            term: 1,
+            vote: 1,
+            commit,
+            ..Default::default()
+        };
+        let log;
+        let range;
+        {
+            let mut s = initialized(&path);
+            for i in 2..=5 {
+                s.persist(None, &[entry(i, 1)], Some(&hs(i - 1)))
+                    .expect("persist");
+            }
+            log = the_log_file(dir.path());
+            let before = std::fs::read(&log).expect("read");
+            s.persist(None, &[entry(6, 1)], Some(&hs(5)))
+                .expect("persist");
+            range = written_by(&before, &std::fs::read(&log).expect("read"));
+        }
+        let mut bytes = std::fs::read(&log).expect("read");
+        match cut {
+            "end" => bytes[range.start + range.len() / 2..range.end].fill(0),
+            _ => bytes[range.start..range.start + 8].fill(0),
+        }
+        std::fs::write(&log, &bytes).expect("write");
+        {
+            let mut s = RedbStorage::open(&path, CLUSTER).expect("reopen after the cut");
+            assert_eq!(s.last(), 5, "cut {cut}: entry 6 was never acknowledged");
+            assert_eq!(s.initial_state().expect("state").hard_state.commit, 4);
+            // The log goes on from there, with a shorter entry than the cut one.
+            let short = Entry {
+                index: 6,
+                term: 2,
+                ..Default::default()
+            };
+            s.persist(None, std::slice::from_ref(&short), Some(&hs(5)))
+                .expect("append");
+            s.persist(None, &[entry(7, 2)], Some(&hs(6)))
+                .expect("append");
+        }
+        let s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+        assert_eq!((s.first(), s.last()), (2, 7), "cut {cut}");
+        let got = s
+            .entries(5, 8, None, GetEntriesContext::empty(false))
+            .expect("entries");
+        assert_eq!(
+            got.iter().map(|e| (e.index, e.term)).collect::<Vec<_>>(),
+            [(5, 1), (6, 2), (7, 2)],
+            "cut {cut}"
+        );
+        assert_eq!(s.initial_state().expect("state").hard_state.commit, 6);
+    }
+}
+
+#[test]
+fn damage_inside_the_log_file_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("raft.redb");
+    let range;
+    {
+        let mut s = initialized(&path);
+        s.persist(None, &[entry(2, 1)], None).expect("persist");
+        let before = std::fs::read(the_log_file(dir.path())).expect("read");
+        s.persist(None, &[entry(3, 1)], None).expect("persist");
+        range = written_by(
+            &before,
+            &std::fs::read(the_log_file(dir.path())).expect("read"),
+        );
+        s.persist(None, &[entry(4, 1), entry(5, 1)], None)
+            .expect("persist");
+    }
+    // A flipped bit in entry 3's record, with whole records after it: not a write
+    // a crash cut short, so nothing is dropped silently.
+    let log = the_log_file(dir.path());
+    let mut bytes = std::fs::read(&log).expect("read");
+    bytes[range.start + 20] ^= 0x04;
+    std::fs::write(&log, &bytes).expect("write");
+    let err = RedbStorage::open(&path, CLUSTER).expect_err("must refuse");
+    assert!(
+        matches!(err, ConsensusError::CorruptStorage { .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains(".log-"),
+        "names the log file: {err}"
+    );
+    // A log file of another store is refused too, as is a missing one.
+    bytes[range.start + 20] ^= 0x04;
+    bytes[16] ^= 0x01;
+    std::fs::write(&log, &bytes).expect("write");
+    let err = RedbStorage::open(&path, CLUSTER).expect_err("must refuse");
+    assert!(err.to_string().contains("generation or cluster"), "{err}");
+    std::fs::remove_file(&log).expect("remove");
+    let err = RedbStorage::open(&path, CLUSTER).expect_err("must refuse");
+    assert!(err.to_string().contains("missing"), "{err}");
+}
+
+#[test]
+fn a_new_generation_left_half_made_by_a_crash_is_ignored_and_removed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("raft.redb");
+    {
+        let mut s = initialized(&path);
+        let ents: Vec<Entry> = (2..=9).map(|i| entry(i, 1)).collect();
+        s.persist(None, &ents, None).expect("persist");
+    }
+    let named = the_log_file(dir.path());
+    // A compaction wrote the next generation (whole or not) but crashed before the
+    // store named it.
+    let name = named
+        .file_name()
+        .expect("name")
+        .to_string_lossy()
+        .into_owned();
+    let (stem, generation) = name.rsplit_once('-').expect("generation");
+    let next = format!(
+        "{stem}-{:010}",
+        generation.parse::<u64>().expect("number") + 1
+    );
+    std::fs::write(dir.path().join(&next), b"half written").expect("write");
+    std::fs::write(dir.path().join(format!("{next}.new")), b"half").expect("write");
+    let s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+    assert_eq!((s.first(), s.last()), (2, 9));
+    assert_eq!(log_files(dir.path()), [name]);
 }

@@ -1,0 +1,405 @@
+//! The Raft log's own file: records appended into space zeroed ahead of time, one
+//! `fdatasync` per append.
+//!
+//! Why not the redb store for the log: a redb commit rewrites B-tree pages across
+//! its file (leaf, branches, allocator state, header) before its one fsync; an append
+//! here writes its bytes where the previous one ended, into blocks the file already
+//! has, so the sync flushes a page or two and no file metadata. Every commit of the
+//! mesh waits for two of these (the quorum), so their cost is on every task and call.
+//!
+//! A log file is `<store>.log-<generation>`: a header (magic, generation, cluster),
+//! then records `[u32 length][u32 crc32][u8 kind][payload]` (the length counts the
+//! kind byte and the payload, so it is never 0; the checksum covers the same bytes),
+//! then zeros: a length of 0, or the file's end, ends the log. Two kinds: a run of
+//! entries, which replaces everything in the log from its first index on, and a hard
+//! state. The store (redb) names the current generation. A new one begins when a
+//! snapshot takes over the log's head (a compaction, or a snapshot from the leader):
+//! its file is written whole and synced before the store names it, and the old file
+//! is removed after, so whatever instant a crash hits, the store names a whole file.
+//!
+//! On opening, records are read up to the zeros. A record whose checksum fails, or
+//! which runs past the file's end, is a write a crash cut short: only the last record
+//! can be one (each append is synced before the next is written), so it is cut off
+//! and its bytes zeroed. If a whole record follows the damaged one, the damage is
+//! not a cut write and the log is refused.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt as _;
+use std::path::{Path, PathBuf};
+
+use protobuf::Message as _;
+use raft::eraftpb::{Entry, HardState};
+
+use crate::cluster::ClusterId;
+use crate::error::{ConsensusError, Result};
+
+const MAGIC: &[u8; 16] = b"gpumesh-raftlog1";
+const HEADER: u64 = 32;
+/// Length and checksum in front of each record.
+const RECORD_HEAD: usize = 8;
+const KIND_ENTRIES: u8 = 1;
+const KIND_HARD_STATE: u8 = 2;
+/// Zeros are written ahead of the log's end this much at a time.
+const ZERO_AHEAD: u64 = 4 << 20;
+/// A record longer than this is damage, not a record (a Raft append is bounded far
+/// below it by the replica's message size).
+const MAX_RECORD: u64 = 1 << 30;
+
+/// What one append writes, borrowed from the caller.
+#[derive(Clone, Copy, Debug)]
+pub enum Write<'a> {
+    Entries(&'a [Entry]),
+    HardState(&'a HardState),
+}
+
+/// What reading a log back gives, in the order written.
+#[derive(Debug, PartialEq)]
+pub enum Record {
+    Entries(Vec<Entry>),
+    HardState(HardState),
+}
+
+enum Backing {
+    File(File),
+    /// For the store's in-memory backend (tests, benchmarks): nothing is synced.
+    Memory(Vec<u8>),
+}
+
+/// One generation of the log, open for appending.
+pub struct Wal {
+    backing: Backing,
+    /// For error messages.
+    path: String,
+    generation: u64,
+    /// Where the next record goes.
+    end: u64,
+    /// The file's length: zeros from `end` up to here.
+    zeroed: u64,
+}
+
+impl std::fmt::Debug for Wal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Wal")
+            .field("path", &self.path)
+            .field("generation", &self.generation)
+            .field("end", &self.end)
+            .finish()
+    }
+}
+
+/// The file of generation `generation` of the log of the store at `store`.
+pub fn file_of(store: &Path, generation: u64) -> PathBuf {
+    let mut name = store.as_os_str().to_owned();
+    name.push(format!(".log-{generation:010}"));
+    PathBuf::from(name)
+}
+
+impl Wal {
+    /// Writes generation `generation` whole (header, `records`, zeros ahead), syncs it
+    /// and its directory, and opens it for appending; `store` is `None` for the
+    /// in-memory backend. A file of that generation left by an earlier attempt is
+    /// replaced.
+    pub fn create(
+        store: Option<&Path>,
+        generation: u64,
+        cluster: ClusterId,
+        records: &[Write<'_>],
+    ) -> Result<Self> {
+        let mut bytes = header(generation, cluster);
+        encode(records, &mut bytes)?;
+        let end = bytes.len() as u64;
+        let Some(store) = store else {
+            return Ok(Self {
+                backing: Backing::Memory(bytes),
+                path: "<memory>".into(),
+                generation,
+                end,
+                zeroed: end,
+            });
+        };
+        let path = file_of(store, generation);
+        let text = path.display().to_string();
+        let io_err = |e: io::Error| storage_err(&text, e);
+        let zeroed = end.div_ceil(ZERO_AHEAD).max(1) * ZERO_AHEAD;
+        bytes.resize(zeroed as usize, 0);
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(".new");
+        let tmp = PathBuf::from(tmp);
+        {
+            let file = File::create(&tmp).map_err(io_err)?;
+            file.write_all_at(&bytes, 0).map_err(io_err)?;
+            file.sync_all().map_err(io_err)?;
+        }
+        std::fs::rename(&tmp, &path).map_err(io_err)?;
+        sync_dir(&path).map_err(io_err)?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(io_err)?;
+        Ok(Self {
+            backing: Backing::File(file),
+            path: text,
+            generation,
+            end,
+            zeroed,
+        })
+    }
+
+    /// Opens generation `generation` of the log of the store at `store` and reads it
+    /// back, cutting off a last record a crash cut short (see the module's text).
+    pub fn open(store: &Path, generation: u64, cluster: ClusterId) -> Result<(Self, Vec<Record>)> {
+        let path = file_of(store, generation);
+        let text = path.display().to_string();
+        let io_err = |e: io::Error| storage_err(&text, e);
+        let corrupt = |what: String| ConsensusError::CorruptStorage {
+            path: text.clone(),
+            what,
+        };
+        let file = match OpenOptions::new().read(true).write(true).open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(corrupt(format!(
+                    "the store names log generation {generation}, whose file is missing"
+                )))
+            }
+            Err(e) => return Err(io_err(e)),
+        };
+        let len = file.metadata().map_err(io_err)?.len();
+        let mut bytes = vec![0u8; len as usize];
+        file.read_exact_at(&mut bytes, 0).map_err(io_err)?;
+        if bytes.len() < HEADER as usize || &bytes[..16] != MAGIC {
+            return Err(corrupt("not a gpumesh Raft log file".into()));
+        }
+        if bytes[..HEADER as usize] != header(generation, cluster)[..] {
+            return Err(corrupt(
+                "the log file's header names another generation or cluster".into(),
+            ));
+        }
+        let mut records = Vec::new();
+        let mut at = HEADER as usize;
+        let end = loop {
+            match read_record(&bytes, at) {
+                Read::End => break at,
+                Read::Record {
+                    kind,
+                    payload,
+                    next,
+                } => {
+                    records.push(
+                        decode(kind, payload)
+                            .map_err(|what| corrupt(format!("record at byte {at}: {what}")))?,
+                    );
+                    at = next;
+                }
+                Read::Damaged { next } => {
+                    if let Some(next) = next {
+                        if matches!(read_record(&bytes, next), Read::Record { .. }) {
+                            return Err(corrupt(format!(
+                                "the record at byte {at} is damaged and whole records \
+                                 follow it"
+                            )));
+                        }
+                    }
+                    tracing::warn!(
+                        path = %text,
+                        at,
+                        "the log's last record was cut short (a crash while it was \
+                         written, before it was acknowledged); dropping it"
+                    );
+                    break at;
+                }
+            }
+        };
+        // Whatever lies past the end (a cut record, or the part of one written
+        // before its head) is zeroed, so that appends never end beside old bytes.
+        if bytes[end..].iter().any(|b| *b != 0) {
+            let zeros = vec![0u8; bytes.len() - end];
+            file.write_all_at(&zeros, end as u64).map_err(io_err)?;
+            file.sync_data().map_err(io_err)?;
+        }
+        Ok((
+            Self {
+                backing: Backing::File(file),
+                path: text,
+                generation,
+                end: end as u64,
+                zeroed: len,
+            },
+            records,
+        ))
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Appends `records` with one write and, for a file, one `fdatasync`.
+    pub fn append(&mut self, records: &[Write<'_>]) -> Result<()> {
+        let mut bytes = Vec::new();
+        encode(records, &mut bytes)?;
+        let len = bytes.len() as u64;
+        match &mut self.backing {
+            Backing::Memory(buf) => buf.extend_from_slice(&bytes),
+            Backing::File(file) => {
+                let io_err = |e: io::Error| storage_err(&self.path, e);
+                if self.end + len > self.zeroed {
+                    // Zero the next stretch in the same write, so later appends find
+                    // their blocks allocated; the sync below covers the new length.
+                    let zeroed = (self.end + len).div_ceil(ZERO_AHEAD) * ZERO_AHEAD;
+                    bytes.resize((zeroed - self.end) as usize, 0);
+                    self.zeroed = zeroed;
+                }
+                file.write_all_at(&bytes, self.end).map_err(io_err)?;
+                file.sync_data().map_err(io_err)?;
+            }
+        }
+        self.end += len;
+        Ok(())
+    }
+
+    /// Removes the files of every other generation of the store's log, and any
+    /// half-written one; a file that cannot be removed is only reported.
+    pub fn remove_others(&self, store: &Path) {
+        let (Some(dir), Some(name)) = (store.parent(), store.file_name()) else {
+            return;
+        };
+        let prefix = format!("{}.log-", name.to_string_lossy());
+        let keep = file_of(store, self.generation);
+        let Ok(listing) = std::fs::read_dir(if dir.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            dir
+        }) else {
+            return;
+        };
+        for item in listing.flatten() {
+            let path = item.path();
+            let ours = item.file_name().to_string_lossy().starts_with(&prefix);
+            if ours && path.file_name() != keep.file_name() {
+                if let Err(e) = std::fs::remove_file(&path) {
+                    tracing::warn!(path = %path.display(), error = %e, "could not remove an old Raft log file");
+                }
+            }
+        }
+    }
+}
+
+fn header(generation: u64, cluster: ClusterId) -> Vec<u8> {
+    let mut h = Vec::with_capacity(HEADER as usize);
+    h.extend_from_slice(MAGIC);
+    h.extend_from_slice(&generation.to_le_bytes());
+    h.extend_from_slice(&cluster.0.to_le_bytes());
+    h
+}
+
+fn encode(records: &[Write<'_>], out: &mut Vec<u8>) -> Result<()> {
+    for record in records {
+        let start = out.len();
+        out.extend_from_slice(&[0u8; RECORD_HEAD]);
+        match record {
+            Write::Entries(entries) => {
+                out.push(KIND_ENTRIES);
+                for e in *entries {
+                    let b = e.write_to_bytes()?;
+                    out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+                    out.extend_from_slice(&b);
+                }
+            }
+            Write::HardState(hs) => {
+                out.push(KIND_HARD_STATE);
+                out.extend_from_slice(&hs.write_to_bytes()?);
+            }
+        }
+        let body = &out[start + RECORD_HEAD..];
+        let len = body.len() as u32;
+        let crc = crc32fast::hash(body);
+        out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+        out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+    }
+    Ok(())
+}
+
+enum Read<'a> {
+    /// Zeros (or the file's end) here: the log ends.
+    End,
+    Record {
+        kind: u8,
+        payload: &'a [u8],
+        next: usize,
+    },
+    /// Not a whole record; `next` is where the one after would start if its length
+    /// is to be believed.
+    Damaged { next: Option<usize> },
+}
+
+fn read_record(bytes: &[u8], at: usize) -> Read<'_> {
+    let Some(head) = bytes.get(at..at + RECORD_HEAD) else {
+        return if bytes[at.min(bytes.len())..].iter().all(|b| *b == 0) {
+            Read::End
+        } else {
+            Read::Damaged { next: None }
+        };
+    };
+    let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+    let crc = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
+    if len == 0 {
+        return if crc == 0 {
+            Read::End
+        } else {
+            Read::Damaged { next: None }
+        };
+    }
+    let start = at + RECORD_HEAD;
+    let next = start + len;
+    match bytes.get(start..next) {
+        Some(body) if len as u64 <= MAX_RECORD && crc32fast::hash(body) == crc => Read::Record {
+            kind: body[0],
+            payload: &body[1..],
+            next,
+        },
+        Some(_) => Read::Damaged { next: Some(next) },
+        None => Read::Damaged { next: None },
+    }
+}
+
+fn decode(kind: u8, payload: &[u8]) -> std::result::Result<Record, String> {
+    match kind {
+        KIND_ENTRIES => {
+            let mut entries = Vec::new();
+            let mut rest = payload;
+            while !rest.is_empty() {
+                let (len, tail) = rest
+                    .split_first_chunk::<4>()
+                    .ok_or("an entry's length cut short")?;
+                let len = u32::from_le_bytes(*len) as usize;
+                let body = tail.get(..len).ok_or("an entry cut short")?;
+                entries.push(Entry::parse_from_bytes(body).map_err(|e| format!("log entry: {e}"))?);
+                rest = &tail[len..];
+            }
+            if entries.is_empty() {
+                return Err("a run of no entries".into());
+            }
+            Ok(Record::Entries(entries))
+        }
+        KIND_HARD_STATE => HardState::parse_from_bytes(payload)
+            .map(Record::HardState)
+            .map_err(|e| format!("hard state: {e}")),
+        other => Err(format!("unknown record kind {other}")),
+    }
+}
+
+fn sync_dir(path: &Path) -> io::Result<()> {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => File::open(dir)?.sync_all(),
+        _ => File::open(".")?.sync_all(),
+    }
+}
+
+fn storage_err(path: &str, e: io::Error) -> ConsensusError {
+    ConsensusError::Storage {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    }
+}
