@@ -36,7 +36,7 @@ use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition, Tabl
 use crate::cluster::ClusterId;
 use crate::error::{ConsensusError, Result};
 use crate::state::{ClusterSettings, StateMachine};
-use crate::wal::{Record, Wal, Write};
+use crate::wal::Wal;
 
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 /// The one log table of stores written before the log had segments.
@@ -321,19 +321,13 @@ impl RedbStorage {
             (Some(generation), Some(file)) => {
                 let (wal, records) = Wal::open(file, generation, cluster)?;
                 for record in records {
-                    match record {
-                        Record::HardState(hs) => hard_state = hs,
-                        Record::Entries(run) => {
-                            replay(&mut entries, truncated.0, run).map_err(|what| {
-                                ConsensusError::CorruptStorage {
-                                    path: crate::wal::file_of(file, generation)
-                                        .display()
-                                        .to_string(),
-                                    what,
-                                }
-                            })?
+                    hard_state = record.hard_state;
+                    replay(&mut entries, truncated.0, record.entries).map_err(|what| {
+                        ConsensusError::CorruptStorage {
+                            path: crate::wal::file_of(file, generation).display().to_string(),
+                            what,
                         }
-                    }
+                    })?;
                 }
                 wal
             }
@@ -341,12 +335,7 @@ impl RedbStorage {
             (None, file) => {
                 // New, or from before the log file: the log starts its first file,
                 // and the store names it and drops its old log tables in one commit.
-                let mut first = Vec::new();
-                if !legacy.is_empty() {
-                    first.push(Write::Entries(&legacy));
-                }
-                first.push(Write::HardState(&hard_state));
-                let wal = Wal::create(file, 1, cluster, &first)?;
+                let wal = Wal::create(file, 1, cluster, &hard_state, &legacy)?;
                 let txn = db.begin_write().map_err(|e| err(e.into()))?;
                 {
                     let mut meta = txn.open_table(META).map_err(|e| err(e.into()))?;
@@ -532,12 +521,7 @@ impl RedbStorage {
             }
             None => {
                 // New entries overwrite any conflicting suffix (so they do on replay).
-                let mut writes = Vec::with_capacity(2);
-                if !entries.is_empty() {
-                    writes.push(Write::Entries(entries));
-                }
-                writes.push(Write::HardState(&next_hs));
-                self.wal.append(&writes)?;
+                self.wal.append(&next_hs, entries)?;
             }
         }
 
@@ -577,12 +561,13 @@ impl RedbStorage {
         kept: &[Entry],
     ) -> Result<()> {
         let generation = self.wal.generation() + 1;
-        let mut first = Vec::with_capacity(2);
-        if !kept.is_empty() {
-            first.push(Write::Entries(kept));
-        }
-        first.push(Write::HardState(hard_state));
-        let wal = Wal::create(self.store.as_deref(), generation, self.cluster, &first)?;
+        let wal = Wal::create(
+            self.store.as_deref(),
+            generation,
+            self.cluster,
+            hard_state,
+            kept,
+        )?;
         let txn = self.db.begin_write().map_err(|e| self.err(e))?;
         {
             let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;

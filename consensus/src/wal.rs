@@ -10,9 +10,10 @@
 //! A log file is `<store>.log-<generation>`: a header (magic, generation, cluster),
 //! then records `[u32 length][u32 crc32][u8 kind][payload]` (the length counts the
 //! kind byte and the payload, so it is never 0; the checksum covers the same bytes),
-//! then zeros: a length of 0, or the file's end, ends the log. Two kinds: a run of
-//! entries, which replaces everything in the log from its first index on, and a hard
-//! state. The store (redb) names the current generation. A new one begins when a
+//! then zeros: a length of 0, or the file's end, ends the log. One record per
+//! append, of one kind: the hard state, and a run of entries (maybe none) that
+//! replaces everything in the log from its first index on. The store (redb) names
+//! the current generation. A new one begins when a
 //! snapshot takes over the log's head (a compaction, or a snapshot from the leader):
 //! its file is written whole and synced before the store names it, and the old file
 //! is removed after, so whatever instant a crash hits, the store names a whole file.
@@ -38,26 +39,20 @@ const MAGIC: &[u8; 16] = b"gpumesh-raftlog1";
 const HEADER: u64 = 32;
 /// Length and checksum in front of each record.
 const RECORD_HEAD: usize = 8;
-const KIND_ENTRIES: u8 = 1;
-const KIND_HARD_STATE: u8 = 2;
+/// The one kind of record: `[u32 length][hard state][u32 length][entry]...`.
+const KIND_APPEND: u8 = 1;
 /// Zeros are written ahead of the log's end this much at a time.
 const ZERO_AHEAD: u64 = 4 << 20;
 /// A record longer than this is damage, not a record (a Raft append is bounded far
 /// below it by the replica's message size).
 const MAX_RECORD: u64 = 1 << 30;
 
-/// What one append writes, borrowed from the caller.
-#[derive(Clone, Copy, Debug)]
-pub enum Write<'a> {
-    Entries(&'a [Entry]),
-    HardState(&'a HardState),
-}
-
-/// What reading a log back gives, in the order written.
+/// What one append wrote, read back: the hard state and the entries (maybe none)
+/// that replace the log from the first one's index on.
 #[derive(Debug, PartialEq)]
-pub enum Record {
-    Entries(Vec<Entry>),
-    HardState(HardState),
+pub struct Record {
+    pub hard_state: HardState,
+    pub entries: Vec<Entry>,
 }
 
 enum Backing {
@@ -96,18 +91,19 @@ pub fn file_of(store: &Path, generation: u64) -> PathBuf {
 }
 
 impl Wal {
-    /// Writes generation `generation` whole (header, `records`, zeros ahead), syncs it
-    /// and its directory, and opens it for appending; `store` is `None` for the
-    /// in-memory backend. A file of that generation left by an earlier attempt is
-    /// replaced.
+    /// Writes generation `generation` whole (header, one record of `hard_state` and
+    /// `entries`, zeros ahead), syncs it and its directory, and opens it for
+    /// appending; `store` is `None` for the in-memory backend. A file of that
+    /// generation left by an earlier attempt is replaced.
     pub fn create(
         store: Option<&Path>,
         generation: u64,
         cluster: ClusterId,
-        records: &[Write<'_>],
+        hard_state: &HardState,
+        entries: &[Entry],
     ) -> Result<Self> {
         let mut bytes = header(generation, cluster);
-        encode(records, &mut bytes)?;
+        encode(hard_state, entries, &mut bytes)?;
         let end = bytes.len() as u64;
         let Some(store) = store else {
             return Ok(Self {
@@ -193,14 +189,12 @@ impl Wal {
                     );
                     at = next;
                 }
-                Read::Damaged { next } => {
-                    if let Some(next) = next {
-                        if matches!(read_record(&bytes, next), Read::Record { .. }) {
-                            return Err(corrupt(format!(
-                                "the record at byte {at} is damaged and whole records \
-                                 follow it"
-                            )));
-                        }
+                Read::Damaged => {
+                    if let Some(whole) = whole_record_after(&bytes, at) {
+                        return Err(corrupt(format!(
+                            "the record at byte {at} is damaged and a whole record \
+                             follows it (at byte {whole})"
+                        )));
                     }
                     tracing::warn!(
                         path = %text,
@@ -235,10 +229,11 @@ impl Wal {
         self.generation
     }
 
-    /// Appends `records` with one write and, for a file, one `fdatasync`.
-    pub fn append(&mut self, records: &[Write<'_>]) -> Result<()> {
+    /// Appends one record of `hard_state` and `entries` with one write and, for a
+    /// file, one `fdatasync`.
+    pub fn append(&mut self, hard_state: &HardState, entries: &[Entry]) -> Result<()> {
         let mut bytes = Vec::new();
-        encode(records, &mut bytes)?;
+        encode(hard_state, entries, &mut bytes)?;
         let len = bytes.len() as u64;
         match &mut self.backing {
             Backing::Memory(buf) => buf.extend_from_slice(&bytes),
@@ -294,30 +289,23 @@ fn header(generation: u64, cluster: ClusterId) -> Vec<u8> {
     h
 }
 
-fn encode(records: &[Write<'_>], out: &mut Vec<u8>) -> Result<()> {
-    for record in records {
-        let start = out.len();
-        out.extend_from_slice(&[0u8; RECORD_HEAD]);
-        match record {
-            Write::Entries(entries) => {
-                out.push(KIND_ENTRIES);
-                for e in *entries {
-                    let b = e.write_to_bytes()?;
-                    out.extend_from_slice(&(b.len() as u32).to_le_bytes());
-                    out.extend_from_slice(&b);
-                }
-            }
-            Write::HardState(hs) => {
-                out.push(KIND_HARD_STATE);
-                out.extend_from_slice(&hs.write_to_bytes()?);
-            }
-        }
-        let body = &out[start + RECORD_HEAD..];
-        let len = body.len() as u32;
-        let crc = crc32fast::hash(body);
-        out[start..start + 4].copy_from_slice(&len.to_le_bytes());
-        out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+fn encode(hard_state: &HardState, entries: &[Entry], out: &mut Vec<u8>) -> Result<()> {
+    let start = out.len();
+    out.extend_from_slice(&[0u8; RECORD_HEAD]);
+    out.push(KIND_APPEND);
+    let hs = hard_state.write_to_bytes()?;
+    out.extend_from_slice(&(hs.len() as u32).to_le_bytes());
+    out.extend_from_slice(&hs);
+    for e in entries {
+        let b = e.write_to_bytes()?;
+        out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+        out.extend_from_slice(&b);
     }
+    let body = &out[start + RECORD_HEAD..];
+    let len = body.len() as u32;
+    let crc = crc32fast::hash(body);
+    out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+    out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
     Ok(())
 }
 
@@ -329,9 +317,8 @@ enum Read<'a> {
         payload: &'a [u8],
         next: usize,
     },
-    /// Not a whole record; `next` is where the one after would start if its length
-    /// is to be believed.
-    Damaged { next: Option<usize> },
+    /// Not a whole record.
+    Damaged,
 }
 
 fn read_record(bytes: &[u8], at: usize) -> Read<'_> {
@@ -339,17 +326,13 @@ fn read_record(bytes: &[u8], at: usize) -> Read<'_> {
         return if bytes[at.min(bytes.len())..].iter().all(|b| *b == 0) {
             Read::End
         } else {
-            Read::Damaged { next: None }
+            Read::Damaged
         };
     };
     let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
     let crc = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
     if len == 0 {
-        return if crc == 0 {
-            Read::End
-        } else {
-            Read::Damaged { next: None }
-        };
+        return if crc == 0 { Read::End } else { Read::Damaged };
     }
     let start = at + RECORD_HEAD;
     let next = start + len;
@@ -359,35 +342,49 @@ fn read_record(bytes: &[u8], at: usize) -> Read<'_> {
             payload: &body[1..],
             next,
         },
-        Some(_) => Read::Damaged { next: Some(next) },
-        None => Read::Damaged { next: None },
+        _ => Read::Damaged,
     }
 }
 
+/// Where the first whole record after the damaged one at `at` starts, if any. Its
+/// length cannot be trusted, so every offset is tried. Only a cut write may end the
+/// log, an append is one record, and a cut append leaves no whole record behind it
+/// (nothing after it was ever written), so finding one means other damage: a
+/// length, say, that would otherwise hide every record after it.
+fn whole_record_after(bytes: &[u8], at: usize) -> Option<usize> {
+    (at + 1..bytes.len().saturating_sub(RECORD_HEAD)).find(
+        |&i| matches!(read_record(bytes, i), Read::Record { kind, .. } if kind == KIND_APPEND),
+    )
+}
+
 fn decode(kind: u8, payload: &[u8]) -> std::result::Result<Record, String> {
-    match kind {
-        KIND_ENTRIES => {
-            let mut entries = Vec::new();
-            let mut rest = payload;
-            while !rest.is_empty() {
-                let (len, tail) = rest
-                    .split_first_chunk::<4>()
-                    .ok_or("an entry's length cut short")?;
-                let len = u32::from_le_bytes(*len) as usize;
-                let body = tail.get(..len).ok_or("an entry cut short")?;
-                entries.push(Entry::parse_from_bytes(body).map_err(|e| format!("log entry: {e}"))?);
-                rest = &tail[len..];
-            }
-            if entries.is_empty() {
-                return Err("a run of no entries".into());
-            }
-            Ok(Record::Entries(entries))
-        }
-        KIND_HARD_STATE => HardState::parse_from_bytes(payload)
-            .map(Record::HardState)
-            .map_err(|e| format!("hard state: {e}")),
-        other => Err(format!("unknown record kind {other}")),
+    if kind != KIND_APPEND {
+        return Err(format!("unknown record kind {kind}"));
     }
+    let (hs, mut rest) = take(payload, "the hard state")?;
+    let hard_state = HardState::parse_from_bytes(hs).map_err(|e| format!("hard state: {e}"))?;
+    let mut entries = Vec::new();
+    while !rest.is_empty() {
+        let (e, tail) = take(rest, "an entry")?;
+        entries.push(Entry::parse_from_bytes(e).map_err(|e| format!("log entry: {e}"))?);
+        rest = tail;
+    }
+    Ok(Record {
+        hard_state,
+        entries,
+    })
+}
+
+/// Splits `[u32 length][that many bytes]` off the front of `bytes`.
+fn take<'a>(bytes: &'a [u8], what: &str) -> std::result::Result<(&'a [u8], &'a [u8]), String> {
+    let (len, tail) = bytes
+        .split_first_chunk::<4>()
+        .ok_or_else(|| format!("{what}'s length cut short"))?;
+    let len = u32::from_le_bytes(*len) as usize;
+    if tail.len() < len {
+        return Err(format!("{what} cut short"));
+    }
+    Ok(tail.split_at(len))
 }
 
 fn sync_dir(path: &Path) -> io::Result<()> {

@@ -565,45 +565,57 @@ fn a_last_append_cut_short_by_a_crash_is_dropped_and_the_log_goes_on() {
 
 #[test]
 fn damage_inside_the_log_file_is_refused() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("raft.redb");
-    let range;
-    {
-        let mut s = initialized(&path);
-        s.persist(None, &[entry(2, 1)], None).expect("persist");
-        let before = std::fs::read(the_log_file(dir.path())).expect("read");
-        s.persist(None, &[entry(3, 1)], None).expect("persist");
-        range = written_by(
-            &before,
-            &std::fs::read(the_log_file(dir.path())).expect("read"),
+    // A flipped bit in entry 3's record, or its length made to run past the file's
+    // end, with whole records after it: not a write a crash cut short, so nothing is
+    // dropped silently.
+    for damage in ["payload", "length"] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("raft.redb");
+        let range;
+        {
+            let mut s = initialized(&path);
+            s.persist(None, &[entry(2, 1)], None).expect("persist");
+            let before = std::fs::read(the_log_file(dir.path())).expect("read");
+            s.persist(None, &[entry(3, 1)], None).expect("persist");
+            range = written_by(
+                &before,
+                &std::fs::read(the_log_file(dir.path())).expect("read"),
+            );
+            s.persist(None, &[entry(4, 1), entry(5, 1)], None)
+                .expect("persist");
+        }
+        let log = the_log_file(dir.path());
+        let mut bytes = std::fs::read(&log).expect("read");
+        let original = bytes.clone();
+        match damage {
+            "payload" => bytes[range.start + 20] ^= 0x04,
+            _ => bytes[range.start..range.start + 4].copy_from_slice(&u32::MAX.to_le_bytes()),
+        }
+        std::fs::write(&log, &bytes).expect("write");
+        let err = RedbStorage::open(&path, CLUSTER).expect_err("must refuse");
+        assert!(
+            matches!(err, ConsensusError::CorruptStorage { .. }),
+            "{damage}: {err}"
         );
-        s.persist(None, &[entry(4, 1), entry(5, 1)], None)
-            .expect("persist");
+        assert!(
+            err.to_string().contains(".log-"),
+            "names the log file: {err}"
+        );
+        // The refusal changed nothing: undamaged, the log opens whole.
+        std::fs::write(&log, &original).expect("write");
+        let s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+        assert_eq!(s.last(), 5, "{damage}");
+        drop(s);
+        // A log file of another store is refused too, as is a missing one.
+        let mut bytes = original;
+        bytes[16] ^= 0x01;
+        std::fs::write(&log, &bytes).expect("write");
+        let err = RedbStorage::open(&path, CLUSTER).expect_err("must refuse");
+        assert!(err.to_string().contains("generation or cluster"), "{err}");
+        std::fs::remove_file(&log).expect("remove");
+        let err = RedbStorage::open(&path, CLUSTER).expect_err("must refuse");
+        assert!(err.to_string().contains("missing"), "{err}");
     }
-    // A flipped bit in entry 3's record, with whole records after it: not a write
-    // a crash cut short, so nothing is dropped silently.
-    let log = the_log_file(dir.path());
-    let mut bytes = std::fs::read(&log).expect("read");
-    bytes[range.start + 20] ^= 0x04;
-    std::fs::write(&log, &bytes).expect("write");
-    let err = RedbStorage::open(&path, CLUSTER).expect_err("must refuse");
-    assert!(
-        matches!(err, ConsensusError::CorruptStorage { .. }),
-        "{err}"
-    );
-    assert!(
-        err.to_string().contains(".log-"),
-        "names the log file: {err}"
-    );
-    // A log file of another store is refused too, as is a missing one.
-    bytes[range.start + 20] ^= 0x04;
-    bytes[16] ^= 0x01;
-    std::fs::write(&log, &bytes).expect("write");
-    let err = RedbStorage::open(&path, CLUSTER).expect_err("must refuse");
-    assert!(err.to_string().contains("generation or cluster"), "{err}");
-    std::fs::remove_file(&log).expect("remove");
-    let err = RedbStorage::open(&path, CLUSTER).expect_err("must refuse");
-    assert!(err.to_string().contains("missing"), "{err}");
 }
 
 #[test]
