@@ -29,7 +29,8 @@ pub struct MeshBenchArgs {
     #[arg(long, default_value_t = 64)]
     pub transfer_mib: usize,
     /// After the table, one JSON object on the last line: p50_ms, p99_ms,
-    /// tasks_per_s, mesh_vs_direct, blob_vs_tcp, blob_stored_vs_tcp.
+    /// tasks_per_s, mesh_vs_direct, blob_vs_tcp, blob_stored_vs_tcp, and the disk's
+    /// fsync_ms and fsync_after_idle_ms.
     #[arg(long)]
     pub json: bool,
 }
@@ -121,6 +122,36 @@ fn breakdown(marks: &[Mark], ends: &[(TaskId, Instant, Instant)]) -> Vec<(String
             (what, v[v.len() / 2])
         })
         .collect()
+}
+
+/// Medians of a 300-byte write and `fdatasync` into a file under `root`: back to
+/// back, and after `idle` without a write (the mesh idle meanwhile).
+fn disk_wake(root: &std::path::Path, idle: Duration) -> anyhow::Result<(Duration, Duration)> {
+    use std::os::unix::fs::FileExt;
+    let path = root.join("disk-wake");
+    let file = std::fs::File::create(&path)?;
+    file.set_len(1 << 20)?;
+    file.sync_all()?;
+    let mut at = 0u64;
+    let mut write = || -> anyhow::Result<Duration> {
+        let t = Instant::now();
+        file.write_all_at(&[7u8; 300], at)?;
+        file.sync_data()?;
+        at += 512;
+        Ok(t.elapsed())
+    };
+    let mut warm = (0..21)
+        .map(|_| write())
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut cold = Vec::new();
+    for _ in 0..7 {
+        std::thread::sleep(idle);
+        cold.push(write()?);
+    }
+    std::fs::remove_file(&path)?;
+    warm.sort();
+    cold.sort();
+    Ok((warm[warm.len() / 2], cold[cold.len() / 2]))
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -231,6 +262,13 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     let (d, m) = (d[3], m[3]);
     let spin = breakdown(&timeline.take(), &spin_ends);
 
+    // The disk the nodes write on: a log-sized write and fdatasync back to back, and
+    // the same after as long without a write as the spin kernel runs. A task's
+    // result is committed with such a write on a quorum right after its kernel.
+    let disk_root = root.clone();
+    let (sync_warm, sync_idle) =
+        tokio::task::spawn_blocking(move || disk_wake(&disk_root, d)).await??;
+
     // (4) Blob transfer between two nodes vs raw loopback TCP.
     let transfer = gpumesh::node::net::bench_blob_transfer(args.transfer_mib << 20).await?;
 
@@ -265,6 +303,16 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         "mesh / direct",
         m.as_secs_f64() / d.as_secs_f64()
     );
+    println!(
+        "{:<58} {:>11.2} ms",
+        "disk: 300 bytes written and fdatasync'd, back to back",
+        ms(sync_warm)
+    );
+    println!(
+        "{:<58} {:>11.2} ms",
+        format!("disk: the same after {:.0} ms without a write", ms(d)),
+        ms(sync_idle)
+    );
     println!("\nwhere a trivial task's time goes (medians over the latency tasks)");
     for (what, d) in &alone {
         println!("  {what:<56} {:>11.2} ms", ms(*d));
@@ -291,6 +339,8 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
                 "mesh_vs_direct": m.as_secs_f64() / d.as_secs_f64(),
                 "blob_vs_tcp": transfer.pull_ratio(),
                 "blob_stored_vs_tcp": transfer.fetch_ratio(),
+                "fsync_ms": ms(sync_warm),
+                "fsync_after_idle_ms": ms(sync_idle),
             })
         );
     }
