@@ -4,8 +4,8 @@
 //! - [`mesh`]: [`MeshNode`], one node with every actor started in order; forming,
 //!   joining and leaving a mesh; the event router.
 //! - [`net`]: the libp2p swarm actor (TCP + optional cluster key + Noise + Yamux,
-//!   allow-list and connection caps, mDNS, identify, request-response for node
-//!   requests and blob chunks, streams for Raft frames).
+//!   allow-list and connection caps, mDNS, identify, request-response for blob
+//!   chunks, long-lived streams for Raft frames and for node requests).
 //! - [`worker`]: runs assigned shards on the GPU thread and reports results.
 //! - `host`: runs the calls of the GPU actors placed on this node, in log order.
 //! - [`scheduler`]: on the leader, places pending shards by capability and queue,

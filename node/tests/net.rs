@@ -461,6 +461,14 @@ async fn garbage_on_the_wire_does_not_stop_the_node_from_serving() {
         vec![],                     // nothing
         pseudo_random(1 << 20, 11), // a megabyte of noise
     ];
+    // And a well-formed node request: those come on the call lane only, so this
+    // protocol refuses it, saying where they go, and the node never sees it.
+    let node_request = [
+        framed(&seal(&MeshRequest::Node(vec![])).unwrap()),
+        framed(&[1; 64]),
+    ]
+    .concat();
+    let mut refused = None;
     let victim_id = victim.id();
     let mut outstanding = 0;
     let mut sent = false;
@@ -477,19 +485,31 @@ async fn garbage_on_the_wire_does_not_stop_the_node_from_serving() {
                         .send_request(&victim_id, bytes.clone());
                     outstanding += 1;
                 }
+                let id = rogue
+                    .behaviour_mut()
+                    .send_request(&victim_id, node_request.clone());
+                refused = Some((id, None));
+                outstanding += 1;
                 sent = true;
             }
             SwarmEvent::Behaviour(request_response::Event::OutboundFailure { .. }) => {
                 outstanding -= 1;
             }
             SwarmEvent::Behaviour(request_response::Event::Message { message, .. }) => {
-                if let request_response::Message::Response { response, .. } = message {
-                    // The victim never answers junk with a real answer.
-                    assert!(
-                        response.is_empty(),
-                        "answered junk with {} bytes",
-                        response.len()
-                    );
+                if let request_response::Message::Response {
+                    response,
+                    request_id,
+                } = message
+                {
+                    match refused.as_mut() {
+                        Some((id, answer)) if *id == request_id => *answer = Some(response),
+                        // The victim never answers junk with a real answer.
+                        _ => assert!(
+                            response.is_empty(),
+                            "answered junk with {} bytes",
+                            response.len()
+                        ),
+                    }
                 }
                 outstanding -= 1;
             }
@@ -504,6 +524,15 @@ async fn garbage_on_the_wire_does_not_stop_the_node_from_serving() {
         "bad streams must not cost the connection"
     );
     assert!(!victim.task.is_finished(), "the net actor died");
+    let answer = refused
+        .and_then(|(_, a)| a)
+        .expect("the node request was answered");
+    let len = u32::from_le_bytes(answer[..4].try_into().unwrap()) as usize;
+    let answer: MeshResponse = gpumesh_protocol::open(&answer[4..4 + len]).unwrap();
+    match answer {
+        MeshResponse::Error(why) => assert!(why.contains("/gpumesh/call/1"), "{why}"),
+        other => panic!("a node request on the blob protocol was answered {other:?}"),
+    }
 
     // 3. The victim still serves a well-behaved peer.
     let client = Node::start(|c| c.chunk_bytes = 64 << 10).await;
@@ -519,6 +548,16 @@ async fn garbage_on_the_wire_does_not_stop_the_node_from_serving() {
         })
         .await;
     assert_eq!(frame, b"still here?");
+    while let Ok(event) = victim.events.try_recv() {
+        victim.backlog.push_back(event);
+    }
+    assert!(
+        !victim
+            .backlog
+            .iter()
+            .any(|e| matches!(e, NetEvent::Request { .. })),
+        "a node request on the blob protocol reached the node"
+    );
 
     victim.stop().await;
     client.stop().await;

@@ -67,7 +67,6 @@ pub(super) fn spawn(
         pending_dials: HashMap::new(),
         bootstrap,
         // Leave the peer some of its own timeout to get our error answer back.
-        node_answer_timeout: config.request_timeout.mul_f32(0.9),
         max_chunk: (config.max_frame_bytes - FRAME_OVERHEAD) as u32,
         redial_interval: config.redial_interval,
         metrics: config.metrics.clone(),
@@ -120,7 +119,6 @@ struct NetActor {
     pending_requests: HashMap<OutboundRequestId, PendingRequest>,
     pending_dials: HashMap<ConnectionId, PendingDial>,
     bootstrap: Vec<Bootstrap>,
-    node_answer_timeout: Duration,
     max_chunk: u32,
     redial_interval: Duration,
     metrics: NetMetrics,
@@ -513,29 +511,16 @@ impl NetActor {
                     let _ = replies.send((channel, response)).await;
                 });
             }
-            request @ MeshRequest::Node(_) => {
-                let (reply, answer) = oneshot::channel();
-                let kind = request.kind();
-                self.emit(NetEvent::Request {
-                    from,
-                    request,
-                    reply,
-                });
-                let replies = self.replies_tx.clone();
-                let timeout = self.node_answer_timeout;
-                tokio::spawn(async move {
-                    let response = match tokio::time::timeout(timeout, answer).await {
-                        Ok(Ok(response)) => response,
-                        Ok(Err(_)) => MeshResponse::Error(format!(
-                            "the node did not handle the {kind} request"
-                        )),
-                        Err(_) => MeshResponse::Error(format!(
-                            "the node did not answer the {kind} request within {:.1}s",
-                            timeout.as_secs_f64()
-                        )),
-                    };
-                    let _ = replies.send((channel, response)).await;
-                });
+            MeshRequest::Node(_) => {
+                // Node requests come on the call lane, where they are taken in
+                // turn; this protocol serves blob chunks alone.
+                tracing::debug!(%from, "a node request on the blob protocol; refused");
+                let response = MeshResponse::Error(format!(
+                    "node requests go on {}; {} serves blob chunks only",
+                    super::call_lane::CALL_PROTOCOL,
+                    super::MESH_PROTOCOL
+                ));
+                self.respond(channel, response);
             }
         }
     }

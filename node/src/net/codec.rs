@@ -15,7 +15,10 @@
 //!
 //! Every message written or read whole counts its bytes (both lengths, the envelope,
 //! the bulk bytes) in the node's metrics: blob chunk requests and their answers in
-//! the `blob` lane, everything else in the `call` lane.
+//! the `blob` lane, everything else in the `call` lane. Node requests
+//! ([`MeshRequest::Node`]) travel on the call lane's streams (see `call_lane`); one
+//! that comes through request-response is answered with an error that says so,
+//! and the node never sees it.
 
 use std::io;
 
