@@ -113,19 +113,32 @@ pub(super) struct Holder {
 }
 
 impl Holder {
-    /// Binds a listener on the address of the node's first TCP listen address (any
-    /// free port) and serves connections until `cancel` fires. `None` when the node
-    /// listens on no TCP address.
+    /// Binds a listener on the IP of each of the node's TCP listen addresses, all on
+    /// one port (any free one for the first, the same for the others), and serves
+    /// connections until `cancel` fires: a peer connects to the IP it reached the
+    /// node at. An IP already covered by an unspecified address of its family, or
+    /// whose port is taken, has no direct listener (logged): peers that reach the
+    /// node there pull on the lane. `None` when the node listens on no TCP address.
     pub(super) async fn start(
         listen: &[Multiaddr],
         blobs: BlobStore,
         metrics: NetMetrics,
         cancel: CancellationToken,
     ) -> Result<Option<Holder>> {
-        let Some(ip) = listen.iter().find_map(tcp_ip) else {
+        let mut ips: Vec<IpAddr> = Vec::new();
+        for ip in listen.iter().filter_map(tcp_ip) {
+            if !ips.contains(&ip) {
+                ips.push(ip);
+            }
+        }
+        // A specific IP under an unspecified one of its family is already served.
+        let any = |v4: bool| ips.iter().any(|i| i.is_unspecified() && i.is_ipv4() == v4);
+        let (any4, any6) = (any(true), any(false));
+        ips.retain(|i| i.is_unspecified() || !(if i.is_ipv4() { any4 } else { any6 }));
+        let Some(first) = ips.first().copied() else {
             return Ok(None);
         };
-        let at = SocketAddr::new(ip, 0);
+        let at = SocketAddr::new(first, 0);
         let listener = TcpListener::bind(at)
             .await
             .map_err(|e| NodeError::NetSetup(format!("direct blob listener on {at}: {e}")))?;
@@ -137,7 +150,29 @@ impl Holder {
             port,
             tickets: Arc::default(),
         };
-        tokio::spawn(holder.clone().accept(listener, blobs, metrics, cancel));
+        let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+        let mut listeners = vec![listener];
+        for ip in &ips[1..] {
+            let at = SocketAddr::new(*ip, port);
+            match TcpListener::bind(at).await {
+                Ok(l) => listeners.push(l),
+                Err(e) => tracing::warn!(
+                    %at,
+                    error = %e,
+                    "no direct blob listener here; peers that reach this node at {ip} pull \
+                     on the blob lane's stream"
+                ),
+            }
+        }
+        for listener in listeners {
+            tokio::spawn(holder.clone().accept(
+                listener,
+                open.clone(),
+                blobs.clone(),
+                metrics.clone(),
+                cancel.clone(),
+            ));
+        }
         Ok(Some(holder))
     }
 
@@ -170,14 +205,16 @@ impl Holder {
         (t.issued.elapsed() < TICKET_LIFE).then_some(t)
     }
 
+    /// Serves `listener`'s connections, at most [`MAX_CONNECTIONS`] at once across
+    /// this holder's listeners (`open`).
     async fn accept(
         self,
         listener: TcpListener,
+        open: Arc<tokio::sync::Semaphore>,
         blobs: BlobStore,
         metrics: NetMetrics,
         cancel: CancellationToken,
     ) {
-        let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         loop {
             let accepted = tokio::select! {
                 _ = cancel.cancelled() => return,
@@ -474,6 +511,46 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         None
+    }
+
+    /// Whether a TCP connection to `ip:port` is accepted.
+    async fn accepts(ip: &str, port: u16) -> bool {
+        TcpStream::connect((ip.parse::<IpAddr>().unwrap(), port))
+            .await
+            .is_ok()
+    }
+
+    #[tokio::test]
+    async fn the_direct_listener_is_on_every_listen_ip_on_one_port() {
+        let dir = tempfile::tempdir().unwrap();
+        let blobs = BlobStore::open(dir.path(), 1 << 20).unwrap();
+        let start = |listen: &[&str]| {
+            let listen: Vec<Multiaddr> = listen.iter().map(|a| a.parse().unwrap()).collect();
+            let (blobs, cancel) = (blobs.clone(), CancellationToken::new());
+            async move {
+                let holder = Holder::start(&listen, blobs, NetMetrics::default(), cancel.clone())
+                    .await
+                    .unwrap();
+                (holder, cancel)
+            }
+        };
+        // Two loopback IPs (a node on two networks): a peer that reached the node at
+        // either connects there.
+        let (holder, cancel) = start(&["/ip4/127.0.0.1/tcp/0", "/ip4/127.0.0.2/tcp/0"]).await;
+        let port = holder.unwrap().port;
+        assert!(accepts("127.0.0.1", port).await);
+        assert!(accepts("127.0.0.2", port).await);
+        assert!(!accepts("127.0.0.3", port).await, "an IP it was not given");
+        cancel.cancel();
+        // An unspecified IP covers the specific ones of its family.
+        let (holder, cancel) = start(&["/ip4/127.0.0.4/tcp/0", "/ip4/0.0.0.0/tcp/0"]).await;
+        let port = holder.unwrap().port;
+        assert!(accepts("127.0.0.4", port).await);
+        assert!(accepts("127.0.0.5", port).await);
+        cancel.cancel();
+        // No TCP address: no direct channel.
+        let (holder, _cancel) = start(&["/ip4/127.0.0.1/udp/0/quic-v1"]).await;
+        assert!(holder.is_none());
     }
 
     #[tokio::test]
