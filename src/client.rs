@@ -349,10 +349,13 @@ impl Client {
         state: Vec<StateInit>,
         backend: Option<String>,
     ) -> ClientResult<ActorView> {
+        // One request id through the retries: a create that was recorded before its
+        // answer was lost answers with the actor, not with "the name is taken".
         let request = CreateActorRequest {
             name: name.to_string(),
             state,
             backend,
+            request_id: Some(self.ids.next_id()),
         };
         self.retrying(|| self.json(self.http.post(self.url("/v1/actors")).json(&request)))
             .await

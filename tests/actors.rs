@@ -729,3 +729,118 @@ async fn calls_waiting_together_run_back_to_back_and_a_failure_among_them_change
     .await
     .expect("test exceeded its time limit");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_actors_created_at_once_are_placed_once_each_and_a_retried_create_is_one_actor() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = mesh(dir.path(), 3).await;
+        let clients: Vec<_> = nodes.iter().map(common::client).collect();
+        // Every entry the leader's record applies, by kind (an entry skipped by a
+        // lagging receiver counts as unknown).
+        let mut applied = nodes[0].consensus.subscribe();
+        let kinds = std::sync::Arc::new(std::sync::Mutex::new(BTreeMap::<String, usize>::new()));
+        let counting = tokio::spawn({
+            let kinds = kinds.clone();
+            async move {
+                loop {
+                    let kind = match applied.recv().await {
+                        Ok(gpumesh::consensus::AppliedEvent::Entry { entry, .. }) => {
+                            (entry.command.kind().to_string(), 1)
+                        }
+                        Ok(_) => continue,
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                            ("unknown".to_string(), n as usize)
+                        }
+                        Err(_) => return,
+                    };
+                    *kinds.lock().unwrap().entry(kind.0).or_default() += kind.1;
+                }
+            }
+        });
+        // 240 actors, 24 creates in flight through the three nodes.
+        const ACTORS: usize = 240;
+        let mut creating = tokio::task::JoinSet::new();
+        for first in 0..24 {
+            let c = clients[first % 3].clone();
+            creating.spawn(async move {
+                for i in (first..ACTORS).step_by(24) {
+                    let init = vec![gpumesh::node::api::StateInit {
+                        binding: 0,
+                        size: 64,
+                        blob: None,
+                    }];
+                    c.create_actor(&format!("many-{i}"), init, None)
+                        .await
+                        .unwrap();
+                }
+            });
+        }
+        while let Some(done) = creating.join_next().await {
+            done.unwrap();
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while nodes[0]
+            .consensus
+            .read_local(|s| s.actors().values().filter(|a| a.host.is_some()).count())
+            < ACTORS
+        {
+            assert!(tokio::time::Instant::now() < deadline, "not all placed");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // One placement each: the leader's passes (one per applied entry) proposed
+        // each unplaced actor's placement again until it applied, so creating many
+        // at once flooded the log with placements and lost the quorum.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let leader = nodes
+            .iter()
+            .position(|n| {
+                n.consensus.watch_status().borrow().role == gpumesh::consensus::RaftRole::Leader
+            })
+            .unwrap();
+        let (index, created) = nodes[leader]
+            .consensus
+            .read_local(|s| (s.applied_index(), s.actors().len()));
+        assert_eq!(created, ACTORS);
+        counting.abort();
+        let kinds = kinds.lock().unwrap().clone();
+        let placements = kinds.get("place-actor").copied().unwrap_or(0);
+        assert_eq!(kinds.get("unknown"), None, "{kinds:?}");
+        assert!(
+            (ACTORS..ACTORS + ACTORS / 4).contains(&placements),
+            "{placements} placements for {ACTORS} actors (applied index {index}): {kinds:?}"
+        );
+        // A retried create (same request id) answers with the actor it made; another
+        // request for the same name is refused.
+        let http = reqwest::Client::new();
+        let url = format!("http://{}/v1/actors", nodes[1].api_addr);
+        let body = serde_json::json!({
+            "name": "retried",
+            "state": [{"binding": 0, "size": 64}],
+            "request_id": {"client": 77, "seq": 1},
+        });
+        for attempt in 0..2 {
+            let r = http.post(&url).json(&body).send().await.unwrap();
+            assert_eq!(
+                r.status(),
+                200,
+                "attempt {attempt}: {}",
+                r.text().await.unwrap()
+            );
+            let view: serde_json::Value = r.json().await.unwrap();
+            assert_eq!(view["name"], "retried");
+        }
+        let mut other = body.clone();
+        other["request_id"]["seq"] = 2.into();
+        let r = http.post(&url).json(&other).send().await.unwrap();
+        assert_eq!(r.status(), 409);
+        assert!(r.text().await.unwrap().contains("exists"));
+        assert_eq!(clients[2].actors().await.unwrap().len(), ACTORS + 1);
+        stop(nodes).await;
+    })
+    .await
+    .expect("test exceeded its time limit");
+}

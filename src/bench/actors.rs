@@ -22,8 +22,13 @@ pub struct ActorsBenchArgs {
     /// Calls in flight at once during the throughput run (spread over the nodes).
     #[arg(long, default_value_t = 48)]
     pub in_flight: usize,
+    /// Actors created (through every node, `in_flight` at a time) and left idle
+    /// before anything is timed: what the calls cost with many actors in the record.
+    #[arg(long, default_value_t = 0)]
+    pub idle_actors: usize,
     /// Print one JSON object as the last line (`call_p50_ms`, `call_p99_ms`,
-    /// `call_at_host_p50_ms`, `call_at_host_p99_ms`, `calls_per_s`, `failover_ms`).
+    /// `call_at_host_p50_ms`, `call_at_host_p99_ms`, `calls_per_s`, `failover_ms`, and
+    /// with `--idle-actors`, `idle_actors` and `creates_per_s`).
     #[arg(long)]
     pub json: bool,
 }
@@ -44,6 +49,45 @@ fn call() -> ActorCall {
         grid: Grid([1, 1, 1]),
         deadline_ms: None,
     }
+}
+
+/// Creates `count` actors (64 bytes of state each) through every node, `in_flight`
+/// at a time, and leaves them idle; returns how many were created per second.
+async fn create_idle(
+    clients: &[Client],
+    count: usize,
+    in_flight: usize,
+) -> anyhow::Result<Option<f64>> {
+    if count == 0 {
+        return Ok(None);
+    }
+    let t = Instant::now();
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut running = tokio::task::JoinSet::new();
+    for i in 0..in_flight.clamp(1, count) {
+        let (c, next) = (clients[i % clients.len()].clone(), next.clone());
+        running.spawn(async move {
+            loop {
+                let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if n >= count {
+                    return Ok::<_, gpumesh::ClientError>(());
+                }
+                let state = vec![StateInit {
+                    binding: 0,
+                    size: 64,
+                    blob: None,
+                }];
+                c.create_actor(&format!("idle{n}"), state, None).await?;
+            }
+        });
+    }
+    while let Some(r) = running.join_next().await {
+        r??;
+    }
+    let per_s = count as f64 / t.elapsed().as_secs_f64();
+    let listed = clients[0].actors().await?.len();
+    anyhow::ensure!(listed == count, "{listed} actors listed, not {count}");
+    Ok(Some(per_s))
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -80,6 +124,7 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
         size: 256,
         blob: None,
     }];
+    let created = create_idle(&clients, args.idle_actors, args.in_flight).await?;
     clients[0].create_actor("bench", state, None).await?;
     let host = clients[0].actor("bench").await?;
     let host_index = nodes
@@ -189,6 +234,16 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
         format!("actor calls, {} in flight through 3 nodes", args.in_flight),
         calls_per_s
     );
+    if let Some(per_s) = created {
+        println!(
+            "{:<60} {:>9.0} /s",
+            format!(
+                "{} idle actors created, {} at a time",
+                args.idle_actors, args.in_flight
+            ),
+            per_s
+        );
+    }
     println!(
         "{:<60} {:>9.0} ms",
         if host_led {
@@ -209,6 +264,8 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
                 "calls_per_s": calls_per_s,
                 "failover_ms": ms(failover),
                 "failover_host_led": host_led,
+                "idle_actors": args.idle_actors,
+                "creates_per_s": created,
             })
         );
     }

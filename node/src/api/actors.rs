@@ -115,14 +115,20 @@ pub(crate) async fn create(
             gpumesh_shaders::BackendChoice::Only(kind) => Some(kind),
         },
     };
+    let request_id = req
+        .request_id
+        .unwrap_or_else(|| api.consensus.new_request_id());
     let committed = api
         .consensus
-        .propose(Command::CreateActor {
-            name: req.name.clone(),
-            state,
-            backend,
-            creator: api.peer_id.to_string(),
-        })
+        .propose_with_id(
+            request_id,
+            Command::CreateActor {
+                name: req.name.clone(),
+                state,
+                backend,
+                creator: api.peer_id.to_string(),
+            },
+        )
         .await
         .map_err(unavailable)?;
     match committed.outcome {

@@ -296,6 +296,10 @@ pub struct CreateActorRequest {
     /// Host it on a node of this backend (vulkan, gl, metal, dx12); any if none.
     #[serde(default)]
     pub backend: Option<String>,
+    /// Idempotency key: a retried create with the same id answers with the actor it
+    /// made, where another id is refused because the name is taken.
+    #[serde(default)]
+    pub request_id: Option<RequestId>,
 }
 
 /// One state buffer of a new actor: `size` bytes at `binding`, starting as the bytes

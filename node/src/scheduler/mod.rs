@@ -46,6 +46,18 @@ impl Default for SchedulerConfig {
     }
 }
 
+/// A proposal of the leader's passes that has not ended: the passes until it does
+/// leave what it is about alone.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Pending {
+    /// An assignment, a move or a verdict for one shard.
+    Shard(TaskId, u32),
+    /// A task's merged result.
+    Merge(TaskId),
+    /// An actor's placement.
+    Actor(String),
+}
+
 pub(crate) struct Scheduler {
     pub consensus: ConsensusHandle,
     /// Pulls replica outputs to compare them, and shard results to merge them.
@@ -63,7 +75,7 @@ impl Scheduler {
         let mut tick = tokio::time::interval(self.config.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Proposals not yet applied, so a pass does not repeat them.
-        let mut in_flight: HashSet<(TaskId, u32)> = HashSet::new();
+        let mut in_flight: HashSet<Pending> = HashSet::new();
         let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
         let mut was_leader = false;
         // Leader-local clocks: the start of each attempt, and how long finished
@@ -181,15 +193,15 @@ impl Scheduler {
     fn carry_out(
         &self,
         plan: Plan,
-        in_flight: &mut HashSet<(TaskId, u32)>,
-        done_tx: &tokio::sync::mpsc::UnboundedSender<(TaskId, u32)>,
+        in_flight: &mut HashSet<Pending>,
+        done_tx: &tokio::sync::mpsc::UnboundedSender<Pending>,
     ) {
         // Each proposal in a `place{task shard node}` span, matching the workers'
         // `shard{task shard epoch}` spans.
-        let mut commands: Vec<((TaskId, u32), Command, tracing::Span)> = Vec::new();
+        let mut commands: Vec<(Pending, Command, tracing::Span)> = Vec::new();
         for (task, shard, node) in plan.assign {
             commands.push((
-                (task, shard),
+                Pending::Shard(task, shard),
                 Command::AssignShard { task, shard, node },
                 tracing::info_span!("place", %task, shard, node = %format_args!("{node:x}")),
             ));
@@ -199,7 +211,7 @@ impl Scheduler {
                 "place", %task, shard, node = %format_args!("{node:x}"), from_epoch = epoch, %reason
             );
             commands.push((
-                (task, shard),
+                Pending::Shard(task, shard),
                 Command::ReassignShard {
                     task,
                     shard,
@@ -212,7 +224,7 @@ impl Scheduler {
         }
         // One proposal per shard at a time; the rest wait for the next pass.
         for (key, command, span) in commands {
-            if !in_flight.insert(key) {
+            if !in_flight.insert(key.clone()) {
                 continue;
             }
             let consensus = self.consensus.clone();
@@ -229,7 +241,7 @@ impl Scheduler {
             );
         }
         for (task, shard) in plan.verify {
-            if !in_flight.insert((task, shard)) {
+            if !in_flight.insert(Pending::Shard(task, shard)) {
                 continue;
             }
             let consensus = self.consensus.clone();
@@ -250,12 +262,11 @@ impl Scheduler {
                         tracing::warn!(%task, shard, "could not compare replica outputs: {e}")
                     }
                 }
-                let _ = done.send((task, shard));
+                let _ = done.send(Pending::Shard(task, shard));
             });
         }
-        // A merge is keyed by a shard number no shard has.
         for task in plan.merge {
-            if !in_flight.insert((task, u32::MAX)) {
+            if !in_flight.insert(Pending::Merge(task)) {
                 continue;
             }
             let consensus = self.consensus.clone();
@@ -268,26 +279,24 @@ impl Scheduler {
                     {
                         tracing::warn!("could not merge yet: {e}");
                     }
-                    let _ = done.send((task, u32::MAX));
+                    let _ = done.send(Pending::Merge(task));
                 }
                 .instrument(tracing::info_span!("merge", %task)),
             );
         }
-        for (task, reason) in plan.cancel {
-            let consensus = self.consensus.clone();
-            tokio::spawn(async move {
-                let _ = consensus
-                    .propose(Command::TaskCancelled { task, reason })
-                    .await;
-            });
-        }
-        // A placement computed twice before the first applies is ignored the second
-        // time (its epoch is gone).
+        // One placement per actor at a time: every pass until it applies would
+        // otherwise propose it again (each one more entry, and one more pass), and
+        // many actors created at once flooded the log with their placements.
         for (name, epoch, node, reason) in plan.place_actors {
+            let key = Pending::Actor(name.clone());
+            if !in_flight.insert(key.clone()) {
+                continue;
+            }
             let consensus = self.consensus.clone();
+            let done = done_tx.clone();
             tokio::spawn(async move {
                 tracing::info!(actor = %name, node = format_args!("{node:x}"), %reason, "placing actor");
-                let _ = consensus
+                let placed = consensus
                     .propose(Command::PlaceActor {
                         name,
                         epoch,
@@ -295,6 +304,10 @@ impl Scheduler {
                         reason,
                     })
                     .await;
+                if let Err(e) = placed {
+                    tracing::debug!(error = %e, "placement not committed");
+                }
+                let _ = done.send(key);
             });
         }
     }

@@ -23,7 +23,6 @@ pub struct Plan {
     pub assign: Vec<(TaskId, u32, u64)>,
     /// (task, shard, old epoch, node, why): an attempt moved off a lost node.
     pub reassign: Vec<(TaskId, u32, u32, u64, String)>,
-    pub cancel: Vec<(TaskId, String)>,
     /// Shards whose replica outputs wait for a float comparison.
     pub verify: Vec<(TaskId, u32)>,
     /// Tasks whose shards all have results, waiting to be merged.
