@@ -573,3 +573,72 @@ fn calls_waiting_in_the_record_are_capped_per_actor_and_a_retry_still_finds_its_
         Outcome::CallQueued { .. }
     ));
 }
+
+/// The hosts and queues the record indexes, as every actor in it says.
+fn indexes_agree_with_the_actors(sm: &StateMachine) {
+    let mut hosts: std::collections::BTreeMap<Option<u64>, Vec<String>> = Default::default();
+    for a in sm.actors().values() {
+        hosts.entry(a.host).or_default().push(a.name.clone());
+    }
+    let indexed: Vec<(Option<u64>, usize)> = sm.actor_hosts().collect();
+    let counted: Vec<(Option<u64>, usize)> = hosts.iter().map(|(h, n)| (*h, n.len())).collect();
+    assert_eq!(indexed, counted);
+    for (host, names) in &hosts {
+        let listed: Vec<String> = sm.actors_hosted_by(*host).map(|a| a.name.clone()).collect();
+        assert_eq!(&listed, names, "host {host:?}");
+    }
+    let queued: Vec<&str> = sm
+        .actors()
+        .values()
+        .filter(|a| !a.pending.is_empty())
+        .map(|a| a.name.as_str())
+        .collect();
+    let listed: Vec<&str> = sm
+        .actors_with_queued_calls()
+        .map(|a| a.name.as_str())
+        .collect();
+    assert_eq!(listed, queued);
+}
+
+#[test]
+fn the_hosts_and_queues_indexed_follow_every_change_and_a_snapshot() {
+    let mut log = Log::new();
+    // A fixed pseudo-random walk over five actors and three nodes: creates, moves,
+    // calls queued, results from the host and from others, deletes.
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    for step in 0..600 {
+        let name = format!("a{}", next(5));
+        let node = 1 + next(3);
+        let actor = log.sm.actor(&name).cloned();
+        let command = match (next(6), actor) {
+            (_, None) => create(&name),
+            (0, Some(a)) => place(&name, a.epoch, node),
+            (1 | 2, Some(_)) => Command::CallActor {
+                name: name.clone(),
+                call: call(step),
+                caller: "p1".into(),
+            },
+            (3 | 4, Some(a)) => match (a.next_call(), a.host) {
+                (Some((seq, _)), Some(host)) => {
+                    done(&name, seq, a.epoch, host, &step.to_le_bytes())
+                }
+                _ => place(&name, a.epoch, node),
+            },
+            (_, Some(_)) => Command::DeleteActor { name: name.clone() },
+        };
+        log.apply(command);
+        indexes_agree_with_the_actors(&log.sm);
+        if step % 50 == 0 {
+            let restored = StateMachine::from_bytes(&log.sm.to_bytes().unwrap()).unwrap();
+            assert_eq!(restored, log.sm, "step {step}");
+        }
+    }
+    assert!(log.sm.actors_with_queued_calls().count() > 0);
+    assert!(log.sm.actor_hosts().count() > 1);
+}

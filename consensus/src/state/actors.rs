@@ -228,6 +228,62 @@ impl StateMachine {
         self.actors.get(name)
     }
 
+    /// The actors `node` hosts (`None`: those not placed yet).
+    pub fn actors_hosted_by(&self, node: Option<u64>) -> impl Iterator<Item = &Actor> {
+        self.by_host
+            .get(&node)
+            .into_iter()
+            .flatten()
+            .filter_map(|name| self.actors.get(name))
+    }
+
+    /// Each host named by an actor (`None` for actors not placed yet) and how many
+    /// actors name it.
+    pub fn actor_hosts(&self) -> impl Iterator<Item = (Option<u64>, usize)> + '_ {
+        self.by_host
+            .iter()
+            .map(|(host, names)| (*host, names.len()))
+    }
+
+    /// The actors with calls waiting in the record's queue.
+    pub fn actors_with_queued_calls(&self) -> impl Iterator<Item = &Actor> {
+        self.queued.iter().filter_map(|name| self.actors.get(name))
+    }
+
+    /// Brings the derived indexes up to date for actor `name`, which had host
+    /// `before` (`None`: it did not exist) before the entry just applied.
+    pub(super) fn index_actor(&mut self, name: &str, before: Option<Option<u64>>) {
+        let now = self
+            .actors
+            .get(name)
+            .map(|a| (a.host, !a.pending.is_empty()));
+        if before != now.map(|(host, _)| host) {
+            if let Some(host) = before {
+                if let Some(names) = self.by_host.get_mut(&host) {
+                    names.remove(name);
+                    if names.is_empty() {
+                        self.by_host.remove(&host);
+                    }
+                }
+            }
+            if let Some((host, _)) = now {
+                self.by_host
+                    .entry(host)
+                    .or_default()
+                    .insert(name.to_string());
+            }
+        }
+        match now {
+            Some((_, true)) if !self.queued.contains(name) => {
+                self.queued.insert(name.to_string());
+            }
+            Some((_, true)) => {}
+            _ => {
+                self.queued.remove(name);
+            }
+        }
+    }
+
     pub(super) fn create_actor(
         &mut self,
         index: u64,

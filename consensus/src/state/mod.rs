@@ -44,6 +44,14 @@ pub struct StateMachine {
     finished: BTreeSet<TaskId>,
     /// GPU actors by name.
     actors: BTreeMap<String, Actor>,
+    /// Actor names by host (`None`: not placed yet), derived from `actors` like
+    /// `active`: a host's pass and the leader's placement cost the actors they
+    /// concern, not every actor in the record.
+    #[serde(skip)]
+    by_host: BTreeMap<Option<u64>, BTreeSet<String>>,
+    /// Actors with calls waiting in the record's queue, derived like `by_host`.
+    #[serde(skip)]
+    queued: BTreeSet<String>,
     /// Members the leader judged down (`MembersDown`).
     down: BTreeSet<u64>,
 }
@@ -80,6 +88,8 @@ impl StateMachine {
             active: BTreeSet::new(),
             finished: BTreeSet::new(),
             actors: BTreeMap::new(),
+            by_host: BTreeMap::new(),
+            queued: BTreeSet::new(),
             down: BTreeSet::new(),
         }
     }
@@ -104,6 +114,10 @@ impl StateMachine {
             state.tasks.values().partition(|t| !t.status.is_terminal());
         state.active = active.iter().map(|t| t.id).collect();
         state.finished = finished.iter().map(|t| t.id).collect();
+        let names: Vec<String> = state.actors.keys().cloned().collect();
+        for name in names {
+            state.index_actor(&name, None);
+        }
         Ok(state)
     }
 
@@ -289,7 +303,14 @@ impl StateMachine {
         }
         self.applied_index = index;
         self.applied_term = term;
+        let actor = entry
+            .command
+            .actor()
+            .map(|name| (name, self.actors.get(name).map(|a| a.host)));
         let outcome = self.run(index, entry);
+        if let Some((name, before)) = actor {
+            self.index_actor(name, before);
+        }
         if let Some(task) = entry.command.task().or(match outcome {
             Outcome::TaskSubmitted { task } => Some(task),
             _ => None,

@@ -29,7 +29,7 @@
 
 mod sent;
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -437,18 +437,13 @@ impl ActorHost {
             return;
         }
         let me = self.me;
-        let hosted: HashSet<String> = self.consensus.read_local(move |s| {
-            s.actors()
-                .values()
-                .filter(|a| a.host == Some(me))
-                .map(|a| a.name.clone())
+        let gone: Vec<String> = self.consensus.read_local(|s| {
+            on_gpu
+                .keys()
+                .filter(|n| s.actor(n).is_none_or(|a| a.host != Some(me)))
+                .cloned()
                 .collect()
         });
-        let gone: Vec<String> = on_gpu
-            .keys()
-            .filter(|n| !hosted.contains(*n))
-            .cloned()
-            .collect();
         for name in gone {
             let blobs = on_gpu.remove(&name).unwrap_or_default();
             tracing::debug!(actor = %name, "no longer hosted here; its GPU buffers are freed");
@@ -465,19 +460,27 @@ impl ActorHost {
         busy: impl Fn(&str) -> bool,
     ) -> Vec<Turn> {
         let me = self.me;
-        let sent: HashSet<String> = mailbox
+        let sent: BTreeSet<&String> = mailbox
             .iter()
             .filter(|(name, calls)| !calls.is_empty() && !busy(name))
-            .map(|(name, _)| name.clone())
+            .map(|(name, _)| name)
             .collect();
         let mut turns: Vec<Turn> = self.consensus.read_local(|s| {
-            s.actors()
-                .values()
+            // The actors with calls queued in the record, and those with calls sent
+            // here: not every actor in the record.
+            let queued: BTreeSet<&String> = s
+                .actors_with_queued_calls()
+                .filter(|a| a.host == Some(me))
+                .map(|a| &a.name)
+                .collect();
+            queued
+                .union(&sent)
+                .filter_map(|name| s.actor(name))
                 .filter(|a| a.host == Some(me) && !busy(&a.name))
                 .filter_map(|a| {
                     let source = match a.next_call() {
                         Some((first, _)) => Source::Queued { first },
-                        None if sent.contains(&a.name) => Source::Sent {
+                        None if sent.contains(&&a.name) => Source::Sent {
                             replies: Vec::new(),
                         },
                         None => return None,

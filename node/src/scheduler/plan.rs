@@ -128,6 +128,13 @@ fn place_actors(
     load: &mut BTreeMap<u64, u32>,
     out: &mut Plan,
 ) {
+    // Nothing to place (the usual pass): every host named is a member not down.
+    let lost = |host: Option<u64>| {
+        host.is_none_or(|h| s.member(h).is_none() || observed.down.contains(&h))
+    };
+    if !s.actor_hosts().any(|(host, _)| lost(host)) {
+        return;
+    }
     let bytes = |a: &gpumesh_consensus::Actor| a.state.iter().map(|st| st.buffer.size).sum::<u64>();
     let mut used: BTreeMap<u64, u64> = BTreeMap::new();
     for a in s.actors().values() {
