@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use gpumesh_consensus::{AppliedEvent, Command, ConsensusHandle, RaftRole, TaskId};
+use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -43,6 +44,30 @@ impl Default for SchedulerConfig {
             straggler_factor: 4.0,
             straggler_min: Duration::from_secs(30),
         }
+    }
+}
+
+/// Starts and stops the leader's clock on an attempt as its entries apply.
+fn clock(
+    command: &Command,
+    started: &mut HashMap<(TaskId, u32, u32), Instant>,
+    took: &mut HashMap<TaskId, Vec<Duration>>,
+) {
+    let now = Instant::now();
+    match command {
+        Command::ShardStarted {
+            task, shard, epoch, ..
+        } => {
+            started.insert((*task, *shard, *epoch), now);
+        }
+        Command::ShardResult {
+            task, shard, epoch, ..
+        } => {
+            if let Some(t0) = started.remove(&(*task, *shard, *epoch)) {
+                took.entry(*task).or_default().push(now - t0);
+            }
+        }
+        _ => {}
     }
 }
 
@@ -90,19 +115,24 @@ impl Scheduler {
                 _ = cancel.cancelled() => return,
                 Some(key) = done_rx.recv() => { in_flight.remove(&key); continue; }
                 event = events.recv() => {
-                    if let Ok(AppliedEvent::Entry { entry, .. }) = event {
-                        let now = Instant::now();
-                        match &entry.command {
-                            Command::ShardStarted { task, shard, epoch, .. } => {
-                                started.insert((*task, *shard, *epoch), now);
+                    let mut event = event;
+                    // The entries applied meanwhile are seen by the same pass: under
+                    // load one pass per entry would plan the same tasks over again.
+                    loop {
+                        match event {
+                            Ok(AppliedEvent::Entry { entry, .. }) => {
+                                clock(&entry.command, &mut started, &mut took)
                             }
-                            Command::ShardResult { task, shard, epoch, .. } => {
-                                if let Some(t0) = started.remove(&(*task, *shard, *epoch)) {
-                                    took.entry(*task).or_default().push(now - t0);
-                                }
-                            }
-                            _ => {}
+                            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+                            Err(broadcast::error::RecvError::Closed) => break,
                         }
+                        event = match events.try_recv() {
+                            Ok(e) => Ok(e),
+                            Err(broadcast::error::TryRecvError::Lagged(n)) => {
+                                Err(broadcast::error::RecvError::Lagged(n))
+                            }
+                            Err(_) => break,
+                        };
                     }
                 }
                 _ = tick.tick() => {}

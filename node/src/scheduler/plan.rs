@@ -50,7 +50,9 @@ fn taken(s: &StateMachine, sh: &Shard) -> (BTreeSet<u64>, Vec<(String, String)>)
 /// One scheduling pass over the replicated state and what the leader observed
 /// (pure, so it is tested directly).
 pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
-    let mut load = s.queue_by_node();
+    // Each node's queue, counted the first time a shard wants a node: most passes
+    // find every active task placed and need none.
+    let mut load: Option<BTreeMap<u64, u32>> = None;
     let workers = candidates(s, &observed.down);
     let mut out = Plan::default();
     for t in s.active_tasks() {
@@ -58,7 +60,6 @@ pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
             out.merge.push(t.id);
             continue;
         }
-        let need = largest_binding(&t.spec);
         for (i, sh) in t.shards.iter().enumerate() {
             let i = i as u32;
             // A shard that failed too often has already failed its task in the
@@ -73,23 +74,41 @@ pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
                 }
                 _ => {}
             }
+            // Attempts on nodes that are gone or down move elsewhere.
+            let lost: Vec<(u32, &str)> = sh
+                .attempts
+                .iter()
+                .filter_map(|a| {
+                    if s.member(a.node).is_none() {
+                        Some((a.epoch, "the node left the mesh"))
+                    } else if observed.down.contains(&a.node) {
+                        Some((a.epoch, "the node stopped answering"))
+                    } else {
+                        None
+                    }
+                })
+                .collect();
+            // A straggler gets one speculative copy on another node.
+            let slow = !observed.slow.is_empty()
+                && sh
+                    .attempts
+                    .iter()
+                    .any(|a| observed.slow.contains(&(t.id, i, a.epoch)));
+            let speculate = slow && sh.wanted() == 0 && !sh.attempts.iter().any(|a| a.speculative);
+            if lost.is_empty() && sh.wanted() == 0 && !speculate {
+                continue; // placed and running: nothing to decide
+            }
+            let need = largest_binding(&t.spec);
+            let load = load.get_or_insert_with(|| s.queue_by_node());
             let (mut holders, mut kinds) = taken(s, sh);
             let mut choose = |holders: &BTreeSet<u64>, kinds: &[(String, String)]| {
-                pick(&workers, &mut load, need, holders, kinds)
+                pick(&workers, load, need, holders, kinds)
             };
-            // Attempts on nodes that are gone or down move elsewhere.
-            for a in &sh.attempts {
-                let why = if s.member(a.node).is_none() {
-                    "the node left the mesh"
-                } else if observed.down.contains(&a.node) {
-                    "the node stopped answering"
-                } else {
-                    continue;
-                };
+            for (epoch, why) in lost {
                 if let Some((node, kind)) = choose(&holders, &kinds) {
                     holders.insert(node);
                     kinds.push(kind);
-                    out.reassign.push((t.id, i, a.epoch, node, why.into()));
+                    out.reassign.push((t.id, i, epoch, node, why.into()));
                 }
             }
             for _ in 0..sh.wanted() {
@@ -99,20 +118,14 @@ pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
                     out.assign.push((t.id, i, node));
                 }
             }
-            // A straggler gets one speculative copy on another node.
-            let slow = sh
-                .attempts
-                .iter()
-                .any(|a| observed.slow.contains(&(t.id, i, a.epoch)));
-            let copies = sh.attempts.iter().filter(|a| a.speculative).count();
-            if slow && copies == 0 && sh.wanted() == 0 {
+            if speculate {
                 if let Some((node, _)) = choose(&holders, &kinds) {
                     out.assign.push((t.id, i, node));
                 }
             }
         }
     }
-    place_actors(s, observed, &workers, &mut load, &mut out);
+    place_actors(s, observed, &workers, load, &mut out);
     out
 }
 
@@ -125,7 +138,7 @@ fn place_actors(
     s: &StateMachine,
     observed: &Observed,
     workers: &[Candidate],
-    load: &mut BTreeMap<u64, u32>,
+    load: Option<BTreeMap<u64, u32>>,
     out: &mut Plan,
 ) {
     // Nothing to place (the usual pass): every host named is a member not down.
@@ -135,6 +148,7 @@ fn place_actors(
     if !s.actor_hosts().any(|(host, _)| lost(host)) {
         return;
     }
+    let mut load = load.unwrap_or_else(|| s.queue_by_node());
     let bytes = |a: &gpumesh_consensus::Actor| a.state.iter().map(|st| st.buffer.size).sum::<u64>();
     let mut used: BTreeMap<u64, u64> = BTreeMap::new();
     for a in s.actors().values() {
