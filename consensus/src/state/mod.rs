@@ -42,6 +42,13 @@ pub struct StateMachine {
     /// oldest are forgotten beyond [`KEPT_FINISHED_TASKS`].
     #[serde(skip)]
     finished: BTreeSet<TaskId>,
+    /// Attempts of active tasks on each node, derived like `active` (see
+    /// [`Self::queue_by_node`]).
+    #[serde(skip)]
+    queue: BTreeMap<u64, u32>,
+    /// Active tasks by submitter, derived like `active`.
+    #[serde(skip)]
+    active_by_submitter: BTreeMap<String, usize>,
     /// GPU actors by name.
     actors: BTreeMap<String, Actor>,
     /// Actor names by host (`None`: not placed yet), derived from `actors` like
@@ -87,6 +94,8 @@ impl StateMachine {
             request_order: VecDeque::new(),
             active: BTreeSet::new(),
             finished: BTreeSet::new(),
+            queue: BTreeMap::new(),
+            active_by_submitter: BTreeMap::new(),
             actors: BTreeMap::new(),
             by_host: BTreeMap::new(),
             queued: BTreeSet::new(),
@@ -114,6 +123,10 @@ impl StateMachine {
             state.tasks.values().partition(|t| !t.status.is_terminal());
         state.active = active.iter().map(|t| t.id).collect();
         state.finished = finished.iter().map(|t| t.id).collect();
+        let active: Vec<TaskId> = state.active.iter().copied().collect();
+        for id in active {
+            state.count_active(id, true);
+        }
         let names: Vec<String> = state.actors.keys().cloned().collect();
         for name in names {
             state.index_actor(&name, None);
@@ -164,15 +177,75 @@ impl StateMachine {
     /// Attempts running or queued on each node: the one measure of a node's load,
     /// read by placement, the API and the dashboard. Nodes with none are absent.
     pub fn queue_by_node(&self) -> BTreeMap<u64, u32> {
-        let mut queue = BTreeMap::new();
-        for t in self.active_tasks() {
-            for sh in &t.shards {
-                for a in &sh.attempts {
-                    *queue.entry(a.node).or_default() += 1;
-                }
+        self.queue.clone()
+    }
+
+    /// How many tasks submitted through `submitter` are pending or running.
+    pub fn active_submitted_by(&self, submitter: &str) -> usize {
+        self.active_by_submitter
+            .get(submitter)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Adds (or takes away) active task `id` in the derived counts: its attempts
+    /// in each node's queue, and one for its submitter.
+    fn count_active(&mut self, id: TaskId, add: bool) {
+        let Some(t) = self.tasks.get(&id) else {
+            return;
+        };
+        for a in t.shards.iter().flat_map(|sh| &sh.attempts) {
+            let n = self.queue.entry(a.node).or_default();
+            *n = if add { *n + 1 } else { n.saturating_sub(1) };
+            if *n == 0 {
+                self.queue.remove(&a.node);
             }
         }
-        queue
+        match self.active_by_submitter.get_mut(&t.submitter) {
+            Some(n) if add => *n += 1,
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                self.active_by_submitter.remove(&t.submitter);
+            }
+            None if add => {
+                self.active_by_submitter.insert(t.submitter.clone(), 1);
+            }
+            None => {}
+        }
+    }
+
+    /// Debug builds (the tests) check after every entry that what is derived
+    /// equals what the record says when counted from scratch.
+    #[cfg(debug_assertions)]
+    fn check_derived(&self, index: u64) {
+        let mut queue: BTreeMap<u64, u32> = BTreeMap::new();
+        let mut by: BTreeMap<String, usize> = BTreeMap::new();
+        for t in self.active_tasks() {
+            for a in t.shards.iter().flat_map(|sh| &sh.attempts) {
+                *queue.entry(a.node).or_default() += 1;
+            }
+            *by.entry(t.submitter.clone()).or_default() += 1;
+        }
+        assert_eq!(self.queue, queue, "queues after entry {index}");
+        assert_eq!(
+            self.active_by_submitter, by,
+            "submitters after entry {index}"
+        );
+        let mut hosts: BTreeMap<Option<u64>, BTreeSet<String>> = BTreeMap::new();
+        for a in self.actors.values() {
+            hosts.entry(a.host).or_default().insert(a.name.clone());
+        }
+        assert_eq!(self.by_host, hosts, "actor hosts after entry {index}");
+        let queued: BTreeSet<String> = self
+            .actors
+            .values()
+            .filter(|a| !a.pending.is_empty())
+            .map(|a| a.name.clone())
+            .collect();
+        assert_eq!(
+            self.queued, queued,
+            "actors with queued calls after entry {index}"
+        );
     }
 
     /// The task a submit with this idempotency key created, if any.
@@ -307,6 +380,11 @@ impl StateMachine {
             .command
             .actor()
             .map(|name| (name, self.actors.get(name).map(|a| a.host)));
+        // A task's counts come out before the entry and go back after it.
+        let counted = entry.command.task().filter(|t| self.active.contains(t));
+        if let Some(task) = counted {
+            self.count_active(task, false);
+        }
         let outcome = self.run(index, entry);
         if let Some((name, before)) = actor {
             self.index_actor(name, before);
@@ -328,7 +406,12 @@ impl StateMachine {
                     self.active.remove(&task);
                 }
             }
+            if self.active.contains(&task) {
+                self.count_active(task, true);
+            }
         }
+        #[cfg(debug_assertions)]
+        self.check_derived(index);
         let committed = Committed { index, outcome };
         // Submits are remembered through their task instead (see `task_by_request`).
         if !matches!(committed.outcome, Outcome::TaskSubmitted { .. }) {

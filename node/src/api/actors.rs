@@ -10,9 +10,10 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::Json;
-use gpumesh_consensus::{Actor, AppliedEvent, CallResult, Command, MergedOutput, Outcome};
+use gpumesh_consensus::{Actor, CallResult, Command, MergedOutput, Outcome};
 use serde::Deserialize;
 
+use super::changes::Topic;
 use super::error::{bad, unavailable, ApiError, ApiResult};
 use super::gate::BodyCaps;
 use super::read_current;
@@ -248,7 +249,8 @@ pub(crate) async fn call(
                 .map_err(|e| unavailable(format!("input of binding {}: {e}", b.binding)))?;
         }
     }
-    let mut events = api.consensus.subscribe();
+    // Watched before the call is sent so no change slips past.
+    let watch = api.changes.watch(Topic::Actor(name.clone()));
     let request_id = req
         .request_id
         .unwrap_or_else(|| api.consensus.new_request_id());
@@ -314,19 +316,15 @@ pub(crate) async fn call(
             }
             Some(None) => {}
         }
-        match tokio::time::timeout_at(deadline, events.recv()).await {
+        match tokio::time::timeout_at(deadline, watch.changed()).await {
             Err(_) => {
                 return Err(unavailable(format!(
                     "call {seq} to actor {name} has not run within {timeout:?} (is its host \
                      moving?); ask again with the same request id to wait for it"
                 )))
             }
-            Ok(Err(tokio::sync::broadcast::error::RecvError::Closed)) => {
-                return Err(unavailable("the node is shutting down"))
-            }
-            Ok(Ok(AppliedEvent::Entry { entry, .. }))
-                if entry.command.actor() != Some(name.as_str()) => {}
-            Ok(_) => {}
+            Ok(false) => return Err(unavailable("the node is shutting down")),
+            Ok(true) => {}
         }
     }
 }

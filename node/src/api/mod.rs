@@ -53,6 +53,7 @@ use crate::error::{NodeError, Result};
 
 mod actors;
 mod blobs;
+mod changes;
 mod dashboard;
 mod error;
 mod gate;
@@ -85,6 +86,10 @@ pub(crate) async fn serve(
         .throughput
         .clone()
         .track(api.consensus.clone(), cancel.clone());
+    let follower = api
+        .changes
+        .clone()
+        .follow(api.consensus.clone(), cancel.clone());
     let gate = Gate {
         token: (!addr.ip().is_loopback()).then(|| Arc::new(token)),
     };
@@ -131,7 +136,11 @@ pub(crate) async fn serve(
     let task = tokio::spawn(async move {
         let server = axum::serve(listener, app)
             .with_graceful_shutdown(async move { cancel.cancelled().await });
-        let (served, ()) = tokio::join!(std::future::IntoFuture::into_future(server), tracker);
+        let (served, (), ()) = tokio::join!(
+            std::future::IntoFuture::into_future(server),
+            tracker,
+            follower
+        );
         if let Err(e) = served {
             tracing::warn!(error = %e, "the API stopped serving");
         }

@@ -9,6 +9,7 @@ use gpumesh_consensus::ConsensusHandle;
 use gpumesh_shaders::KernelCache;
 use libp2p::PeerId;
 
+use super::changes::Changes;
 use super::throughput::Throughput;
 use crate::blobs::BlobsHandle;
 use crate::host::CallSender;
@@ -45,6 +46,8 @@ pub(crate) struct ApiState {
     pub run_here: Option<RunHere>,
     /// Sends actor calls straight to their hosts.
     pub calls: Option<CallSender>,
+    /// Wakes requests waiting on a task or an actor when an entry about it applies.
+    pub changes: Arc<Changes>,
 }
 
 impl ApiState {
@@ -75,6 +78,7 @@ impl ApiState {
             timeline,
             run_here: None,
             calls: None,
+            changes: Arc::default(),
         }
     }
 }

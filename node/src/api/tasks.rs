@@ -16,6 +16,7 @@ use gpumesh_consensus::{
 use gpumesh_protocol::BlobId;
 use serde::Deserialize;
 
+use super::changes::Topic;
 use super::error::{bad, not_found, too_large, unavailable, ApiError, ApiResult};
 use super::gate::BodyCaps;
 use super::read_current;
@@ -59,7 +60,7 @@ async fn queue_slot<'a>(
     };
     let me = api.peer_id.to_string();
     let (queued, retry) = c.read_local(move |s| {
-        let queued = s.active_tasks().filter(|t| t.submitter == me).count();
+        let queued = s.active_submitted_by(&me);
         (queued, s.task_by_request(&request_id).is_some())
     });
     let limit = limits.max_queued_per_submitter;
@@ -357,8 +358,8 @@ async fn wait_change(
     deadline: tokio::time::Instant,
 ) -> ApiResult<TaskView> {
     let c = &api.consensus;
-    // Subscribe before the first read so no change slips between the two.
-    let mut events = c.subscribe();
+    // Watched before the first read so no change slips between the two.
+    let watch = api.changes.watch(Topic::Task(TaskId(id)));
     loop {
         let view = match c.read_local(move |s| s.task(TaskId(id)).map(view)) {
             Some(v) => v,
@@ -375,27 +376,13 @@ async fn wait_change(
         if finished || Some(view.shards_done) != done {
             return Ok(view);
         }
-        // Sleep through entries about other tasks: many clients may be waiting.
-        loop {
-            match tokio::time::timeout_at(deadline, events.recv()).await {
-                Err(_) => return Ok(view),
-                Ok(Err(tokio::sync::broadcast::error::RecvError::Closed)) => {
-                    return Err(unavailable("the node is shutting down"))
-                }
-                Ok(Ok(gpumesh_consensus::AppliedEvent::Entry { entry, .. })) => {
-                    if concerns(&entry.command, TaskId(id)) {
-                        break;
-                    }
-                }
-                Ok(_) => break,
-            }
+        // Woken only by entries about this task: many clients may be waiting.
+        match tokio::time::timeout_at(deadline, watch.changed()).await {
+            Err(_) => return Ok(view),
+            Ok(false) => return Err(unavailable("the node is shutting down")),
+            Ok(true) => {}
         }
     }
-}
-
-/// Whether applying `command` can change task `id`.
-fn concerns(command: &Command, id: TaskId) -> bool {
-    command.task() == Some(id)
 }
 
 /// A completed task's outputs as blobs on this node, binding → blob.
