@@ -4,7 +4,7 @@ measurements on a 3-node local Ray cluster (one CPU per node), on the same machi
 Optional; Ray is not a dependency of gpumesh or its tests. To run it:
 
     python3 -m venv /tmp/rayvenv && /tmp/rayvenv/bin/pip install "ray[default]"
-    /tmp/rayvenv/bin/python examples/peers/ray_bench.py [--json] [--throughput-tasks N]
+    /tmp/rayvenv/bin/python examples/peers/ray_bench.py [--json] [--throughput-tasks N] [--in-flight N]
 
 Prints a table; with --json the last line is one JSON object with the keys of both
 gpumesh benches: p50_ms, p99_ms, tasks_per_s, mesh_vs_direct, blob_vs_tcp,
@@ -110,6 +110,9 @@ def main():
     throughput_tasks = THROUGHPUT_TASKS
     if "--throughput-tasks" in sys.argv:
         throughput_tasks = int(sys.argv[sys.argv.index("--throughput-tasks") + 1])
+    in_flight = IN_FLIGHT
+    if "--in-flight" in sys.argv:
+        in_flight = int(sys.argv[sys.argv.index("--in-flight") + 1])
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1, resources={"producer": 1})
     cluster.add_node(num_cpus=1, resources={"consumer": 1})
@@ -129,7 +132,7 @@ def main():
     start = time.perf_counter()
     pending, done = [], 0
     for _ in range(throughput_tasks):
-        if len(pending) >= IN_FLIGHT:
+        if len(pending) >= in_flight:
             ready, pending = ray.wait(pending, num_returns=1)
             ray.get(ready)
             done += 1
@@ -205,7 +208,7 @@ def main():
     rows = [
         ("trivial task round trip, p50", "%.2f ms" % result["p50_ms"]),
         ("trivial task round trip, p99", "%.2f ms" % result["p99_ms"]),
-        ("sustained tiny tasks (%d in flight)" % IN_FLIGHT, "%.0f /s" % tasks_per_s),
+        ("sustained tiny tasks (%d in flight)" % in_flight, "%.0f /s" % tasks_per_s),
         ("~110 ms function through Ray / direct", "%.3f" % result["mesh_vs_direct"]),
         ("%d MiB object across nodes vs raw TCP" % TRANSFER_MIB, "%.0f%%" % (100 * result["blob_vs_tcp"])),
         ("actor call, one at a time, p50", "%.2f ms" % result["call_p50_ms"]),
