@@ -23,12 +23,14 @@ pub struct ActorsBenchArgs {
     #[arg(long, default_value_t = 48)]
     pub in_flight: usize,
     /// Actors created (through every node, `in_flight` at a time) and left idle
-    /// before anything is timed: what the calls cost with many actors in the record.
+    /// before anything is timed: what the calls cost with many actors in the record;
+    /// after the throughput run each of them gets one call.
     #[arg(long, default_value_t = 0)]
     pub idle_actors: usize,
     /// Print one JSON object as the last line (`call_p50_ms`, `call_p99_ms`,
     /// `call_at_host_p50_ms`, `call_at_host_p99_ms`, `calls_per_s`, `failover_ms`, and
-    /// with `--idle-actors`, `idle_actors` and `creates_per_s`).
+    /// with `--idle-actors`, `idle_actors`, `creates_per_s` and `spread_calls_per_s`:
+    /// one call to each of them).
     #[arg(long)]
     pub json: bool,
 }
@@ -51,43 +53,95 @@ fn call() -> ActorCall {
     }
 }
 
-/// Creates `count` actors (64 bytes of state each) through every node, `in_flight`
-/// at a time, and leaves them idle; returns how many were created per second.
-async fn create_idle(
+/// Runs `each(client, n)` for n in 0..count through every node's client, `in_flight`
+/// at a time; returns how many were done per second.
+async fn each<F, Fut>(
     clients: &[Client],
     count: usize,
     in_flight: usize,
-) -> anyhow::Result<Option<f64>> {
-    if count == 0 {
-        return Ok(None);
-    }
+    each: F,
+) -> anyhow::Result<f64>
+where
+    F: Fn(Client, usize) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), gpumesh::ClientError>> + Send,
+{
     let t = Instant::now();
     let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut running = tokio::task::JoinSet::new();
-    for i in 0..in_flight.clamp(1, count) {
-        let (c, next) = (clients[i % clients.len()].clone(), next.clone());
+    for i in 0..in_flight.clamp(1, count.max(1)) {
+        let (c, next, each) = (
+            clients[i % clients.len()].clone(),
+            next.clone(),
+            each.clone(),
+        );
         running.spawn(async move {
             loop {
                 let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 if n >= count {
                     return Ok::<_, gpumesh::ClientError>(());
                 }
-                let state = vec![StateInit {
-                    binding: 0,
-                    size: 64,
-                    blob: None,
-                }];
-                c.create_actor(&format!("idle{n}"), state, None).await?;
+                each(c.clone(), n).await?;
             }
         });
     }
     while let Some(r) = running.join_next().await {
         r??;
     }
-    let per_s = count as f64 / t.elapsed().as_secs_f64();
+    Ok(count as f64 / t.elapsed().as_secs_f64())
+}
+
+/// The state of every actor of the bench: 64 words, all zero.
+fn counter_state() -> Vec<StateInit> {
+    vec![StateInit {
+        binding: 0,
+        size: 256,
+        blob: None,
+    }]
+}
+
+/// Creates `count` actors through every node, `in_flight` at a time, and leaves
+/// them idle; returns how many were created per second.
+async fn create_idle(clients: &[Client], count: usize, in_flight: usize) -> anyhow::Result<f64> {
+    let per_s = each(clients, count, in_flight, |c, n| async move {
+        c.create_actor(&format!("idle{n}"), counter_state(), None)
+            .await
+            .map(|_| ())
+    })
+    .await?;
     let listed = clients[0].actors().await?.len();
     anyhow::ensure!(listed == count, "{listed} actors listed, not {count}");
-    Ok(Some(per_s))
+    Ok(per_s)
+}
+
+/// Calls each of the `count` idle actors once, `in_flight` at a time through every
+/// node; returns the calls per second, once every actor is at version 1 and a
+/// sample of them holds ones where the CPU says.
+async fn call_each_idle(clients: &[Client], count: usize, in_flight: usize) -> anyhow::Result<f64> {
+    let per_s = each(clients, count, in_flight, |c, n| async move {
+        c.call_actor(&format!("idle{n}"), call(), None)
+            .await
+            .map(|_| ())
+    })
+    .await?;
+    let actors = clients[1].actors().await?;
+    let idle: Vec<_> = actors
+        .iter()
+        .filter(|a| a.name.starts_with("idle"))
+        .collect();
+    anyhow::ensure!(
+        idle.len() == count && idle.iter().all(|a| a.version == 1),
+        "not every idle actor ran its one call"
+    );
+    for n in (0..count).step_by(count.div_ceil(16).max(1)) {
+        let words = clients[n % clients.len()]
+            .actor_state(&format!("idle{n}"), 0)
+            .await?;
+        anyhow::ensure!(
+            words.chunks_exact(4).all(|w| w == 1u32.to_le_bytes()),
+            "actor idle{n} does not hold 1 in every word"
+        );
+    }
+    Ok(per_s)
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -119,13 +173,13 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
         anyhow::ensure!(Instant::now() < settle, "the mesh did not settle: {st:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let state = vec![StateInit {
-        binding: 0,
-        size: 256,
-        blob: None,
-    }];
-    let created = create_idle(&clients, args.idle_actors, args.in_flight).await?;
-    clients[0].create_actor("bench", state, None).await?;
+    let created = match args.idle_actors {
+        0 => None,
+        n => Some(create_idle(&clients, n, args.in_flight).await?),
+    };
+    clients[0]
+        .create_actor("bench", counter_state(), None)
+        .await?;
     let host = clients[0].actor("bench").await?;
     let host_index = nodes
         .iter()
@@ -187,6 +241,11 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
         "the actor ran {version} calls, not {}",
         2 * WARM_UP + lat.len() + at_host.len() + total
     );
+    // Many actors, one call each: an actor per entity, as programs use them.
+    let spread = match args.idle_actors {
+        0 => None,
+        n => Some(call_each_idle(&clients, n, args.in_flight).await?),
+    };
 
     // (3) The host dies: time to the next acknowledged call.
     let survivor = clients[(host_index + 1) % nodes.len()].clone();
@@ -244,6 +303,16 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
             per_s
         );
     }
+    if let Some(per_s) = spread {
+        println!(
+            "{:<60} {:>9.0} /s",
+            format!(
+                "one call to each of them, {} in flight through 3 nodes",
+                args.in_flight
+            ),
+            per_s
+        );
+    }
     println!(
         "{:<60} {:>9.0} ms",
         if host_led {
@@ -266,6 +335,7 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
                 "failover_host_led": host_led,
                 "idle_actors": args.idle_actors,
                 "creates_per_s": created,
+                "spread_calls_per_s": spread,
             })
         );
     }

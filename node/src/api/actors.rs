@@ -137,12 +137,32 @@ pub(crate) async fn create(
         Outcome::Rejected(why) | Outcome::Ignored(why) => return Err(refused(why)),
         other => return Err(unavailable(format!("unexpected outcome {other:?}"))),
     }
+    // The actor this request made is the one created at its entry's index: a retry
+    // may come after it was deleted, or after another took its name.
     let names = peer_names(&api);
-    let name = req.name;
-    api.consensus
-        .read_local(move |s| s.actor(&name).map(|a| actor_view(a, names)))
-        .map(Json)
-        .ok_or_else(|| unavailable("the actor was created and is gone again"))
+    let (name, index) = (req.name.clone(), committed.index);
+    let found = api.consensus.read_local(move |s| {
+        s.actor(&name)
+            .map(|a| (a.created == index).then(|| actor_view(a, names)))
+    });
+    match found {
+        Some(Some(view)) => Ok(Json(view)),
+        Some(None) => Err(ApiError(
+            StatusCode::CONFLICT,
+            format!(
+                "actor {} made by this request was deleted since, and another actor now \
+                 has the name",
+                req.name
+            ),
+        )),
+        None => Err(ApiError(
+            StatusCode::GONE,
+            format!(
+                "actor {} was made by this request and has been deleted since",
+                req.name
+            ),
+        )),
+    }
 }
 
 /// Every actor, as of the leader's commit index when it confirms it within a second.

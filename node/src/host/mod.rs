@@ -34,14 +34,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpumesh_consensus::{
-    ActorState, CallRan, Command, ConsensusHandle, MergedOutput, Outcome, RequestId,
+    ActorState, AppliedEvent, CallRan, Command, ConsensusHandle, MergedOutput, Outcome, RequestId,
     INLINE_STATE_BYTES,
 };
 use gpumesh_protocol::changes::Base;
 use gpumesh_protocol::{ActorCall, BlobId, BufferChanges, ShardChanges, StateBuffer};
 use gpumesh_shaders::{Job, KernelCache};
 use libp2p::PeerId;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -176,6 +176,26 @@ fn not_run(replies: Vec<Waiting>, why: &str) {
     }
 }
 
+/// Actors whose GPU state may have to be freed: moved or deleted since the last
+/// look (or all of them, after a snapshot or entries not seen). Looking at every
+/// actor whose state is on the GPU after each entry cost each call as much as the
+/// actors this node ever ran.
+#[derive(Default)]
+struct Gone {
+    names: HashSet<String>,
+    all: bool,
+}
+
+impl Gone {
+    /// Whether `command` moves or deletes an actor whose state is on the GPU here.
+    fn watched(&self, on_gpu: &HashMap<String, Vec<BlobId>>, command: &Command) -> bool {
+        matches!(
+            command,
+            Command::PlaceActor { .. } | Command::DeleteActor { .. }
+        ) && command.actor().is_some_and(|n| on_gpu.contains_key(n))
+    }
+}
+
 /// Calls of one actor run back to back and reported in one entry, at most: the
 /// state is stored and copied once for all of them.
 const MAX_BATCH: usize = 16;
@@ -203,6 +223,9 @@ impl ActorHost {
         let mut inbox = std::mem::replace(&mut self.inbox, mpsc::channel(1).1);
         let host = Arc::new(self);
         let mut applied = host.consensus.watch_state();
+        // Moves and deletes, to free the GPU state of actors no longer hosted here.
+        let mut events = host.consensus.subscribe();
+        let mut gone = Gone::default();
         // The state each actor's last call here left on the GPU, by actor.
         let mut on_gpu: HashMap<String, Vec<BlobId>> = HashMap::new();
         // Calls sent here, by actor, oldest first.
@@ -212,7 +235,8 @@ impl ActorHost {
         let mut running: JoinSet<TurnEnd> = JoinSet::new();
         loop {
             applied.borrow_and_update();
-            host.release_gone(&mut on_gpu).await;
+            host.release_gone(&mut on_gpu, std::mem::take(&mut gone))
+                .await;
             host.turn_away(&mut mailbox);
             for turn in host.turns(&mut mailbox, |name| busy.values().any(|n| n == name)) {
                 let (host, name) = (host.clone(), turn.name.clone());
@@ -247,6 +271,29 @@ impl ActorHost {
                     }
                 }
                 changed = applied.changed() => if changed.is_err() { return },
+                event = events.recv() => {
+                    let mut event = event;
+                    loop {
+                        match event {
+                            Ok(AppliedEvent::Entry { entry, .. }) => {
+                                if gone.watched(&on_gpu, &entry.command) {
+                                    gone.names.extend(entry.command.actor().map(str::to_string));
+                                }
+                            }
+                            // A snapshot, or entries not seen: look at them all.
+                            Ok(AppliedEvent::Restored { .. })
+                            | Err(broadcast::error::RecvError::Lagged(_)) => gone.all = true,
+                            Err(broadcast::error::RecvError::Closed) => return,
+                        }
+                        event = match events.try_recv() {
+                            Ok(e) => Ok(e),
+                            Err(broadcast::error::TryRecvError::Lagged(n)) => {
+                                Err(broadcast::error::RecvError::Lagged(n))
+                            }
+                            Err(_) => break,
+                        };
+                    }
+                }
             }
         }
     }
@@ -431,18 +478,25 @@ impl ActorHost {
     }
 
     /// Frees the GPU buffers of actors no longer hosted here (deleted, or moved to
-    /// another node).
-    async fn release_gone(&self, on_gpu: &mut HashMap<String, Vec<BlobId>>) {
-        if on_gpu.is_empty() {
+    /// another node), among those `maybe` names.
+    async fn release_gone(&self, on_gpu: &mut HashMap<String, Vec<BlobId>>, maybe: Gone) {
+        if on_gpu.is_empty() || (!maybe.all && maybe.names.is_empty()) {
             return;
         }
         let me = self.me;
         let gone: Vec<String> = self.consensus.read_local(|s| {
-            on_gpu
-                .keys()
-                .filter(|n| s.actor(n).is_none_or(|a| a.host != Some(me)))
-                .cloned()
-                .collect()
+            let hosted_elsewhere = |n: &&String| s.actor(n).is_none_or(|a| a.host != Some(me));
+            if maybe.all {
+                on_gpu.keys().filter(hosted_elsewhere).cloned().collect()
+            } else {
+                maybe
+                    .names
+                    .iter()
+                    .filter(|n| on_gpu.contains_key(*n))
+                    .filter(hosted_elsewhere)
+                    .cloned()
+                    .collect()
+            }
         });
         for name in gone {
             let blobs = on_gpu.remove(&name).unwrap_or_default();
