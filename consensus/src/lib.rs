@@ -86,7 +86,10 @@ pub use command::{
     RequestIds, TaskId, INLINE_STATE_BYTES,
 };
 pub use error::{ConsensusError, Result};
-pub use replica::{AppliedEvent, ConsensusHandle, ProposalCounts, RaftRole, ReplicaConfig, Status};
+pub use replica::{
+    with_waiting, AppliedEvent, ConsensusHandle, ProposalCounts, RaftRole, Received, ReplicaConfig,
+    Status,
+};
 pub use state::{
     candidates, largest_binding, pick, Actor, CallResult, Candidate, ClusterSettings, Liveness,
     Member, PendingCall, Role, Shard, ShardOutput, ShardState, StateMachine, Task, TaskStatus,

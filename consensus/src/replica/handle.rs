@@ -290,3 +290,29 @@ impl ConsensusHandle {
         self.tx.send(msg).await.map_err(|_| ConsensusError::Stopped)
     }
 }
+
+/// What a receiver of applied events got: an event, or a gap or the end.
+pub type Received = std::result::Result<AppliedEvent, broadcast::error::RecvError>;
+
+/// `first` (just received from `events`) and every event already waiting behind it,
+/// in order: a follower of the log under load handles them as one batch (one pass,
+/// one look at the state) instead of one at a time.
+pub fn with_waiting(
+    first: Received,
+    events: &mut broadcast::Receiver<AppliedEvent>,
+) -> Vec<Received> {
+    let mut batch = vec![first];
+    while !matches!(batch.last(), Some(Err(broadcast::error::RecvError::Closed))) {
+        match events.try_recv() {
+            Ok(e) => batch.push(Ok(e)),
+            Err(broadcast::error::TryRecvError::Lagged(n)) => {
+                batch.push(Err(broadcast::error::RecvError::Lagged(n)))
+            }
+            Err(broadcast::error::TryRecvError::Closed) => {
+                batch.push(Err(broadcast::error::RecvError::Closed))
+            }
+            Err(broadcast::error::TryRecvError::Empty) => break,
+        }
+    }
+    batch
+}

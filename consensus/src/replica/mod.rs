@@ -60,7 +60,7 @@ mod reads;
 mod ready;
 mod snapshots;
 
-pub use handle::ConsensusHandle;
+pub use handle::{with_waiting, ConsensusHandle, Received};
 
 /// Tuning of one replica. The defaults suit a LAN mesh; tests shrink the tick.
 #[derive(Clone, Debug)]

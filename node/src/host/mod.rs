@@ -272,8 +272,7 @@ impl ActorHost {
                 }
                 changed = applied.changed() => if changed.is_err() { return },
                 event = events.recv() => {
-                    let mut event = event;
-                    loop {
+                    for event in gpumesh_consensus::with_waiting(event, &mut events) {
                         match event {
                             Ok(AppliedEvent::Entry { entry, .. }) => {
                                 if gone.watched(&on_gpu, &entry.command) {
@@ -285,13 +284,6 @@ impl ActorHost {
                             | Err(broadcast::error::RecvError::Lagged(_)) => gone.all = true,
                             Err(broadcast::error::RecvError::Closed) => return,
                         }
-                        event = match events.try_recv() {
-                            Ok(e) => Ok(e),
-                            Err(broadcast::error::TryRecvError::Lagged(n)) => {
-                                Err(broadcast::error::RecvError::Lagged(n))
-                            }
-                            Err(_) => break,
-                        };
                     }
                 }
             }

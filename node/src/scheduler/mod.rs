@@ -15,7 +15,6 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use gpumesh_consensus::{AppliedEvent, Command, ConsensusHandle, RaftRole, TaskId};
-use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -115,24 +114,12 @@ impl Scheduler {
                 _ = cancel.cancelled() => return,
                 Some(key) = done_rx.recv() => { in_flight.remove(&key); continue; }
                 event = events.recv() => {
-                    let mut event = event;
                     // The entries applied meanwhile are seen by the same pass: under
                     // load one pass per entry would plan the same tasks over again.
-                    loop {
-                        match event {
-                            Ok(AppliedEvent::Entry { entry, .. }) => {
-                                clock(&entry.command, &mut started, &mut took)
-                            }
-                            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
-                            Err(broadcast::error::RecvError::Closed) => break,
+                    for event in gpumesh_consensus::with_waiting(event, &mut events) {
+                        if let Ok(AppliedEvent::Entry { entry, .. }) = event {
+                            clock(&entry.command, &mut started, &mut took);
                         }
-                        event = match events.try_recv() {
-                            Ok(e) => Ok(e),
-                            Err(broadcast::error::TryRecvError::Lagged(n)) => {
-                                Err(broadcast::error::RecvError::Lagged(n))
-                            }
-                            Err(_) => break,
-                        };
                     }
                 }
                 _ = tick.tick() => {}
