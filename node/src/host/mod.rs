@@ -222,8 +222,9 @@ impl ActorHost {
     pub async fn run(mut self, cancel: CancellationToken) {
         let mut inbox = std::mem::replace(&mut self.inbox, mpsc::channel(1).1);
         let host = Arc::new(self);
-        let mut applied = host.consensus.watch_state();
-        // Moves and deletes, to free the GPU state of actors no longer hosted here.
+        // Each applied entry (those waiting taken together) wakes the loop once: to
+        // start the turns it made possible, and to free the GPU state of actors it
+        // moved or deleted. (The event comes after the state it changed.)
         let mut events = host.consensus.subscribe();
         let mut gone = Gone::default();
         // The state each actor's last call here left on the GPU, by actor.
@@ -234,7 +235,6 @@ impl ActorHost {
         let mut busy: HashMap<tokio::task::Id, String> = HashMap::new();
         let mut running: JoinSet<TurnEnd> = JoinSet::new();
         loop {
-            applied.borrow_and_update();
             host.release_gone(&mut on_gpu, std::mem::take(&mut gone))
                 .await;
             host.turn_away(&mut mailbox);
@@ -270,7 +270,6 @@ impl ActorHost {
                         post(&mut mailbox, call);
                     }
                 }
-                changed = applied.changed() => if changed.is_err() { return },
                 event = events.recv() => {
                     for event in gpumesh_consensus::with_waiting(event, &mut events) {
                         match event {
