@@ -30,8 +30,8 @@
 //! | `gpumesh_gpu_batched_runs_total` | counter | one-shard runs that shared a submission with other runs waiting for the GPU |
 //! | `gpumesh_gpu_bytes_total{direction}` | counter | bytes written to the device (`to_gpu`: inputs not already resident, output fill, shard info) and read back (`from_gpu`) |
 //! | `gpumesh_gpu_resident_bytes` | gauge | bytes of GPU buffers kept on the device between runs: actors' state, inputs reused by later tasks |
-//! | `gpumesh_net_sent_bytes_total{lane}` | counter | bytes of gpumesh frames written to libp2p streams (and, in the `blob` lane, sealed records on direct blob connections) |
-//! | `gpumesh_net_received_bytes_total{lane}` | counter | bytes of gpumesh frames read from libp2p streams (and direct blob connections) |
+//! | `gpumesh_net_sent_bytes_total{lane}` | counter | bytes of gpumesh frames written to libp2p streams (and sealed records on direct connections: blobs in the `blob` lane, Raft frames in the `raft` lane) |
+//! | `gpumesh_net_received_bytes_total{lane}` | counter | bytes of gpumesh frames read from libp2p streams (and direct blob and Raft connections) |
 //! | `gpumesh_net_connected_peers` | gauge | peers with at least one open connection |
 //! | `gpumesh_kernels_compiled` | gauge | kernels compiled on this node since it started (each source once while it stays cached) |
 //! | `gpumesh_actors` | gauge | GPU actors in this node's copy of the record |
@@ -405,7 +405,7 @@ impl GpuMetrics {
 /// Which traffic a network byte belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Lane {
-    /// Raft frames on the Raft lane's streams.
+    /// Raft frames on the Raft lane's streams and direct connections.
     Raft,
     /// Blob chunk requests and their answers.
     Blob,

@@ -1336,3 +1336,96 @@ async fn an_allow_list_admits_only_its_peers_both_ways() {
         node.stop().await;
     }
 }
+
+/// The next Raft frame `node` gets within `within`, if any.
+async fn raft_frame_within(node: &mut Node, within: Duration) -> Option<(PeerId, Vec<u8>)> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let event = tokio::time::timeout_at(deadline, node.events.recv())
+            .await
+            .ok()??;
+        if let NetEvent::Raft { from, frame } = event {
+            return Some((from, frame));
+        }
+    }
+}
+
+/// Sends frame `tag` from `from` to `to` every 100 ms until `to` gets one of them.
+async fn resend_until_one_arrives(from: &Node, to: &mut Node, tag: &[u8]) {
+    for _ in 0..150 {
+        let _ = from.net.send_raft(to.id(), tag.to_vec());
+        if let Some((peer, frame)) = raft_frame_within(to, Duration::from_millis(100)).await {
+            if peer == from.id() && frame == tag {
+                return;
+            }
+        }
+    }
+    panic!("no frame {tag:?} arrived within 15 s");
+}
+
+#[tokio::test]
+async fn raft_frames_go_over_the_direct_channel_and_a_cut_peer_gets_none_either_way() {
+    let mut a = Node::start(|_| {}).await;
+    let b = Node::start(|_| {}).await;
+    b.net.dial(a.addr.clone()).await.unwrap();
+    for i in 0..100u32 {
+        b.net.send_raft(a.id(), i.to_le_bytes().to_vec()).unwrap();
+    }
+    let mut seen = [false; 100];
+    for _ in 0..100 {
+        let (from, frame) = raft_frame_within(&mut a, WAIT).await.expect("a frame");
+        assert_eq!(from, b.id());
+        let i = u32::from_le_bytes(frame.try_into().unwrap()) as usize;
+        assert!(!seen[i], "frame {i} twice");
+        seen[i] = true;
+    }
+    assert_eq!(
+        b.net.raft_direct_peers(),
+        vec![a.id()],
+        "b's frames to a go over the direct channel"
+    );
+
+    // The receiver cuts the sender off while the sender's direct connection is up:
+    // what arrives on it is dropped and the connection closed.
+    a.net.cut(b.id()).await.unwrap();
+    for i in 0..10u32 {
+        let _ = b.net.send_raft(a.id(), i.to_le_bytes().to_vec());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        raft_frame_within(&mut a, Duration::from_secs(1)).await,
+        None
+    );
+    a.net.mend(b.id()).await.unwrap();
+    resend_until_one_arrives(&b, &mut a, b"after the receiver mended").await;
+
+    // The sender cuts the receiver off: nothing is written to it, directly or not.
+    b.net.cut(a.id()).await.unwrap();
+    for _ in 0..10 {
+        let _ = b.net.send_raft(a.id(), b"dropped".to_vec());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        raft_frame_within(&mut a, Duration::from_secs(1)).await,
+        None
+    );
+    assert!(b.net.raft_direct_peers().is_empty());
+    b.net.mend(a.id()).await.unwrap();
+    resend_until_one_arrives(&b, &mut a, b"after the sender mended").await;
+
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test]
+async fn without_the_direct_channel_raft_frames_go_over_the_stream() {
+    let mut a = Node::start(|c| c.blob_direct = false).await;
+    let b = Node::start(|c| c.blob_direct = false).await;
+    b.net.dial(a.addr.clone()).await.unwrap();
+    b.net.send_raft(a.id(), b"on the stream".to_vec()).unwrap();
+    let (from, frame) = raft_frame_within(&mut a, WAIT).await.expect("a frame");
+    assert_eq!((from, frame.as_slice()), (b.id(), &b"on the stream"[..]));
+    assert!(b.net.raft_direct_peers().is_empty());
+    a.stop().await;
+    b.stop().await;
+}

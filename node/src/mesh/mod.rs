@@ -57,7 +57,7 @@ pub use crate::worker::Faults;
 pub use config::NodeConfig;
 use formation::{join_through, open_or_form, Newcomer};
 use heartbeats::heartbeats;
-use routing::{Membership, Router};
+use routing::{raft_sink, Membership, Router};
 
 /// Raft frames to the peer behind a raft id, through the net actor.
 struct NetTransport {
@@ -221,6 +221,7 @@ impl MeshNode {
         // Calls sent to this node as an actor's host (by its own API or a peer's);
         // without a GPU nothing takes them, and senders queue them in the record.
         let (calls_tx, calls_rx) = mpsc::channel(1024);
+        net.set_raft_sink(raft_sink(consensus.clone(), peers.clone()));
         let _ = joined.send(Membership {
             cluster,
             consensus: consensus.clone(),

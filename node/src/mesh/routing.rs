@@ -8,6 +8,22 @@
 
 use super::*;
 
+/// Raft frames straight from the task that read them to the replica, skipping the
+/// router, for peers the node already knows (the router learns the others first,
+/// so that answers to them can be routed).
+pub(super) fn raft_sink(consensus: ConsensusHandle, peers: PeersHandle) -> crate::net::RaftSink {
+    Arc::new(move |from: PeerId, frame: Vec<u8>| {
+        let id = identity::raft_id(&from);
+        if peers.peer(id) != Some(from) {
+            return Some(frame);
+        }
+        if !consensus.try_receive(id, frame) {
+            tracing::debug!("raft inbox full; frame dropped (raft retries)");
+        }
+        None
+    })
+}
+
 /// What the router serves once this node's replica runs.
 pub(super) struct Membership {
     pub cluster: ClusterId,

@@ -96,13 +96,18 @@ impl Offer {
     }
 }
 
-/// A range a ticket opens.
+/// What a ticket opens, under its key.
 struct Ticket {
     key: [u8; KEY],
-    id: BlobId,
-    at: u64,
-    end: u64,
+    opens: Opens,
     issued: Instant,
+}
+
+enum Opens {
+    /// Bytes `at..end` of blob `id`, sent to the puller.
+    Range { id: BlobId, at: u64, end: u64 },
+    /// Raft frames from `peer`, received (see [`super::raft_direct`]).
+    Raft { peer: PeerId },
 }
 
 /// The holder's side: its listener's port and the tickets waiting for it.
@@ -110,6 +115,8 @@ struct Ticket {
 pub(super) struct Holder {
     port: u16,
     tickets: Arc<Mutex<HashMap<[u8; TICKET], Ticket>>>,
+    /// Where Raft frames that arrive on this listener go.
+    raft: Option<Arc<super::raft_direct::Inbound>>,
 }
 
 impl Holder {
@@ -122,6 +129,7 @@ impl Holder {
     pub(super) async fn start(
         listen: &[Multiaddr],
         blobs: BlobStore,
+        raft: Option<Arc<super::raft_direct::Inbound>>,
         metrics: NetMetrics,
         cancel: CancellationToken,
     ) -> Result<Option<Holder>> {
@@ -149,6 +157,7 @@ impl Holder {
         let holder = Holder {
             port,
             tickets: Arc::default(),
+            raft,
         };
         let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         let mut listeners = vec![listener];
@@ -179,6 +188,18 @@ impl Holder {
     /// Keeps `offer`'s ticket for bytes `at..end` of `id` and returns the port to
     /// connect to; `None` when too many tickets wait already.
     pub(super) fn issue(&self, offer: &Offer, id: BlobId, at: u64, end: u64) -> Option<u16> {
+        self.keep(offer, Opens::Range { id, at, end })
+    }
+
+    /// Keeps `offer`'s ticket for a connection that brings Raft frames from `peer`
+    /// (who sent the offer over the mesh's authenticated stream) and returns the
+    /// port; `None` when this listener takes no Raft frames or too many tickets wait.
+    pub(super) fn issue_raft(&self, offer: &Offer, peer: PeerId) -> Option<u16> {
+        self.raft.as_ref()?;
+        self.keep(offer, Opens::Raft { peer })
+    }
+
+    fn keep(&self, offer: &Offer, opens: Opens) -> Option<u16> {
         let mut tickets = self.tickets.lock().unwrap_or_else(PoisonError::into_inner);
         let now = Instant::now();
         tickets.retain(|_, t| now.duration_since(t.issued) < TICKET_LIFE);
@@ -189,9 +210,7 @@ impl Holder {
             offer.ticket,
             Ticket {
                 key: offer.key,
-                id,
-                at,
-                end,
+                opens,
                 issued: now,
             },
         );
@@ -236,10 +255,9 @@ impl Holder {
             let (holder, blobs, metrics, cancel) =
                 (self.clone(), blobs.clone(), metrics.clone(), cancel.clone());
             tokio::spawn(async move {
-                let _permit = permit;
                 tokio::select! {
                     _ = cancel.cancelled() => {}
-                    served = holder.serve(socket, blobs, metrics) => if let Err(e) = served {
+                    served = holder.serve(socket, permit, blobs, metrics) => if let Err(e) = served {
                         tracing::debug!(%from, error = %e, "a direct blob connection ended early");
                     }
                 }
@@ -247,10 +265,13 @@ impl Holder {
         }
     }
 
-    /// One connection: its ticket, then the range it opens, record by record.
+    /// One connection: its ticket, then the range it opens, record by record, or
+    /// the Raft frames it brings (which do not hold `permit`, the room for pulls:
+    /// there is one such connection per peer, and only members get tickets).
     async fn serve(
         &self,
         mut socket: TcpStream,
+        permit: tokio::sync::OwnedSemaphorePermit,
         blobs: BlobStore,
         metrics: NetMetrics,
     ) -> std::io::Result<()> {
@@ -262,8 +283,21 @@ impl Holder {
             return Err(std::io::Error::other("not a live ticket"));
         };
         socket.set_nodelay(true)?;
+        let (id, at, end) = match ticket.opens {
+            Opens::Range { id, at, end } => (id, at, end),
+            Opens::Raft { peer } => {
+                drop(permit);
+                let Some(inbound) = &self.raft else {
+                    return Err(std::io::Error::other("no Raft frames taken here"));
+                };
+                return inbound.read(socket, &ticket.key, peer).await;
+            }
+        };
+        let _permit = permit;
+        let key = ticket.key;
         let (tx, mut rx) = mpsc::channel(READ_AHEAD);
-        let reader = tokio::task::spawn_blocking(move || read_sealed(&blobs, &ticket, tx));
+        let reader =
+            tokio::task::spawn_blocking(move || read_sealed(&blobs, &key, id, at, end, tx));
         while let Some(record) = rx.recv().await {
             let record: Vec<u8> = record?;
             tokio::time::timeout(STALL, socket.write_all(&record))
@@ -278,11 +312,18 @@ impl Holder {
 
 /// Reads the ticket's range from the blob's file a piece at a time, seals each piece
 /// and sends it on `tx`; stops at the end or when the receiver is gone.
-fn read_sealed(blobs: &BlobStore, ticket: &Ticket, tx: mpsc::Sender<std::io::Result<Vec<u8>>>) {
-    let key = sealing_key(&ticket.key);
-    let opened = blobs.open_file(&ticket.id).and_then(|f| {
+fn read_sealed(
+    blobs: &BlobStore,
+    key: &[u8; KEY],
+    id: BlobId,
+    at: u64,
+    end: u64,
+    tx: mpsc::Sender<std::io::Result<Vec<u8>>>,
+) {
+    let key = sealing_key(key);
+    let opened = blobs.open_file(&id).and_then(|f| {
         f.ok_or_else(|| NodeError::BlobNotFound {
-            id: ticket.id,
+            id,
             peer: "this node".into(),
         })
     });
@@ -293,11 +334,11 @@ fn read_sealed(blobs: &BlobStore, ticket: &Ticket, tx: mpsc::Sender<std::io::Res
             return;
         }
     };
-    let mut at = ticket.at;
+    let mut at = at;
     let mut number = 0u64;
     let mut first = true;
-    while at < ticket.end {
-        let len = RECORD.min(ticket.end - at) as usize;
+    while at < end {
+        let len = RECORD.min(end - at) as usize;
         let mut record = Vec::with_capacity(len + TAG);
         record.resize(len, 0);
         let read = if first {
@@ -308,7 +349,7 @@ fn read_sealed(blobs: &BlobStore, ticket: &Ticket, tx: mpsc::Sender<std::io::Res
         .and_then(|()| file.read_exact(&mut record));
         first = false;
         let sealed = read.and_then(|()| {
-            key.seal_in_place_separate_tag(nonce(number), Aad::from(ticket.id.0), &mut record)
+            key.seal_in_place_separate_tag(nonce(number), Aad::from(id.0), &mut record)
                 .map(|tag| record.extend_from_slice(tag.as_ref()))
                 .map_err(|_| std::io::Error::other("sealing failed"))
         });
@@ -528,9 +569,10 @@ mod tests {
             let listen: Vec<Multiaddr> = listen.iter().map(|a| a.parse().unwrap()).collect();
             let (blobs, cancel) = (blobs.clone(), CancellationToken::new());
             async move {
-                let holder = Holder::start(&listen, blobs, NetMetrics::default(), cancel.clone())
-                    .await
-                    .unwrap();
+                let holder =
+                    Holder::start(&listen, blobs, None, NetMetrics::default(), cancel.clone())
+                        .await
+                        .unwrap();
                 (holder, cancel)
             }
         };

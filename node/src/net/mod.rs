@@ -48,6 +48,7 @@ mod codec;
 mod config;
 mod events;
 mod pull;
+mod raft_direct;
 mod raft_lane;
 mod swarm;
 
@@ -78,6 +79,11 @@ use swarm::{build_swarm, listen};
 
 /// Commands waiting for the actor.
 const COMMAND_QUEUE: usize = 1024;
+
+/// Takes a Raft frame from a peer straight to the node's replica, on the task that
+/// read it; gives the frame back when it is not for it to take (the node then gets
+/// it as a [`NetEvent::Raft`]). See [`NetHandle::set_raft_sink`].
+pub type RaftSink = Arc<dyn Fn(PeerId, Vec<u8>) -> Option<Vec<u8>> + Send + Sync>;
 
 /// The node's way into the network; cheap to clone.
 #[derive(Clone)]
@@ -185,12 +191,41 @@ impl NetHandle {
         listen(&mut swarm, &config.listen).await?;
         let local_peer_id = *swarm.local_peer_id();
         let delay_us = Arc::new(AtomicU64::new(0));
+        let direct = config.blob_lane && config.blob_direct;
+        let cut = raft_direct::Cut::default();
+        let sink = Arc::new(std::sync::OnceLock::new());
+        let holder = match direct {
+            true => {
+                let inbound = raft_direct::Inbound {
+                    to: raft_direct::Deliver {
+                        events: events.clone(),
+                        sink: sink.clone(),
+                    },
+                    max_frame: config.max_frame_bytes,
+                    metrics: config.metrics.clone(),
+                    cut: cut.clone(),
+                };
+                blob_direct::Holder::start(
+                    &config.listen,
+                    blobs.clone(),
+                    Some(Arc::new(inbound)),
+                    config.metrics.clone(),
+                    cancel.clone(),
+                )
+                .await?
+            }
+            false => None,
+        };
+        let peers = blob_direct::Peers::default();
         let raft = raft_lane::RaftLane::start(
             swarm.behaviour().raft.new_control(),
             events.clone(),
             config.max_frame_bytes,
             delay_us.clone(),
             config.metrics.clone(),
+            direct.then(|| (holder.clone(), peers.clone())),
+            cut,
+            sink,
             cancel.clone(),
         )?;
         let calls = call_lane::CallLane::start(
@@ -202,20 +237,7 @@ impl NetHandle {
             cancel.clone(),
         )?;
         let mut streams = swarm.behaviour().raft.new_control();
-        let direct = config.blob_lane && config.blob_direct;
         if config.blob_lane {
-            let holder = match direct {
-                true => {
-                    blob_direct::Holder::start(
-                        &config.listen,
-                        blobs.clone(),
-                        config.metrics.clone(),
-                        cancel.clone(),
-                    )
-                    .await?
-                }
-                false => None,
-            };
             blob_lane::serve(
                 &mut streams,
                 blobs.clone(),
@@ -224,7 +246,6 @@ impl NetHandle {
                 cancel.clone(),
             )?;
         }
-        let peers = blob_direct::Peers::default();
         let (commands_tx, commands) = mpsc::channel(COMMAND_QUEUE);
         let task = actor::spawn(
             swarm,
@@ -291,6 +312,19 @@ impl NetHandle {
         self.raft.send(to, frame)
     }
 
+    /// Peers this node's Raft frames go to over the direct channel (see
+    /// [`raft_direct`]) rather than the mesh's streams.
+    pub fn raft_direct_peers(&self) -> Vec<PeerId> {
+        self.raft.direct_to.all()
+    }
+
+    /// From now on, the Raft frames that arrive go to `sink` as they are read
+    /// rather than through the node's events: one task fewer woken for each, on
+    /// every commit's path. Set once; later calls change nothing.
+    pub fn set_raft_sink(&self, sink: RaftSink) {
+        let _ = self.raft.sink.set(sink);
+    }
+
     /// Sends `request` to `to` (dialling it through known addresses if needed) and
     /// waits for the answer.
     pub async fn request(&self, to: PeerId, request: MeshRequest) -> Result<MeshResponse> {
@@ -334,11 +368,13 @@ impl NetHandle {
     /// Fault injection: closes every connection to `peer` and refuses new ones in
     /// both directions until [`NetHandle::mend`], as a network partition would.
     pub async fn cut(&self, peer: PeerId) -> Result<()> {
+        self.raft.cut.set(peer, true);
         self.command(Command::Cut { peer, cut: true }).await
     }
 
     /// Undoes [`NetHandle::cut`]: connections to `peer` are allowed again.
     pub async fn mend(&self, peer: PeerId) -> Result<()> {
+        self.raft.cut.set(peer, false);
         self.command(Command::Cut { peer, cut: false }).await
     }
 

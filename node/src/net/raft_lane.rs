@@ -15,10 +15,14 @@
 //! stream and is logged, and the node carries on. Bytes count in the `raft` lane of
 //! the node's metrics: each frame with its length prefix, once written (flushed) or
 //! read whole.
+//!
+//! Where both nodes have a direct listener, the stream also sets up the direct Raft
+//! channel (see [`super::raft_direct`]): the writer offers it on the stream, and once
+//! connected writes its batches there instead, back on the stream if it breaks.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use futures::{AsyncReadExt, AsyncWriteExt};
@@ -27,7 +31,9 @@ use libp2p_stream::{Control, IncomingStreams};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::NetEvent;
+use super::blob_direct::{Holder, Peers};
+use super::raft_direct::{self, Cut, Deliver, Outbound, PeerSet};
+use super::{NetEvent, RaftSink};
 use crate::error::{NodeError, Result};
 use crate::metrics::{Lane, NetMetrics};
 
@@ -36,13 +42,18 @@ pub const RAFT_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpumesh/raft/1")
 /// Frames queued for one peer; beyond this `send` fails fast and Raft retries.
 const QUEUE: usize = 1024;
 /// Frames are gathered into one write up to about this many bytes.
-const BATCH_BYTES: usize = 1 << 20;
+pub(super) const BATCH_BYTES: usize = 1 << 20;
 /// How long opening a stream (and dialling) may take.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
 /// After a failed open, frames for the peer are dropped for this long.
 const RETRY_AFTER: Duration = Duration::from_millis(500);
 /// A writer with nothing to send for this long ends; the next frame starts another.
 const IDLE: Duration = Duration::from_secs(300);
+/// After the direct channel to a peer failed or broke, the stream carries its
+/// frames for this long before the channel is offered again.
+const DIRECT_RETRY: Duration = Duration::from_secs(5);
+/// After a peer said it takes no frames directly, this long.
+const DIRECT_REFUSED: Duration = Duration::from_secs(60);
 
 /// The sending side, shared by every [`super::NetHandle`] clone.
 pub(super) struct RaftLane {
@@ -52,36 +63,71 @@ pub(super) struct RaftLane {
     /// Injected delay before each write, in microseconds (fault injection).
     delay_us: Arc<AtomicU64>,
     metrics: NetMetrics,
+    /// Where peers' direct listeners are; `None` when the direct channel is off.
+    ips: Option<Peers>,
+    /// Peers cut off by fault injection: nothing is written to them directly.
+    pub(super) cut: Cut,
+    /// Peers whose frames go over the direct channel now.
+    pub(super) direct_to: PeerSet,
+    /// Where frames read go, once the node sets it.
+    pub(super) sink: Arc<OnceLock<RaftSink>>,
     cancel: CancellationToken,
+}
+
+/// What the lane's readers need.
+#[derive(Clone)]
+struct Reading {
+    to: Deliver,
+    max_frame: usize,
+    metrics: NetMetrics,
+    /// The node's direct listener, which keeps the tickets of writers' offers.
+    holder: Option<Holder>,
 }
 
 impl RaftLane {
     /// Starts accepting inbound Raft streams (each frame becomes a
     /// [`NetEvent::Raft`] on `events`) and returns the sending side.
+    /// With `direct` (the node's direct listener, where it has one, and where
+    /// peers' are), writers and readers set up the direct channel.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn start(
         mut control: Control,
         events: mpsc::Sender<NetEvent>,
         max_frame: usize,
         delay_us: Arc<AtomicU64>,
         metrics: NetMetrics,
+        direct: Option<(Option<Holder>, Peers)>,
+        cut: Cut,
+        sink: Arc<OnceLock<RaftSink>>,
         cancel: CancellationToken,
     ) -> Result<Arc<RaftLane>> {
         let incoming = control
             .accept(RAFT_PROTOCOL)
             .map_err(|e| NodeError::NetSetup(format!("raft protocol: {e}")))?;
-        tokio::spawn(accept(
-            incoming,
-            events,
+        let (holder, ips) = match direct {
+            Some((holder, ips)) => (holder, Some(ips)),
+            None => (None, None),
+        };
+        let reading = Reading {
+            to: Deliver {
+                events,
+                sink: sink.clone(),
+            },
             max_frame,
-            metrics.clone(),
-            cancel.clone(),
-        ));
+            metrics: metrics.clone(),
+            holder,
+        };
+        tokio::spawn(accept(incoming, reading, cancel.clone()));
         Ok(Arc::new(RaftLane {
             control,
             writers: Mutex::new(HashMap::new()),
             max_frame,
             delay_us,
             metrics,
+            ips,
+            cut,
+            direct_to: PeerSet::default(),
+            sink,
             cancel,
         }))
     }
@@ -113,11 +159,16 @@ impl RaftLane {
         };
         let (tx, rx) = mpsc::channel(QUEUE);
         tokio::spawn(write(
-            self.control.clone(),
-            to,
+            Writing {
+                control: self.control.clone(),
+                peer: to,
+                delay_us: self.delay_us.clone(),
+                metrics: self.metrics.clone(),
+                ips: self.ips.clone(),
+                cut: self.cut.clone(),
+                direct_to: self.direct_to.clone(),
+            },
             rx,
-            self.delay_us.clone(),
-            self.metrics.clone(),
             self.cancel.clone(),
         ));
         let _ = tx.try_send(frame);
@@ -132,17 +183,25 @@ fn put_frame(out: &mut Vec<u8>, frame: &[u8]) {
     out.extend_from_slice(frame);
 }
 
-/// Owns the outbound stream to `peer`; writes what is queued, batching whatever
-/// arrived while the previous write was under way.
-async fn write(
-    mut control: Control,
+/// What a writer needs besides its queue.
+struct Writing {
+    control: Control,
     peer: PeerId,
-    mut frames: mpsc::Receiver<Vec<u8>>,
     delay_us: Arc<AtomicU64>,
     metrics: NetMetrics,
-    cancel: CancellationToken,
-) {
+    ips: Option<Peers>,
+    cut: Cut,
+    direct_to: PeerSet,
+}
+
+/// Owns the outbound stream to `peer`, and the direct connection once there is one;
+/// writes what is queued, batching whatever arrived while the previous write was
+/// under way.
+async fn write(mut w: Writing, mut frames: mpsc::Receiver<Vec<u8>>, cancel: CancellationToken) {
+    let peer = w.peer;
     let mut stream: Option<Stream> = None;
+    let mut direct: Option<Outbound> = None;
+    let mut offer_at = tokio::time::Instant::now();
     let mut batch = Vec::new();
     let mut quiet_until = tokio::time::Instant::now();
     loop {
@@ -150,13 +209,17 @@ async fn write(
             _ = cancel.cancelled() => return,
             next = tokio::time::timeout(IDLE, frames.recv()) => match next {
                 Ok(Some(frame)) => frame,
-                Ok(None) | Err(_) => return,
+                Ok(None) | Err(_) => {
+                    w.direct_to.set(peer, false);
+                    return;
+                }
             },
         };
-        if tokio::time::Instant::now() < quiet_until {
+        let now = tokio::time::Instant::now();
+        if now < quiet_until {
             continue; // the peer was unreachable a moment ago; Raft will retry
         }
-        let delay = delay_us.load(Ordering::Relaxed);
+        let delay = w.delay_us.load(Ordering::Relaxed);
         if delay > 0 {
             tokio::time::sleep(Duration::from_micros(delay)).await;
         }
@@ -168,8 +231,27 @@ async fn write(
                 Err(_) => break,
             }
         }
+        if w.cut.has(&peer) {
+            direct = None; // closed, as the mesh's connections are
+            w.direct_to.set(peer, false);
+            continue;
+        }
+        if let Some(d) = direct.as_mut() {
+            match d.send(&batch).await {
+                Ok(n) => {
+                    w.metrics.sent(Lane::Raft, n);
+                    continue;
+                }
+                Err(e) => {
+                    tracing::debug!(%peer, "direct raft connection: {e}; back to the stream");
+                    direct = None;
+                    w.direct_to.set(peer, false);
+                    offer_at = now + DIRECT_RETRY;
+                }
+            }
+        }
         if stream.is_none() {
-            match tokio::time::timeout(OPEN_TIMEOUT, open(&mut control, peer)).await {
+            match tokio::time::timeout(OPEN_TIMEOUT, open(&mut w.control, peer)).await {
                 Ok(Ok(s)) => stream = Some(s),
                 Ok(Err(e)) => {
                     tracing::debug!(%peer, "raft stream: {e}");
@@ -183,17 +265,46 @@ async fn write(
                 }
             }
         }
-        if let Some(s) = stream.as_mut() {
-            let written = async {
-                s.write_all(&batch).await?;
-                s.flush().await
-            };
-            match written.await {
-                Ok(()) => metrics.sent(Lane::Raft, batch.len()),
-                Err(e) => {
-                    tracing::debug!(%peer, "raft stream closed: {e}");
-                    stream = None;
+        let Some(s) = stream.as_mut() else { continue };
+        let ip = w.ips.as_ref().and_then(|ips| ips.ip(&peer));
+        if let (Some(ip), true) = (ip, now >= offer_at) {
+            match raft_direct::ask(s, ip).await {
+                Ok(Some(d)) => {
+                    direct = Some(d);
+                    w.direct_to.set(peer, true);
                 }
+                Ok(None) => offer_at = now + DIRECT_REFUSED,
+                Err(e) => {
+                    tracing::debug!(%peer, "direct raft connection not made: {e}");
+                    offer_at = now + DIRECT_RETRY;
+                    stream = None; // an answer may still come on it
+                    continue;
+                }
+            }
+            if let Some(d) = direct.as_mut() {
+                match d.send(&batch).await {
+                    Ok(n) => {
+                        w.metrics.sent(Lane::Raft, n);
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::debug!(%peer, "direct raft connection: {e}; back to the stream");
+                        direct = None;
+                        w.direct_to.set(peer, false);
+                        offer_at = now + DIRECT_RETRY;
+                    }
+                }
+            }
+        }
+        let written = async {
+            s.write_all(&batch).await?;
+            s.flush().await
+        };
+        match written.await {
+            Ok(()) => w.metrics.sent(Lane::Raft, batch.len()),
+            Err(e) => {
+                tracing::debug!(%peer, "raft stream closed: {e}");
+                stream = None;
             }
         }
     }
@@ -203,38 +314,19 @@ async fn open(control: &mut Control, peer: PeerId) -> std::io::Result<Stream> {
     super::open_taken(control, peer, RAFT_PROTOCOL, "raft").await
 }
 
-async fn accept(
-    mut incoming: IncomingStreams,
-    events: mpsc::Sender<NetEvent>,
-    max_frame: usize,
-    metrics: NetMetrics,
-    cancel: CancellationToken,
-) {
+async fn accept(mut incoming: IncomingStreams, reading: Reading, cancel: CancellationToken) {
     loop {
         let Some((peer, stream)) = super::next_stream(&mut incoming, &cancel).await else {
             return;
         };
-        tokio::spawn(read(
-            peer,
-            stream,
-            events.clone(),
-            max_frame,
-            metrics.clone(),
-            cancel.clone(),
-        ));
+        tokio::spawn(read(peer, stream, reading.clone(), cancel.clone()));
     }
 }
 
 /// Hands each frame on one inbound stream to the node, waiting while the node is
-/// busy (which slows the sender through the stream's flow control).
-async fn read(
-    peer: PeerId,
-    mut stream: Stream,
-    events: mpsc::Sender<NetEvent>,
-    max_frame: usize,
-    metrics: NetMetrics,
-    cancel: CancellationToken,
-) {
+/// busy (which slows the sender through the stream's flow control), and answers
+/// the writer's offers of the direct channel.
+async fn read(peer: PeerId, mut stream: Stream, r: Reading, cancel: CancellationToken) {
     let frames = async {
         if !super::say_taken(&mut stream).await {
             return;
@@ -245,11 +337,18 @@ async fn read(
                 return; // the peer closed the stream or went away
             }
             let len = u32::from_le_bytes(len) as usize;
-            if len > max_frame {
+            if len == raft_direct::OFFER as usize {
+                if let Err(e) = raft_direct::answer(&mut stream, r.holder.as_ref(), peer).await {
+                    tracing::debug!(%peer, "raft stream: answering an offer: {e}");
+                    return;
+                }
+                continue;
+            }
+            if len > r.max_frame {
                 tracing::warn!(
                     %peer,
                     len,
-                    limit = max_frame,
+                    limit = r.max_frame,
                     "raft frame over the limit; closing the peer's stream"
                 );
                 return;
@@ -259,12 +358,8 @@ async fn read(
                 tracing::debug!(%peer, "raft stream cut short: {e}");
                 return;
             }
-            metrics.received(Lane::Raft, 4 + len);
-            if events
-                .send(NetEvent::Raft { from: peer, frame })
-                .await
-                .is_err()
-            {
+            r.metrics.received(Lane::Raft, 4 + len);
+            if !r.to.frame(peer, frame).await {
                 return;
             }
         }

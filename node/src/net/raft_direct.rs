@@ -1,0 +1,388 @@
+//! The direct Raft channel: a peer's Raft frames on a TCP connection of their own,
+//! sealed with AES-256-GCM, straight from the writer task to the reader task.
+//!
+//! Why: on the mesh's connection a frame crosses the writer task, the connection's
+//! task (Yamux, Noise), the socket, the other side's connection task and the stream's
+//! reader task; each is a task woken on another thread. Every commit of the mesh
+//! waits for two such trips (the append to a follower, its answer), so on a small
+//! machine they cost more than the write of the entry itself. Here a frame crosses
+//! the writer task, the socket and the reader task.
+//!
+//! How it stays closed, as the direct blob channel does: nothing is agreed on the
+//! connection. The writer sends, on its Raft stream (a libp2p stream: Noise with the
+//! cluster key has authenticated both peers and encrypts it), a zero length and then
+//! a fresh random ticket and key ([`ask`]). The reader keeps the ticket as one for
+//! Raft frames from that peer and answers with the port of the node's direct
+//! listener ([`super::blob_direct::Holder`]), or that it takes none. The writer
+//! connects, sends the ticket, and from then on writes each batch of frames (as on
+//! the stream: each behind its u32 length) as one record: the sealed batch's length
+//! (u32), the batch sealed with the key, the record's number as the nonce, and its
+//! 16-byte tag. A ticket works once; a record that does not open, or one out of
+//! order, ends the connection; frames on it count as the peer's who sent the ticket.
+//!
+//! What falls back: a peer whose direct port cannot be reached, or whose connection
+//! breaks or stalls, gets its frames on the stream again, and is offered the
+//! channel again later. A peer cut off by fault injection ([`super::NetHandle::cut`])
+//! gets nothing on either, and its connection is closed at both ends.
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::Duration;
+
+use libp2p::{PeerId, Stream};
+use ring::aead::{Aad, LessSafeKey};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+
+use super::blob_direct::{nonce, sealing_key, Holder, Offer, KEY, TAG, TICKET};
+use super::{NetEvent, RaftSink};
+use crate::metrics::{Lane, NetMetrics};
+
+/// A set of peers shared between tasks: those cut off by fault injection (the Raft
+/// lane's writers and readers look), those written to directly (the writers keep it).
+#[derive(Clone, Default)]
+pub(super) struct PeerSet(Arc<Mutex<HashSet<PeerId>>>);
+
+pub(super) type Cut = PeerSet;
+
+impl PeerSet {
+    pub(super) fn set(&self, peer: PeerId, member: bool) {
+        let mut peers = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if member {
+            peers.insert(peer);
+        } else {
+            peers.remove(&peer);
+        }
+    }
+
+    pub(super) fn has(&self, peer: &PeerId) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(peer)
+    }
+
+    pub(super) fn all(&self) -> Vec<PeerId> {
+        let peers = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        peers.iter().copied().collect()
+    }
+}
+
+/// Associated data of every record: a record of another channel does not open here.
+const AAD: &[u8] = b"gpumesh raft direct v1";
+/// The length on the Raft stream that announces an offer (a frame is never empty).
+pub(super) const OFFER: u32 = 0;
+/// The reader's answers to an offer: a port follows, or none is taken.
+const YES: u8 = 1;
+const NO: u8 = 0;
+/// How long the writer waits for the answer to its offer, and for the port to accept.
+const ASK: Duration = Duration::from_secs(2);
+/// How long one record may take to go into the socket before the channel is
+/// given up for the stream (a peer that stopped reading, packets that vanish).
+pub(super) const STALL: Duration = Duration::from_secs(2);
+
+/// Where a Raft frame read from a peer goes: the sink once the node set one, else
+/// the node's events.
+#[derive(Clone)]
+pub(super) struct Deliver {
+    pub events: mpsc::Sender<NetEvent>,
+    pub sink: Arc<OnceLock<RaftSink>>,
+}
+
+impl Deliver {
+    /// False once the node has stopped taking events.
+    pub(super) async fn frame(&self, from: PeerId, frame: Vec<u8>) -> bool {
+        let frame = match self.sink.get() {
+            Some(sink) => match sink(from, frame) {
+                None => return true,
+                Some(back) => back,
+            },
+            None => frame,
+        };
+        self.events
+            .send(NetEvent::Raft { from, frame })
+            .await
+            .is_ok()
+    }
+}
+
+/// The receiving side of the channel: where frames go, and their limits.
+pub(super) struct Inbound {
+    pub to: Deliver,
+    pub max_frame: usize,
+    pub metrics: NetMetrics,
+    pub cut: Cut,
+}
+
+/// The largest record a writer sends for frames of at most `max_frame` bytes: a
+/// batch is gathered up to `batch` bytes, and its last frame may pass that.
+pub(super) fn max_record(max_frame: usize, batch: usize) -> usize {
+    batch + 4 + max_frame + TAG
+}
+
+impl Inbound {
+    /// Reads the records of one connection, whose ticket `peer` sent with `key`,
+    /// and hands each frame to the node as `peer`'s; returns at the connection's end
+    /// or the first record that is not right.
+    pub(super) async fn read(
+        &self,
+        mut socket: TcpStream,
+        key: &[u8; KEY],
+        peer: PeerId,
+    ) -> std::io::Result<()> {
+        let key = sealing_key(key);
+        let limit = max_record(self.max_frame, super::raft_lane::BATCH_BYTES);
+        let mut number = 0u64;
+        loop {
+            let mut len = [0u8; 4];
+            match socket.read_exact(&mut len).await {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(e),
+            }
+            let len = u32::from_le_bytes(len) as usize;
+            if !(TAG..=limit).contains(&len) {
+                return Err(std::io::Error::other(format!(
+                    "record {number}: {len} bytes, outside {TAG}..={limit}"
+                )));
+            }
+            let mut record = vec![0u8; len];
+            socket.read_exact(&mut record).await?;
+            self.metrics.received(Lane::Raft, 4 + len);
+            let batch = key
+                .open_in_place(nonce(number), Aad::from(AAD), &mut record)
+                .map_err(|_| std::io::Error::other(format!("record {number} does not open")))?;
+            number += 1;
+            if self.cut.has(&peer) {
+                return Err(std::io::Error::other("the peer is cut off"));
+            }
+            for frame in frames(batch, self.max_frame)? {
+                if !self.to.frame(peer, frame).await {
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
+
+/// The frames of an opened batch, each behind its u32 length.
+fn frames(mut batch: &[u8], max_frame: usize) -> std::io::Result<Vec<Vec<u8>>> {
+    let mut out = Vec::new();
+    while !batch.is_empty() {
+        let bad = |why: &str| std::io::Error::other(format!("a batch of frames {why}"));
+        if batch.len() < 4 {
+            return Err(bad("ends inside a length"));
+        }
+        let len = u32::from_le_bytes([batch[0], batch[1], batch[2], batch[3]]) as usize;
+        if len == 0 || len > max_frame || len > batch.len() - 4 {
+            return Err(bad(&format!("holds a frame of {len} bytes")));
+        }
+        out.push(batch[4..4 + len].to_vec());
+        batch = &batch[4 + len..];
+    }
+    Ok(out)
+}
+
+/// The reader's side of an offer that arrived on its stream from `peer` (after the
+/// zero length): keeps the ticket if `holder` takes Raft frames, and answers.
+pub(super) async fn answer(
+    stream: &mut Stream,
+    holder: Option<&Holder>,
+    peer: PeerId,
+) -> std::io::Result<()> {
+    use futures::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut offer = Offer {
+        ticket: [0; TICKET],
+        key: [0; KEY],
+    };
+    stream.read_exact(&mut offer.ticket).await?;
+    stream.read_exact(&mut offer.key).await?;
+    let reply = match holder.and_then(|h| h.issue_raft(&offer, peer)) {
+        Some(port) => {
+            let [a, b] = port.to_le_bytes();
+            vec![YES, a, b]
+        }
+        None => vec![NO],
+    };
+    stream.write_all(&reply).await?;
+    stream.flush().await
+}
+
+/// The writing side of one connection.
+pub(super) struct Outbound {
+    socket: TcpStream,
+    key: LessSafeKey,
+    number: u64,
+    record: Vec<u8>,
+}
+
+/// Offers the channel on `stream` (the Raft stream to a peer reached at `ip`) and
+/// connects to the port the peer answers with. `Ok(None)`: the peer takes no
+/// frames this way. An error leaves the stream in an unknown state.
+pub(super) async fn ask(stream: &mut Stream, ip: IpAddr) -> std::io::Result<Option<Outbound>> {
+    use futures::{AsyncReadExt as _, AsyncWriteExt as _};
+    let offer = Offer::new().map_err(|e| std::io::Error::other(e.to_string()))?;
+    let mut asked = Vec::with_capacity(4 + TICKET + KEY);
+    asked.extend_from_slice(&OFFER.to_le_bytes());
+    asked.extend_from_slice(&offer.ticket);
+    asked.extend_from_slice(&offer.key);
+    stream.write_all(&asked).await?;
+    stream.flush().await?;
+    let mut answer = [0u8; 3];
+    let answered = async {
+        stream.read_exact(&mut answer[..1]).await?;
+        if answer[0] == YES {
+            stream.read_exact(&mut answer[1..]).await?;
+        }
+        std::io::Result::Ok(())
+    };
+    tokio::time::timeout(ASK, answered)
+        .await
+        .map_err(|_| std::io::Error::other("no answer to the offer in time"))??;
+    match answer[0] {
+        NO => return Ok(None),
+        YES => {}
+        other => {
+            return Err(std::io::Error::other(format!(
+                "the peer answered the offer with {other:#x}"
+            )))
+        }
+    }
+    let port = u16::from_le_bytes([answer[1], answer[2]]);
+    let mut socket = tokio::time::timeout(ASK, TcpStream::connect((ip, port)))
+        .await
+        .map_err(|_| std::io::Error::other(format!("{ip}:{port} did not accept in time")))??;
+    socket.set_nodelay(true)?;
+    socket.write_all(&offer.ticket).await?;
+    Ok(Some(Outbound {
+        socket,
+        key: sealing_key(&offer.key),
+        number: 0,
+        record: Vec::new(),
+    }))
+}
+
+impl Outbound {
+    /// Seals `batch` (frames behind their lengths) as the next record and writes
+    /// it; returns the bytes written.
+    pub(super) async fn send(&mut self, batch: &[u8]) -> std::io::Result<usize> {
+        self.record.clear();
+        self.record.extend_from_slice(&[0; 4]);
+        self.record.extend_from_slice(batch);
+        let tag = self
+            .key
+            .seal_in_place_separate_tag(nonce(self.number), Aad::from(AAD), &mut self.record[4..])
+            .map_err(|_| std::io::Error::other("sealing failed"))?;
+        self.record.extend_from_slice(tag.as_ref());
+        let len = (self.record.len() - 4) as u32;
+        self.record[..4].copy_from_slice(&len.to_le_bytes());
+        self.number += 1;
+        tokio::time::timeout(STALL, self.socket.write_all(&self.record))
+            .await
+            .map_err(|_| std::io::Error::other("the peer stopped taking records"))??;
+        Ok(self.record.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn batch(frames: &[&[u8]]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for f in frames {
+            out.extend_from_slice(&(f.len() as u32).to_le_bytes());
+            out.extend_from_slice(f);
+        }
+        out
+    }
+
+    /// A reader of one connection under `key` and a writer into it under
+    /// `writer_key`, its first record numbered `first`; returns the frames the reader
+    /// handed on and how its reading ended, after `batches` were written.
+    async fn exchange(
+        key: [u8; KEY],
+        writer_key: [u8; KEY],
+        first: u64,
+        batches: &[Vec<u8>],
+    ) -> (Vec<Vec<u8>>, std::io::Result<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (events, mut got) = mpsc::channel(64);
+        let inbound = Inbound {
+            to: Deliver {
+                events,
+                sink: Arc::new(OnceLock::new()),
+            },
+            max_frame: 1024,
+            metrics: NetMetrics::default(),
+            cut: Cut::default(),
+        };
+        let peer = PeerId::random();
+        let reader = tokio::spawn(async move {
+            let (socket, _) = listener.accept().await.unwrap();
+            inbound.read(socket, &key, peer).await
+        });
+        let mut out = Outbound {
+            socket: TcpStream::connect(addr).await.unwrap(),
+            key: sealing_key(&writer_key),
+            number: first,
+            record: Vec::new(),
+        };
+        for b in batches {
+            out.send(b).await.unwrap();
+        }
+        drop(out);
+        let ended = tokio::time::timeout(Duration::from_secs(10), reader)
+            .await
+            .unwrap()
+            .unwrap();
+        let mut frames = Vec::new();
+        while let Ok(NetEvent::Raft { from, frame }) = got.try_recv() {
+            assert_eq!(from, peer);
+            frames.push(frame);
+        }
+        (frames, ended)
+    }
+
+    #[tokio::test]
+    async fn records_under_the_ticket_key_deliver_their_frames_in_order() {
+        let key = [5; KEY];
+        let batches = vec![batch(&[b"a", b"bb"]), batch(&[b"ccc"])];
+        let (frames, ended) = exchange(key, key, 0, &batches).await;
+        assert!(ended.is_ok(), "{ended:?}");
+        assert_eq!(frames, vec![b"a".to_vec(), b"bb".to_vec(), b"ccc".to_vec()]);
+    }
+
+    #[tokio::test]
+    async fn a_record_under_another_key_or_out_of_order_delivers_nothing() {
+        let batches = vec![batch(&[b"forged"])];
+        let (frames, ended) = exchange([5; KEY], [6; KEY], 0, &batches).await;
+        assert!(frames.is_empty());
+        assert!(ended.unwrap_err().to_string().contains("does not open"));
+        // Right key, but a record replayed or skipped: its number is not the next.
+        let (frames, ended) = exchange([5; KEY], [5; KEY], 1, &batches).await;
+        assert!(frames.is_empty());
+        assert!(ended.unwrap_err().to_string().contains("does not open"));
+        // A batch whose frames are over the limit is refused whole.
+        let (frames, ended) = exchange([5; KEY], [5; KEY], 0, &[batch(&[&[1; 2000]])]).await;
+        assert!(frames.is_empty());
+        assert!(ended.is_err());
+    }
+
+    #[test]
+    fn a_batch_splits_into_its_frames_and_a_bad_one_is_refused() {
+        let b = batch(&[b"one", b"two!", &[7; 300]]);
+        let got = frames(&b, 1024).unwrap();
+        assert_eq!(got, vec![b"one".to_vec(), b"two!".to_vec(), vec![7; 300]]);
+        assert!(frames(&b, 299).is_err(), "a frame over the limit");
+        assert!(frames(&b[..b.len() - 1], 1024).is_err(), "cut short");
+        assert!(frames(&b[..2], 1024).is_err(), "inside a length");
+        assert!(frames(&batch(&[b""]), 1024).is_err(), "an empty frame");
+        assert!(frames(&[], 1024).unwrap().is_empty());
+    }
+}
