@@ -1,6 +1,8 @@
 //! The worker: runs the shards the mesh assigns to this node.
 //!
-//! Owns the GPU executor on a dedicated thread (wgpu polling blocks). Watches the
+//! Owns the GPU executor on a dedicated thread (wgpu polling blocks); a run asked for
+//! while that thread has nothing to do runs on the asking task's thread instead (see
+//! [`GpuHandle::run`]). Watches the
 //! applied log for `AssignShard` entries naming this node, pulls the task's input
 //! blobs from whoever holds them, runs the shard, stores its outputs as one blob and
 //! proposes the result (or the failure) through Raft. Talks to: raft (reads state,
@@ -8,7 +10,8 @@
 //! thread its work, in the node's [`crate::metrics`].
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use gpumesh_consensus::{AppliedEvent, Command, ConsensusHandle, Outcome, TaskId};
@@ -46,6 +49,12 @@ enum GpuRequest {
 #[derive(Clone)]
 pub struct GpuHandle {
     tx: mpsc::Sender<GpuRequest>,
+    /// The executor, for runs made on the asking task's thread (the GPU thread holds
+    /// the only strong reference, so the device is destroyed there, see `start`).
+    executor: Weak<Mutex<Executor>>,
+    /// Requests sent to the GPU thread and not yet done.
+    queued: Arc<AtomicUsize>,
+    metrics: GpuMetrics,
 }
 
 impl GpuHandle {
@@ -63,6 +72,8 @@ impl GpuHandle {
     ) -> Option<(GpuHandle, NodeCapability, std::thread::JoinHandle<()>)> {
         let (tx, mut rx) = mpsc::channel::<GpuRequest>(16);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let (done, handle_metrics) = (queued.clone(), metrics.clone());
         let spawned = std::thread::Builder::new()
             .name("gpumesh-gpu".into())
             .spawn(move || {
@@ -83,7 +94,11 @@ impl GpuHandle {
                         tracing::warn!(error = %e, "calibration failed");
                     }
                 }
-                let _ = ready_tx.send(Some(executor.capability().clone()));
+                let shared = Arc::new(Mutex::new(executor));
+                let _ = ready_tx.send(Some((
+                    Arc::downgrade(&shared),
+                    lock(&shared).capability().clone(),
+                )));
                 // A request taken from the queue while gathering a batch, and not
                 // part of it: handled next.
                 let mut held = None;
@@ -91,6 +106,9 @@ impl GpuHandle {
                     let Some(req) = held.take().or_else(|| rx.blocking_recv()) else {
                         break;
                     };
+                    let mut executor = lock(&shared);
+                    let executor = &mut *executor;
+                    let mut handled = 1;
                     match req {
                         GpuRequest::Run {
                             job,
@@ -121,6 +139,7 @@ impl GpuHandle {
                                         };
                                         if next.batches() {
                                             batch.push(next);
+                                            handled += 1;
                                         } else {
                                             held = Some(next.into_request());
                                             break;
@@ -133,7 +152,7 @@ impl GpuHandle {
                                     Err(_) => break,
                                 }
                             }
-                            run_queued(&mut executor, batch, &metrics);
+                            run_queued(executor, batch, &metrics);
                         }
                         GpuRequest::Chain {
                             jobs,
@@ -141,20 +160,45 @@ impl GpuHandle {
                             deadline,
                             reply,
                         } => {
-                            let before = executor.counters();
-                            let started = Instant::now();
-                            let result = executor.run_chain(&jobs, &carry, deadline);
-                            metrics.record(started.elapsed(), executor.counters().since(&before));
-                            let _ = reply.send(result);
+                            let _ = reply.send(run_chain(executor, &jobs, &carry, deadline, &metrics));
                         }
                         GpuRequest::Forget(ids) => executor.forget(&ids),
                     }
                     metrics.set_resident(executor.resident_bytes());
+                    done.fetch_sub(handled, Ordering::Release);
                 }
             });
         let thread = spawned.ok()?;
-        let capability = ready_rx.recv().ok().flatten()?;
-        Some((GpuHandle { tx }, capability, thread))
+        let (executor, capability) = ready_rx.recv().ok().flatten()?;
+        let handle = GpuHandle {
+            tx,
+            executor,
+            queued,
+            metrics: handle_metrics,
+        };
+        Some((handle, capability, thread))
+    }
+
+    /// Runs `f` on the executor on this thread, when that is quicker than handing it
+    /// to the GPU thread: nothing is queued there or running, and this is a worker of
+    /// a multi-threaded runtime (which `block_in_place` lets block while the GPU
+    /// works). Saves waking that thread and this task again, on every small run's
+    /// path. `None`: hand it over.
+    fn inline<T>(&self, f: impl FnOnce(&mut Executor) -> T) -> Option<T> {
+        let multi_thread = matches!(
+            tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()),
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread)
+        );
+        if !multi_thread || self.queued.load(Ordering::Acquire) != 0 {
+            return None;
+        }
+        let shared = self.executor.upgrade()?;
+        let mut executor = shared.try_lock().ok()?;
+        Some(tokio::task::block_in_place(|| {
+            let out = f(&mut executor);
+            self.metrics.set_resident(executor.resident_bytes());
+            out
+        }))
     }
 
     pub async fn run(
@@ -163,6 +207,9 @@ impl GpuHandle {
         shard: u32,
         deadline: Option<Duration>,
     ) -> Result<ShardOutput, ExecError> {
+        if let Some(ran) = self.inline(|e| run_one(e, &job, shard, deadline, &self.metrics)) {
+            return ran;
+        }
         self.ask(|reply| GpuRequest::Run {
             job: Box::new(job),
             shard,
@@ -180,7 +227,11 @@ impl GpuHandle {
     ) -> Result<T, ExecError> {
         let stopped = || ExecError::Gpu("the GPU thread has stopped".into());
         let (reply, rx) = oneshot::channel();
-        self.tx.send(make(reply)).await.map_err(|_| stopped())?;
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        if self.tx.send(make(reply)).await.is_err() {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(stopped());
+        }
         rx.await.map_err(|_| stopped())?
     }
 }
@@ -195,6 +246,10 @@ impl GpuHandle {
         carry: Vec<u32>,
         deadline: Option<Duration>,
     ) -> Result<Option<ChainOutput>, ExecError> {
+        let metrics = &self.metrics;
+        if let Some(ran) = self.inline(|e| run_chain(e, &jobs, &carry, deadline, metrics)) {
+            return ran;
+        }
         self.ask(|reply| GpuRequest::Chain {
             jobs,
             carry,
@@ -208,7 +263,10 @@ impl GpuHandle {
     /// state of an actor no longer hosted here). Does not wait.
     pub async fn forget(&self, ids: Vec<BlobId>) {
         if !ids.is_empty() {
-            let _ = self.tx.send(GpuRequest::Forget(ids)).await;
+            self.queued.fetch_add(1, Ordering::AcqRel);
+            if self.tx.send(GpuRequest::Forget(ids)).await.is_err() {
+                self.queued.fetch_sub(1, Ordering::AcqRel);
+            }
         }
     }
 }
@@ -278,16 +336,49 @@ fn run_queued(executor: &mut Executor, batch: Vec<Queued>, metrics: &GpuMetrics)
             .collect();
     }
     for q in batch {
-        let before = executor.counters();
-        let started = Instant::now();
-        let result = job_shard(&q.job, q.shard).and_then(|range| {
-            executor
-                .run_shards(&q.job, &[range], q.deadline)
-                .map(|mut v| v.remove(0))
-        });
-        metrics.record(started.elapsed(), executor.counters().since(&before));
-        let _ = q.reply.send(result);
+        let _ = q
+            .reply
+            .send(run_one(executor, &q.job, q.shard, q.deadline, metrics));
     }
+}
+
+/// The executor, whoever held it last.
+fn lock(shared: &Mutex<Executor>) -> std::sync::MutexGuard<'_, Executor> {
+    shared.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Runs shard `shard` of `job` alone, counted in `metrics`.
+fn run_one(
+    executor: &mut Executor,
+    job: &Job,
+    shard: u32,
+    deadline: Option<Duration>,
+    metrics: &GpuMetrics,
+) -> Result<ShardOutput, ExecError> {
+    let before = executor.counters();
+    let started = Instant::now();
+    let result = job_shard(job, shard).and_then(|range| {
+        executor
+            .run_shards(job, &[range], deadline)
+            .map(|mut v| v.remove(0))
+    });
+    metrics.record(started.elapsed(), executor.counters().since(&before));
+    result
+}
+
+/// Runs `jobs` as one chain (`Executor::run_chain`), counted in `metrics`.
+fn run_chain(
+    executor: &mut Executor,
+    jobs: &[Job],
+    carry: &[u32],
+    deadline: Option<Duration>,
+    metrics: &GpuMetrics,
+) -> Result<Option<ChainOutput>, ExecError> {
+    let before = executor.counters();
+    let started = Instant::now();
+    let result = executor.run_chain(jobs, carry, deadline);
+    metrics.record(started.elapsed(), executor.counters().since(&before));
+    result
 }
 
 fn job_shard(job: &Job, shard: u32) -> Result<gpumesh_shaders::shard::ShardRange, ExecError> {
