@@ -57,7 +57,7 @@ pub use crate::worker::Faults;
 pub use config::NodeConfig;
 use formation::{join_through, open_or_form, Newcomer};
 use heartbeats::heartbeats;
-use routing::{raft_sink, Membership, Router};
+use routing::{raft_sink, request_sink, Membership, Router};
 
 /// Raft frames to the peer behind a raft id, through the net actor.
 struct NetTransport {
@@ -222,13 +222,15 @@ impl MeshNode {
         // without a GPU nothing takes them, and senders queue them in the record.
         let (calls_tx, calls_rx) = mpsc::channel(1024);
         net.set_raft_sink(raft_sink(consensus.clone(), peers.clone()));
-        let _ = joined.send(Membership {
+        let membership = Arc::new(Membership {
             cluster,
             consensus: consensus.clone(),
             liveness: liveness.clone(),
             blobs: blobs.clone(),
             calls: calls_tx.clone(),
         });
+        net.set_request_sink(request_sink(raft_id, peers.clone(), membership.clone()));
+        let _ = joined.send(membership);
         // Dial every member at once: a node restarted with no --peer finds the mesh
         // through the addresses in its own copy of the membership.
         tasks.push(tokio::spawn(keep_connected(

@@ -40,7 +40,7 @@ pub(super) struct Router {
     pub peers: PeersHandle,
     pub events: mpsc::Receiver<NetEvent>,
     /// Sent once, when the replica starts.
-    pub joined: oneshot::Receiver<Membership>,
+    pub joined: oneshot::Receiver<Arc<Membership>>,
 }
 
 impl Router {
@@ -52,7 +52,7 @@ impl Router {
                 _ = cancel.cancelled() => return,
                 m = &mut self.joined, if member.is_none() => match m {
                     Ok(m) => {
-                        member = Some(Arc::new(m));
+                        member = Some(m);
                         continue;
                     }
                     // The node stopped before its replica started.
@@ -122,6 +122,23 @@ impl Router {
             }
         }
     }
+}
+
+/// Node requests answered on the call lane's own task once this node is a member,
+/// skipping the router (which still answers them before then).
+pub(super) fn request_sink(
+    raft_id: u64,
+    peers: PeersHandle,
+    member: Arc<Membership>,
+) -> crate::net::RequestSink {
+    Arc::new(move |from: PeerId, request: MeshRequest| {
+        let answering = Answering {
+            raft_id,
+            peers: peers.clone(),
+            member: Some(member.clone()),
+        };
+        Box::pin(answering.answer(from, request))
+    })
 }
 
 /// What answering one node request needs.

@@ -26,7 +26,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use futures::io::{ReadHalf, WriteHalf};
@@ -37,7 +37,7 @@ use libp2p_stream::{Control, IncomingStreams};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use super::NetEvent;
+use super::{NetEvent, RequestSink};
 use crate::error::{NodeError, Result};
 use crate::metrics::{Lane, NetMetrics};
 
@@ -62,6 +62,8 @@ type Waiting = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<MeshResponse>>>>>;
 /// The sending side, shared by every [`super::NetHandle`] clone.
 pub(super) struct CallLane {
     control: Control,
+    /// Answers requests once the node sets it (see `NetHandle::set_request_sink`).
+    sink: Arc<OnceLock<RequestSink>>,
     peers: Mutex<HashMap<PeerId, Outbound>>,
     next_id: AtomicU64,
     max_frame: usize,
@@ -108,6 +110,7 @@ impl CallLane {
         let incoming = control
             .accept(CALL_PROTOCOL)
             .map_err(|e| NodeError::NetSetup(format!("call protocol: {e}")))?;
+        let sink = Arc::new(OnceLock::new());
         tokio::spawn(accept(
             incoming,
             events,
@@ -115,11 +118,13 @@ impl CallLane {
                 max_frame,
                 answer_timeout,
                 metrics: metrics.clone(),
+                sink: sink.clone(),
                 cancel: cancel.clone(),
             },
         ));
         Ok(Arc::new(CallLane {
             control,
+            sink,
             peers: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             max_frame,
@@ -163,6 +168,10 @@ impl CallLane {
                 reason: "the call stream closed".into(),
             })?;
         answer.await.unwrap_or(Err(NodeError::NetStopped))
+    }
+
+    pub(super) fn set_sink(&self, sink: RequestSink) {
+        let _ = self.sink.set(sink);
     }
 
     /// The peer's outbound stream, started if it has none that is still open.
@@ -341,6 +350,7 @@ struct Inbound {
     max_frame: usize,
     answer_timeout: Duration,
     metrics: NetMetrics,
+    sink: Arc<OnceLock<RequestSink>>,
     cancel: CancellationToken,
 }
 
@@ -353,8 +363,14 @@ async fn accept(mut incoming: IncomingStreams, events: mpsc::Sender<NetEvent>, w
     }
 }
 
-/// Hands each request on one inbound stream to the node and writes the answers
-/// back as they come.
+/// How a request's answer comes: from the sink's future, or from the node.
+enum Answer {
+    Now(futures::future::BoxFuture<'static, MeshResponse>),
+    Later(oneshot::Receiver<MeshResponse>),
+}
+
+/// Hands each request on one inbound stream to the node (or its sink) and writes
+/// the answers back as they come.
 async fn serve(peer: PeerId, stream: Stream, events: mpsc::Sender<NetEvent>, with: Inbound) {
     let (mut reader, mut writer) = stream.split();
     let (answers_tx, mut answers) = mpsc::channel::<Frame>(QUEUE);
@@ -385,18 +401,31 @@ async fn serve(peer: PeerId, stream: Stream, events: mpsc::Sender<NetEvent>, wit
                 tracing::warn!(%peer, kind, "call frame of an unknown kind; closing the peer's stream");
                 return;
             }
-            let (reply, answer) = oneshot::channel();
-            let request = NetEvent::Request {
-                from: peer,
-                request: MeshRequest::Node(body),
-                reply,
+            let request = MeshRequest::Node(body);
+            let answer = match with.sink.get() {
+                Some(sink) => Answer::Now(sink(peer, request)),
+                None => {
+                    let (reply, answer) = oneshot::channel();
+                    let request = NetEvent::Request {
+                        from: peer,
+                        request,
+                        reply,
+                    };
+                    if events.send(request).await.is_err() {
+                        return;
+                    }
+                    Answer::Later(answer)
+                }
             };
-            if events.send(request).await.is_err() {
-                return;
-            }
             let answers = answers_tx.clone();
             let timeout = with.answer_timeout;
             tokio::spawn(async move {
+                let answer = async {
+                    match answer {
+                        Answer::Now(answering) => Ok(answering.await),
+                        Answer::Later(answer) => answer.await,
+                    }
+                };
                 let (kind, body) = match tokio::time::timeout(timeout, answer).await {
                     Ok(Ok(MeshResponse::Node(bytes))) => (KIND_ANSWER, bytes),
                     Ok(Ok(MeshResponse::Error(why))) => (KIND_ERROR, why.into_bytes()),

@@ -85,6 +85,12 @@ const COMMAND_QUEUE: usize = 1024;
 /// it as a [`NetEvent::Raft`]). See [`NetHandle::set_raft_sink`].
 pub type RaftSink = Arc<dyn Fn(PeerId, Vec<u8>) -> Option<Vec<u8>> + Send + Sync>;
 
+/// Answers a node request from a peer on the task that read it; see
+/// [`NetHandle::set_request_sink`].
+pub type RequestSink = Arc<
+    dyn Fn(PeerId, MeshRequest) -> futures::future::BoxFuture<'static, MeshResponse> + Send + Sync,
+>;
+
 /// The node's way into the network; cheap to clone.
 #[derive(Clone)]
 pub struct NetHandle {
@@ -310,6 +316,13 @@ impl NetHandle {
     /// has stopped, or the frame is over the frame limit.
     pub fn send_raft(&self, to: PeerId, frame: Vec<u8>) -> Result<()> {
         self.raft.send(to, frame)
+    }
+
+    /// From now on, node requests that arrive on the call lane are answered by
+    /// `sink` on a task of their own rather than handed to the node as a
+    /// [`NetEvent::Request`]: one task fewer woken for each. Set once.
+    pub fn set_request_sink(&self, sink: RequestSink) {
+        self.calls.set_sink(sink);
     }
 
     /// Peers this node's Raft frames go to over the direct channel (see
