@@ -46,32 +46,51 @@ pub const RUN_INLINE_BYTES: u64 = 64 << 10;
 /// Lower-case hex of `bytes`.
 pub fn to_hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
+    let mut out = Vec::with_capacity(bytes.len() * 2);
     for b in bytes {
-        out.push(DIGITS[usize::from(b >> 4)] as char);
-        out.push(DIGITS[usize::from(b & 15)] as char);
+        out.push(DIGITS[usize::from(b >> 4)]);
+        out.push(DIGITS[usize::from(b & 15)]);
     }
-    out
+    // Only ASCII digits were pushed.
+    String::from_utf8(out).unwrap_or_default()
 }
+
+/// The value of each ASCII hex digit, lower or upper case; 0xFF for anything else.
+const HEX_VALUE: [u8; 256] = {
+    let mut table = [0xFF; 256];
+    let mut i = 0;
+    while i < 10 {
+        table[b'0' as usize + i] = i as u8;
+        i += 1;
+    }
+    let mut i = 0;
+    while i < 6 {
+        table[b'a' as usize + i] = 10 + i as u8;
+        table[b'A' as usize + i] = 10 + i as u8;
+        i += 1;
+    }
+    table
+};
 
 /// The bytes of lower-case or upper-case hex, or why it is not hex.
 pub fn from_hex(text: &str) -> Result<Vec<u8>, String> {
     if text.len() % 2 != 0 {
         return Err(format!("{} hex digits: not whole bytes", text.len()));
     }
-    text.as_bytes()
-        .chunks_exact(2)
-        .map(|pair| {
-            // The message is made only for a digit that is wrong: formatting one per
-            // digit cost 2 ms for a 30 KB answer.
-            let digit = |c: u8| {
-                (c as char)
-                    .to_digit(16)
-                    .ok_or_else(|| format!("{:?} is not a hex digit", c as char))
-            };
-            Ok((digit(pair[0])? * 16 + digit(pair[1])?) as u8)
-        })
-        .collect()
+    let mut out = Vec::with_capacity(text.len() / 2);
+    for pair in text.as_bytes().chunks_exact(2) {
+        let (hi, lo) = (
+            HEX_VALUE[usize::from(pair[0])],
+            HEX_VALUE[usize::from(pair[1])],
+        );
+        if hi == 0xFF || lo == 0xFF {
+            // The message is made only for the first digit that is wrong.
+            let wrong = if hi == 0xFF { pair[0] } else { pair[1] };
+            return Err(format!("{:?} is not a hex digit", wrong as char));
+        }
+        out.push(hi << 4 | lo);
+    }
+    Ok(out)
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -351,4 +370,29 @@ pub struct CallReply {
     pub seq: u64,
     pub version: u64,
     pub outputs: Vec<OutputView>,
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn hex_goes_both_ways_and_says_which_digit_is_wrong() {
+        let bytes: Vec<u8> = (0..=255).collect();
+        let hex = to_hex(&bytes);
+        assert_eq!(&hex[..8], "00010203");
+        assert_eq!(&hex[hex.len() - 4..], "feff");
+        assert_eq!(from_hex(&hex).unwrap(), bytes);
+        assert_eq!(from_hex("ABcd0F").unwrap(), vec![0xab, 0xcd, 0x0f]);
+        assert_eq!(from_hex("").unwrap(), Vec::<u8>::new());
+        assert!(from_hex("abc").unwrap_err().contains("not whole bytes"));
+        assert!(from_hex("0g")
+            .unwrap_err()
+            .contains("'g' is not a hex digit"));
+        assert!(from_hex("x0")
+            .unwrap_err()
+            .contains("'x' is not a hex digit"));
+    }
 }
