@@ -77,11 +77,20 @@ pub(super) const OFFER: u32 = 0;
 /// The reader's answers to an offer: a port follows, or none is taken.
 const YES: u8 = 1;
 const NO: u8 = 0;
-/// How long the writer waits for the answer to its offer, and for the port to accept.
-const ASK: Duration = Duration::from_secs(2);
+/// How long the writer waits for the answer to its offer, and for the port to
+/// accept: on a LAN both take well under a millisecond, and the writer's frames wait
+/// meanwhile, so a port that drops connections (a firewall) costs this much, once
+/// a minute, far inside Raft's election timeout.
+const ASK: Duration = Duration::from_millis(250);
 /// How long one record may take to go into the socket before the channel is
 /// given up for the stream (a peer that stopped reading, packets that vanish).
 pub(super) const STALL: Duration = Duration::from_secs(2);
+/// How long a reader waits for the next record before it takes the connection for
+/// dead and closes it: twice as long as a writer with nothing to send keeps its
+/// connection open (so a live one is always closed by its writer, and no frame is
+/// written into a connection the reader has given up). A connection whose packets
+/// vanish (a cut link) would otherwise keep its reader waiting for good.
+const READ_IDLE: Duration = Duration::from_secs(2 * super::raft_lane::IDLE.as_secs());
 
 /// Where a Raft frame read from a peer goes: the sink once the node set one, else
 /// the node's events.
@@ -137,10 +146,15 @@ impl Inbound {
         let mut number = 0u64;
         loop {
             let mut len = [0u8; 4];
-            match socket.read_exact(&mut len).await {
-                Ok(_) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-                Err(e) => return Err(e),
+            match tokio::time::timeout(READ_IDLE, socket.read_exact(&mut len)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {
+                    return Err(std::io::Error::other(format!(
+                        "no record for {READ_IDLE:?}; taken for dead"
+                    )))
+                }
             }
             let len = u32::from_le_bytes(len) as usize;
             if !(TAG..=limit).contains(&len) {

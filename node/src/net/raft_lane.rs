@@ -48,11 +48,11 @@ const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
 /// After a failed open, frames for the peer are dropped for this long.
 const RETRY_AFTER: Duration = Duration::from_millis(500);
 /// A writer with nothing to send for this long ends; the next frame starts another.
-const IDLE: Duration = Duration::from_secs(300);
+pub(super) const IDLE: Duration = Duration::from_secs(300);
 /// After the direct channel to a peer failed or broke, the stream carries its
 /// frames for this long before the channel is offered again.
 const DIRECT_RETRY: Duration = Duration::from_secs(5);
-/// After a peer said it takes no frames directly, this long.
+/// After a peer said it takes no frames directly, or the offer failed, this long.
 const DIRECT_REFUSED: Duration = Duration::from_secs(60);
 
 /// The sending side, shared by every [`super::NetHandle`] clone.
@@ -275,8 +275,11 @@ async fn write(mut w: Writing, mut frames: mpsc::Receiver<Vec<u8>>, cancel: Canc
                 }
                 Ok(None) => offer_at = now + DIRECT_REFUSED,
                 Err(e) => {
+                    // Its port out of reach (a firewall), or a peer from before the
+                    // direct channel, which takes the offer for a malformed frame
+                    // and closes the stream: not again for a while.
                     tracing::debug!(%peer, "direct raft connection not made: {e}");
-                    offer_at = now + DIRECT_RETRY;
+                    offer_at = now + DIRECT_REFUSED;
                     stream = None; // an answer may still come on it
                     continue;
                 }
