@@ -27,12 +27,14 @@
 
 use std::collections::HashSet;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use libp2p::{PeerId, Stream};
 use ring::aead::{Aad, LessSafeKey};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
@@ -226,10 +228,44 @@ pub(super) async fn answer(
 
 /// The writing side of one connection.
 pub(super) struct Outbound {
-    socket: TcpStream,
+    socket: OwnedWriteHalf,
     key: LessSafeKey,
     number: u64,
     record: Vec<u8>,
+    /// Set once the peer has closed or reset the connection (see [`watch`]).
+    closed: Arc<AtomicBool>,
+}
+
+impl Outbound {
+    fn new(socket: TcpStream, key: &[u8; KEY], number: u64) -> Outbound {
+        let (read, write) = socket.into_split();
+        let closed = Arc::new(AtomicBool::new(false));
+        tokio::spawn(watch(read, closed.clone()));
+        Outbound {
+            socket: write,
+            key: sealing_key(key),
+            number,
+            record: Vec::new(),
+            closed,
+        }
+    }
+}
+
+/// Watches the reading side of a writer's connection, on which the peer sends
+/// nothing: its end means the peer closed or reset the connection (its process
+/// died, or it was restarted). A write would not say so until the one after it:
+/// the first frame into a dead connection leaves this machine as if delivered, and a
+/// connection idle since its peer restarted would lose the first message of the
+/// next election that way, costing a whole election timeout.
+async fn watch(mut read: OwnedReadHalf, closed: Arc<AtomicBool>) {
+    let mut scratch = [0u8; 64];
+    loop {
+        match read.read(&mut scratch).await {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {} // nothing is sent this way; ignored
+        }
+    }
+    closed.store(true, Ordering::Release);
 }
 
 /// Offers the channel on `stream` (the Raft stream to a peer reached at `ip`) and
@@ -270,18 +306,16 @@ pub(super) async fn ask(stream: &mut Stream, ip: IpAddr) -> std::io::Result<Opti
         .map_err(|_| std::io::Error::other(format!("{ip}:{port} did not accept in time")))??;
     socket.set_nodelay(true)?;
     socket.write_all(&offer.ticket).await?;
-    Ok(Some(Outbound {
-        socket,
-        key: sealing_key(&offer.key),
-        number: 0,
-        record: Vec::new(),
-    }))
+    Ok(Some(Outbound::new(socket, &offer.key, 0)))
 }
 
 impl Outbound {
     /// Seals `batch` (frames behind their lengths) as the next record and writes
     /// it; returns the bytes written.
     pub(super) async fn send(&mut self, batch: &[u8]) -> std::io::Result<usize> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(std::io::Error::other("the peer closed the connection"));
+        }
         self.record.clear();
         self.record.extend_from_slice(&[0; 4]);
         self.record.extend_from_slice(batch);
@@ -341,12 +375,7 @@ mod tests {
             let (socket, _) = listener.accept().await.unwrap();
             inbound.read(socket, &key, peer).await
         });
-        let mut out = Outbound {
-            socket: TcpStream::connect(addr).await.unwrap(),
-            key: sealing_key(&writer_key),
-            number: first,
-            record: Vec::new(),
-        };
+        let mut out = Outbound::new(TcpStream::connect(addr).await.unwrap(), &writer_key, first);
         for b in batches {
             out.send(b).await.unwrap();
         }
@@ -361,6 +390,25 @@ mod tests {
             frames.push(frame);
         }
         (frames, ended)
+    }
+
+    #[tokio::test]
+    async fn a_writer_knows_its_peer_closed_the_connection_before_it_writes_again() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut out = Outbound::new(TcpStream::connect(addr).await.unwrap(), &[5; KEY], 0);
+        let (peer, _) = listener.accept().await.unwrap();
+        out.send(&batch(&[b"delivered"])).await.unwrap();
+        // The peer goes (its process killed, say); nothing is written meanwhile.
+        drop(peer);
+        for _ in 0..100 {
+            if out.closed.load(Ordering::Acquire) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let refused = out.send(&batch(&[b"would be lost"])).await.unwrap_err();
+        assert!(refused.to_string().contains("closed"), "{refused}");
     }
 
     #[tokio::test]
