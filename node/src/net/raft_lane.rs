@@ -236,19 +236,8 @@ async fn write(mut w: Writing, mut frames: mpsc::Receiver<Vec<u8>>, cancel: Canc
             w.direct_to.set(peer, false);
             continue;
         }
-        if let Some(d) = direct.as_mut() {
-            match d.send(&batch).await {
-                Ok(n) => {
-                    w.metrics.sent(Lane::Raft, n);
-                    continue;
-                }
-                Err(e) => {
-                    tracing::debug!(%peer, "direct raft connection: {e}; back to the stream");
-                    direct = None;
-                    w.direct_to.set(peer, false);
-                    offer_at = now + DIRECT_RETRY;
-                }
-            }
+        if w.send_direct(&mut direct, &batch, &mut offer_at).await {
+            continue;
         }
         if stream.is_none() {
             match tokio::time::timeout(OPEN_TIMEOUT, open(&mut w.control, peer)).await {
@@ -284,19 +273,8 @@ async fn write(mut w: Writing, mut frames: mpsc::Receiver<Vec<u8>>, cancel: Canc
                     continue;
                 }
             }
-            if let Some(d) = direct.as_mut() {
-                match d.send(&batch).await {
-                    Ok(n) => {
-                        w.metrics.sent(Lane::Raft, n);
-                        continue;
-                    }
-                    Err(e) => {
-                        tracing::debug!(%peer, "direct raft connection: {e}; back to the stream");
-                        direct = None;
-                        w.direct_to.set(peer, false);
-                        offer_at = now + DIRECT_RETRY;
-                    }
-                }
+            if w.send_direct(&mut direct, &batch, &mut offer_at).await {
+                continue;
             }
         }
         let written = async {
@@ -308,6 +286,34 @@ async fn write(mut w: Writing, mut frames: mpsc::Receiver<Vec<u8>>, cancel: Canc
             Err(e) => {
                 tracing::debug!(%peer, "raft stream closed: {e}");
                 stream = None;
+            }
+        }
+    }
+}
+
+impl Writing {
+    /// Writes `batch` on the direct connection, if there is one; false when there is
+    /// none or it broke (then it is dropped, and offered again after a while).
+    async fn send_direct(
+        &self,
+        direct: &mut Option<Outbound>,
+        batch: &[u8],
+        offer_at: &mut tokio::time::Instant,
+    ) -> bool {
+        let Some(d) = direct.as_mut() else {
+            return false;
+        };
+        match d.send(batch).await {
+            Ok(n) => {
+                self.metrics.sent(Lane::Raft, n);
+                true
+            }
+            Err(e) => {
+                tracing::debug!(peer = %self.peer, "direct raft connection: {e}; back to the stream");
+                *direct = None;
+                self.direct_to.set(self.peer, false);
+                *offer_at = tokio::time::Instant::now() + DIRECT_RETRY;
+                false
             }
         }
     }
