@@ -85,10 +85,11 @@ struct Reading {
 }
 
 impl RaftLane {
-    /// Starts accepting inbound Raft streams (each frame becomes a
-    /// [`NetEvent::Raft`] on `events`) and returns the sending side.
-    /// With `direct` (the node's direct listener, where it has one, and where
-    /// peers' are), writers and readers set up the direct channel.
+    /// Starts accepting inbound Raft streams (each frame goes to `sink` once the
+    /// node sets it, else becomes a [`NetEvent::Raft`] on `events`) and returns the
+    /// sending side. Readers answer writers' offers of the direct channel when the
+    /// node has a direct listener (`holder`); writers offer it to peers whose
+    /// address `ips` knows (`None`: the direct channel is off).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn start(
         mut control: Control,
@@ -96,7 +97,8 @@ impl RaftLane {
         max_frame: usize,
         delay_us: Arc<AtomicU64>,
         metrics: NetMetrics,
-        direct: Option<(Option<Holder>, Peers)>,
+        holder: Option<Holder>,
+        ips: Option<Peers>,
         cut: Cut,
         sink: Arc<OnceLock<RaftSink>>,
         cancel: CancellationToken,
@@ -104,10 +106,6 @@ impl RaftLane {
         let incoming = control
             .accept(RAFT_PROTOCOL)
             .map_err(|e| NodeError::NetSetup(format!("raft protocol: {e}")))?;
-        let (holder, ips) = match direct {
-            Some((holder, ips)) => (holder, Some(ips)),
-            None => (None, None),
-        };
         let reading = Reading {
             to: Deliver {
                 events,
