@@ -1,5 +1,6 @@
 //! The Ready loop: ticks, frames from peers, and each Ready handled in the order
-//! raft-rs documents (send the leader's messages, persist, apply, send the rest).
+//! raft-rs documents (send the leader's messages, persist, apply, send the rest),
+//! on the replica's own task (see [`blocking`] for what leaves it).
 
 use super::*;
 
@@ -28,12 +29,18 @@ impl Actor {
             }
             let snapshot = (!ready.snapshot().is_empty()).then(|| ready.snapshot().clone());
             if snapshot.is_some() || !ready.entries().is_empty() || ready.hs().is_some() {
-                self.raw
-                    .mut_store()
-                    .persist(snapshot.as_ref(), ready.entries(), ready.hs())?;
+                let bytes: usize = ready.entries().iter().map(|e| e.data.len()).sum();
+                let store = self.raw.mut_store();
+                let mut persist = || store.persist(snapshot.as_ref(), ready.entries(), ready.hs());
+                let many = ready.entries().len() > INLINE_PERSIST_ENTRIES;
+                if snapshot.is_some() || many || bytes > INLINE_PERSIST_BYTES {
+                    blocking(persist)?;
+                } else {
+                    persist()?;
+                }
             }
             if let Some(snapshot) = snapshot {
-                self.restore(&snapshot)?;
+                blocking(|| self.restore(&snapshot))?;
             }
             self.on_read_states(ready.take_read_states());
             self.apply_entries(ready.take_committed_entries());

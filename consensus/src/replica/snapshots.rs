@@ -59,6 +59,12 @@ impl Actor {
         if since == 0 || !(requested || due) {
             return Ok(());
         }
+        blocking(|| self.take_snapshot(applied))
+    }
+
+    /// Encodes the state applied up to `applied` as a snapshot and compacts the log
+    /// behind it.
+    fn take_snapshot(&mut self, applied: u64) -> Result<()> {
         let began = std::time::Instant::now();
         let mut snapshot = Snapshot {
             data: self.state.get().to_bytes()?.into(),
