@@ -1,5 +1,6 @@
 //! The Ready loop: ticks, frames from peers, and each Ready handled in the order
-//! raft-rs documents (send the leader's messages, persist, apply, send the rest),
+//! raft-rs documents (send the leader's messages, persist, send what waited on
+//! the persist, apply, then the light Ready's messages and applies),
 //! on the replica's own task (see [`blocking`] for what leaves it).
 
 use super::*;
@@ -42,11 +43,13 @@ impl Actor {
             if let Some(snapshot) = snapshot {
                 blocking(|| self.restore(&snapshot))?;
             }
-            self.on_read_states(ready.take_read_states());
-            self.apply_entries(ready.take_committed_entries());
+            // A follower's answer to the append just written goes before the applies:
+            // the leader's commit waits on it, and nothing in it waits on them.
             if !ready.persisted_messages().is_empty() {
                 self.send_raft(ready.take_persisted_messages());
             }
+            self.on_read_states(ready.take_read_states());
+            self.apply_entries(ready.take_committed_entries());
             let mut light = self.raw.advance(ready);
             if let Some(commit) = light.commit_index() {
                 self.raw.mut_store().set_commit(commit);
