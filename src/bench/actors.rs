@@ -29,8 +29,8 @@ pub struct ActorsBenchArgs {
     pub idle_actors: usize,
     /// Print one JSON object as the last line (`call_p50_ms`, `call_p99_ms`,
     /// `call_at_host_p50_ms`, `call_at_host_p99_ms`, `calls_per_s`, `failover_ms`,
-    /// `calls_host_led`, `warm_up_calls`, and with `--idle-actors`, `idle_actors`, `creates_per_s` and `spread_calls_per_s`:
-    /// one call to each of them).
+    /// `calls_host_led`, `warm_up_calls`, and with `--idle-actors`, `idle_actors`,
+    /// `creates_per_s` and `spread_calls_per_s`: one call to each of them).
     #[arg(long)]
     pub json: bool,
 }
