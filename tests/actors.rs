@@ -130,14 +130,14 @@ async fn calls_from_two_nodes_run_in_log_order_on_the_host_and_match_the_cpu() {
         let reader = &nodes[2].consensus;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
         let actor = loop {
-            let a = reader.read_local(|s| s.actor("stepper").cloned()).unwrap();
-            if a.results.len() == 6 {
-                break a;
+            // A follower may not have applied the actor's creation yet.
+            match reader.read_local(|s| s.actor("stepper").cloned()) {
+                Some(a) if a.results.len() == 6 => break a,
+                a => assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "calls not all done: {a:#?}"
+                ),
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "calls not all done: {a:#?}"
-            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
         assert_eq!(actor.version, 6);
@@ -654,14 +654,14 @@ async fn calls_waiting_together_run_back_to_back_and_a_failure_among_them_change
         let reader = &nodes[1].consensus;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
         let actor = loop {
-            let a = reader.read_local(|s| s.actor("batched").cloned()).unwrap();
-            if a.results.len() == 24 {
-                break a;
+            // A follower may not have applied the actor's creation yet.
+            match reader.read_local(|s| s.actor("batched").cloned()) {
+                Some(a) if a.results.len() == 24 => break a,
+                a => assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "not all done: {a:#?}"
+                ),
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "not all done: {a:#?}"
-            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
         // Replayed on the CPU in sequence order; a failed call changes nothing.
