@@ -257,12 +257,14 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     timeline.take();
     let mut ratios = Vec::new();
     for _ in 0..args.spin_runs.max(1) {
-        d.push(direct.run(&job, None)?.elapsed);
+        let alone = direct.run(&job, None)?.elapsed;
         let t = Instant::now();
         let (task, _) = client.run(spec(SPIN, groups, 1)).await?;
-        m.push(t.elapsed());
+        let meshed = t.elapsed();
         spin_ends.push((TaskId(task), t, Instant::now()));
-        ratios.push(m[m.len() - 1].as_secs_f64() / d[d.len() - 1].as_secs_f64());
+        ratios.push(meshed.as_secs_f64() / alone.as_secs_f64());
+        d.push(alone);
+        m.push(meshed);
     }
     d.sort();
     m.sort();

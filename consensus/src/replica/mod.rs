@@ -402,9 +402,10 @@ const MAX_MSGS_PER_ROUND: usize = 4096;
 /// answers); a loaded leader's rounds hold tens to thousands.
 const QUIET_ROUND: usize = 3;
 
-/// An append of more entries than this, or of more bytes than
-/// [`INLINE_PERSIST_BYTES`], is persisted in [`blocking`] even in a quiet round.
+/// An append of more entries than this is persisted in [`blocking`] even in a
+/// quiet round.
 const INLINE_PERSIST_ENTRIES: usize = 1;
+/// Nor is an append of more bytes than this persisted inline.
 const INLINE_PERSIST_BYTES: usize = 1 << 20;
 
 /// Runs `f`, which may block on the disk, telling a multi-threaded runtime so: the
