@@ -1429,3 +1429,197 @@ async fn without_the_direct_channel_raft_frames_go_over_the_stream() {
     a.stop().await;
     b.stop().await;
 }
+
+/// Has `node` answer every node request itself, with the body reversed and the
+/// asker's id appended; returns how many it has answered.
+fn answer_reversed(node: &Node) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let answered = std::sync::Arc::new(AtomicUsize::new(0));
+    let count = answered.clone();
+    node.net
+        .set_request_sink(std::sync::Arc::new(move |from, request| {
+            count.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                match request {
+                    MeshRequest::Node(mut body) => {
+                        body.reverse();
+                        body.extend_from_slice(&from.to_bytes());
+                        MeshResponse::Node(body)
+                    }
+                    other => MeshResponse::Error(format!("not a node request: {other:?}")),
+                }
+            })
+        }));
+    answered
+}
+
+/// Asks `to` from `from` until an answer comes (at most 15 s); checks it.
+async fn ask_until_answered(from: &Node, to: PeerId, body: &[u8]) {
+    let mut expected: Vec<u8> = body.iter().rev().copied().collect();
+    expected.extend_from_slice(&from.id().to_bytes());
+    for _ in 0..75 {
+        let asked = from.net.request(to, MeshRequest::Node(body.to_vec()));
+        if let Ok(Ok(answer)) = tokio::time::timeout(Duration::from_secs(2), asked).await {
+            assert_eq!(answer, MeshResponse::Node(expected));
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("no answer to {body:?} within 15 s");
+}
+
+#[tokio::test]
+async fn node_requests_go_over_the_direct_connection_and_a_cut_peer_gets_none_either_way() {
+    use std::sync::atomic::Ordering;
+    let a = Node::start(|_| {}).await;
+    let b = Node::start(|_| {}).await;
+    let (at_a, at_b) = (answer_reversed(&a), answer_reversed(&b));
+    b.net.dial(a.addr.clone()).await.unwrap();
+    // Many in flight at once, each answered under its own id, both ways.
+    let mut asking = Vec::new();
+    for i in 0..40u8 {
+        let (from, to) = match i % 2 {
+            0 => (b.net.clone(), a.id()),
+            _ => (a.net.clone(), b.id()),
+        };
+        asking.push(tokio::spawn(async move {
+            let body = vec![i; 1 + 100 * usize::from(i)];
+            let answer = from.request(to, MeshRequest::Node(body.clone())).await;
+            (body, from.local_peer_id(), answer)
+        }));
+    }
+    for asked in asking {
+        let (mut body, from, answer) = tokio::time::timeout(WAIT, asked).await.unwrap().unwrap();
+        body.reverse();
+        body.extend_from_slice(&from.to_bytes());
+        assert_eq!(answer.unwrap(), MeshResponse::Node(body));
+    }
+    assert_eq!(
+        b.net.call_direct_peers(),
+        vec![a.id()],
+        "b's calls go direct"
+    );
+    assert_eq!(
+        a.net.call_direct_peers(),
+        vec![b.id()],
+        "a's calls go direct"
+    );
+
+    // The receiver cuts the asker off while the direct connection is up: the
+    // request fails (it does not wait out its timeout) and never reaches the node.
+    a.net.cut(b.id()).await.unwrap();
+    let before = at_a.load(Ordering::SeqCst);
+    for _ in 0..3 {
+        let asked = b.net.request(a.id(), MeshRequest::Node(b"cut".to_vec()));
+        let answer = tokio::time::timeout(WAIT, asked)
+            .await
+            .expect("a quick failure");
+        assert!(answer.is_err(), "{answer:?}");
+    }
+    assert_eq!(
+        at_a.load(Ordering::SeqCst),
+        before,
+        "a cut request was served"
+    );
+    a.net.mend(b.id()).await.unwrap();
+    ask_until_answered(&b, a.id(), b"after the receiver mended").await;
+
+    // The asker cuts the receiver off: nothing is written to it either way.
+    b.net.cut(a.id()).await.unwrap();
+    let before = at_a.load(Ordering::SeqCst);
+    let asked = b.net.request(a.id(), MeshRequest::Node(b"cut".to_vec()));
+    let answer = tokio::time::timeout(WAIT, asked)
+        .await
+        .expect("a quick failure");
+    assert!(answer.is_err(), "{answer:?}");
+    assert_eq!(
+        at_a.load(Ordering::SeqCst),
+        before,
+        "a cut request was served"
+    );
+    assert!(b.net.call_direct_peers().is_empty());
+    b.net.mend(a.id()).await.unwrap();
+    ask_until_answered(&b, a.id(), b"after the asker mended").await;
+    assert_eq!(b.net.call_direct_peers(), vec![a.id()]);
+    assert!(at_b.load(Ordering::SeqCst) >= 20);
+
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test]
+async fn a_peer_without_a_direct_listener_gets_its_node_requests_on_the_stream() {
+    // a takes no direct connections; b offers one, is told no, and asks on the
+    // stream from then on.
+    let a = Node::start(|c| c.blob_direct = false).await;
+    let b = Node::start(|_| {}).await;
+    answer_reversed(&a);
+    b.net.dial(a.addr.clone()).await.unwrap();
+    ask_until_answered(&b, a.id(), b"on the stream").await;
+    ask_until_answered(&b, a.id(), b"still on the stream").await;
+    assert!(b.net.call_direct_peers().is_empty());
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test]
+async fn garbage_on_a_direct_call_connection_closes_it_and_nothing_else() {
+    let victim = Node::start(|_| {}).await;
+    let victim_id = victim.id();
+    let served = answer_reversed(&victim);
+    let (_rogue_id, mut control, driver) = rogue_streams(&victim.addr);
+    let lane = StreamProtocol::new("/gpumesh/call/1");
+    // An offer, then on the port it is given: the ticket and records that do not
+    // open, a length over any limit, and a ticket that is not the one offered.
+    let records: Vec<Vec<u8>> = vec![
+        [&20u32.to_le_bytes()[..], &[7; 20]].concat(),
+        u32::MAX.to_le_bytes().to_vec(),
+        [&4u32.to_le_bytes()[..], b"tiny"].concat(),
+    ];
+    for (i, record) in records.iter().enumerate() {
+        for wrong_ticket in [false, true] {
+            let mut stream =
+                tokio::time::timeout(WAIT, control.open_stream(victim_id, lane.clone()))
+                    .await
+                    .unwrap()
+                    .unwrap();
+            let (ticket, key) = ([i as u8 + 1; 16], [9u8; 32]);
+            stream
+                .write_all(&[&0u32.to_le_bytes()[..], &ticket, &key].concat())
+                .await
+                .unwrap();
+            stream.flush().await.unwrap();
+            let mut answer = [0u8; 4];
+            tokio::time::timeout(WAIT, stream.read_exact(&mut answer))
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(answer[..2], [0xA5, 1], "taken, and a port offered");
+            let port = u16::from_le_bytes([answer[2], answer[3]]);
+            let mut socket = tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .unwrap();
+            let sent = match wrong_ticket {
+                true => [0xEE; 16],
+                false => ticket,
+            };
+            use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+            socket.write_all(&sent).await.unwrap();
+            let _ = socket.write_all(record).await;
+            // The victim closes the connection and sends nothing on it.
+            let mut rest = Vec::new();
+            let read = tokio::time::timeout(WAIT, socket.read_to_end(&mut rest)).await;
+            assert!(read.is_ok(), "the connection was left open");
+            assert!(rest.is_empty(), "garbage was answered: {rest:?}");
+        }
+    }
+    assert_eq!(served.load(std::sync::atomic::Ordering::SeqCst), 0);
+    // The victim still serves a real peer, over its own direct connection.
+    let peer = Node::start(|_| {}).await;
+    peer.net.dial(victim.addr.clone()).await.unwrap();
+    ask_until_answered(&peer, victim_id, b"after the garbage").await;
+    assert_eq!(peer.net.call_direct_peers(), vec![victim_id]);
+    driver.abort();
+    victim.stop().await;
+    peer.stop().await;
+}

@@ -108,6 +108,11 @@ enum Opens {
     Range { id: BlobId, at: u64, end: u64 },
     /// Raft frames from `peer`, received (see [`super::raft_direct`]).
     Raft { peer: PeerId },
+    /// A call stream's frames both ways (see [`super::call_direct`]): the
+    /// connection goes to the stream's server.
+    Call {
+        handoff: tokio::sync::oneshot::Sender<TcpStream>,
+    },
 }
 
 /// The holder's side: its listener's port and the tickets waiting for it.
@@ -199,6 +204,17 @@ impl Holder {
         self.keep(offer, Opens::Raft { peer })
     }
 
+    /// Keeps `offer`'s ticket (which came on a call stream, authenticated) for a
+    /// connection that `handoff` takes to the stream's server, and returns the port;
+    /// `None` when too many tickets wait.
+    pub(super) fn issue_call(
+        &self,
+        offer: &Offer,
+        handoff: tokio::sync::oneshot::Sender<TcpStream>,
+    ) -> Option<u16> {
+        self.keep(offer, Opens::Call { handoff })
+    }
+
     fn keep(&self, offer: &Offer, opens: Opens) -> Option<u16> {
         let mut tickets = self.tickets.lock().unwrap_or_else(PoisonError::into_inner);
         let now = Instant::now();
@@ -265,9 +281,10 @@ impl Holder {
         }
     }
 
-    /// One connection: its ticket, then the range it opens, record by record, or
-    /// the Raft frames it brings (which do not hold `permit`, the room for pulls:
-    /// there is one such connection per peer, and only members get tickets).
+    /// One connection: its ticket, then the range it opens, record by record; or
+    /// the Raft frames it brings, or the call stream's server it goes to (neither
+    /// holds `permit`, the room for pulls: there is one such connection per peer and
+    /// lane, and only members get tickets).
     async fn serve(
         &self,
         mut socket: TcpStream,
@@ -291,6 +308,12 @@ impl Holder {
                     return Err(std::io::Error::other("no Raft frames taken here"));
                 };
                 return inbound.read(socket, &ticket.key, peer).await;
+            }
+            Opens::Call { handoff } => {
+                drop(permit);
+                return handoff
+                    .send(socket)
+                    .map_err(|_| std::io::Error::other("the call stream's server is gone"));
             }
         };
         let _permit = permit;

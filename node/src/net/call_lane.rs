@@ -23,10 +23,14 @@
 //! little-endian u32 length, then the id (u64), a kind byte and the
 //! body: a request's encoded `NodeRequest`, an answer's encoded `NodeReply`, or an
 //! error's text. Bytes count in the `call` lane of the node's metrics.
+//!
+//! Where the node has a direct listener and the peer's IP is known, the opener
+//! moves the stream's frames to a TCP connection of their own right after it opens
+//! ([`super::call_direct`]): the same frames, a batch per sealed record.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use futures::io::{ReadHalf, WriteHalf};
@@ -37,6 +41,9 @@ use libp2p_stream::{Control, IncomingStreams};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
+use super::blob_direct::{Holder, Peers};
+use super::call_direct::{self, Channel, Opening, Sealing};
+use super::raft_direct::Cut;
 use super::{NetEvent, RequestSink};
 use crate::error::{NodeError, Result};
 use crate::metrics::{Lane, NetMetrics};
@@ -68,7 +75,55 @@ pub(super) struct CallLane {
     next_id: AtomicU64,
     max_frame: usize,
     metrics: NetMetrics,
+    direct: Direct,
     cancel: CancellationToken,
+}
+
+/// What moving a call stream to a direct connection takes (see
+/// [`super::call_direct`]).
+#[derive(Clone)]
+pub(super) struct Direct {
+    /// The node's direct listener, which takes the connections offered to it;
+    /// `None` when the node has none (it then answers no to every offer).
+    pub holder: Option<Holder>,
+    /// Where peers' direct ports are; `None` when the node offers no direct
+    /// connections.
+    pub ips: Option<Peers>,
+    /// Peers cut off by fault injection: nothing goes to or comes from them.
+    pub cut: Cut,
+    /// Peers that refused an offer (or whose port did not answer), until when.
+    refused: Arc<Mutex<HashMap<PeerId, tokio::time::Instant>>>,
+    /// Peers whose calls from here go over a direct connection now.
+    pub to: super::raft_direct::PeerSet,
+}
+
+impl Direct {
+    pub(super) fn new(holder: Option<Holder>, ips: Option<Peers>, cut: Cut) -> Direct {
+        Direct {
+            holder,
+            ips,
+            cut,
+            refused: Arc::default(),
+            to: Default::default(),
+        }
+    }
+
+    /// The IP to offer `peer` a direct connection at, if it is to be offered one.
+    fn ip(&self, peer: &PeerId) -> Option<std::net::IpAddr> {
+        let refused = self.refused.lock().unwrap_or_else(PoisonError::into_inner);
+        if refused
+            .get(peer)
+            .is_some_and(|until| tokio::time::Instant::now() < *until)
+        {
+            return None;
+        }
+        self.ips.as_ref()?.ip(peer)
+    }
+
+    fn refuse(&self, peer: PeerId) {
+        let mut refused = self.refused.lock().unwrap_or_else(PoisonError::into_inner);
+        refused.insert(peer, tokio::time::Instant::now() + call_direct::REFUSED);
+    }
 }
 
 /// A frame to write: id, kind, body.
@@ -105,6 +160,7 @@ impl CallLane {
         max_frame: usize,
         answer_timeout: Duration,
         metrics: NetMetrics,
+        direct: Direct,
         cancel: CancellationToken,
     ) -> Result<Arc<CallLane>> {
         let incoming = control
@@ -119,6 +175,7 @@ impl CallLane {
                 answer_timeout,
                 metrics: metrics.clone(),
                 sink: sink.clone(),
+                direct: direct.clone(),
                 cancel: cancel.clone(),
             },
         ));
@@ -129,6 +186,7 @@ impl CallLane {
             next_id: AtomicU64::new(1),
             max_frame,
             metrics,
+            direct,
             cancel,
         }))
     }
@@ -170,6 +228,11 @@ impl CallLane {
         answer.await.unwrap_or(Err(NodeError::NetStopped))
     }
 
+    /// Peers whose calls from here go over a direct connection now.
+    pub(super) fn direct_peers(&self) -> Vec<PeerId> {
+        self.direct.to.all()
+    }
+
     pub(super) fn set_sink(&self, sink: RequestSink) {
         let _ = self.sink.set(sink);
     }
@@ -192,6 +255,7 @@ impl CallLane {
             out.waiting.clone(),
             self.max_frame,
             self.metrics.clone(),
+            self.direct.clone(),
             self.cancel.clone(),
         ));
         peers.insert(to, out.clone());
@@ -207,18 +271,8 @@ fn put_frame(out: &mut Vec<u8>, id: u64, kind: u8, body: &[u8]) {
     out.extend_from_slice(body);
 }
 
-/// Reads one frame: its id, kind and body. `Ok(None)` when the stream ended
-/// between frames.
-async fn read_frame(
-    stream: &mut ReadHalf<Stream>,
-    max_frame: usize,
-) -> std::io::Result<Option<(u64, u8, Vec<u8>)>> {
-    let mut len = [0u8; 4];
-    match stream.read_exact(&mut len).await {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e),
-    }
+/// A frame's length, checked: at least the id and kind, at most `max_frame`.
+fn frame_len(len: [u8; 4], max_frame: usize) -> std::io::Result<usize> {
     let len = u32::from_le_bytes(len) as usize;
     if !(9..=max_frame).contains(&len) {
         return Err(std::io::Error::new(
@@ -226,17 +280,115 @@ async fn read_frame(
             format!("a frame of {len} bytes (at least 9, at most {max_frame})"),
         ));
     }
-    let mut frame = vec![0u8; len];
-    stream.read_exact(&mut frame).await?;
+    Ok(len)
+}
+
+/// A frame's id, kind and body, from its bytes after the length.
+fn split_frame(mut frame: Vec<u8>) -> (u64, u8, Vec<u8>) {
     let id = u64::from_le_bytes(frame[..8].try_into().unwrap_or_default());
     let kind = frame[8];
     frame.drain(..9);
-    Ok(Some((id, kind, frame)))
+    (id, kind, frame)
 }
 
-/// Writes `first` and whatever else is queued on `frames` in one write.
+/// Where a call stream's frames come from: the stream, or the direct connection
+/// it moved to.
+enum Frames {
+    /// `first`: a frame's length already read (by the server, looking for an offer).
+    Stream {
+        half: ReadHalf<Stream>,
+        first: Option<[u8; 4]>,
+    },
+    /// The last record opened, and how far into it the frames have been read.
+    Direct {
+        channel: Box<Opening>,
+        record: Vec<u8>,
+        at: usize,
+    },
+}
+
+impl Frames {
+    fn direct(channel: Opening) -> Frames {
+        Frames::Direct {
+            channel: Box::new(channel),
+            record: Vec::new(),
+            at: 0,
+        }
+    }
+
+    /// The next frame: its id, kind and body. `Ok(None)` when the peer ended the
+    /// stream (or connection) between frames.
+    async fn next(&mut self, max_frame: usize) -> std::io::Result<Option<(u64, u8, Vec<u8>)>> {
+        match self {
+            Frames::Stream { half, first } => {
+                let len = match first.take() {
+                    Some(len) => len,
+                    None => {
+                        let mut len = [0u8; 4];
+                        match half.read_exact(&mut len).await {
+                            Ok(()) => {}
+                            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                                return Ok(None)
+                            }
+                            Err(e) => return Err(e),
+                        }
+                        len
+                    }
+                };
+                let mut frame = vec![0u8; frame_len(len, max_frame)?];
+                half.read_exact(&mut frame).await?;
+                Ok(Some(split_frame(frame)))
+            }
+            Frames::Direct {
+                channel,
+                record,
+                at,
+            } => {
+                while *at == record.len() {
+                    match channel.record(max_record(max_frame)).await? {
+                        Some(r) => *record = r,
+                        None => return Ok(None),
+                    }
+                    *at = 0;
+                }
+                let rest = &record[*at..];
+                let bad = || {
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        "a record ends inside a frame",
+                    )
+                };
+                let len: [u8; 4] = rest
+                    .get(..4)
+                    .ok_or_else(bad)?
+                    .try_into()
+                    .map_err(|_| bad())?;
+                let len = frame_len(len, max_frame)?;
+                let frame = rest.get(4..4 + len).ok_or_else(bad)?.to_vec();
+                *at += 4 + len;
+                Ok(Some(split_frame(frame)))
+            }
+        }
+    }
+}
+
+/// The largest record a direct connection's writer sends: a batch is gathered up
+/// to [`BATCH_BYTES`], and its last frame may pass that.
+fn max_record(max_frame: usize) -> usize {
+    BATCH_BYTES + 4 + max_frame + super::blob_direct::TAG
+}
+
+/// Where a call stream's frames go: the stream, or the direct connection it moved
+/// to.
+enum Out {
+    Stream(WriteHalf<Stream>),
+    Direct(Box<Sealing>),
+}
+
+/// Writes `first` and whatever else is queued on `frames` in one write (one record
+/// on a direct connection).
 async fn write_batch(
-    stream: &mut WriteHalf<Stream>,
+    out: &mut Out,
     first: Frame,
     frames: &mut mpsc::Receiver<Frame>,
     metrics: &NetMetrics,
@@ -249,15 +401,61 @@ async fn write_batch(
             Err(_) => break,
         }
     }
-    stream.write_all(&batch).await?;
-    stream.flush().await?;
-    metrics.sent(Lane::Call, batch.len());
+    let sent = match out {
+        Out::Stream(stream) => {
+            stream.write_all(&batch).await?;
+            stream.flush().await?;
+            batch.len()
+        }
+        Out::Direct(channel) => channel.send(&batch).await?,
+    };
+    metrics.sent(Lane::Call, sent);
     Ok(())
+}
+
+/// Waits on a call stream whose frames moved to a direct connection, where
+/// nothing more is sent: returns why it ended (the mesh's connection to the peer
+/// closed, or the peer broke the rule).
+async fn idle(stream: &mut Stream) -> String {
+    let mut byte = [0u8; 1];
+    match stream.read(&mut byte).await {
+        Ok(0) => "the peer closed the call stream".to_string(),
+        Ok(_) => "the peer wrote on a call stream moved to a direct connection".to_string(),
+        Err(e) => format!("the call stream failed: {e}"),
+    }
+}
+
+/// Opens the call stream to `peer` and, if it is to be offered one, moves it to a
+/// direct connection. A peer that refuses, whose port does not answer, or that
+/// takes the offer for a bad frame (which closes the stream: another is opened) is
+/// not offered one again for a while.
+async fn open_call(
+    control: &mut Control,
+    peer: PeerId,
+    direct: &Direct,
+) -> std::result::Result<(Stream, Option<Channel>), String> {
+    let mut stream = open(control, peer).await?;
+    let Some(ip) = direct.ip(&peer) else {
+        return Ok((stream, None));
+    };
+    match call_direct::ask(&mut stream, ip).await {
+        Ok(Some(channel)) => Ok((stream, Some(channel))),
+        Ok(None) => {
+            direct.refuse(peer);
+            Ok((stream, None))
+        }
+        Err(e) => {
+            tracing::debug!(%peer, "direct call connection not made: {e}");
+            direct.refuse(peer);
+            Ok((open(control, peer).await?, None))
+        }
+    }
 }
 
 /// Owns the outbound stream to `peer`: writes the queued requests and hands each
 /// answer to its caller. Ends when the stream fails; the callers still waiting
 /// then fail with the reason.
+#[allow(clippy::too_many_arguments)]
 async fn call(
     mut control: Control,
     peer: PeerId,
@@ -265,19 +463,39 @@ async fn call(
     waiting: Waiting,
     max_frame: usize,
     metrics: NetMetrics,
+    direct: Direct,
     cancel: CancellationToken,
 ) {
     // Why the stream ended, and whether it was ever open (if not, nothing was sent).
     let why = async {
-        let stream = match tokio::time::timeout(OPEN_TIMEOUT, open(&mut control, peer)).await {
+        let opened = tokio::time::timeout(OPEN_TIMEOUT, open_call(&mut control, peer, &direct));
+        let (stream, channel) = match opened.await {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => return (format!("cannot open a call stream: {e}"), false),
             Err(_) => return ("the call stream did not open in time".to_string(), false),
         };
-        let (mut reader, mut writer) = stream.split();
+        direct.to.set(peer, channel.is_some());
+        let (mut frames, mut out, mut moved) = match channel {
+            Some(c) => (
+                Frames::direct(c.reader),
+                Out::Direct(Box::new(c.writer)),
+                Some(stream),
+            ),
+            None => {
+                let (reader, writer) = stream.split();
+                let frames = Frames::Stream {
+                    half: reader,
+                    first: None,
+                };
+                (frames, Out::Stream(writer), None)
+            }
+        };
         let write = async {
             while let Some(first) = requests.recv().await {
-                if let Err(e) = write_batch(&mut writer, first, &mut requests, &metrics).await {
+                if direct.cut.has(&peer) {
+                    return "the peer is cut off".to_string();
+                }
+                if let Err(e) = write_batch(&mut out, first, &mut requests, &metrics).await {
                     return format!("the call stream closed: {e}");
                 }
             }
@@ -285,7 +503,7 @@ async fn call(
         };
         let read = async {
             loop {
-                match read_frame(&mut reader, max_frame).await {
+                match frames.next(max_frame).await {
                     Ok(Some((id, kind, body))) => {
                         metrics.received(Lane::Call, HEADER + body.len());
                         let answer = match kind {
@@ -307,9 +525,16 @@ async fn call(
                 }
             }
         };
+        let stream_ended = async {
+            match moved.as_mut() {
+                Some(stream) => idle(stream).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             why = write => (why, true),
             why = read => (why, true),
+            why = stream_ended => (why, true),
         }
     };
     let (why, opened) = tokio::select! {
@@ -317,6 +542,7 @@ async fn call(
         why = why => why,
     };
     tracing::debug!(%peer, "call stream ended: {why}");
+    direct.to.set(peer, false);
     // No request gets in after this; those that did fail with the reason.
     requests.close();
     let stranded: Vec<_> = waiting
@@ -351,6 +577,7 @@ struct Inbound {
     answer_timeout: Duration,
     metrics: NetMetrics,
     sink: Arc<OnceLock<RequestSink>>,
+    direct: Direct,
     cancel: CancellationToken,
 }
 
@@ -369,18 +596,67 @@ enum Answer {
     Later(oneshot::Receiver<MeshResponse>),
 }
 
-/// Hands each request on one inbound stream to the node (or its sink) and writes
-/// the answers back as they come.
+/// Takes an inbound call stream: says so, and moves it to a direct connection if
+/// its opener offers one first. Returns where its frames come from and go, and the
+/// stream to watch if they moved; `None` when the stream is gone.
+async fn take(
+    mut stream: Stream,
+    peer: PeerId,
+    with: &Inbound,
+) -> Option<(Frames, Out, Option<Stream>)> {
+    if !super::say_taken(&mut stream).await {
+        return None;
+    }
+    let mut first = [0u8; 4];
+    stream.read_exact(&mut first).await.ok()?;
+    if u32::from_le_bytes(first) != call_direct::OFFER {
+        let (reader, writer) = stream.split();
+        let frames = Frames::Stream {
+            half: reader,
+            first: Some(first),
+        };
+        return Some((frames, Out::Stream(writer), None));
+    }
+    match call_direct::answer(&mut stream, with.direct.holder.as_ref()).await {
+        Ok(Some(channel)) => Some((
+            Frames::direct(channel.reader),
+            Out::Direct(Box::new(channel.writer)),
+            Some(stream),
+        )),
+        Ok(None) => {
+            let (reader, writer) = stream.split();
+            let frames = Frames::Stream {
+                half: reader,
+                first: None,
+            };
+            Some((frames, Out::Stream(writer), None))
+        }
+        Err(e) => {
+            tracing::debug!(%peer, "direct call connection not taken: {e}");
+            None
+        }
+    }
+}
+
+/// Hands each request on one inbound stream (or the direct connection it moved
+/// to) to the node (or its sink) and writes the answers back as they come.
 async fn serve(peer: PeerId, stream: Stream, events: mpsc::Sender<NetEvent>, with: Inbound) {
-    let (mut reader, mut writer) = stream.split();
+    let taken = tokio::select! {
+        _ = with.cancel.cancelled() => return,
+        taken = take(stream, peer, &with) => taken,
+    };
+    let Some((mut frames, mut out, mut moved)) = taken else {
+        return;
+    };
     let (answers_tx, mut answers) = mpsc::channel::<Frame>(QUEUE);
     let metrics = with.metrics.clone();
+    let cut = with.direct.cut.clone();
     let write = async {
-        if !super::say_taken(&mut writer).await {
-            return;
-        }
         while let Some(first) = answers.recv().await {
-            if let Err(e) = write_batch(&mut writer, first, &mut answers, &metrics).await {
+            if cut.has(&peer) {
+                return;
+            }
+            if let Err(e) = write_batch(&mut out, first, &mut answers, &metrics).await {
                 tracing::debug!(%peer, "call stream closed: {e}");
                 return;
             }
@@ -388,7 +664,7 @@ async fn serve(peer: PeerId, stream: Stream, events: mpsc::Sender<NetEvent>, wit
     };
     let read = async {
         loop {
-            let (id, kind, body) = match read_frame(&mut reader, with.max_frame).await {
+            let (id, kind, body) = match frames.next(with.max_frame).await {
                 Ok(Some(frame)) => frame,
                 Ok(None) => return,
                 Err(e) => {
@@ -397,6 +673,9 @@ async fn serve(peer: PeerId, stream: Stream, events: mpsc::Sender<NetEvent>, wit
                 }
             };
             with.metrics.received(Lane::Call, HEADER + body.len());
+            if cut.has(&peer) {
+                return;
+            }
             if kind != KIND_REQUEST {
                 tracing::warn!(%peer, kind, "call frame of an unknown kind; closing the peer's stream");
                 return;
@@ -450,9 +729,19 @@ async fn serve(peer: PeerId, stream: Stream, events: mpsc::Sender<NetEvent>, wit
             });
         }
     };
+    let stream_ended = async {
+        match moved.as_mut() {
+            Some(stream) => {
+                let why = idle(stream).await;
+                tracing::debug!(%peer, "direct call connection closed: {why}");
+            }
+            None => std::future::pending().await,
+        }
+    };
     tokio::select! {
         _ = with.cancel.cancelled() => {}
         _ = read => {}
         _ = write => {}
+        _ = stream_ended => {}
     }
 }

@@ -37,12 +37,16 @@
 //! - `pull`: a blob pulled from a peer a window of chunks at a time.
 //! - `codec`: request-response framing; `raft_lane`: long-lived Raft streams;
 //!   `call_lane`: long-lived streams for node requests and their answers.
+//! - `blob_direct`, `raft_direct`, `call_direct`: blob bytes, Raft frames and node
+//!   requests on TCP connections of their own, sealed under keys sent on the mesh's
+//!   authenticated streams.
 //! - `bench`: the blob transfer benchmark behind `gpumesh bench mesh`.
 
 mod actor;
 mod bench;
 mod blob_direct;
 mod blob_lane;
+mod call_direct;
 mod call_lane;
 mod codec;
 mod config;
@@ -223,6 +227,8 @@ impl NetHandle {
             false => None,
         };
         let peers = blob_direct::Peers::default();
+        let call_direct =
+            call_lane::Direct::new(holder.clone(), direct.then(|| peers.clone()), cut.clone());
         let raft = raft_lane::RaftLane::start(
             swarm.behaviour().raft.new_control(),
             events.clone(),
@@ -241,6 +247,7 @@ impl NetHandle {
             config.max_frame_bytes,
             config.request_timeout.mul_f32(0.9),
             config.metrics.clone(),
+            call_direct,
             cancel.clone(),
         )?;
         let mut streams = swarm.behaviour().raft.new_control();
@@ -330,6 +337,13 @@ impl NetHandle {
     /// [`raft_direct`]) rather than the mesh's streams.
     pub fn raft_direct_peers(&self) -> Vec<PeerId> {
         self.raft.direct_to.all()
+    }
+
+    /// Peers this node's node requests (calls to an actor's host, among others) go
+    /// to over a direct connection (see [`call_direct`]) rather than the mesh's
+    /// streams.
+    pub fn call_direct_peers(&self) -> Vec<PeerId> {
+        self.calls.direct_peers()
     }
 
     /// From now on, the Raft frames that arrive go to `sink` as they are read
