@@ -10,6 +10,7 @@ use gpumesh_consensus::{RequestId, RequestIds};
 use gpumesh_node::api::{
     from_hex, ActorView, BlobReply, CallReply, CallRequest, CreateActorRequest, ErrorBody,
     OutputView, RunReply, StateInit, StatusView, SubmitReply, SubmitRequest, TaskState, TaskView,
+    RUN_BINARY,
 };
 use gpumesh_protocol::{ActorCall, BlobId, TaskSpec};
 
@@ -461,8 +462,15 @@ impl Client {
             spec,
             request_id: Some(request_id),
         };
-        let reply: RunReply = self
-            .retrying(|| self.json(self.http.post(self.url("/v1/tasks/run")).json(&request)))
+        let (reply, mut attached) = self
+            .retrying(|| async {
+                let asked = self
+                    .http
+                    .post(self.url("/v1/tasks/run"))
+                    .header(reqwest::header::ACCEPT, RUN_BINARY)
+                    .json(&request);
+                self.run_reply(self.send(asked).await?).await
+            })
             .await?;
         let t = reply.task;
         match t.status {
@@ -488,9 +496,23 @@ impl Client {
         let mut out = BTreeMap::new();
         for o in reply.outputs {
             let hash: BlobId = o.blake3.parse().map_err(|e| protocol(format!("{e}")))?;
-            let bytes = match o.hex {
-                Some(hex) => {
-                    let bytes = from_hex(&hex).map_err(protocol)?;
+            let inline = match (o.attached, o.hex) {
+                (true, _) => {
+                    let size = usize::try_from(o.size).unwrap_or(usize::MAX);
+                    if size > attached.len() {
+                        return Err(protocol(format!(
+                            "output {} ({size} bytes) runs past the answer's end",
+                            o.binding
+                        )));
+                    }
+                    let rest = attached.split_off(size);
+                    Some(std::mem::replace(&mut attached, rest))
+                }
+                (false, Some(hex)) => Some(from_hex(&hex).map_err(protocol)?),
+                (false, None) => None,
+            };
+            let bytes = match inline {
+                Some(bytes) => {
                     if !hash.matches(&bytes) {
                         return Err(protocol(format!(
                             "output {} does not match its hash",
@@ -507,7 +529,41 @@ impl Client {
             };
             out.insert(o.binding, bytes);
         }
+        if !attached.is_empty() {
+            return Err(protocol(format!(
+                "{} bytes in the answer past its outputs",
+                attached.len()
+            )));
+        }
         Ok((t.id, out))
+    }
+
+    /// The answer of `POST /v1/tasks/run`, in binary (see [`RUN_BINARY`]) or, from
+    /// a node that answers only in JSON, as JSON: the reply, and the bytes attached
+    /// after it.
+    async fn run_reply(&self, resp: reqwest::Response) -> ClientResult<(RunReply, Vec<u8>)> {
+        let protocol = |reason: String| ClientError::Protocol {
+            addr: self.addr.clone(),
+            reason,
+        };
+        let binary = resp
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .is_some_and(|t| t.as_bytes() == RUN_BINARY.as_bytes());
+        let body = resp.bytes().await.map_err(|e| protocol(e.to_string()))?;
+        if !binary {
+            let reply = serde_json::from_slice(&body).map_err(|e| protocol(e.to_string()))?;
+            return Ok((reply, Vec::new()));
+        }
+        let len = body
+            .get(..4)
+            .map(|l| u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize)
+            .ok_or_else(|| protocol("a binary answer shorter than its length".into()))?;
+        let json = body
+            .get(4..4usize.saturating_add(len))
+            .ok_or_else(|| protocol(format!("a binary answer cut inside its {len}-byte JSON")))?;
+        let reply = serde_json::from_slice(json).map_err(|e| protocol(e.to_string()))?;
+        Ok((reply, body[4 + len..].to_vec()))
     }
 
     /// Every merged output's bytes, checked against the hash the node reports.

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{client, have_any, mesh_with, stop, LCG_STEPS as STEPS, LIMIT, RUNAWAY};
 use gpumesh::consensus::TaskId;
-use gpumesh::node::api::{from_hex, RunReply, TaskState};
+use gpumesh::node::api::{from_hex, RunReply, TaskState, RUN_BINARY};
 use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
 use gpumesh::ClientError;
 
@@ -185,6 +185,40 @@ async fn a_run_goes_on_the_node_it_is_sent_to_and_is_recorded_with_its_result() 
             tasks.push(reply.task.id);
         }
         assert_eq!(tasks[0], tasks[1], "a retry finds the task the first made");
+
+        // The same request asking for a binary answer: a length, the same reply as
+        // JSON with the output marked attached instead of in hex, then its bytes.
+        let answer = http
+            .post(&url)
+            .header(reqwest::header::ACCEPT, RUN_BINARY)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            answer.headers()[reqwest::header::CONTENT_TYPE].as_bytes(),
+            RUN_BINARY.as_bytes()
+        );
+        let framed = answer.bytes().await.unwrap();
+        let len = u32::from_le_bytes(framed[..4].try_into().unwrap()) as usize;
+        let reply: RunReply = serde_json::from_slice(&framed[4..4 + len]).unwrap();
+        assert_eq!(
+            reply.task.id, tasks[0],
+            "the binary answer names the same task"
+        );
+        assert_eq!(reply.outputs.len(), 1, "{reply:#?}");
+        let output = &reply.outputs[0];
+        assert!(output.attached && output.hex.is_none(), "{output:?}");
+        let attached = &framed[4 + len..];
+        assert_eq!(
+            attached.len() as u64,
+            output.size,
+            "only the output follows"
+        );
+        assert!(
+            attached == collatz(&input, 100),
+            "attached bytes are the answer"
+        );
         let accepted = nodes[0].consensus.read_local(|s| {
             s.tasks()
                 .values()

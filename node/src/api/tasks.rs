@@ -23,7 +23,7 @@ use super::read_current;
 use super::state::ApiState;
 use super::views::{
     to_hex, view, OutputView, RunOutput, RunReply, SubmitReply, SubmitRequest, TaskState, TaskView,
-    RUN_INLINE_BYTES,
+    RUN_BINARY, RUN_INLINE_BYTES,
 };
 use crate::limits::Limits;
 use crate::timeline::Stage;
@@ -285,17 +285,25 @@ pub(crate) struct RunQuery {
 pub(crate) async fn run(
     State(api): State<Arc<ApiState>>,
     axum::extract::Query(q): axum::extract::Query<RunQuery>,
+    headers: axum::http::HeaderMap,
     body: std::result::Result<Bytes, BytesRejection>,
-) -> ApiResult<Json<RunReply>> {
+) -> ApiResult<axum::response::Response> {
     let deadline = tokio::time::Instant::now()
         + std::time::Duration::from_millis(q.timeout_ms.unwrap_or(60_000).min(600_000));
+    let binary = headers
+        .get_all(axum::http::header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.split(',').any(|t| t.trim() == RUN_BINARY));
     let id = submit_or_run_here(&api, body).await?;
     let mut view = wait_change(&api, id, None, deadline).await?;
     while !view.status.is_finished() && tokio::time::Instant::now() < deadline {
         view = wait_change(&api, id, Some(view.shards_done), deadline).await?;
     }
-    let mut outputs = Vec::new();
-    if view.status == TaskState::Completed {
+    // Each output, with its bytes when they go in the answer.
+    let mut outputs: Vec<(RunOutput, Option<Vec<u8>>)> = Vec::new();
+    let completed = view.status == TaskState::Completed;
+    if completed {
         // One shard: its changes over the starting contents are the answer, made
         // here in memory when small (nothing to store: any node can make it again).
         let task = api
@@ -308,45 +316,88 @@ pub(crate) async fn run(
                 .await
                 .map_err(|e| unavailable(e.to_string()))?;
             for (binding, bytes) in made {
-                outputs.push(RunOutput {
+                let output = RunOutput {
                     binding,
                     size: bytes.len() as u64,
                     blake3: BlobId::of(&bytes).to_hex(),
-                    hex: Some(to_hex(&bytes)),
-                });
+                    hex: None,
+                    attached: false,
+                };
+                outputs.push((output, Some(bytes)));
             }
-            api.timeline.mark(TaskId(id), Stage::Served);
-            return Ok(Json(RunReply {
-                task: view,
-                outputs,
-            }));
+        } else {
+            let ids = merged(&api, id).await?;
+            let store = api.blobs.store();
+            let total: u64 = ids.values().filter_map(|b| store.size(b)).sum();
+            for (binding, blob) in ids {
+                let bytes = if total <= RUN_INLINE_BYTES {
+                    let bytes = store
+                        .get(&blob)
+                        .map_err(unavailable)?
+                        .ok_or_else(|| unavailable("merged output vanished"))?;
+                    Some(bytes)
+                } else {
+                    None
+                };
+                let output = RunOutput {
+                    binding,
+                    size: store.size(&blob).unwrap_or(0),
+                    blake3: blob.to_hex(),
+                    hex: None,
+                    attached: false,
+                };
+                outputs.push((output, bytes));
+            }
         }
-        let ids = merged(&api, id).await?;
-        let store = api.blobs.store();
-        let total: u64 = ids.values().filter_map(|b| store.size(b)).sum();
-        for (binding, blob) in ids {
-            let hex = if total <= RUN_INLINE_BYTES {
-                let bytes = store
-                    .get(&blob)
-                    .map_err(unavailable)?
-                    .ok_or_else(|| unavailable("merged output vanished"))?;
-                Some(to_hex(&bytes))
-            } else {
-                None
-            };
-            outputs.push(RunOutput {
-                binding,
-                size: store.size(&blob).unwrap_or(0),
-                blake3: blob.to_hex(),
-                hex,
-            });
-        }
+    }
+    let reply = run_reply(view, outputs, binary)?;
+    if completed {
         api.timeline.mark(TaskId(id), Stage::Served);
     }
-    Ok(Json(RunReply {
-        task: view,
-        outputs,
-    }))
+    Ok(reply)
+}
+
+/// The answer of `POST /v1/tasks/run`: JSON with the outputs' bytes in hex, or in
+/// binary (see [`RUN_BINARY`]).
+fn run_reply(
+    task: TaskView,
+    outputs: Vec<(RunOutput, Option<Vec<u8>>)>,
+    binary: bool,
+) -> ApiResult<axum::response::Response> {
+    use axum::response::IntoResponse;
+    if !binary {
+        let outputs = outputs
+            .into_iter()
+            .map(|(mut o, bytes)| {
+                o.hex = bytes.as_deref().map(to_hex);
+                o
+            })
+            .collect();
+        return Ok(Json(RunReply { task, outputs }).into_response());
+    }
+    let mut attached = Vec::new();
+    let outputs = outputs
+        .into_iter()
+        .map(|(mut o, bytes)| {
+            if let Some(bytes) = bytes {
+                o.attached = true;
+                attached.push(bytes);
+            }
+            o
+        })
+        .collect();
+    let json = serde_json::to_vec(&RunReply { task, outputs })
+        .map_err(|e| unavailable(format!("the answer did not encode: {e}")))?;
+    let len =
+        u32::try_from(json.len()).map_err(|_| unavailable("the answer's JSON is over 4 GiB"))?;
+    let mut body =
+        Vec::with_capacity(4 + json.len() + attached.iter().map(Vec::len).sum::<usize>());
+    body.extend_from_slice(&len.to_le_bytes());
+    body.extend_from_slice(&json);
+    for bytes in attached {
+        body.extend_from_slice(&bytes);
+    }
+    Ok(([(axum::http::header::CONTENT_TYPE, RUN_BINARY)], body).into_response())
 }
 
 /// Task `id` once it has other than `done` shards done, or has finished, or

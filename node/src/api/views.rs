@@ -31,17 +31,27 @@ pub struct RunReply {
 }
 
 /// One output of a finished task; `hex` holds its bytes when they came inline
-/// (at most [`RUN_INLINE_BYTES`] for all outputs together).
+/// (at most [`RUN_INLINE_BYTES`] for all outputs together). In a binary answer
+/// (see [`RUN_BINARY`]) `attached` says its bytes follow the JSON instead.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct RunOutput {
     pub binding: u32,
     pub size: u64,
     pub blake3: String,
     pub hex: Option<String>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub attached: bool,
 }
 
 /// Output bytes `POST /v1/tasks/run` carries in its answer, all outputs together.
 pub const RUN_INLINE_BYTES: u64 = 64 << 10;
+
+/// The media type a client names in `Accept` to have `POST /v1/tasks/run` answer
+/// in binary: a u32 (little-endian) length, the [`RunReply`] as JSON in that many
+/// bytes, then the bytes of each output marked `attached`, in the order listed,
+/// each `size` long. Output bytes cost no hex on either side that way (an answer's
+/// 48 KB output: 96 KB of JSON text to write, parse and decode).
+pub const RUN_BINARY: &str = "application/vnd.gpumesh.run";
 
 /// Lower-case hex of `bytes`.
 pub fn to_hex(bytes: &[u8]) -> String {
