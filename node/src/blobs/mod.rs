@@ -31,6 +31,12 @@ pub use store::BlobStore;
 /// How many rounds a fetch makes over every possible holder before giving up.
 const FETCH_ROUNDS: u32 = 5;
 
+/// Blobs stored here of at most this many bytes are read (and checked against their
+/// hash) on the task that asks: such a file was usually written moments ago and is
+/// in the page cache, and a hand-over to the blocking pool (a thread to wake, then
+/// the task again) costs more than the read.
+const READ_IN_PLACE_BYTES: u64 = 64 << 10;
+
 /// How a pull ended, shared by everyone who waits for it: why it failed, if it did.
 type Outcome = std::result::Result<(), String>;
 
@@ -119,6 +125,12 @@ impl BlobsHandle {
     ) -> std::result::Result<Vec<u8>, String> {
         self.fetch(id, holder).await?;
         let store = self.store.clone();
+        if store.size(&id).is_some_and(|n| n <= READ_IN_PLACE_BYTES) {
+            return store
+                .get(&id)
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| format!("blob {id} vanished after it was fetched"));
+        }
         tokio::task::spawn_blocking(move || store.get(&id))
             .await
             .map_err(|e| e.to_string())?
