@@ -127,7 +127,7 @@ pub(crate) async fn create(
                 name: req.name.clone(),
                 state,
                 backend,
-                creator: api.peer_id.to_string(),
+                creator: api.peer_name.clone(),
             },
         )
         .await
@@ -299,7 +299,7 @@ pub(crate) async fn call(
             Command::CallActor {
                 name: name.clone(),
                 call: req.call,
-                caller: api.peer_id.to_string(),
+                caller: api.peer_name.clone(),
             },
         )
         .await

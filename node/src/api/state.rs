@@ -24,6 +24,9 @@ use crate::timeline::Timeline;
 pub(crate) struct ApiState {
     pub raft_id: u64,
     pub peer_id: PeerId,
+    /// `peer_id` as text, made once: every submit and call names its submitter so,
+    /// and base58 costs microseconds each time.
+    pub peer_name: String,
     pub consensus: ConsensusHandle,
     pub liveness: LivenessHandle,
     pub peers: PeersHandle,
@@ -65,6 +68,7 @@ impl ApiState {
         ApiState {
             raft_id: consensus.id(),
             peer_id: peers.me(),
+            peer_name: peers.me().to_string(),
             consensus,
             liveness,
             peers,

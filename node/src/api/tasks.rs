@@ -58,7 +58,7 @@ async fn queue_slot<'a>(
         under_way: &api.submits_in_flight,
         retry: false,
     };
-    let me = api.peer_id.to_string();
+    let me = api.peer_name.clone();
     let (queued, retry) = c.read_local(move |s| {
         let queued = s.active_submitted_by(&me);
         (queued, s.task_by_request(&request_id).is_some())
@@ -159,7 +159,7 @@ async fn commit(api: &ApiState, admitted: Admitted<'_>) -> ApiResult<u64> {
             request_id,
             Command::SubmitTask {
                 spec,
-                submitter: api.peer_id.to_string(),
+                submitter: api.peer_name.clone(),
             },
         )
         .await
@@ -217,12 +217,11 @@ async fn submit_or_run_here(
     let admitted = admit(api, body).await?;
     // A retry of a task already made creates nothing: it goes the usual way.
     if let (Some(here), false) = (&api.run_here, admitted.slot.retry) {
-        let submitter = api.peer_id.to_string();
         let ran = here
             .run(
                 admitted.request_id,
                 &admitted.spec,
-                &submitter,
+                &api.peer_name,
                 admitted.received,
             )
             .await;
