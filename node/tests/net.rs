@@ -1468,6 +1468,31 @@ async fn ask_until_answered(from: &Node, to: PeerId, body: &[u8]) {
     panic!("no answer to {body:?} within 15 s");
 }
 
+/// Asks `to` from `from` `times` times while one has cut the other off: each
+/// request fails at once (it does not wait out its timeout) and none reaches `to`,
+/// whose served requests `served` counts.
+async fn fail_unserved(
+    from: &Node,
+    to: PeerId,
+    served: &std::sync::atomic::AtomicUsize,
+    times: usize,
+) {
+    use std::sync::atomic::Ordering;
+    let before = served.load(Ordering::SeqCst);
+    for _ in 0..times {
+        let asked = from.net.request(to, MeshRequest::Node(b"cut".to_vec()));
+        let answer = tokio::time::timeout(WAIT, asked)
+            .await
+            .expect("a quick failure");
+        assert!(answer.is_err(), "{answer:?}");
+    }
+    assert_eq!(
+        served.load(Ordering::SeqCst),
+        before,
+        "a cut request was served"
+    );
+}
+
 #[tokio::test]
 async fn node_requests_go_over_the_direct_connection_and_a_cut_peer_gets_none_either_way() {
     use std::sync::atomic::Ordering;
@@ -1508,35 +1533,13 @@ async fn node_requests_go_over_the_direct_connection_and_a_cut_peer_gets_none_ei
     // The receiver cuts the asker off while the direct connection is up: the
     // request fails (it does not wait out its timeout) and never reaches the node.
     a.net.cut(b.id()).await.unwrap();
-    let before = at_a.load(Ordering::SeqCst);
-    for _ in 0..3 {
-        let asked = b.net.request(a.id(), MeshRequest::Node(b"cut".to_vec()));
-        let answer = tokio::time::timeout(WAIT, asked)
-            .await
-            .expect("a quick failure");
-        assert!(answer.is_err(), "{answer:?}");
-    }
-    assert_eq!(
-        at_a.load(Ordering::SeqCst),
-        before,
-        "a cut request was served"
-    );
+    fail_unserved(&b, a.id(), &at_a, 3).await;
     a.net.mend(b.id()).await.unwrap();
     ask_until_answered(&b, a.id(), b"after the receiver mended").await;
 
     // The asker cuts the receiver off: nothing is written to it either way.
     b.net.cut(a.id()).await.unwrap();
-    let before = at_a.load(Ordering::SeqCst);
-    let asked = b.net.request(a.id(), MeshRequest::Node(b"cut".to_vec()));
-    let answer = tokio::time::timeout(WAIT, asked)
-        .await
-        .expect("a quick failure");
-    assert!(answer.is_err(), "{answer:?}");
-    assert_eq!(
-        at_a.load(Ordering::SeqCst),
-        before,
-        "a cut request was served"
-    );
+    fail_unserved(&b, a.id(), &at_a, 1).await;
     assert!(b.net.call_direct_peers().is_empty());
     b.net.mend(a.id()).await.unwrap();
     ask_until_answered(&b, a.id(), b"after the asker mended").await;

@@ -96,6 +96,88 @@ impl Offer {
     }
 }
 
+/// The length that announces an offer on a lane's stream (Raft's or the calls'),
+/// where a frame is never empty.
+pub(super) const OFFERED: u32 = 0;
+/// The answers to an offer on a stream: a port follows, or no channel is taken.
+const YES: u8 = 1;
+const NO: u8 = 0;
+
+/// The opener's side of an offer of a direct channel on a lane's `stream` (to a
+/// peer reached at `ip`): sends the announcing length and a fresh ticket and key,
+/// waits at most `wait` for the answer and as long for the port answered to accept,
+/// and sends the ticket on the new connection. Returns it with the key;
+/// `Ok(None)`: the peer takes no channel. An error leaves the stream in an unknown
+/// state.
+pub(super) async fn offer_channel(
+    stream: &mut libp2p::Stream,
+    ip: IpAddr,
+    wait: Duration,
+) -> std::io::Result<Option<(TcpStream, [u8; KEY])>> {
+    use futures::{AsyncReadExt as _, AsyncWriteExt as _};
+    let offer = Offer::new().map_err(|e| std::io::Error::other(e.to_string()))?;
+    let mut asked = Vec::with_capacity(4 + TICKET + KEY);
+    asked.extend_from_slice(&OFFERED.to_le_bytes());
+    asked.extend_from_slice(&offer.ticket);
+    asked.extend_from_slice(&offer.key);
+    stream.write_all(&asked).await?;
+    stream.flush().await?;
+    let mut answer = [0u8; 3];
+    let answered = async {
+        stream.read_exact(&mut answer[..1]).await?;
+        if answer[0] == YES {
+            stream.read_exact(&mut answer[1..]).await?;
+        }
+        std::io::Result::Ok(())
+    };
+    tokio::time::timeout(wait, answered)
+        .await
+        .map_err(|_| std::io::Error::other("no answer to the offer in time"))??;
+    match answer[0] {
+        NO => return Ok(None),
+        YES => {}
+        other => {
+            return Err(std::io::Error::other(format!(
+                "the peer answered the offer with {other:#x}"
+            )))
+        }
+    }
+    let port = u16::from_le_bytes([answer[1], answer[2]]);
+    let mut socket = tokio::time::timeout(wait, TcpStream::connect((ip, port)))
+        .await
+        .map_err(|_| std::io::Error::other(format!("{ip}:{port} did not accept in time")))??;
+    socket.set_nodelay(true)?;
+    socket.write_all(&offer.ticket).await?;
+    Ok(Some((socket, offer.key)))
+}
+
+/// The server's side of an offer that arrived on a lane's `stream` (after the
+/// announcing length): reads the ticket and key, hands them to `issue`, which keeps
+/// the ticket and returns the port of the listener that takes its connection (or
+/// `None`: no channel), and answers. Returns the offer and whether it was taken.
+pub(super) async fn answer_offer(
+    stream: &mut libp2p::Stream,
+    issue: impl FnOnce(&Offer) -> Option<u16>,
+) -> std::io::Result<(Offer, bool)> {
+    use futures::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut offer = Offer {
+        ticket: [0; TICKET],
+        key: [0; KEY],
+    };
+    stream.read_exact(&mut offer.ticket).await?;
+    stream.read_exact(&mut offer.key).await?;
+    let reply = match issue(&offer) {
+        Some(port) => {
+            let [a, b] = port.to_le_bytes();
+            vec![YES, a, b]
+        }
+        None => vec![NO],
+    };
+    stream.write_all(&reply).await?;
+    stream.flush().await?;
+    Ok((offer, reply[0] == YES))
+}
+
 /// What a ticket opens, under its key.
 struct Ticket {
     key: [u8; KEY],

@@ -33,22 +33,16 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
-use futures::{AsyncReadExt as _, AsyncWriteExt as _};
 use libp2p::Stream;
 use ring::aead::{Aad, LessSafeKey};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
-use super::blob_direct::{nonce, sealing_key, Holder, Offer, KEY, TAG, TICKET};
+use super::blob_direct::{answer_offer, nonce, offer_channel, sealing_key, Holder, KEY, TAG};
 
 /// Associated data of every record: a record of another channel does not open here.
 const AAD: &[u8] = b"gpumesh call direct v1";
-/// The length on the call stream that announces an offer (a frame is never empty).
-pub(super) const OFFER: u32 = 0;
-/// The server's answers to an offer: a port follows, or none is taken.
-const YES: u8 = 1;
-const NO: u8 = 0;
 /// How long the opener waits for the answer to its offer, and for the port to
 /// accept; and the server for the connection after its answer. On a LAN each takes
 /// well under a millisecond; the requests queued meanwhile wait.
@@ -72,40 +66,9 @@ pub(super) enum End {
 /// and on a yes connects to the server at `ip`. `Ok(None)`: the server takes no
 /// calls this way. An error leaves the stream in an unknown state.
 pub(super) async fn ask(stream: &mut Stream, ip: IpAddr) -> std::io::Result<Option<Channel>> {
-    let offer = Offer::new().map_err(|e| std::io::Error::other(e.to_string()))?;
-    let mut asked = Vec::with_capacity(4 + TICKET + KEY);
-    asked.extend_from_slice(&OFFER.to_le_bytes());
-    asked.extend_from_slice(&offer.ticket);
-    asked.extend_from_slice(&offer.key);
-    stream.write_all(&asked).await?;
-    stream.flush().await?;
-    let mut answer = [0u8; 3];
-    let answered = async {
-        stream.read_exact(&mut answer[..1]).await?;
-        if answer[0] == YES {
-            stream.read_exact(&mut answer[1..]).await?;
-        }
-        std::io::Result::Ok(())
-    };
-    tokio::time::timeout(ASK, answered)
-        .await
-        .map_err(|_| std::io::Error::other("no answer to the offer in time"))??;
-    match answer[0] {
-        NO => return Ok(None),
-        YES => {}
-        other => {
-            return Err(std::io::Error::other(format!(
-                "the peer answered the offer with {other:#x}"
-            )))
-        }
-    }
-    let port = u16::from_le_bytes([answer[1], answer[2]]);
-    let mut socket = tokio::time::timeout(ASK, TcpStream::connect((ip, port)))
-        .await
-        .map_err(|_| std::io::Error::other(format!("{ip}:{port} did not accept in time")))??;
-    socket.set_nodelay(true)?;
-    socket.write_all(&offer.ticket).await?;
-    Ok(Some(Channel::new(socket, &offer.key, End::Opener)))
+    Ok(offer_channel(stream, ip, ASK)
+        .await?
+        .map(|(socket, key)| Channel::new(socket, &key, End::Opener)))
 }
 
 /// The server's side of an offer that arrived on its call stream (after the zero
@@ -116,21 +79,14 @@ pub(super) async fn answer(
     stream: &mut Stream,
     holder: Option<&Holder>,
 ) -> std::io::Result<Option<Channel>> {
-    let mut offer = Offer {
-        ticket: [0; TICKET],
-        key: [0; KEY],
-    };
-    stream.read_exact(&mut offer.ticket).await?;
-    stream.read_exact(&mut offer.key).await?;
     let (handoff, connection) = tokio::sync::oneshot::channel();
-    let Some(port) = holder.and_then(|h| h.issue_call(&offer, handoff)) else {
-        stream.write_all(&[NO]).await?;
-        stream.flush().await?;
+    let (offer, taken) = answer_offer(stream, |offer| {
+        holder.and_then(|h| h.issue_call(offer, handoff))
+    })
+    .await?;
+    if !taken {
         return Ok(None);
-    };
-    let [a, b] = port.to_le_bytes();
-    stream.write_all(&[YES, a, b]).await?;
-    stream.flush().await?;
+    }
     let socket = tokio::time::timeout(ASK, connection)
         .await
         .map_err(|_| std::io::Error::other("the offered connection did not come in time"))?

@@ -41,7 +41,7 @@ use libp2p_stream::{Control, IncomingStreams};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use super::blob_direct::{Holder, Peers};
+use super::blob_direct::{self, Holder, Peers};
 use super::call_direct::{self, Channel, Opening, Sealing};
 use super::raft_direct::Cut;
 use super::{NetEvent, RequestSink};
@@ -375,7 +375,7 @@ impl Frames {
 /// The largest record a direct connection's writer sends: a batch is gathered up
 /// to [`BATCH_BYTES`], and its last frame may pass that.
 fn max_record(max_frame: usize) -> usize {
-    BATCH_BYTES + 4 + max_frame + super::blob_direct::TAG
+    BATCH_BYTES + 4 + max_frame + blob_direct::TAG
 }
 
 /// Where a call stream's frames go: the stream, or the direct connection it moved
@@ -609,7 +609,7 @@ async fn take(
     }
     let mut first = [0u8; 4];
     stream.read_exact(&mut first).await.ok()?;
-    if u32::from_le_bytes(first) != call_direct::OFFER {
+    if u32::from_le_bytes(first) != blob_direct::OFFERED {
         let (reader, writer) = stream.split();
         let frames = Frames::Stream {
             half: reader,

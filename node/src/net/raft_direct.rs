@@ -38,7 +38,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
-use super::blob_direct::{nonce, sealing_key, Holder, Offer, KEY, TAG, TICKET};
+use super::blob_direct::{answer_offer, nonce, offer_channel, sealing_key, Holder, KEY, TAG};
 use super::{NetEvent, RaftSink};
 use crate::metrics::{Lane, NetMetrics};
 
@@ -74,11 +74,6 @@ impl PeerSet {
 
 /// Associated data of every record: a record of another channel does not open here.
 const AAD: &[u8] = b"gpumesh raft direct v1";
-/// The length on the Raft stream that announces an offer (a frame is never empty).
-pub(super) const OFFER: u32 = 0;
-/// The reader's answers to an offer: a port follows, or none is taken.
-const YES: u8 = 1;
-const NO: u8 = 0;
 /// How long the writer waits for the answer to its offer, and for the port to
 /// accept: on a LAN both take well under a millisecond, and the writer's frames wait
 /// meanwhile, so a port that drops connections (a firewall) costs this much, once
@@ -208,22 +203,11 @@ pub(super) async fn answer(
     holder: Option<&Holder>,
     peer: PeerId,
 ) -> std::io::Result<()> {
-    use futures::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut offer = Offer {
-        ticket: [0; TICKET],
-        key: [0; KEY],
-    };
-    stream.read_exact(&mut offer.ticket).await?;
-    stream.read_exact(&mut offer.key).await?;
-    let reply = match holder.and_then(|h| h.issue_raft(&offer, peer)) {
-        Some(port) => {
-            let [a, b] = port.to_le_bytes();
-            vec![YES, a, b]
-        }
-        None => vec![NO],
-    };
-    stream.write_all(&reply).await?;
-    stream.flush().await
+    answer_offer(stream, |offer| {
+        holder.and_then(|h| h.issue_raft(offer, peer))
+    })
+    .await?;
+    Ok(())
 }
 
 /// The writing side of one connection.
@@ -272,41 +256,9 @@ async fn watch(mut read: OwnedReadHalf, closed: Arc<AtomicBool>) {
 /// connects to the port the peer answers with. `Ok(None)`: the peer takes no
 /// frames this way. An error leaves the stream in an unknown state.
 pub(super) async fn ask(stream: &mut Stream, ip: IpAddr) -> std::io::Result<Option<Outbound>> {
-    use futures::{AsyncReadExt as _, AsyncWriteExt as _};
-    let offer = Offer::new().map_err(|e| std::io::Error::other(e.to_string()))?;
-    let mut asked = Vec::with_capacity(4 + TICKET + KEY);
-    asked.extend_from_slice(&OFFER.to_le_bytes());
-    asked.extend_from_slice(&offer.ticket);
-    asked.extend_from_slice(&offer.key);
-    stream.write_all(&asked).await?;
-    stream.flush().await?;
-    let mut answer = [0u8; 3];
-    let answered = async {
-        stream.read_exact(&mut answer[..1]).await?;
-        if answer[0] == YES {
-            stream.read_exact(&mut answer[1..]).await?;
-        }
-        std::io::Result::Ok(())
-    };
-    tokio::time::timeout(ASK, answered)
-        .await
-        .map_err(|_| std::io::Error::other("no answer to the offer in time"))??;
-    match answer[0] {
-        NO => return Ok(None),
-        YES => {}
-        other => {
-            return Err(std::io::Error::other(format!(
-                "the peer answered the offer with {other:#x}"
-            )))
-        }
-    }
-    let port = u16::from_le_bytes([answer[1], answer[2]]);
-    let mut socket = tokio::time::timeout(ASK, TcpStream::connect((ip, port)))
-        .await
-        .map_err(|_| std::io::Error::other(format!("{ip}:{port} did not accept in time")))??;
-    socket.set_nodelay(true)?;
-    socket.write_all(&offer.ticket).await?;
-    Ok(Some(Outbound::new(socket, &offer.key, 0)))
+    Ok(offer_channel(stream, ip, ASK)
+        .await?
+        .map(|(socket, key)| Outbound::new(socket, &key, 0)))
 }
 
 impl Outbound {

@@ -31,7 +31,7 @@ use libp2p_stream::{Control, IncomingStreams};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::blob_direct::{Holder, Peers};
+use super::blob_direct::{self, Holder, Peers};
 use super::raft_direct::{self, Cut, Deliver, Outbound, PeerSet};
 use super::{NetEvent, RaftSink};
 use crate::error::{NodeError, Result};
@@ -344,7 +344,7 @@ async fn read(peer: PeerId, mut stream: Stream, r: Reading, cancel: Cancellation
                 return; // the peer closed the stream or went away
             }
             let len = u32::from_le_bytes(len) as usize;
-            if len == raft_direct::OFFER as usize {
+            if len == blob_direct::OFFERED as usize {
                 if let Err(e) = raft_direct::answer(&mut stream, r.holder.as_ref(), peer).await {
                     tracing::debug!(%peer, "raft stream: answering an offer: {e}");
                     return;
