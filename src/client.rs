@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 
 use gpumesh_consensus::{RequestId, RequestIds};
 use gpumesh_node::api::{
-    from_hex, ActorView, BlobReply, CallReply, CallRequest, CreateActorRequest, ErrorBody,
-    OutputView, RunReply, StateInit, StatusView, SubmitReply, SubmitRequest, TaskState, TaskView,
-    RUN_BINARY,
+    decode_run_binary, from_hex, ActorView, AttachedBytes, BlobReply, CallReply, CallRequest,
+    CreateActorRequest, ErrorBody, OutputView, RunReply, StateInit, StatusView, SubmitReply,
+    SubmitRequest, TaskState, TaskView, RUN_BINARY,
 };
 use gpumesh_protocol::{ActorCall, BlobId, TaskSpec};
 
@@ -462,7 +462,7 @@ impl Client {
             spec,
             request_id: Some(request_id),
         };
-        let (reply, mut attached) = self
+        let (reply, attached) = self
             .retrying(|| async {
                 let asked = self
                     .http
@@ -494,22 +494,12 @@ impl Client {
             reason,
         };
         let mut out = BTreeMap::new();
-        for o in reply.outputs {
+        for (o, attached) in reply.outputs.into_iter().zip(attached) {
             let hash: BlobId = o.blake3.parse().map_err(|e| protocol(format!("{e}")))?;
-            let inline = match (o.attached, o.hex) {
-                (true, _) => {
-                    let size = usize::try_from(o.size).unwrap_or(usize::MAX);
-                    if size > attached.len() {
-                        return Err(protocol(format!(
-                            "output {} ({size} bytes) runs past the answer's end",
-                            o.binding
-                        )));
-                    }
-                    let rest = attached.split_off(size);
-                    Some(std::mem::replace(&mut attached, rest))
-                }
-                (false, Some(hex)) => Some(from_hex(&hex).map_err(protocol)?),
-                (false, None) => None,
+            let inline = match (attached, o.hex) {
+                (Some(bytes), _) => Some(bytes),
+                (None, Some(hex)) => Some(from_hex(&hex).map_err(protocol)?),
+                (None, None) => None,
             };
             let bytes = match inline {
                 Some(bytes) => {
@@ -529,19 +519,13 @@ impl Client {
             };
             out.insert(o.binding, bytes);
         }
-        if !attached.is_empty() {
-            return Err(protocol(format!(
-                "{} bytes in the answer past its outputs",
-                attached.len()
-            )));
-        }
         Ok((t.id, out))
     }
 
     /// The answer of `POST /v1/tasks/run`, in binary (see [`RUN_BINARY`]) or, from
-    /// a node that answers only in JSON, as JSON: the reply, and the bytes attached
-    /// after it.
-    async fn run_reply(&self, resp: reqwest::Response) -> ClientResult<(RunReply, Vec<u8>)> {
+    /// a node that answers only in JSON, as JSON: the reply, and each output's bytes
+    /// where they came attached.
+    async fn run_reply(&self, resp: reqwest::Response) -> ClientResult<(RunReply, AttachedBytes)> {
         let protocol = |reason: String| ClientError::Protocol {
             addr: self.addr.clone(),
             reason,
@@ -552,18 +536,12 @@ impl Client {
             .is_some_and(|t| t.as_bytes() == RUN_BINARY.as_bytes());
         let body = resp.bytes().await.map_err(|e| protocol(e.to_string()))?;
         if !binary {
-            let reply = serde_json::from_slice(&body).map_err(|e| protocol(e.to_string()))?;
-            return Ok((reply, Vec::new()));
+            let reply: RunReply =
+                serde_json::from_slice(&body).map_err(|e| protocol(e.to_string()))?;
+            let none = vec![None; reply.outputs.len()];
+            return Ok((reply, none));
         }
-        let len = body
-            .get(..4)
-            .map(|l| u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize)
-            .ok_or_else(|| protocol("a binary answer shorter than its length".into()))?;
-        let json = body
-            .get(4..4usize.saturating_add(len))
-            .ok_or_else(|| protocol(format!("a binary answer cut inside its {len}-byte JSON")))?;
-        let reply = serde_json::from_slice(json).map_err(|e| protocol(e.to_string()))?;
-        Ok((reply, body[4 + len..].to_vec()))
+        decode_run_binary(&body).map_err(protocol)
     }
 
     /// Every merged output's bytes, checked against the hash the node reports.

@@ -22,8 +22,8 @@ use super::gate::BodyCaps;
 use super::read_current;
 use super::state::ApiState;
 use super::views::{
-    to_hex, view, OutputView, RunOutput, RunReply, SubmitReply, SubmitRequest, TaskState, TaskView,
-    RUN_BINARY, RUN_INLINE_BYTES,
+    encode_run_binary, to_hex, view, OutputView, RunOutput, RunReply, SubmitReply, SubmitRequest,
+    TaskState, TaskView, RUN_BINARY, RUN_INLINE_BYTES,
 };
 use crate::limits::Limits;
 use crate::timeline::Stage;
@@ -374,28 +374,8 @@ fn run_reply(
             .collect();
         return Ok(Json(RunReply { task, outputs }).into_response());
     }
-    let mut attached = Vec::new();
-    let outputs = outputs
-        .into_iter()
-        .map(|(mut o, bytes)| {
-            if let Some(bytes) = bytes {
-                o.attached = true;
-                attached.push(bytes);
-            }
-            o
-        })
-        .collect();
-    let json = serde_json::to_vec(&RunReply { task, outputs })
-        .map_err(|e| unavailable(format!("the answer did not encode: {e}")))?;
-    let len =
-        u32::try_from(json.len()).map_err(|_| unavailable("the answer's JSON is over 4 GiB"))?;
-    let mut body =
-        Vec::with_capacity(4 + json.len() + attached.iter().map(Vec::len).sum::<usize>());
-    body.extend_from_slice(&len.to_le_bytes());
-    body.extend_from_slice(&json);
-    for bytes in attached {
-        body.extend_from_slice(&bytes);
-    }
+    let (outputs, bytes) = outputs.into_iter().unzip();
+    let body = encode_run_binary(RunReply { task, outputs }, bytes).map_err(unavailable)?;
     Ok(([(axum::http::header::CONTENT_TYPE, RUN_BINARY)], body).into_response())
 }
 

@@ -53,6 +53,75 @@ pub const RUN_INLINE_BYTES: u64 = 64 << 10;
 /// 48 KB output: 96 KB of JSON text to write, parse and decode).
 pub const RUN_BINARY: &str = "application/vnd.gpumesh.run";
 
+/// Each output's bytes in a run's answer, in the order of its outputs: `None` for
+/// one whose bytes did not come with it.
+pub type AttachedBytes = Vec<Option<Vec<u8>>>;
+
+/// `reply` with its outputs' bytes (`bytes[i]` for `reply.outputs[i]`, `None` where
+/// an output's bytes do not come with the answer) in the binary form of
+/// [`RUN_BINARY`]: each output with bytes is marked `attached`, its bytes go after
+/// the JSON.
+pub fn encode_run_binary(mut reply: RunReply, bytes: AttachedBytes) -> Result<Vec<u8>, String> {
+    let mut attached = Vec::new();
+    for (o, b) in reply.outputs.iter_mut().zip(bytes) {
+        o.hex = None;
+        o.attached = b.is_some();
+        attached.extend(b);
+    }
+    let json = serde_json::to_vec(&reply).map_err(|e| format!("the answer did not encode: {e}"))?;
+    let len =
+        u32::try_from(json.len()).map_err(|_| "the answer's JSON is over 4 GiB".to_string())?;
+    let mut body =
+        Vec::with_capacity(4 + json.len() + attached.iter().map(Vec::len).sum::<usize>());
+    body.extend_from_slice(&len.to_le_bytes());
+    body.extend_from_slice(&json);
+    for b in attached {
+        body.extend_from_slice(&b);
+    }
+    Ok(body)
+}
+
+/// A binary answer (see [`RUN_BINARY`]) taken apart: the reply, and each output's
+/// bytes in order (`None` for one not attached), every attached output exactly
+/// `size` bytes and nothing left over. A body that is cut short, runs on, or does
+/// not parse is an error that says which.
+pub fn decode_run_binary(body: &[u8]) -> Result<(RunReply, AttachedBytes), String> {
+    let len = body
+        .get(..4)
+        .map(|l| u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize)
+        .ok_or("a binary answer shorter than its length")?;
+    let json = body
+        .get(4..4usize.saturating_add(len))
+        .ok_or_else(|| format!("a binary answer cut inside its {len}-byte JSON"))?;
+    let reply: RunReply =
+        serde_json::from_slice(json).map_err(|e| format!("a binary answer's JSON: {e}"))?;
+    let mut rest = &body[4 + len..];
+    let mut bytes = Vec::with_capacity(reply.outputs.len());
+    for o in &reply.outputs {
+        if !o.attached {
+            bytes.push(None);
+            continue;
+        }
+        let size = usize::try_from(o.size).unwrap_or(usize::MAX);
+        if size > rest.len() {
+            return Err(format!(
+                "output {} ({size} bytes) runs past the answer's end",
+                o.binding
+            ));
+        }
+        let (mine, after) = rest.split_at(size);
+        bytes.push(Some(mine.to_vec()));
+        rest = after;
+    }
+    if !rest.is_empty() {
+        return Err(format!(
+            "{} bytes in the answer past its outputs",
+            rest.len()
+        ));
+    }
+    Ok((reply, bytes))
+}
+
 /// Lower-case hex of `bytes`.
 pub fn to_hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
@@ -387,6 +456,62 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    fn reply(outputs: &[(u32, u64)]) -> RunReply {
+        RunReply {
+            task: TaskView {
+                id: 7,
+                status: TaskState::Completed,
+                reason: None,
+                kernel: "k".into(),
+                submitter: "s".into(),
+                merge: "changes".into(),
+                grid: "1x1x1".into(),
+                shards_done: 1,
+                shards: Vec::new(),
+                replicas: 1,
+                mismatches: 0,
+                history: Vec::new(),
+            },
+            outputs: outputs
+                .iter()
+                .map(|&(binding, size)| RunOutput {
+                    binding,
+                    size,
+                    blake3: String::new(),
+                    hex: None,
+                    attached: false,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_binary_answer_goes_both_ways_and_garbage_is_refused_with_the_reason() {
+        let bytes = vec![Some(vec![1u8, 2, 3]), None, Some(vec![9u8; 5])];
+        let body =
+            encode_run_binary(reply(&[(0, 3), (1, 1 << 20), (2, 5)]), bytes.clone()).unwrap();
+        let (back, got) = decode_run_binary(&body).unwrap();
+        assert_eq!(got, bytes);
+        assert_eq!(back.task.id, 7);
+        let marks: Vec<bool> = back.outputs.iter().map(|o| o.attached).collect();
+        assert_eq!(marks, vec![true, false, true]);
+
+        let fails = |body: &[u8], why: &str| {
+            let e = decode_run_binary(body).unwrap_err();
+            assert!(e.contains(why), "{e}");
+        };
+        fails(&body[..3], "shorter than its length");
+        fails(&body[..10], "cut inside");
+        fails(&body[..body.len() - 1], "runs past the answer's end");
+        let mut longer = body.clone();
+        longer.push(0);
+        fails(&longer, "past its outputs");
+        let mut bad_json = body.clone();
+        bad_json[4] = b'?';
+        fails(&bad_json, "JSON");
+        fails(&[0xff, 0xff, 0xff, 0xff, b'{'], "cut inside");
+    }
 
     #[test]
     fn hex_goes_both_ways_and_says_which_digit_is_wrong() {
