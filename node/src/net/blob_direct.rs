@@ -73,7 +73,9 @@ const READ_AHEAD: usize = 2;
 /// records read ahead for each, can cost.
 pub(super) const MAX_CONNECTIONS: usize = 32;
 
-/// What a puller sends on the lane to ask for the direct channel.
+/// The ticket and key that open a direct connection: sent by a puller on the blob
+/// lane, and by the opener of a Raft or call channel on its lane's stream
+/// ([`offer_channel`]).
 #[derive(Clone, Copy)]
 pub(super) struct Offer {
     pub ticket: [u8; TICKET],
