@@ -61,6 +61,34 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
+/// [`SPIN`] with a seed: each run's output differs from the one before, as a
+/// user's runs' outputs do (the same bytes again would be found already stored,
+/// here and on the node keeping the second copy, and nothing stored or copied).
+const SPIN_SEEDED: &str = r#"
+@group(0) @binding(0) var<storage, read_write> out: array<u32>;
+@group(0) @binding(1) var<uniform> seed: vec4<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var x = gid.x ^ seed.x;
+    for (var i = 0u; i < 60000u; i++) {
+        x = (x ^ (x >> 13u)) * 1664525u + i;
+    }
+    out[gid.x] = x;
+}
+"#;
+
+/// [`SPIN_SEEDED`] over `groups` workgroups with `seed`.
+fn seeded_spin(groups: u32, seed: u32) -> TaskSpec {
+    let mut s = spec(SPIN_SEEDED, groups, 1);
+    let mut data = seed.to_le_bytes().to_vec();
+    data.resize(16, 0);
+    s.bindings.push(BindingSpec {
+        binding: 1,
+        role: BindingRole::Param { data },
+    });
+    s
+}
+
 pub(super) fn spec(source: &str, groups: u32, shards: u32) -> TaskSpec {
     TaskSpec {
         shader: ShaderSource::Wgsl(source.into()),
@@ -240,16 +268,17 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
 
     // (3) A ~100 ms kernel: directly on this machine's adapter, then through the mesh.
     let mut direct = Executor::new(BackendChoice::Auto)?;
-    let kernel = Arc::new(Kernel::compile(SPIN, "main")?);
-    let probe = Job::new(spec(SPIN, 64, 1), kernel.clone(), |_| None)?;
+    let kernel = Arc::new(Kernel::compile(SPIN_SEEDED, "main")?);
+    let probe = Job::new(seeded_spin(64, 0), kernel.clone(), |_| None)?;
     direct.run(&probe, None)?;
     let t = direct.run(&probe, None)?.elapsed;
     let groups = ((0.12 / t.as_secs_f64()) * 64.0).clamp(1.0, 65_535.0) as u32;
-    let job = Job::new(spec(SPIN, groups, 1), kernel, |_| None)?;
-    direct.run(&job, None)?;
+    direct.run(&Job::new(seeded_spin(groups, 0), kernel.clone(), |_| None)?, None)?;
     // Warm every node's pipeline cache, as the direct run's warm-up did.
+    let mut seed = std::process::id().wrapping_mul(2_654_435_761);
     for _ in 0..6 {
-        client.run(spec(SPIN, groups, 1)).await?;
+        seed = seed.wrapping_add(1);
+        client.run(seeded_spin(groups, seed)).await?;
     }
     let mut d = Vec::new();
     let mut m = Vec::new();
@@ -257,11 +286,18 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     timeline.take();
     let mut ratios = Vec::new();
     for _ in 0..args.spin_runs.max(1) {
-        let alone = direct.run(&job, None)?.elapsed;
+        seed = seed.wrapping_add(1);
+        let job = Job::new(seeded_spin(groups, seed), kernel.clone(), |_| None)?;
+        let alone = direct.run(&job, None)?;
         let t = Instant::now();
-        let (task, _) = client.run(spec(SPIN, groups, 1)).await?;
+        let (task, out) = client.run(seeded_spin(groups, seed)).await?;
         let meshed = t.elapsed();
         spin_ends.push((TaskId(task), t, Instant::now()));
+        anyhow::ensure!(
+            out == alone.outputs,
+            "the spin kernel's output through the mesh differs from the direct run's"
+        );
+        let alone = alone.elapsed;
         ratios.push(meshed.as_secs_f64() / alone.as_secs_f64());
         d.push(alone);
         m.push(meshed);
