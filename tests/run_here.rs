@@ -138,6 +138,17 @@ async fn a_run_goes_on_the_node_it_is_sent_to_and_is_recorded_with_its_result() 
                 for other in &nodes {
                     assert!(client(other).results(task).await.unwrap()[&0] == cpu);
                 }
+                // The larger result was kept on two nodes before it was recorded
+                // (its second copy sent with the request to keep it).
+                let output = n.consensus.read_local(move |s| {
+                    s.task(TaskId(task)).expect("recorded").shards[0]
+                        .output
+                        .expect("a result")
+                });
+                if output.size as usize > gpumesh::consensus::MAX_INLINE_RESULT {
+                    let holders = nodes.iter().filter(|m| m.blobs.has(&output.blob)).count();
+                    assert!(holders >= 2, "t{task}'s result is on {holders} node(s)");
+                }
             }
         }
 

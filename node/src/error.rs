@@ -14,6 +14,10 @@ pub enum NodeError {
     },
     #[error("blob {id} does not match its content (hashes to {got})")]
     BlobMismatch { id: BlobId, got: BlobId },
+    #[error(
+        "{len} bytes of blob {id} sent in a request: a blob over {limit} bytes is pulled, not sent"
+    )]
+    SentTooLarge { id: BlobId, len: u64, limit: u64 },
     #[error("{what} is {value}, over the limit of {limit} (the node's {setting})")]
     Limit {
         what: &'static str,

@@ -18,6 +18,14 @@ pub enum NodeRequest {
     Peers,
     /// Keep a copy of this blob, pulled from me, before I report it done.
     Replicate { blob: gpumesh_protocol::BlobId },
+    /// Keep a copy of this small blob (at most [`crate::blobs::store::PACK_MAX`]
+    /// bytes), its bytes here, before I report it done; refused unless they are
+    /// that blob's.
+    Keep {
+        blob: gpumesh_protocol::BlobId,
+        #[serde(with = "gpumesh_protocol::mesh::bytes")]
+        bytes: Vec<u8>,
+    },
     /// Keep the next state of an actor whose state you hold: make each buffer from
     /// its `base` and the call's changes (in the request, or a blob pulled from me);
     /// what you make must be `next`, byte for byte. Only what the call changed
@@ -39,7 +47,7 @@ pub enum NodeRequest {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Changes {
     /// The bytes themselves (small changes).
-    Inline(Vec<u8>),
+    Inline(#[serde(with = "gpumesh_protocol::mesh::bytes")] Vec<u8>),
     /// A blob to pull from the sender.
     Blob(gpumesh_protocol::BlobId),
 }

@@ -73,7 +73,8 @@ impl fmt::Debug for MeshResponse {
 /// Byte payloads as one length-prefixed run of bytes instead of serde's default
 /// sequence of `u8`s: the same size on the wire, but encoded and decoded with a copy
 /// instead of a loop per byte, which is what blob transfer throughput hinges on.
-mod bytes {
+/// For `#[serde(with = "gpumesh_protocol::mesh::bytes")]` on a `Vec<u8>`.
+pub mod bytes {
     use std::fmt;
 
     use serde::de::{SeqAccess, Visitor};

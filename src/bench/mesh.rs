@@ -273,7 +273,10 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     direct.run(&probe, None)?;
     let t = direct.run(&probe, None)?.elapsed;
     let groups = ((0.12 / t.as_secs_f64()) * 64.0).clamp(1.0, 65_535.0) as u32;
-    direct.run(&Job::new(seeded_spin(groups, 0), kernel.clone(), |_| None)?, None)?;
+    direct.run(
+        &Job::new(seeded_spin(groups, 0), kernel.clone(), |_| None)?,
+        None,
+    )?;
     // Warm every node's pipeline cache, as the direct run's warm-up did.
     let mut seed = std::process::id().wrapping_mul(2_654_435_761);
     for _ in 0..6 {

@@ -24,6 +24,7 @@ use crate::peers::{member_records, PeersHandle};
 use crate::wire::{self, Changes, NextState, NodeReply, NodeRequest};
 
 mod next_state;
+mod pack;
 pub mod store;
 
 pub use store::BlobStore;
@@ -139,14 +140,41 @@ impl BlobsHandle {
     }
 
     /// Stores `bytes` here (off the async runtime) and has one other member keep a
-    /// copy; returns the blob's id.
+    /// copy; returns the blob's id. A small blob's bytes go to that member in the
+    /// request ([`NodeRequest::Keep`]), and both write at once; a larger one (or one
+    /// no member would take so) is pulled from here once stored.
     pub async fn put_and_copy(&self, bytes: Vec<u8>, prefer: Option<PeerId>) -> Result<BlobId> {
         let store = self.store.clone();
-        let id = tokio::task::spawn_blocking(move || store.put(&bytes))
-            .await
-            .map_err(|_| NodeError::Stopping)??;
-        self.replicate(id, prefer).await?;
+        if bytes.len() as u64 > store::PACK_MAX {
+            let id = tokio::task::spawn_blocking(move || store.put(&bytes))
+                .await
+                .map_err(|_| NodeError::Stopping)??;
+            self.replicate(id, prefer).await?;
+            return Ok(id);
+        }
+        let id = BlobId::of(&bytes);
+        let keep = NodeRequest::Keep {
+            blob: id,
+            bytes: bytes.clone(),
+        };
+        let here = tokio::task::spawn_blocking(move || store.put_hashed(id, &bytes));
+        let (here, there) = tokio::join!(here, self.mover.copy_to_one(&keep, prefer));
+        here.map_err(|_| NodeError::Stopping)??;
+        if let Err(reason) = there {
+            tracing::debug!(%id, %reason, "no member kept the blob from the request; one pulls it");
+            self.replicate(id, prefer).await?;
+        }
         Ok(id)
+    }
+
+    /// Answers another member's [`NodeRequest::Keep`]: stores `bytes` as blob `id`
+    /// if they are its bytes and small enough to come that way.
+    pub async fn keep(&self, id: BlobId, bytes: Vec<u8>) -> Outcome {
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || store.put_sent(id, &bytes))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())
     }
 
     /// Has one other member keep a copy of `blob` (`prefer` first when it is another

@@ -1,9 +1,11 @@
 //! The blob store: bulk data on disk, addressed by the blake3 hash of its bytes.
 //!
 //! Inputs, shard outputs and merged results live here, never in the Raft log. A blob
-//! is written to a temporary file, fsync'd and renamed into place, so a crash leaves
-//! either the whole blob or none of it; every read checks the bytes against the id,
-//! so a corrupted file is reported and removed instead of served.
+//! of at most [`PACK_MAX`] bytes is appended to the store's pack ([`super::pack`]:
+//! one write and one `fdatasync`); a larger one is written to a temporary file,
+//! fsync'd and renamed into place. Either way a crash leaves the whole blob or none
+//! of it, and every read checks the bytes against the id, so a corrupted blob is
+//! reported and no longer served.
 
 use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -12,13 +14,26 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use gpumesh_protocol::BlobId;
 
+use super::pack::{Pack, Slot};
 use crate::error::{NodeError, Result};
 
-/// Content-addressed files under one directory.
+pub use super::pack::PACK_MAX;
+
+/// Content-addressed blobs under one directory: small ones in its pack, larger
+/// ones a file each.
 #[derive(Clone, Debug)]
 pub struct BlobStore {
     root: PathBuf,
     max_blob_bytes: u64,
+    pack: std::sync::Arc<Pack>,
+}
+
+/// Where a stored blob's bytes are: a file of its own, or a stretch of the pack's.
+pub struct Located {
+    pub file: File,
+    /// Where the blob's first byte is in `file`.
+    pub start: u64,
+    pub len: u64,
 }
 
 impl BlobStore {
@@ -34,9 +49,12 @@ impl BlobStore {
                 let _ = fs::remove_file(entry.path());
             }
         }
+        let pack_path = root.join(PACK_FILE);
+        let pack = Pack::open(pack_path.clone()).map_err(|e| NodeError::io(&pack_path, e))?;
         Ok(BlobStore {
             root,
             max_blob_bytes,
+            pack: std::sync::Arc::new(pack),
         })
     }
 
@@ -55,6 +73,25 @@ impl BlobStore {
         Ok(id)
     }
 
+    /// Stores `bytes`, which the caller has just hashed to `id`.
+    pub fn put_hashed(&self, id: BlobId, bytes: &[u8]) -> Result<()> {
+        self.put_as(id, bytes)
+    }
+
+    /// Stores bytes a peer sent in a request as blob `id`: refused unless they hash
+    /// to `id` and are few enough to come that way (at most [`PACK_MAX`]; a larger
+    /// blob is pulled).
+    pub fn put_sent(&self, id: BlobId, bytes: &[u8]) -> Result<()> {
+        if bytes.len() as u64 > PACK_MAX {
+            return Err(NodeError::SentTooLarge {
+                id,
+                len: bytes.len() as u64,
+                limit: PACK_MAX,
+            });
+        }
+        self.put_verified(id, bytes)
+    }
+
     /// Stores bytes that claim to be blob `id` (e.g. received from a peer); refused
     /// unless they hash to `id`.
     pub fn put_verified(&self, id: BlobId, bytes: &[u8]) -> Result<()> {
@@ -68,10 +105,10 @@ impl BlobStore {
     }
 
     /// A blob `id` of `total` bytes arriving in pieces (from a peer, in any order):
-    /// each is written to a temporary file as it comes and hashed once the bytes
-    /// before it are in; [`Incoming::finish`] checks the whole against `id` and
-    /// makes it durable with one fsync. The temporary file goes if it is not
-    /// finished.
+    /// each is written to a temporary file as it comes (kept in memory, for a blob
+    /// that goes in the pack) and hashed once the bytes before it are in;
+    /// [`Incoming::finish`] checks the whole against `id` and makes it durable with
+    /// one fsync. The temporary file goes if it is not finished.
     pub fn incoming(&self, id: BlobId, total: u64) -> Result<Incoming> {
         if total > self.max_blob_bytes {
             return Err(NodeError::Limit {
@@ -82,11 +119,18 @@ impl BlobStore {
             });
         }
         let tmp = self.tmp_path(&id);
-        let file = File::create(&tmp).map_err(|e| NodeError::io(&tmp, e))?;
+        let sink = if total <= PACK_MAX {
+            Sink::Packed {
+                bytes: vec![0; total as usize],
+                pack: self.pack.clone(),
+            }
+        } else {
+            Sink::File(File::create(&tmp).map_err(|e| NodeError::io(&tmp, e))?)
+        };
         Ok(Incoming {
             id,
             total,
-            file,
+            sink,
             tmp,
             path: self.path(&id),
             root: self.root.clone(),
@@ -121,10 +165,17 @@ impl BlobStore {
                 setting: "--max-blob-bytes",
             });
         }
-        let path = self.path(&id);
-        if path.exists() {
+        if self.has(&id) {
             return Ok(());
         }
+        if bytes.len() as u64 <= PACK_MAX {
+            let path = self.pack.path();
+            return self
+                .pack
+                .append(id, bytes)
+                .map_err(|e| NodeError::io(path, e));
+        }
+        let path = self.path(&id);
         let tmp = self.tmp_path(&id);
         let write = || -> std::io::Result<()> {
             let mut f = File::create(&tmp)?;
@@ -140,17 +191,43 @@ impl BlobStore {
     }
 
     pub fn has(&self, id: &BlobId) -> bool {
-        self.path(id).is_file()
+        self.pack.get(id).is_some() || self.path(id).is_file()
     }
 
     /// Size of a stored blob.
     pub fn size(&self, id: &BlobId) -> Option<u64> {
+        if let Some(slot) = self.pack.get(id) {
+            return Some(slot.len);
+        }
         fs::metadata(self.path(id)).ok().map(|m| m.len())
+    }
+
+    /// A packed blob's bytes from `offset` (at most `len`), or `None` if it is not
+    /// packed.
+    fn read_packed(&self, id: &BlobId, offset: u64, len: u64) -> Result<Option<(Slot, Vec<u8>)>> {
+        let Some(slot) = self.pack.get(id) else {
+            return Ok(None);
+        };
+        let bytes = self
+            .pack
+            .read(slot, offset, len)
+            .map_err(|e| NodeError::io(self.pack.path(), e))?;
+        Ok(Some((slot, bytes)))
     }
 
     /// The blob's bytes, checked against its id; `None` if absent. A blob whose bytes
     /// no longer match is deleted and reported.
     pub fn get(&self, id: &BlobId) -> Result<Option<Vec<u8>>> {
+        if let Some((_, bytes)) = self.read_packed(id, 0, u64::MAX)? {
+            if !id.matches(&bytes) {
+                self.pack.forget(id);
+                return Err(NodeError::BlobMismatch {
+                    id: *id,
+                    got: BlobId::of(&bytes),
+                });
+            }
+            return Ok(Some(bytes));
+        }
         let path = self.path(id);
         let bytes = match fs::read(&path) {
             Ok(b) => b,
@@ -170,6 +247,9 @@ impl BlobStore {
     /// Up to `len` bytes from `offset`, and the blob's total size, for serving chunks.
     /// The receiver checks the assembled blob against its id.
     pub fn read_range(&self, id: &BlobId, offset: u64, len: u64) -> Result<Option<(u64, Vec<u8>)>> {
+        if let Some((slot, bytes)) = self.read_packed(id, offset, len)? {
+            return Ok(Some((slot.len, bytes)));
+        }
         let path = self.path(id);
         let mut f = match File::open(&path) {
             Ok(f) => f,
@@ -186,20 +266,36 @@ impl BlobStore {
         Ok(Some((total, buf)))
     }
 
-    /// The blob's file, open for reading; `None` if it is not here.
-    pub fn open_file(&self, id: &BlobId) -> Result<Option<File>> {
-        let path = self.path(id);
-        match File::open(&path) {
-            Ok(f) => Ok(Some(f)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(NodeError::io(&path, e)),
+    /// Where the blob's bytes are, its file open for reading; `None` if it is not here.
+    pub fn locate(&self, id: &BlobId) -> Result<Option<Located>> {
+        if let Some(slot) = self.pack.get(id) {
+            let file = self
+                .pack
+                .reopen()
+                .map_err(|e| NodeError::io(self.pack.path(), e))?;
+            return Ok(Some(Located {
+                file,
+                start: slot.at,
+                len: slot.len,
+            }));
         }
+        let path = self.path(id);
+        let file = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(NodeError::io(&path, e)),
+        };
+        let len = file.metadata().map_err(|e| NodeError::io(&path, e))?.len();
+        Ok(Some(Located {
+            file,
+            start: 0,
+            len,
+        }))
     }
 
     /// (count, bytes) of everything stored.
     pub fn stats(&self) -> (u64, u64) {
-        let mut count = 0;
-        let mut bytes = 0;
+        let (mut count, mut bytes) = self.pack.stats();
         if let Ok(dir) = fs::read_dir(&self.root) {
             for entry in dir.flatten() {
                 if entry.file_name().len() == 64 {
@@ -216,7 +312,7 @@ impl BlobStore {
 pub struct Incoming {
     id: BlobId,
     total: u64,
-    file: File,
+    sink: Sink,
     tmp: PathBuf,
     path: PathBuf,
     root: PathBuf,
@@ -235,6 +331,19 @@ pub struct Incoming {
 
 /// Bytes written to an incoming blob between two write-backs by its flusher.
 const FLUSH_EVERY: u64 = 8 << 20;
+
+/// The pack's file in the store's directory.
+const PACK_FILE: &str = "small.pack";
+
+/// Where an incoming blob's pieces go.
+enum Sink {
+    File(File),
+    /// Its bytes, for the pack once whole.
+    Packed {
+        bytes: Vec<u8>,
+        pack: std::sync::Arc<Pack>,
+    },
+}
 
 struct Flusher {
     wake: std::sync::mpsc::Sender<()>,
@@ -275,19 +384,30 @@ impl Incoming {
                 got: BlobId::of(&data),
             });
         }
-        self.file
-            .write_all_at(&data, offset)
+        let file = match &mut self.sink {
+            Sink::File(file) => file,
+            Sink::Packed { bytes, .. } => {
+                bytes[offset as usize..][..data.len()].copy_from_slice(&data);
+                return self.hash_in(offset, data);
+            }
+        };
+        file.write_all_at(&data, offset)
             .map_err(|e| NodeError::io(&self.tmp, e))?;
         self.unflushed += data.len() as u64;
         if self.unflushed >= FLUSH_EVERY && self.total > FLUSH_EVERY {
             self.unflushed = 0;
             if self.flusher.is_none() {
-                self.flusher = Flusher::start(&self.file);
+                self.flusher = Flusher::start(file);
             }
             if let Some(f) = &self.flusher {
                 let _ = f.wake.send(());
             }
         }
+        self.hash_in(offset, data)
+    }
+
+    /// Hashes `data` (at `offset`) and whatever came early and now follows on.
+    fn hash_in(&mut self, offset: u64, data: Vec<u8>) -> Result<()> {
         if offset != self.hashed {
             self.early.insert(offset, data);
             return Ok(());
@@ -317,12 +437,19 @@ impl Incoming {
         if got != self.id {
             return Err(NodeError::BlobMismatch { id: self.id, got });
         }
-        let durable = || -> std::io::Result<()> {
-            self.file.sync_all()?;
-            fs::rename(&self.tmp, &self.path)?;
-            File::open(&self.root)?.sync_all()
-        };
-        durable().map_err(|e| NodeError::io(&self.path, e))?;
+        match &self.sink {
+            Sink::File(file) => {
+                let durable = || -> std::io::Result<()> {
+                    file.sync_all()?;
+                    fs::rename(&self.tmp, &self.path)?;
+                    File::open(&self.root)?.sync_all()
+                };
+                durable().map_err(|e| NodeError::io(&self.path, e))?;
+            }
+            Sink::Packed { bytes, pack } => pack
+                .append(self.id, bytes)
+                .map_err(|e| NodeError::io(pack.path(), e))?,
+        }
         self.done = true;
         Ok(())
     }
@@ -333,7 +460,7 @@ impl Drop for Incoming {
         if let Some(f) = self.flusher.take() {
             f.stop();
         }
-        if !self.done {
+        if !self.done && matches!(self.sink, Sink::File(_)) {
             let _ = fs::remove_file(&self.tmp);
         }
     }
@@ -358,6 +485,28 @@ mod tests {
         assert!(store.put_verified(id, b"hello MESH").is_err());
         assert_eq!(store.get(&BlobId::of(b"other")).unwrap(), None);
         assert_eq!(store.stats(), (1, 10));
+        // One blob in the pack, one over its limit in a file of its own: both found
+        // again by a store opened anew, and where they are, for a reader that seeks.
+        let big: Vec<u8> = (0..PACK_MAX as usize + 1)
+            .map(|i| (i % 251) as u8)
+            .collect();
+        let big_id = store.put(&big).unwrap();
+        assert!(dir.path().join(big_id.to_hex()).is_file());
+        assert!(
+            !dir.path().join(id.to_hex()).exists(),
+            "the small one is packed"
+        );
+        let again = BlobStore::open(dir.path(), 1 << 20).unwrap();
+        assert_eq!(again.stats(), (2, 10 + big.len() as u64));
+        for (id, bytes) in [(id, &b"hello mesh"[..]), (big_id, &big[..])] {
+            assert_eq!(again.get(&id).unwrap().unwrap(), bytes);
+            let mut at = again.locate(&id).unwrap().unwrap();
+            assert_eq!(at.len, bytes.len() as u64);
+            let mut read = vec![0u8; bytes.len()];
+            at.file.seek(SeekFrom::Start(at.start)).unwrap();
+            at.file.read_exact(&mut read).unwrap();
+            assert_eq!(read, bytes);
+        }
     }
 
     #[test]
@@ -454,10 +603,11 @@ mod tests {
     #[test]
     fn the_same_blob_stored_by_many_writers_at_once_is_stored_once() {
         let dir = tempfile::tempdir().unwrap();
-        let bytes: Vec<u8> = (0..1 << 20).map(|i| (i * 7) as u8).collect();
-        let id = BlobId::of(&bytes);
-        // Fresh stores, so every writer finds the blob missing and writes it.
-        for round in 0..10 {
+        // A blob in a file of its own, and one in the pack.
+        for (round, len) in [1 << 20, 10_000].into_iter().cycle().take(10).enumerate() {
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 7) as u8).collect();
+            let id = BlobId::of(&bytes);
+            // Fresh stores, so every writer finds the blob missing and writes it.
             let store = BlobStore::open(dir.path().join(round.to_string()), 2 << 20).unwrap();
             let start = std::sync::Barrier::new(8);
             std::thread::scope(|s| {
@@ -503,16 +653,53 @@ mod tests {
     }
 
     #[test]
-    fn a_corrupted_file_is_reported_and_removed() {
+    fn a_corrupted_blob_is_reported_and_no_longer_served() {
+        use std::os::unix::fs::FileExt;
         let dir = tempfile::tempdir().unwrap();
         let store = BlobStore::open(dir.path(), 1 << 20).unwrap();
-        let id = store.put(b"precious").unwrap();
+        // In a file of its own.
+        let big = vec![9u8; PACK_MAX as usize + 1];
+        let id = store.put(&big).unwrap();
         std::fs::write(dir.path().join(id.to_hex()), b"tampered").unwrap();
         assert!(matches!(
             store.get(&id),
             Err(NodeError::BlobMismatch { .. })
         ));
         assert!(!store.has(&id));
+        // In the pack: a byte flipped where it lies.
+        let id = store.put(b"precious").unwrap();
+        let slot = store.pack.get(&id).unwrap();
+        let pack = std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.path().join(PACK_FILE))
+            .unwrap();
+        pack.write_all_at(b"P", slot.at).unwrap();
+        assert!(matches!(
+            store.get(&id),
+            Err(NodeError::BlobMismatch { .. })
+        ));
+        assert!(!store.has(&id));
+    }
+
+    #[test]
+    fn a_blob_sent_in_a_request_is_kept_only_if_it_is_its_bytes_and_small() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path(), 1 << 20).unwrap();
+        let small = b"sent along".to_vec();
+        let wrong = store.put_sent(BlobId::of(b"something else"), &small);
+        assert!(
+            matches!(wrong, Err(NodeError::BlobMismatch { .. })),
+            "{wrong:?}"
+        );
+        let big = vec![1u8; PACK_MAX as usize + 1];
+        let err = store
+            .put_sent(BlobId::of(&big), &big)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("is pulled, not sent"), "{err}");
+        assert_eq!(store.stats(), (0, 0));
+        store.put_sent(BlobId::of(&small), &small).unwrap();
+        assert_eq!(store.get(&BlobId::of(&small)).unwrap().unwrap(), small);
     }
 
     #[test]

@@ -192,6 +192,13 @@ impl Answering {
                     Err(e) => NodeReply::Refused(format!("could not copy blob {blob}: {e}")),
                 }
             }
+            (NodeRequest::Keep { blob, .. }, None) => NodeReply::Refused(format!(
+                "could not keep blob {blob}: this node is not in a mesh yet"
+            )),
+            (NodeRequest::Keep { blob, bytes }, Some(m)) => match m.blobs.keep(blob, bytes).await {
+                Ok(()) => NodeReply::Replicated,
+                Err(e) => NodeReply::Refused(format!("could not keep blob {blob}: {e}")),
+            },
             (NodeRequest::Advance { .. }, None) => {
                 NodeReply::Refused("could not keep an actor's state: not in a mesh yet".into())
             }

@@ -428,14 +428,14 @@ fn read_sealed(
     tx: mpsc::Sender<std::io::Result<Vec<u8>>>,
 ) {
     let key = sealing_key(key);
-    let opened = blobs.open_file(&id).and_then(|f| {
+    let opened = blobs.locate(&id).and_then(|f| {
         f.ok_or_else(|| NodeError::BlobNotFound {
             id,
             peer: "this node".into(),
         })
     });
-    let mut file = match opened {
-        Ok(f) => f,
+    let (mut file, start, end) = match opened {
+        Ok(f) => (f.file, f.start, end.min(f.len)),
         Err(e) => {
             let _ = tx.blocking_send(Err(std::io::Error::other(e.to_string())));
             return;
@@ -449,7 +449,7 @@ fn read_sealed(
         let mut record = Vec::with_capacity(len + TAG);
         record.resize(len, 0);
         let read = if first {
-            file.seek(SeekFrom::Start(at)).map(|_| ())
+            file.seek(SeekFrom::Start(start + at)).map(|_| ())
         } else {
             Ok(())
         }
