@@ -34,8 +34,8 @@ pub struct MeshBenchArgs {
     #[arg(long, default_value_t = 64)]
     pub transfer_mib: usize,
     /// After the table, one JSON object on the last line: p50_ms, p99_ms,
-    /// tasks_per_s, mesh_vs_direct, blob_vs_tcp, blob_stored_vs_tcp, and the disk's
-    /// fsync_ms and fsync_after_idle_ms.
+    /// tasks_per_s, mesh_vs_direct, blob_vs_tcp, blob_stored_vs_tcp, the disk's
+    /// fsync_ms and fsync_after_idle_ms, and input_task_p50_ms.
     #[arg(long)]
     pub json: bool,
 }
@@ -87,6 +87,44 @@ fn seeded_spin(groups: u32, seed: u32) -> TaskSpec {
         role: BindingRole::Param { data },
     });
     s
+}
+
+/// Doubles each word of its input: a task with a blob in and a result out.
+const DOUBLE: &str = "@group(0) @binding(0) var<storage, read> inp: array<u32>;\n\
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;\n\
+@compute @workgroup_size(64)\n\
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) { out[gid.x] = inp[gid.x] * 2u; }\n";
+
+/// Words in [`DOUBLE`]'s input and output: 16 KiB each, over what a log entry
+/// carries, so the input and the result are each kept on two nodes as blobs.
+const DOUBLE_WORDS: u32 = 4096;
+
+/// Uploads `words` as a new blob, submits [`DOUBLE`] on it (`POST /v1/tasks`: the
+/// mesh places it), waits for it and fetches its output; checks it.
+async fn double(client: &Client, words: &[u32]) -> anyhow::Result<TaskId> {
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let size = bytes.len() as u64;
+    let blob = client.upload(bytes).await?;
+    let mut s = spec(DOUBLE, DOUBLE_WORDS / 64, 1);
+    s.bindings = vec![
+        BindingSpec {
+            binding: 0,
+            role: BindingRole::Input { blob, size },
+        },
+        BindingSpec {
+            binding: 1,
+            role: BindingRole::Output { size },
+        },
+    ];
+    let task = client.submit(s, None).await?;
+    client.wait(task, |_, _| {}).await?;
+    let out = client.results(task).await?;
+    let want: Vec<u8> = words
+        .iter()
+        .flat_map(|w| w.wrapping_mul(2).to_le_bytes())
+        .collect();
+    anyhow::ensure!(out.get(&1) == Some(&want), "wrong doubled words");
+    Ok(TaskId(task))
 }
 
 pub(super) fn spec(source: &str, groups: u32, shards: u32) -> TaskSpec {
@@ -234,6 +272,27 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     lat.sort();
     let alone = breakdown(&timeline.take(), &ends);
 
+    // (1b) A task with an input, as most are: a new 16 KiB blob uploaded, then the
+    // task submitted on it, waited for and its output fetched, four requests (the
+    // input kept on a second node before the submit is committed, the result on two
+    // nodes before it is recorded).
+    let mut with_input = Vec::new();
+    let mut input_ends = Vec::new();
+    for i in 0..(args.latency_tasks / 4).max(8) + 8 {
+        let words: Vec<u32> = (0..DOUBLE_WORDS).map(|w| w ^ ((i as u32) << 16)).collect();
+        if i == 8 {
+            timeline.take();
+        }
+        let t = Instant::now();
+        let task = double(&client, &words).await?;
+        if i >= 8 {
+            with_input.push(t.elapsed());
+            input_ends.push((task, t, Instant::now()));
+        }
+    }
+    with_input.sort();
+    let input = breakdown(&timeline.take(), &input_ends);
+
     // (2) Sustained tiny tasks/s, through every node; one client (and its pool of
     // connections) per node, as a program submitting many tasks would hold.
     let clients: Vec<Client> = nodes
@@ -334,6 +393,11 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         ms(percentile(&lat, 0.99))
     );
     println!(
+        "{:<58} {:>11.2} ms",
+        "task with a new 16 KiB input: upload, submit, wait, fetch, p50",
+        ms(percentile(&with_input, 0.5))
+    );
+    println!(
         "{:<58} {:>10.0} /s",
         format!("sustained tiny tasks ({} in flight)", args.in_flight),
         rate
@@ -386,6 +450,14 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     for (what, d) in &spin {
         println!("  {what:<56} {:>11.2} ms", ms(*d));
     }
+    println!(
+        "\na task with a new 16 KiB input (medians over {}; the upload is before \
+         \"client to the API\", fetching the output after \"completion applied\")",
+        input_ends.len()
+    );
+    for (what, d) in &input {
+        println!("  {what:<56} {:>11.2} ms", ms(*d));
+    }
     println!("\n{transfer}");
     if args.json {
         println!(
@@ -399,6 +471,7 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
                 "blob_stored_vs_tcp": transfer.fetch_ratio(),
                 "fsync_ms": ms(sync_warm),
                 "fsync_after_idle_ms": ms(sync_idle),
+                "input_task_p50_ms": ms(percentile(&with_input, 0.5)),
             })
         );
     }
