@@ -136,16 +136,17 @@ impl Pack {
             record.extend_from_slice(&id.0);
             record.extend_from_slice(bytes);
             let after = tail.end + record.len() as u64;
-            if after > tail.zeroed {
+            let mut zeroed = tail.zeroed;
+            if after > zeroed {
                 // Zero the next stretch in the same write; the sync covers it.
-                let stretch = tail.zeroed.clamp(FIRST_ZEROS, ZERO_AHEAD);
-                let zeroed = after.div_ceil(stretch) * stretch;
+                let stretch = zeroed.clamp(FIRST_ZEROS, ZERO_AHEAD);
+                zeroed = after.div_ceil(stretch) * stretch;
                 record.resize((zeroed - tail.end) as usize, 0);
-                tail.zeroed = zeroed;
             }
             let at = tail.end;
+            // A write that fails (a full disk) moves nothing: the next one goes here.
             self.with_file(|f| f.write_all_at(&record, at))?;
-            tail.end = after;
+            *tail = Tail { end: after, zeroed };
             Slot {
                 at: at + RECORD_HEAD,
                 len,
