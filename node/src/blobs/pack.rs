@@ -15,8 +15,10 @@
 //! (syncs of appends made at once overlap), and a blob is found here only once its
 //! sync is done. So an append acknowledged (its sync returned) had every earlier
 //! record synced with it, and a crash can only cut records that nobody was told are
-//! kept: on opening, every record is checked against its id, and the first that
-//! does not check ends the pack (what follows is zeroed).
+//! kept. On opening, every record is checked against its id: one whose bytes do not
+//! (a write a crash cut short, or damage since) is skipped and not served, and the
+//! records after it are read on; a head that cannot be one (a length over
+//! [`PACK_MAX`] or past the file's end) ends the pack, and what follows is zeroed.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -220,8 +222,8 @@ fn never_written(file: &File) -> io::Result<bool> {
 }
 
 /// Reads every record of `file` into `index`; returns where the next one goes and
-/// how far the file is zeroed. The first record that does not check ends the pack:
-/// its bytes and everything after are zeroed.
+/// how far the file is zeroed. A record whose bytes do not check is skipped; a head
+/// that cannot be one ends the pack, and everything from it on is zeroed.
 fn read_records(
     file: &File,
     path: &Path,
@@ -248,9 +250,19 @@ fn read_records(
         }
         let fits = len <= PACK_MAX && at + RECORD_HEAD + len <= size;
         let mut bytes = vec![0u8; if fits { len as usize } else { 0 }];
-        if !fits || file.read_exact_at(&mut bytes, at + RECORD_HEAD).is_err() || !id.matches(&bytes)
-        {
+        if !fits || file.read_exact_at(&mut bytes, at + RECORD_HEAD).is_err() {
             break Some(at);
+        }
+        if !id.matches(&bytes) {
+            tracing::warn!(
+                path = %path.display(),
+                at,
+                blob = %id,
+                "a blob in the pack does not match its id (a write cut short by a crash, \
+                 before it was acknowledged, or damage since); it is not served"
+            );
+            at += RECORD_HEAD + len;
+            continue;
         }
         index.insert(
             id,
@@ -265,8 +277,8 @@ fn read_records(
         tracing::warn!(
             path = %path.display(),
             at = cut,
-            "the blob pack's last record was cut short (a crash while it was written, \
-             before it was acknowledged); dropping it"
+            "the blob pack ends in a record head that cannot be one (a crash while it \
+             was written, before it was acknowledged); dropping it"
         );
         file.write_all_at(&vec![0u8; (size - cut) as usize], cut)?;
         file.sync_data()?;
@@ -315,7 +327,7 @@ mod tests {
     }
 
     #[test]
-    fn a_record_cut_short_ends_the_pack_and_later_appends_replace_it() {
+    fn a_record_cut_short_or_damaged_is_skipped_and_the_rest_kept() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("small.pack");
         let pack = Pack::open(path.clone()).unwrap();
@@ -333,10 +345,29 @@ mod tests {
         assert!(pack.get(&BlobId::of(&b)).is_none());
         let c = blob(100, 3);
         pack.append(BlobId::of(&c), &c).unwrap();
-        let pack = Pack::open(path).unwrap();
+        let pack = Pack::open(path.clone()).unwrap();
         assert_eq!(pack.stats(), (2, 5_100));
         let slot = pack.get(&BlobId::of(&c)).unwrap();
         assert_eq!(pack.read(slot, 0, 100).unwrap(), c);
+        // A byte of a, the first record, flipped since: a alone is lost.
+        let slot = pack.get(&BlobId::of(&a)).unwrap();
+        drop(pack);
+        let file = OpenOptions::new().write(true).open(&path).unwrap();
+        file.write_all_at(&[!a[10]], slot.at + 10).unwrap();
+        let pack = Pack::open(path.clone()).unwrap();
+        assert!(pack.get(&BlobId::of(&a)).is_none());
+        assert_eq!(pack.stats(), (1, 100));
+        // A head that cannot be one (a length past the end): the pack ends there.
+        let d = blob(200, 4);
+        pack.append(BlobId::of(&d), &d).unwrap();
+        let slot = pack.get(&BlobId::of(&d)).unwrap();
+        drop(pack);
+        file.write_all_at(&u64::MAX.to_le_bytes(), slot.at - RECORD_HEAD)
+            .unwrap();
+        let pack = Pack::open(path.clone()).unwrap();
+        assert_eq!(pack.stats(), (1, 100));
+        pack.append(BlobId::of(&d), &d).unwrap();
+        assert_eq!(Pack::open(path).unwrap().stats(), (2, 300));
     }
 
     #[test]
