@@ -106,16 +106,7 @@ async fn double(client: &Client, words: &[u32]) -> anyhow::Result<TaskId> {
     let size = bytes.len() as u64;
     let blob = client.upload(bytes).await?;
     let mut s = spec(DOUBLE, DOUBLE_WORDS / 64, 1);
-    s.bindings = vec![
-        BindingSpec {
-            binding: 0,
-            role: BindingRole::Input { blob, size },
-        },
-        BindingSpec {
-            binding: 1,
-            role: BindingRole::Output { size },
-        },
-    ];
+    s.bindings = super::input_to_output(blob, size);
     let task = client.submit(s, None).await?;
     client.wait(task, |_, _| {}).await?;
     let out = client.results(task).await?;

@@ -37,6 +37,25 @@ pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// A kernel's two bindings when it reads blob `blob` at binding 0 and writes as
+/// many bytes at binding 1.
+fn input_to_output(
+    blob: gpumesh_protocol::BlobId,
+    size: u64,
+) -> Vec<gpumesh_protocol::BindingSpec> {
+    use gpumesh_protocol::{BindingRole, BindingSpec};
+    vec![
+        BindingSpec {
+            binding: 0,
+            role: BindingRole::Input { blob, size },
+        },
+        BindingSpec {
+            binding: 1,
+            role: BindingRole::Output { size },
+        },
+    ]
+}
+
 /// The cluster key of the meshes a bench starts (meshes are closed by default).
 fn mesh_key() -> gpumesh::node::ClusterKey {
     static KEY: std::sync::OnceLock<gpumesh::node::ClusterKey> = std::sync::OnceLock::new();

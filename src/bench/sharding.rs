@@ -7,8 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use gpumesh_protocol::{
-    Base, BindingRole, BindingSpec, BlobId, BufferChanges, Grid, MergeRule, ShaderSource,
-    ShardChanges, TaskSpec,
+    Base, BlobId, BufferChanges, Grid, MergeRule, ShaderSource, ShardChanges, TaskSpec,
 };
 use gpumesh_shaders::{merge, Executor, Job, Kernel};
 
@@ -38,16 +37,7 @@ fn double_job(elements: u32, shards: u32) -> anyhow::Result<Job> {
     let spec = TaskSpec {
         shader: ShaderSource::Wgsl(DOUBLE.into()),
         entry_point: "main".into(),
-        bindings: vec![
-            BindingSpec {
-                binding: 0,
-                role: BindingRole::Input { blob, size },
-            },
-            BindingSpec {
-                binding: 1,
-                role: BindingRole::Output { size },
-            },
-        ],
+        bindings: super::input_to_output(blob, size),
         grid: Grid([elements.div_ceil(64), 1, 1]),
         shards,
         merge: MergeRule::Changes,
