@@ -69,13 +69,8 @@ impl BlobStore {
     /// Stores `bytes` and returns their id; storing the same bytes twice is a no-op.
     pub fn put(&self, bytes: &[u8]) -> Result<BlobId> {
         let id = BlobId::of(bytes);
-        self.put_as(id, bytes)?;
+        self.put_hashed(id, bytes)?;
         Ok(id)
-    }
-
-    /// Stores `bytes`, which the caller has just hashed to `id`.
-    pub fn put_hashed(&self, id: BlobId, bytes: &[u8]) -> Result<()> {
-        self.put_as(id, bytes)
     }
 
     /// Stores bytes a peer sent in a request as blob `id`: refused unless they hash
@@ -101,7 +96,7 @@ impl BlobStore {
                 got: BlobId::of(bytes),
             });
         }
-        self.put_as(id, bytes)
+        self.put_hashed(id, bytes)
     }
 
     /// A blob `id` of `total` bytes arriving in pieces (from a peer, in any order):
@@ -156,7 +151,8 @@ impl BlobStore {
         ))
     }
 
-    fn put_as(&self, id: BlobId, bytes: &[u8]) -> Result<()> {
+    /// Stores `bytes`, which the caller has hashed to `id`.
+    pub fn put_hashed(&self, id: BlobId, bytes: &[u8]) -> Result<()> {
         if bytes.len() as u64 > self.max_blob_bytes {
             return Err(NodeError::Limit {
                 what: "blob size in bytes",
