@@ -372,13 +372,13 @@ impl Client {
             .await
     }
 
+    /// Deletes actor `name`. One request id through the retries: a delete that was
+    /// recorded before its answer was lost answers as done, not "no actor named".
     pub async fn delete_actor(&self, name: &str) -> ClientResult<()> {
-        self.retrying(|| async {
-            self.send(self.http.delete(self.url(&format!("/v1/actors/{name}"))))
-                .await
-                .map(|_| ())
-        })
-        .await
+        let id = self.ids.next_id();
+        let url = self.url(&format!("/v1/actors/{name}?request_id={id}"));
+        self.retrying(|| async { self.send(self.http.delete(url.clone())).await.map(|_| ()) })
+            .await
     }
 
     /// Calls actor `name` and returns once the call ran and the new state is

@@ -858,6 +858,38 @@ async fn many_actors_created_at_once_are_placed_once_each_and_a_retried_create_i
             .unwrap()
             .contains("another actor now has the name"));
         assert_eq!(clients[2].actors().await.unwrap().len(), ACTORS + 1);
+        // A retried delete (same request id, through another node) answers as the
+        // first did, and deletes nothing made since; a new one for a name that is
+        // gone answers 404, and an id that is not one, 400.
+        let delete = |node: usize, id: &str| {
+            let url = format!(
+                "http://{}/v1/actors/retried?request_id={id}",
+                nodes[node].api_addr
+            );
+            http.delete(url).send()
+        };
+        assert_eq!(delete(1, "4d-9").await.unwrap().status(), 204);
+        assert!(clients[0].actor("retried").await.is_err());
+        let init = vec![gpumesh::node::api::StateInit {
+            binding: 0,
+            size: 64,
+            blob: None,
+        }];
+        clients[0]
+            .create_actor("retried", init, None)
+            .await
+            .unwrap();
+        let again = delete(2, "4d-9").await.unwrap();
+        assert_eq!(again.status(), 204, "{}", again.text().await.unwrap());
+        assert_eq!(clients[0].actor("retried").await.unwrap().name, "retried");
+        assert_eq!(delete(2, "4d-a").await.unwrap().status(), 204);
+        let gone = delete(0, "4d-b").await.unwrap();
+        assert_eq!(gone.status(), 404);
+        assert!(gone.text().await.unwrap().contains("no actor named"));
+        let bad = delete(0, "nonsense").await.unwrap();
+        assert_eq!(bad.status(), 400);
+        assert!(bad.text().await.unwrap().contains("not a request id"));
+        assert_eq!(clients[2].actors().await.unwrap().len(), ACTORS);
         stop(nodes).await;
     })
     .await

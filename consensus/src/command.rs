@@ -31,6 +31,21 @@ impl fmt::Display for RequestId {
     }
 }
 
+/// Reads what `Display` writes: `CLIENT-SEQ`, both in hex.
+impl std::str::FromStr for RequestId {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("{s:?} is not a request id (CLIENT-SEQ, both in hex)");
+        let (client, seq) = s.split_once('-').ok_or_else(bad)?;
+        let hex = |part: &str| match part.bytes().all(|b| b.is_ascii_hexdigit()) {
+            true => u64::from_str_radix(part, 16).map_err(|_| bad()),
+            false => Err(bad()),
+        };
+        Ok(RequestId::new(hex(client)?, hex(seq)?))
+    }
+}
+
 /// Hands out request ids that do not repeat across restarts of the same client: the
 /// sequence starts at the wall-clock time in nanoseconds, so a restarted process
 /// begins above anything it issued before (clocks would have to step back by more
@@ -433,4 +448,33 @@ pub struct Committed {
     /// Log index of the entry whose application produced `outcome`.
     pub index: u64,
     pub outcome: Outcome,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_id_reads_back_what_it_writes_and_nothing_else() {
+        for id in [
+            RequestId::new(0, 0),
+            RequestId::new(0x4d, 9),
+            RequestId::new(u64::MAX, 0x1234_5678_9abc),
+        ] {
+            assert_eq!(id.to_string().parse::<RequestId>(), Ok(id));
+        }
+        for bad in [
+            "",
+            "4d",
+            "4d-",
+            "-9",
+            "4d-9-1",
+            "zz-1",
+            "4d-+9",
+            "10000000000000000-1",
+        ] {
+            let e = bad.parse::<RequestId>().unwrap_err();
+            assert!(e.contains("not a request id"), "{bad}: {e}");
+        }
+    }
 }

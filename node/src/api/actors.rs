@@ -10,7 +10,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::Json;
-use gpumesh_consensus::{Actor, CallResult, Command, MergedOutput, Outcome};
+use gpumesh_consensus::{Actor, CallResult, Command, MergedOutput, Outcome, RequestId};
 use serde::Deserialize;
 
 use super::changes::Topic;
@@ -196,13 +196,26 @@ pub(crate) async fn one(
     .ok_or_else(|| no_actor(&name))
 }
 
+#[derive(Deserialize)]
+pub(crate) struct DeleteQuery {
+    /// `CLIENT-SEQ` in hex: a retry with the same id (its answer lost, or the
+    /// delete committed after this node said it could not tell) is answered as the
+    /// first was, not with "no actor named", and deletes nothing made since.
+    request_id: Option<String>,
+}
+
 pub(crate) async fn delete(
     State(api): State<Arc<ApiState>>,
     Path(name): Path<String>,
+    Query(q): Query<DeleteQuery>,
 ) -> ApiResult<StatusCode> {
+    let request_id = match q.request_id {
+        Some(id) => id.parse::<RequestId>().map_err(bad)?,
+        None => api.consensus.new_request_id(),
+    };
     let committed = api
         .consensus
-        .propose(Command::DeleteActor { name: name.clone() })
+        .propose_with_id(request_id, Command::DeleteActor { name: name.clone() })
         .await
         .map_err(unavailable)?;
     match committed.outcome {

@@ -20,7 +20,7 @@
 //! | GET | /v1/tasks/{id}/outputs/{binding} | one merged output's bytes |
 //! | POST | /v1/actors | create a GPU actor (name, state buffers, backend) |
 //! | GET | /v1/actors | every actor: host, epoch, version, bytes |
-//! | GET, DELETE | /v1/actors/{name} | one actor; delete it |
+//! | GET, DELETE | /v1/actors/{name} | one actor; delete it (`?request_id=` for retries) |
 //! | POST | /v1/actors/{name}/calls?timeout_ms=T | a call, answered once it ran and its state is durable |
 //! | GET | /v1/actors/{name}/state/{binding} | a state buffer as of the last acknowledged call |
 //! | GET | /v1/status | leader, term, members |
