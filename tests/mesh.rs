@@ -123,6 +123,73 @@ async fn every_shard_output_is_on_two_nodes_so_losing_its_worker_loses_nothing()
     .expect("bounded");
 }
 
+/// Flips a byte of the copy of `blob` in the store at `dir` (a file of its own, or
+/// its record in the pack), under the node that holds it.
+fn damage(dir: &std::path::Path, blob: &gpumesh::protocol::BlobId) {
+    use std::os::unix::fs::FileExt as _;
+    let own = dir.join(blob.to_hex());
+    let (path, at) = if own.is_file() {
+        (own, 0)
+    } else {
+        let pack = dir.join("small.pack");
+        let bytes = std::fs::read(&pack).unwrap();
+        let id = bytes
+            .windows(32)
+            .position(|w| w == blob.0)
+            .expect("the blob's record in the pack");
+        (pack, (id + 32) as u64)
+    };
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    let mut byte = [0u8; 1];
+    f.read_exact_at(&mut byte, at).unwrap();
+    f.write_all_at(&[byte[0] ^ 0x5a], at).unwrap();
+    f.sync_all().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_output_damaged_where_it_is_fetched_is_made_again_from_the_mesh() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = mesh(dir.path(), 3).await;
+        let via = client(&nodes[0]);
+        let b = builtins::get("mandelbrot").unwrap();
+        let problem = b.problem(b.test_size).unwrap();
+        // One shard: its output is the shard's, kept on two nodes. Three: merged
+        // here when first fetched, from shards each kept on two nodes.
+        for shards in [1, 3] {
+            let task = submit(&via, &problem, shards).await;
+            via.wait(task, |_, _| {}).await.unwrap();
+            problem.verify(&via.results(task).await.unwrap()).unwrap();
+            let listed = via.outputs(task).await.unwrap();
+            for o in &listed {
+                let blob: gpumesh::protocol::BlobId = o.blake3.parse().unwrap();
+                damage(&dir.path().join("n0").join("blobs"), &blob);
+            }
+            // The damaged copy is found on reading, dropped, and the output made
+            // again from the others: the right bytes, never the damaged ones.
+            problem
+                .verify(&via.results(task).await.unwrap())
+                .unwrap_or_else(|e| panic!("{shards} shard(s): {e}"));
+            let again = via.outputs(task).await.unwrap();
+            assert_eq!(
+                serde_json::to_string(&again).unwrap(),
+                serde_json::to_string(&listed).unwrap(),
+                "{shards} shard(s)"
+            );
+        }
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_small_result_rides_in_the_log_and_is_fetched_from_every_node() {
     if !have_any() {

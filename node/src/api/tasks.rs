@@ -327,8 +327,17 @@ pub(crate) async fn run(
         } else {
             let ids = merged(&api, id).await?;
             let store = api.blobs.store();
-            let total: u64 = ids.values().filter_map(|b| store.size(b)).sum();
-            for (binding, blob) in ids {
+            // Each size asked for once; a merged output not here is an error, not
+            // an output of 0 bytes.
+            let sized = ids
+                .into_iter()
+                .map(|(binding, blob)| match store.size(&blob) {
+                    Some(size) => Ok((binding, blob, size)),
+                    None => Err(unavailable("merged output vanished")),
+                })
+                .collect::<ApiResult<Vec<_>>>()?;
+            let total: u64 = sized.iter().map(|(_, _, size)| size).sum();
+            for (binding, blob, size) in sized {
                 let bytes = if total <= RUN_INLINE_BYTES {
                     let bytes = store
                         .get(&blob)
@@ -340,7 +349,7 @@ pub(crate) async fn run(
                 };
                 let output = RunOutput {
                     binding,
-                    size: store.size(&blob).unwrap_or(0),
+                    size,
                     blake3: blob.to_hex(),
                     hex: None,
                     attached: false,
@@ -417,9 +426,13 @@ async fn wait_change(
 
 /// A completed task's outputs as blobs on this node, binding → blob.
 async fn merged(api: &ApiState, id: u64) -> ApiResult<BTreeMap<u32, BlobId>> {
-    // A completed task's outputs never change: once known here, no read of the record.
+    // A completed task's outputs never change: once known here (and still here: a
+    // copy found damaged is dropped from the store), no read of the record.
     if let Some(done) = api.results.get(TaskId(id)) {
-        return Ok(done);
+        let store = api.blobs.store();
+        if done.values().all(|b| store.has(b)) {
+            return Ok(done);
+        }
     }
     let c = &api.consensus;
     let task = read_current(c, move |s: &StateMachine| s.task(TaskId(id)).cloned())
@@ -456,15 +469,20 @@ pub(crate) async fn outputs(
     Path(id): Path<u64>,
 ) -> ApiResult<Json<Vec<OutputView>>> {
     let ids = merged(&api, id).await?;
-    Ok(Json(
-        ids.into_iter()
-            .map(|(binding, blob)| OutputView {
+    let store = api.blobs.store();
+    ids.into_iter()
+        .map(|(binding, blob)| match store.size(&blob) {
+            Some(size) => Ok(OutputView {
                 binding,
-                size: api.blobs.store().size(&blob).unwrap_or(0),
+                size,
                 blake3: blob.to_hex(),
-            })
-            .collect(),
-    ))
+            }),
+            None => Err(unavailable(format!(
+                "output {binding} of task t{id} ({blob}) is not on this node"
+            ))),
+        })
+        .collect::<ApiResult<Vec<_>>>()
+        .map(Json)
 }
 
 pub(crate) async fn output_bytes(
@@ -481,12 +499,21 @@ pub(crate) async fn output_bytes(
             ),
         )
     })?;
-    let bytes = api
-        .blobs
-        .store()
-        .get(blob)
-        .map_err(unavailable)?
-        .ok_or_else(|| unavailable("merged output vanished"))?;
+    let store = api.blobs.store();
+    let bytes = match store.get(blob) {
+        Ok(Some(bytes)) => bytes,
+        // Damaged here (the store drops such a copy) or gone: made again from the
+        // mesh's copies (pulled, or merged from the shards), once.
+        first => {
+            tracing::warn!(task = id, binding, blob = %blob, answer = ?first.err(), "an output is not readable here; making it again from the mesh");
+            let ids = merged(&api, id).await?;
+            let blob = ids.get(&binding).copied().unwrap_or(*blob);
+            store
+                .get(&blob)
+                .map_err(unavailable)?
+                .ok_or_else(|| unavailable("merged output vanished"))?
+        }
+    };
     api.timeline.mark(TaskId(id), Stage::Served);
     Ok(bytes)
 }
