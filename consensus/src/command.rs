@@ -368,6 +368,15 @@ impl Command {
         }
     }
 
+    /// Whether, once committed, only the node that proposed this entry acts on it:
+    /// the host that recorded a batch of calls sent to it answers their callers
+    /// itself, and the other nodes only keep the record. A leader that proposed
+    /// such an entry itself need not tell followers of its commit at once; they
+    /// learn it with the next append or heartbeat.
+    pub fn only_proposer_acts(&self) -> bool {
+        matches!(self, Command::ActorCallsRan { .. })
+    }
+
     /// Whether this command is a Raft membership change (proposed as a ConfChange).
     pub fn is_membership_change(&self) -> bool {
         matches!(

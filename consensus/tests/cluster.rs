@@ -697,3 +697,76 @@ async fn leadership_stays_put_under_an_even_workload_or_when_switched_off() {
     assert_eq!(c.leader_among(&c.ids(), SEC).await, leader);
     c.shutdown().await;
 }
+
+/// How long until `follower`'s applied index reached `index`, probing in
+/// steps of 100 us of (paused) time; `None` if not within `within`.
+async fn applied_after(
+    c: &Cluster,
+    follower: u64,
+    index: u64,
+    within: Duration,
+) -> Option<Duration> {
+    let start = tokio::time::Instant::now();
+    while start.elapsed() <= within {
+        if c.node(follower).read_local(|s| s.applied_index()) >= index {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_micros(100)).await;
+    }
+    None
+}
+
+/// A commit only its proposer acts on (a host's batch of calls sent to it, the host
+/// leading) is not broadcast: followers learn of it with the next heartbeat, and a
+/// linearizable read on one sees it at once. Any other commit reaches them with no
+/// time passing. (Paused time: nothing advances the clock but timers, so "no time"
+/// is exact, and the heartbeat is 20 ms of ticks away.)
+#[tokio::test(start_paused = true)]
+async fn followers_learn_of_a_commit_only_the_leader_acts_on_with_its_next_heartbeat() {
+    let c = Cluster::new(3, 17).await;
+    let leader = c.leader().await;
+    let followers: Vec<u64> = c.ids().into_iter().filter(|&id| id != leader).collect();
+    let recorded = |version: u64| Command::ActorCallsRan {
+        name: "counter".into(),
+        epoch: 1,
+        node: leader,
+        version,
+        calls: Vec::new(),
+        state: Vec::new(),
+        inline: Vec::new(),
+        backup: leader,
+    };
+    for round in 0..5u64 {
+        let done = c.node(leader).propose(submit(1)).await.expect("submit");
+        for &f in &followers {
+            let at = applied_after(&c, f, done.index, SEC).await;
+            assert_eq!(at, Some(Duration::ZERO), "round {round}: a submit on {f}");
+        }
+
+        let quiet = c
+            .node(leader)
+            .propose(recorded(round))
+            .await
+            .expect("calls");
+        let at = applied_after(&c, followers[0], quiet.index, SEC).await;
+        let at = at.unwrap_or_else(|| panic!("round {round}: never learnt of the commit"));
+        assert!(at > Duration::ZERO, "round {round}: told at once");
+
+        // The next one again, read through the other follower before any heartbeat.
+        let quiet = c
+            .node(leader)
+            .propose(recorded(round))
+            .await
+            .expect("calls");
+        let seen = c
+            .node(followers[1])
+            .read_linearizable(|s| s.applied_index())
+            .await
+            .expect("read");
+        assert!(
+            seen >= quiet.index,
+            "round {round}: read {seen} < {}",
+            quiet.index
+        );
+    }
+}

@@ -74,6 +74,8 @@ impl ConsensusHandle {
             followed_at: None,
             known_leader: 0,
             leader_changes: 0,
+            told_commit: 0,
+            quiet: VecDeque::new(),
             cfg: config.clone(),
         };
         let (status_tx, status) = watch::channel(actor.status());

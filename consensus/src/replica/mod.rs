@@ -27,7 +27,7 @@
 //! the leader ignores a context it already holds, and a restarted replica must not
 //! take an old answer for a new read.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -143,6 +143,9 @@ impl ReplicaConfig {
             // stored (found by the randomized test: "to_commit out of range").
             // Proposals are batched before they reach Raft instead.
             batch_append: false,
+            // The leader tells followers of a commit itself (see
+            // [`Actor::tell_commit`]), only when one of them acts on it.
+            skip_bcast_commit: true,
             ..Default::default()
         }
     }
@@ -390,6 +393,12 @@ struct Actor {
     /// times it changed (see [`Status::leader_changes`]).
     known_leader: u64,
     leader_changes: u64,
+    /// Leader-side: the commit index followers were last told of, or chose not to
+    /// be (see [`Actor::tell_commit`]).
+    told_commit: u64,
+    /// Leader-side: indices of this leader's own entries whose commit only it acts
+    /// on ([`Command::only_proposer_acts`]), oldest first.
+    quiet: VecDeque<u64>,
 }
 
 /// Messages handled per round before the Ready is processed: large enough to batch

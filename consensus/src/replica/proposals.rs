@@ -195,6 +195,9 @@ impl Actor {
                         p.batched = false;
                     }
                     if appended {
+                        if entry.command.only_proposer_acts() {
+                            self.quiet.push_back(at.0);
+                        }
                         self.record_placement(entry.request_id, at);
                     }
                     // Otherwise it stays pending and is forwarded on a later tick.

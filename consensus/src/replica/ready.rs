@@ -12,6 +12,7 @@ impl Actor {
             // Before each Ready: a read answered in the last one may let the next
             // batch go out at once.
             self.issue_reads();
+            self.tell_commit();
             if !self.raw.has_ready() {
                 break;
             }
@@ -62,6 +63,32 @@ impl Actor {
         self.maybe_snapshot()?;
         self.publish_status();
         Ok(())
+    }
+
+    /// Leader-side: once the commit index moves, tells the followers (an append
+    /// carrying it, as raft-rs would) unless every newly committed entry is one of
+    /// this leader's own that only it acts on. Skipped, the commit reaches them
+    /// with the next append or heartbeat, and a lone actor call does not wake both
+    /// followers to apply it just as its answer goes out. A linearizable read on a
+    /// follower is unaffected: the leader's heartbeat round for it carries the
+    /// commit index.
+    pub(super) fn tell_commit(&mut self) {
+        if !self.is_leader() {
+            self.told_commit = 0;
+            self.quiet.clear();
+            return;
+        }
+        let committed = self.raw.raft.raft_log.committed;
+        if committed <= self.told_commit {
+            return;
+        }
+        // Right after an election told_commit is 0, and the new term's first
+        // entry is never quiet: followers are told.
+        let tell = followers_act_on(self.told_commit, committed, &mut self.quiet);
+        self.told_commit = committed;
+        if tell {
+            self.raw.raft.bcast_append();
+        }
     }
 
     pub(super) fn send_raft(&mut self, msgs: Vec<RaftMessage>) {
@@ -394,5 +421,48 @@ impl Actor {
             Ok(None) => {}
             Err(e) => debug!(raft_id = self.cfg.id, "not promoting: {e}"),
         }
+    }
+}
+
+/// Whether any entry committed past `told` up to `committed` is one followers act
+/// on: not in `quiet`, the ascending indices of entries only the leader acts on.
+/// Drops from `quiet` the indices up to `committed`.
+fn followers_act_on(told: u64, committed: u64, quiet: &mut VecDeque<u64>) -> bool {
+    let mut skipped = 0;
+    while let Some(&i) = quiet.front() {
+        if i > committed {
+            break;
+        }
+        quiet.pop_front();
+        if i > told {
+            skipped += 1;
+        }
+    }
+    skipped < committed.saturating_sub(told)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn followers_are_told_of_a_commit_unless_every_new_entry_is_quiet() {
+        let mut quiet = VecDeque::from([5, 6, 8]);
+        // 5 and 6: both quiet.
+        assert!(!followers_act_on(4, 6, &mut quiet));
+        assert_eq!(quiet, [8]);
+        // 7 is not quiet, 8 is: told.
+        assert!(followers_act_on(6, 8, &mut quiet));
+        assert!(quiet.is_empty());
+        // Nothing quiet: told.
+        assert!(followers_act_on(8, 9, &mut quiet));
+        // A quiet index not yet committed stays; an old one (at or below what was
+        // told, say from before a leader change) does not count.
+        let mut quiet = VecDeque::from([3, 11, 12]);
+        assert!(!followers_act_on(10, 11, &mut quiet));
+        assert_eq!(quiet, [12]);
+        let mut quiet = VecDeque::from([3, 11]);
+        assert!(followers_act_on(2, 4, &mut quiet));
+        assert_eq!(quiet, [11]);
     }
 }
