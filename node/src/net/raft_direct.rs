@@ -218,6 +218,20 @@ pub(super) struct Outbound {
     record: Vec<u8>,
     /// Set once the peer has closed or reset the connection (see [`watch`]).
     closed: Arc<AtomicBool>,
+    /// The rest of a record [`Outbound::try_send`] could not write whole: written
+    /// before anything else.
+    unsent: Vec<u8>,
+}
+
+/// What [`Outbound::try_send`] did.
+pub(super) enum TrySent {
+    /// The record went into the socket whole; this many bytes.
+    Whole(usize),
+    /// Sealed, but the socket took only part of it (maybe none): the rest waits in
+    /// the connection, for the next [`Outbound::send`] to write first.
+    Part,
+    /// The connection is closed or broken.
+    Broken(std::io::Error),
 }
 
 impl Outbound {
@@ -231,6 +245,7 @@ impl Outbound {
             number,
             record: Vec::new(),
             closed,
+            unsent: Vec::new(),
         }
     }
 }
@@ -262,12 +277,65 @@ pub(super) async fn ask(stream: &mut Stream, ip: IpAddr) -> std::io::Result<Opti
 }
 
 impl Outbound {
-    /// Seals `batch` (frames behind their lengths) as the next record and writes
-    /// it; returns the bytes written.
+    /// Writes what is left of a record [`Outbound::try_send`] began, then seals
+    /// `batch` (frames behind their lengths; none: nothing more) as the next record
+    /// and writes it; returns the bytes written.
     pub(super) async fn send(&mut self, batch: &[u8]) -> std::io::Result<usize> {
         if self.closed.load(Ordering::Acquire) {
             return Err(std::io::Error::other("the peer closed the connection"));
         }
+        let rest = self.unsent.len();
+        if rest > 0 {
+            tokio::time::timeout(STALL, self.socket.write_all(&self.unsent))
+                .await
+                .map_err(|_| std::io::Error::other("the peer stopped taking records"))??;
+            self.unsent.clear();
+        }
+        if batch.is_empty() {
+            return Ok(rest);
+        }
+        self.seal(batch)?;
+        tokio::time::timeout(STALL, self.socket.write_all(&self.record))
+            .await
+            .map_err(|_| std::io::Error::other("the peer stopped taking records"))??;
+        Ok(rest + self.record.len())
+    }
+
+    /// Seals `batch` as the next record and writes what the socket takes of it now,
+    /// without waiting: the caller's thread puts it on the wire, where handing it to
+    /// the writer task would wait for that task to be scheduled (on a busy runtime,
+    /// behind whatever the caller does next, such as syncing the log). Only when
+    /// nothing is waiting to be written ([`Outbound::send`] is not under way).
+    pub(super) fn try_send(&mut self, batch: &[u8]) -> TrySent {
+        if self.closed.load(Ordering::Acquire) {
+            return TrySent::Broken(std::io::Error::other("the peer closed the connection"));
+        }
+        if !self.unsent.is_empty() {
+            return TrySent::Broken(std::io::Error::other("a record is still being written"));
+        }
+        if let Err(e) = self.seal(batch) {
+            return TrySent::Broken(e);
+        }
+        let mut written = 0;
+        while written < self.record.len() {
+            match self.socket.try_write(&self.record[written..]) {
+                Ok(0) => return TrySent::Broken(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => written += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return TrySent::Broken(e),
+            }
+        }
+        if written == self.record.len() {
+            TrySent::Whole(written)
+        } else {
+            self.unsent.extend_from_slice(&self.record[written..]);
+            TrySent::Part
+        }
+    }
+
+    /// Seals `batch` (frames behind their lengths) as the next record, in `record`.
+    fn seal(&mut self, batch: &[u8]) -> std::io::Result<()> {
         self.record.clear();
         self.record.extend_from_slice(&[0; 4]);
         self.record.extend_from_slice(batch);
@@ -279,10 +347,7 @@ impl Outbound {
         let len = (self.record.len() - 4) as u32;
         self.record[..4].copy_from_slice(&len.to_le_bytes());
         self.number += 1;
-        tokio::time::timeout(STALL, self.socket.write_all(&self.record))
-            .await
-            .map_err(|_| std::io::Error::other("the peer stopped taking records"))??;
-        Ok(self.record.len())
+        Ok(())
     }
 }
 
@@ -386,6 +451,55 @@ mod tests {
         let (frames, ended) = exchange([5; KEY], [5; KEY], 0, &[batch(&[&[1; 2000]])]).await;
         assert!(frames.is_empty());
         assert!(ended.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_record_the_socket_took_in_part_is_finished_before_the_next() {
+        let key = [5; KEY];
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut out = Outbound::new(TcpStream::connect(addr).await.unwrap(), &key, 0);
+        let (socket, _) = listener.accept().await.unwrap();
+        // Nobody reads yet: records go in whole until the socket's buffers fill.
+        let mut sent = Vec::new();
+        loop {
+            let frame = vec![sent.len() as u8; 1000];
+            match out.try_send(&batch(&[&frame])) {
+                TrySent::Whole(_) => sent.push(frame),
+                TrySent::Part => {
+                    sent.push(frame);
+                    break;
+                }
+                TrySent::Broken(e) => panic!("{e}"),
+            }
+            assert!(sent.len() < 100_000, "the socket never filled");
+        }
+        // While the rest waits, no record may be begun beside it.
+        assert!(matches!(out.try_send(&batch(&[b"x"])), TrySent::Broken(_)));
+        let (events, mut got) = mpsc::channel(sent.len() + 8);
+        let inbound = Inbound {
+            to: Deliver {
+                events,
+                sink: Arc::new(OnceLock::new()),
+            },
+            max_frame: 1024,
+            metrics: NetMetrics::default(),
+            cut: Cut::default(),
+        };
+        let peer = PeerId::random();
+        let reader = tokio::spawn(async move { inbound.read(socket, &key, peer).await });
+        out.send(&[]).await.unwrap();
+        out.send(&batch(&[b"last"])).await.unwrap();
+        sent.push(b"last".to_vec());
+        drop(out);
+        let ended = tokio::time::timeout(Duration::from_secs(10), reader).await;
+        assert!(ended.unwrap().unwrap().is_ok());
+        let mut frames = Vec::new();
+        while let Ok(NetEvent::Raft { frame, .. }) = got.try_recv() {
+            frames.push(frame);
+        }
+        assert_eq!(frames.len(), sent.len());
+        assert!(frames == sent, "frames out of order or damaged");
     }
 
     #[test]

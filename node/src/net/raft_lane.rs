@@ -21,7 +21,7 @@
 //! connected writes its batches there instead, back on the stream if it breaks.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -32,7 +32,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::blob_direct::{self, Holder, Peers};
-use super::raft_direct::{self, Cut, Deliver, Outbound, PeerSet};
+use super::raft_direct::{self, Cut, Deliver, Outbound, PeerSet, TrySent};
 use super::{NetEvent, RaftSink};
 use crate::error::{NodeError, Result};
 use crate::metrics::{Lane, NetMetrics};
@@ -58,7 +58,7 @@ const DIRECT_REFUSED: Duration = Duration::from_secs(60);
 /// The sending side, shared by every [`super::NetHandle`] clone.
 pub(super) struct RaftLane {
     control: Control,
-    writers: Mutex<HashMap<PeerId, mpsc::Sender<Vec<u8>>>>,
+    writers: Mutex<HashMap<PeerId, Writer>>,
     max_frame: usize,
     /// Injected delay before each write, in microseconds (fault injection).
     delay_us: Arc<AtomicU64>,
@@ -73,6 +73,18 @@ pub(super) struct RaftLane {
     pub(super) sink: Arc<OnceLock<RaftSink>>,
     cancel: CancellationToken,
 }
+
+/// The sending side's hold on one peer's writer task.
+struct Writer {
+    frames: mpsc::Sender<Vec<u8>>,
+    /// Frames handed to the writer task and not yet written (or dropped) by it.
+    queued: Arc<AtomicUsize>,
+    /// The direct connection to the peer, while there is one; the writer task
+    /// holds the lock while it writes.
+    direct: Direct,
+}
+
+type Direct = Arc<tokio::sync::Mutex<Option<Outbound>>>;
 
 /// What the lane's readers need.
 #[derive(Clone)]
@@ -146,16 +158,28 @@ impl RaftLane {
         let mut writers = self.writers.lock().map_err(|_| NodeError::NetStopped)?;
         let frame = match writers.get(&to) {
             None => frame,
-            Some(writer) => match writer.try_send(frame) {
-                Ok(()) => return Ok(()),
-                Err(mpsc::error::TrySendError::Full(_)) => {
-                    return Err(NodeError::NetBusy("raft queue to the peer is full"))
+            Some(writer) => {
+                let Some(frame) = self.write_now(to, writer, frame) else {
+                    return Ok(());
+                };
+                writer.queued.fetch_add(1, Ordering::AcqRel);
+                match writer.frames.try_send(frame) {
+                    Ok(()) => return Ok(()),
+                    Err(mpsc::error::TrySendError::Full(_)) => {
+                        writer.queued.fetch_sub(1, Ordering::AcqRel);
+                        return Err(NodeError::NetBusy("raft queue to the peer is full"));
+                    }
+                    // The writer went idle and ended: start another below.
+                    Err(mpsc::error::TrySendError::Closed(frame)) => frame,
                 }
-                // The writer went idle and ended: start another below.
-                Err(mpsc::error::TrySendError::Closed(frame)) => frame,
-            },
+            }
         };
         let (tx, rx) = mpsc::channel(QUEUE);
+        let writer = Writer {
+            frames: tx,
+            queued: Arc::new(AtomicUsize::new(1)),
+            direct: Direct::default(),
+        };
         tokio::spawn(write(
             Writing {
                 control: self.control.clone(),
@@ -165,13 +189,61 @@ impl RaftLane {
                 ips: self.ips.clone(),
                 cut: self.cut.clone(),
                 direct_to: self.direct_to.clone(),
+                queued: writer.queued.clone(),
+                direct: writer.direct.clone(),
             },
             rx,
             self.cancel.clone(),
         ));
-        let _ = tx.try_send(frame);
-        writers.insert(to, tx);
+        let _ = writer.frames.try_send(frame);
+        writers.insert(to, writer);
         Ok(())
+    }
+
+    /// Writes `frame` into the direct connection to `to` from this thread when
+    /// nothing else is waiting to go there (the writer task is idle, so the order
+    /// holds: sends are one at a time under the writers' lock). Saves waking the
+    /// writer task, which a busy runtime may run only after the caller's next step
+    /// (the leader's own log sync, a follower's applies). `Some(frame)`: not
+    /// written, queue it.
+    fn write_now(&self, to: PeerId, writer: &Writer, frame: Vec<u8>) -> Option<Vec<u8>> {
+        if writer.queued.load(Ordering::Acquire) != 0
+            || writer.frames.is_closed()
+            || self.delay_us.load(Ordering::Relaxed) > 0
+            || self.cut.has(&to)
+        {
+            return Some(frame);
+        }
+        let Ok(mut direct) = writer.direct.try_lock() else {
+            return Some(frame);
+        };
+        let Some(out) = direct.as_mut() else {
+            return Some(frame);
+        };
+        let mut batch = Vec::with_capacity(4 + frame.len());
+        put_frame(&mut batch, &frame);
+        match out.try_send(&batch) {
+            TrySent::Whole(n) => {
+                self.metrics.sent(Lane::Raft, n);
+                None
+            }
+            TrySent::Part => {
+                // The writer task writes the rest before anything after it.
+                writer.queued.fetch_add(1, Ordering::AcqRel);
+                if writer.frames.try_send(Vec::new()).is_err() {
+                    writer.queued.fetch_sub(1, Ordering::AcqRel);
+                    *direct = None; // a cut record: the reader drops the connection
+                    self.direct_to.set(to, false);
+                }
+                None
+            }
+            TrySent::Broken(e) => {
+                tracing::debug!(peer = %to, "direct raft connection: {e}; back to the stream");
+                *direct = None;
+                self.direct_to.set(to, false);
+                Some(frame)
+            }
+        }
     }
 }
 
@@ -190,6 +262,20 @@ struct Writing {
     ips: Option<Peers>,
     cut: Cut,
     direct_to: PeerSet,
+    /// Frames queued for this writer and not yet written by it.
+    queued: Arc<AtomicUsize>,
+    /// The direct connection, shared with [`RaftLane::write_now`].
+    direct: Direct,
+}
+
+/// Counts frames a writer took off its queue as done when dropped (written, or
+/// given up on).
+struct Taken<'a>(&'a AtomicUsize, usize);
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(self.1, Ordering::AcqRel);
+    }
 }
 
 /// Owns the outbound stream to `peer`, and the direct connection once there is one;
@@ -198,21 +284,22 @@ struct Writing {
 async fn write(mut w: Writing, mut frames: mpsc::Receiver<Vec<u8>>, cancel: CancellationToken) {
     let peer = w.peer;
     let mut stream: Option<Stream> = None;
-    let mut direct: Option<Outbound> = None;
     let mut offer_at = tokio::time::Instant::now();
     let mut batch = Vec::new();
     let mut quiet_until = tokio::time::Instant::now();
     loop {
         let first = tokio::select! {
-            _ = cancel.cancelled() => return,
-            next = tokio::time::timeout(IDLE, frames.recv()) => match next {
-                Ok(Some(frame)) => frame,
-                Ok(None) | Err(_) => {
-                    w.direct_to.set(peer, false);
-                    return;
-                }
-            },
+            _ = cancel.cancelled() => None,
+            next = tokio::time::timeout(IDLE, frames.recv()) => next.ok().flatten(),
         };
+        let Some(first) = first else {
+            // Ended: the connection is closed with it.
+            frames.close();
+            *w.direct.lock().await = None;
+            w.direct_to.set(peer, false);
+            return;
+        };
+        let mut taken = Taken(&w.queued, 1);
         let now = tokio::time::Instant::now();
         if now < quiet_until {
             continue; // the peer was unreachable a moment ago; Raft will retry
@@ -222,19 +309,28 @@ async fn write(mut w: Writing, mut frames: mpsc::Receiver<Vec<u8>>, cancel: Canc
             tokio::time::sleep(Duration::from_micros(delay)).await;
         }
         batch.clear();
-        put_frame(&mut batch, &first);
+        // An empty frame only asks for the rest of a record written in part (see
+        // `RaftLane::write_now`) to be written: `send_direct` does that first.
+        if !first.is_empty() {
+            put_frame(&mut batch, &first);
+        }
         while batch.len() < BATCH_BYTES {
             match frames.try_recv() {
-                Ok(frame) => put_frame(&mut batch, &frame),
+                Ok(frame) => {
+                    taken.1 += 1;
+                    if !frame.is_empty() {
+                        put_frame(&mut batch, &frame);
+                    }
+                }
                 Err(_) => break,
             }
         }
         if w.cut.has(&peer) {
-            direct = None; // closed, as the mesh's connections are
+            *w.direct.lock().await = None; // closed, as the mesh's connections are
             w.direct_to.set(peer, false);
             continue;
         }
-        if w.send_direct(&mut direct, &batch, &mut offer_at).await {
+        if w.send_direct(&batch, &mut offer_at).await || batch.is_empty() {
             continue;
         }
         if stream.is_none() {
@@ -257,7 +353,7 @@ async fn write(mut w: Writing, mut frames: mpsc::Receiver<Vec<u8>>, cancel: Canc
         if let (Some(ip), true) = (ip, now >= offer_at) {
             match raft_direct::ask(s, ip).await {
                 Ok(Some(d)) => {
-                    direct = Some(d);
+                    *w.direct.lock().await = Some(d);
                     w.direct_to.set(peer, true);
                 }
                 Ok(None) => offer_at = now + DIRECT_REFUSED,
@@ -271,7 +367,7 @@ async fn write(mut w: Writing, mut frames: mpsc::Receiver<Vec<u8>>, cancel: Canc
                     continue;
                 }
             }
-            if w.send_direct(&mut direct, &batch, &mut offer_at).await {
+            if w.send_direct(&batch, &mut offer_at).await {
                 continue;
             }
         }
@@ -286,18 +382,15 @@ async fn write(mut w: Writing, mut frames: mpsc::Receiver<Vec<u8>>, cancel: Canc
                 stream = None;
             }
         }
+        drop(taken);
     }
 }
 
 impl Writing {
     /// Writes `batch` on the direct connection, if there is one; false when there is
     /// none or it broke (then it is dropped, and offered again after a while).
-    async fn send_direct(
-        &self,
-        direct: &mut Option<Outbound>,
-        batch: &[u8],
-        offer_at: &mut tokio::time::Instant,
-    ) -> bool {
+    async fn send_direct(&self, batch: &[u8], offer_at: &mut tokio::time::Instant) -> bool {
+        let mut direct = self.direct.lock().await;
         let Some(d) = direct.as_mut() else {
             return false;
         };
