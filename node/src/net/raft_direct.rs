@@ -366,6 +366,19 @@ mod tests {
         out
     }
 
+    /// The receiving side of a test connection: frames of up to 1 KiB to `events`.
+    fn inbound(events: mpsc::Sender<NetEvent>) -> Inbound {
+        Inbound {
+            to: Deliver {
+                events,
+                sink: Arc::new(OnceLock::new()),
+            },
+            max_frame: 1024,
+            metrics: NetMetrics::default(),
+            cut: Cut::default(),
+        }
+    }
+
     /// A reader of one connection under `key` and a writer into it under
     /// `writer_key`, its first record numbered `first`; returns the frames the reader
     /// handed on and how its reading ended, after `batches` were written.
@@ -378,15 +391,7 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (events, mut got) = mpsc::channel(64);
-        let inbound = Inbound {
-            to: Deliver {
-                events,
-                sink: Arc::new(OnceLock::new()),
-            },
-            max_frame: 1024,
-            metrics: NetMetrics::default(),
-            cut: Cut::default(),
-        };
+        let inbound = inbound(events);
         let peer = PeerId::random();
         let reader = tokio::spawn(async move {
             let (socket, _) = listener.accept().await.unwrap();
@@ -477,15 +482,7 @@ mod tests {
         // While the rest waits, no record may be begun beside it.
         assert!(matches!(out.try_send(&batch(&[b"x"])), TrySent::Broken(_)));
         let (events, mut got) = mpsc::channel(sent.len() + 8);
-        let inbound = Inbound {
-            to: Deliver {
-                events,
-                sink: Arc::new(OnceLock::new()),
-            },
-            max_frame: 1024,
-            metrics: NetMetrics::default(),
-            cut: Cut::default(),
-        };
+        let inbound = inbound(events);
         let peer = PeerId::random();
         let reader = tokio::spawn(async move { inbound.read(socket, &key, peer).await });
         out.send(&[]).await.unwrap();
