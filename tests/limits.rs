@@ -9,6 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::{client, config, have_any, seed, stop, submit, LIMIT};
+use gpumesh::consensus::RequestId;
 use gpumesh::node::api::SubmitRequest;
 use gpumesh::node::{Formation, Limits, MeshNode};
 use gpumesh::protocol::{BackendKind, BindingRole, Grid, ShaderSource, TaskSpec};
@@ -350,16 +351,30 @@ async fn a_submitter_over_max_queued_is_refused_until_its_tasks_finish() {
         let before = client(&a).tasks().await.unwrap().len();
         assert_eq!(before, limit, "refused submits commit nothing");
 
-        // The limit is per submitter: another node's API still takes tasks.
+        // The limit is per submitter: another node's API still takes tasks. (No
+        // adapter there either, so `a` stays at its limit.)
         let mut c = config(&dir.path().join("b"), Formation::Join, &[seed(&a)]);
-        c.backend = BackendChoice::Auto;
+        c.backend = BackendChoice::Only(BackendKind::Metal);
         let b = MeshNode::start(c).await.unwrap();
         upload(&b, &problem).await;
         let (code, msg) = post_spec(&b, problem.spec(2)).await;
         assert_eq!(code, StatusCode::OK, "{msg}");
 
+        // A retry is no new task, so the limit does not refuse it: a submit whose
+        // first try went through `b` and whose retry comes through `a`, at its
+        // limit, gets the task the first try made.
+        let id = RequestId::new(0x5eed, 1);
+        let first = client(&b).submit(problem.spec(2), Some(id)).await.unwrap();
+        let again = client(&a).submit(problem.spec(2), Some(id)).await;
+        assert_eq!(again.expect("a retry refused"), first);
+        let (code, msg) = post_spec(&a, problem.spec(2)).await;
+        assert_eq!(code, StatusCode::TOO_MANY_REQUESTS, "{msg}");
+
         // With a worker in the mesh the queue drains, and `a` takes tasks again.
-        if have_any() && b.capability.is_some() {
+        let mut c = config(&dir.path().join("c"), Formation::Join, &[seed(&a)]);
+        c.backend = BackendChoice::Auto;
+        let w = MeshNode::start(c).await.unwrap();
+        if have_any() && w.capability.is_some() {
             for t in client(&a).tasks().await.unwrap() {
                 tokio::time::timeout(Duration::from_secs(60), client(&a).wait(t.id, |_, _| {}))
                     .await
@@ -370,7 +385,7 @@ async fn a_submitter_over_max_queued_is_refused_until_its_tasks_finish() {
             assert_eq!(code, StatusCode::OK, "{msg}");
         }
         assert!(client(&a).status().await.unwrap().leader != 0);
-        stop(vec![a, b]).await;
+        stop(vec![a, b, w]).await;
     })
     .await
     .expect("bounded");

@@ -44,7 +44,9 @@ impl Drop for QueueSlot<'_> {
 
 /// Refuses a submit when the tasks submitted through this node and still pending or
 /// running, plus the submits under way here, reach the limit. A retried submit of a
-/// task already created passes: it creates nothing.
+/// task already created passes: it creates nothing (looked for at the leader's
+/// commit index before a refusal, since the first try may have gone through
+/// another node).
 async fn queue_slot<'a>(
     api: &'a ApiState,
     c: &ConsensusHandle,
@@ -64,6 +66,11 @@ async fn queue_slot<'a>(
         (queued, s.task_by_request(&request_id).is_some())
     });
     let limit = limits.max_queued_per_submitter;
+    // A retry whose first try went through another node may not be applied here
+    // yet: before refusing, ask at the leader's commit index.
+    let retry = retry
+        || (queued + under_way >= limit
+            && read_current(c, move |s| s.task_by_request(&request_id).is_some()).await?);
     if !retry && queued + under_way >= limit {
         return Err(ApiError(
             StatusCode::TOO_MANY_REQUESTS,
