@@ -66,12 +66,12 @@ async fn queue_slot<'a>(
         (queued, s.task_by_request(&request_id).is_some())
     });
     let limit = limits.max_queued_per_submitter;
+    let full = queued + under_way >= limit;
     // A retry whose first try went through another node may not be applied here
     // yet: before refusing, ask at the leader's commit index.
     let retry = retry
-        || (queued + under_way >= limit
-            && read_current(c, move |s| s.task_by_request(&request_id).is_some()).await?);
-    if !retry && queued + under_way >= limit {
+        || (full && read_current(c, move |s| s.task_by_request(&request_id).is_some()).await?);
+    if full && !retry {
         return Err(ApiError(
             StatusCode::TOO_MANY_REQUESTS,
             format!(
