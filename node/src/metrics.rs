@@ -536,6 +536,7 @@ mod tests {
                 dispatches: 2,
                 bytes_to_device: 100,
                 bytes_from_device: 40,
+                readback_buffers_made: 1,
             },
         );
         net.sent(Lane::Blob, 1000);

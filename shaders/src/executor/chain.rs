@@ -155,7 +155,7 @@ impl Executor {
                 self.writable_buffer(&mut encoder, *b, &first.writable[b], &first_starts)?;
             carried.insert(*b, buffer);
         }
-        let mut own: Vec<BTreeMap<u32, (wgpu::Buffer, wgpu::Buffer)>> = Vec::new();
+        let mut own: Vec<BTreeMap<u32, (wgpu::Buffer, Readback)>> = Vec::new();
         let mut dispatches = 0;
         for (job, pipeline) in jobs.iter().zip(pipelines) {
             let inputs = self.upload(&job.inputs);
@@ -181,15 +181,15 @@ impl Executor {
                 self.encode_pass(&mut encoder, job, pipeline, &inputs, &bound, &job.plan[0])?;
             dispatches += tiles;
             for (buffer, staging) in mine.values() {
-                encoder.copy_buffer_to_buffer(buffer, 0, staging, 0, buffer.size());
+                encoder.copy_buffer_to_buffer(buffer, 0, staging.buffer(), 0, buffer.size());
             }
             own.push(mine);
         }
-        let finals: BTreeMap<u32, wgpu::Buffer> = carried
+        let mut finals: BTreeMap<u32, Readback> = carried
             .iter()
             .map(|(b, buffer)| {
                 let staging = self.staging(buffer.size());
-                encoder.copy_buffer_to_buffer(buffer, 0, &staging, 0, buffer.size());
+                encoder.copy_buffer_to_buffer(buffer, 0, staging.buffer(), 0, buffer.size());
                 (*b, staging)
             })
             .collect();
@@ -203,7 +203,7 @@ impl Executor {
         let mut mapped = 0;
         for staging in stagings {
             let tx = tx.clone();
-            staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+            staging.slice().map_async(wgpu::MapMode::Read, move |r| {
                 let _ = tx.send(r);
             });
             mapped += 1;
@@ -217,19 +217,19 @@ impl Executor {
                 Err(_) => return Err(self.lost_or("readback did not complete")),
             }
         }
-        let read = |staging: &wgpu::Buffer| {
-            let bytes = staging.slice(..).get_mapped_range().to_vec();
+        let read = |staging: &mut Readback| {
+            let bytes = staging.slice().get_mapped_range().to_vec();
             staging.unmap();
             Tally::add(&self.tally.bytes_from_device, bytes.len() as u64);
             bytes
         };
         let outputs = own
-            .iter()
-            .map(|m| m.iter().map(|(b, (_, s))| (*b, read(s))).collect())
+            .iter_mut()
+            .map(|m| m.iter_mut().map(|(b, (_, s))| (*b, read(s))).collect())
             .collect();
         let mut kept = Vec::new();
         let mut last = BTreeMap::new();
-        for (b, staging) in &finals {
+        for (b, staging) in &mut finals {
             let bytes = read(staging);
             if first.keep.contains(b) {
                 kept.push((BlobId::of(&bytes), carried[b].clone()));

@@ -12,6 +12,7 @@
 //! the next task runs.
 
 mod chain;
+mod readback;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::num::NonZeroU64;
@@ -32,6 +33,7 @@ use crate::job::{InputBuffer, Job, ShardOutput, Start, Writable};
 use crate::kernel::{Access, Kernel, SHARD_INFO_GROUP};
 use crate::shard::{self, ShardRange, SHARD_INFO_BYTES};
 use crate::turns;
+use readback::Readback;
 
 pub use chain::ChainOutput;
 
@@ -84,6 +86,8 @@ pub struct ExecutorCounters {
     pub bytes_to_device: u64,
     /// Bytes read back from the device: each shard's writable buffers.
     pub bytes_from_device: u64,
+    /// Buffers made to read results back through; other readbacks reused one.
+    pub readback_buffers_made: u64,
 }
 
 impl ExecutorCounters {
@@ -95,6 +99,9 @@ impl ExecutorCounters {
             bytes_from_device: self
                 .bytes_from_device
                 .saturating_sub(earlier.bytes_from_device),
+            readback_buffers_made: self
+                .readback_buffers_made
+                .saturating_sub(earlier.readback_buffers_made),
         }
     }
 }
@@ -105,6 +112,7 @@ struct Tally {
     dispatches: AtomicU64,
     bytes_to_device: AtomicU64,
     bytes_from_device: AtomicU64,
+    readback_buffers_made: AtomicU64,
 }
 
 impl Tally {
@@ -126,6 +134,7 @@ struct Gpu {
     device: wgpu::Device,
     queue: wgpu::Queue,
     lost: Arc<Mutex<Option<String>>>,
+    readbacks: Arc<Mutex<readback::Pool>>,
 }
 
 /// Writable buffers a run leaves on the device, by the address of their contents.
@@ -265,6 +274,7 @@ impl Executor {
             dispatches: self.tally.dispatches.load(Ordering::Relaxed),
             bytes_to_device: self.tally.bytes_to_device.load(Ordering::Relaxed),
             bytes_from_device: self.tally.bytes_from_device.load(Ordering::Relaxed),
+            readback_buffers_made: self.tally.readback_buffers_made.load(Ordering::Relaxed),
         }
     }
 
@@ -575,16 +585,16 @@ impl Executor {
             bound.insert(binding, buffer.clone());
             outputs.insert(binding, (buffer, self.staging(writable.size)));
         }
-        let (turns, tiles) =
+        let (mut turns, tiles) =
             self.encode_pass(&mut encoder, job, pipeline, buffers.inputs, &bound, range)?;
         for (buffer, staging) in outputs.values() {
-            encoder.copy_buffer_to_buffer(buffer, 0, staging, 0, buffer.size());
+            encoder.copy_buffer_to_buffer(buffer, 0, staging.buffer(), 0, buffer.size());
         }
         let submission = self.gpu.queue.submit([encoder.finish()]);
         Tally::add(&self.tally.dispatches, tiles as u64);
         let (turns_tx, turns_rx) = mpsc::channel();
         if let Some((_, staging)) = &turns {
-            staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+            staging.slice().map_async(wgpu::MapMode::Read, move |r| {
                 let _ = turns_tx.send(r);
             });
         }
@@ -592,7 +602,7 @@ impl Executor {
         let (tx, rx) = mpsc::channel();
         for (&binding, (_, staging)) in &outputs {
             let tx = tx.clone();
-            staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+            staging.slice().map_async(wgpu::MapMode::Read, move |r| {
                 let _ = tx.send((binding, r));
             });
         }
@@ -609,16 +619,17 @@ impl Executor {
                 Err(_) => return Err(self.lost_or("readback did not complete")),
             }
         }
-        if let (Some((_, staging)), Some(cap)) = (&turns, self.loop_cap) {
+        if let (Some((_, staging)), Some(cap)) = (&mut turns, self.loop_cap) {
             match turns_rx.try_recv() {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => return Err(ExecError::Gpu(format!("reading back loop turns: {e}"))),
                 Err(_) => return Err(self.lost_or("readback did not complete")),
             }
             let most = {
-                let w = staging.slice(..).get_mapped_range();
+                let w = staging.slice().get_mapped_range();
                 u32::from_le_bytes([w[0], w[1], w[2], w[3]])
             };
+            staging.unmap();
             if most >= cap {
                 return Err(ExecError::LoopCap {
                     cap,
@@ -628,9 +639,9 @@ impl Executor {
         }
         let mut result = BTreeMap::new();
         let mut kept = Vec::new();
-        for (binding, (buffer, staging)) in outputs {
+        for (binding, (buffer, mut staging)) in outputs {
             let changes = {
-                let after = staging.slice(..).get_mapped_range();
+                let after = staging.slice().get_mapped_range();
                 Tally::add(&self.tally.bytes_from_device, after.len() as u64);
                 if job.keep.contains(&binding) {
                     kept.push((BlobId::of(&after), buffer));
@@ -684,13 +695,12 @@ impl Executor {
     }
 
     /// A buffer to read `size` bytes back through.
-    fn staging(&self, size: u64) -> wgpu::Buffer {
-        self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("gpumesh readback"),
-            size,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        })
+    fn staging(&self, size: u64) -> Readback {
+        let (readback, made) = Readback::new(&self.gpu.device, &self.gpu.readbacks, size);
+        if made {
+            Tally::add(&self.tally.readback_buffers_made, 1);
+        }
+        readback
     }
 
     /// Encodes `job`'s dispatches over `range` (one per tile) into `encoder`, its
@@ -705,7 +715,7 @@ impl Executor {
         inputs: &BTreeMap<u32, wgpu::Buffer>,
         writable: &BTreeMap<u32, wgpu::Buffer>,
         range: &ShardRange,
-    ) -> Result<(Option<(wgpu::Buffer, wgpu::Buffer)>, usize)> {
+    ) -> Result<(Option<(wgpu::Buffer, Readback)>, usize)> {
         let device = &self.gpu.device;
         let wg = job.kernel.interface.workgroup_size;
         let tiles = shard::dispatches(
@@ -755,19 +765,14 @@ impl Executor {
         });
         // The most loop turns of any invocation, where the adapter caps them.
         let turns = pipeline.counts_turns.then(|| {
-            let usage = |u| wgpu::BufferDescriptor {
-                label: Some("gpumesh loop turns"),
-                size: 4,
-                usage: u,
-                mapped_at_creation: false,
-            };
             (
-                device.create_buffer(&usage(
-                    wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-                )),
-                device.create_buffer(&usage(
-                    wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-                )),
+                device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("gpumesh loop turns"),
+                    size: 4,
+                    usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+                    mapped_at_creation: false,
+                }),
+                self.staging(4),
             )
         });
         let mut info_entries = vec![wgpu::BindGroupEntry {
@@ -803,7 +808,7 @@ impl Executor {
             }
         }
         if let Some((counter, staging)) = &turns {
-            encoder.copy_buffer_to_buffer(counter, 0, staging, 0, 4);
+            encoder.copy_buffer_to_buffer(counter, 0, staging.buffer(), 0, 4);
         }
         Ok((turns, tiles.len()))
     }
@@ -994,5 +999,6 @@ fn open_device(adapter: &wgpu::Adapter) -> Result<Gpu> {
         device,
         queue,
         lost,
+        readbacks: Default::default(),
     })
 }
