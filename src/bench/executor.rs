@@ -1,6 +1,7 @@
 //! `gpumesh bench executor`: (a) the built-in tiled matmul against an optimized CPU
 //! sgemm, (b) the executor's added time against a direct wgpu call, for a trivial
-//! kernel and a ~100 ms one, (c) one shard against n shards on one adapter, and
+//! kernel and a ~100 ms one, (b') a trivial direct dispatch step by step, (c) one
+//! shard against n shards on one adapter, and
 //! the sharding sections (d)–(f) of [`super::sharding`].
 
 use std::process::ExitCode;
@@ -137,16 +138,11 @@ pub fn executor(args: ExecutorBenchArgs) -> anyhow::Result<ExitCode> {
     let uniform: Vec<u8> = bytemuck::cast_slice(&[SPIN_ROUNDS, 0, 0, 0]).to_vec();
     let trivial_uniform: Vec<u8> = bytemuck::cast_slice(&[1u32, 0, 0, 0]).to_vec();
     // Scale the spin kernel to about 100 ms on this adapter.
-    let probe_groups = 64;
-    let (probe, _) = direct.run(&uniform, u64::from(probe_groups) * 256, probe_groups)?;
-    let probe = median_of(3, || {
+    let groups = super::workgroups_for(Duration::from_millis(100), |groups| {
         direct
-            .run(&uniform, u64::from(probe_groups) * 256, probe_groups)
+            .run(&uniform, u64::from(groups) * 256, groups)
             .map(|r| r.0)
-    })?
-    .min(probe);
-    let groups =
-        ((0.1 / probe.as_secs_f64()) * f64::from(probe_groups)).clamp(1.0, 65_535.0) as u32;
+    })?;
     let trivial = {
         let mut spec = spin_job(1, 1)?.spec;
         spec.bindings[0].role = BindingRole::Param {
@@ -194,6 +190,12 @@ pub fn executor(args: ExecutorBenchArgs) -> anyhow::Result<ExitCode> {
             ms(e) - ms(d),
             e.as_secs_f64() / d.as_secs_f64()
         );
+    }
+
+    let runs = args.runs.max(3) * 10;
+    println!("\n(b') one trivial direct dispatch, step by step, median of {runs} runs");
+    for (what, d) in super::direct::steps(&direct, runs)? {
+        println!("  {what:<56} {:>9.3} ms", ms(d));
     }
 
     println!(

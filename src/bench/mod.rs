@@ -33,6 +33,27 @@ pub fn median_of<E>(
     Ok(times[times.len() / 2])
 }
 
+/// Workgroups of a kernel whose run time grows with them that make a run of about
+/// `target` (at most 65,535), from `time`, which runs it over that many. The count
+/// is raised fourfold until a run takes a quarter of `target`: below that a wide
+/// GPU is not yet full (more workgroups take no longer), and scaling in
+/// proportion from there would fall short.
+pub fn workgroups_for<E>(
+    target: Duration,
+    mut time: impl FnMut(u32) -> Result<Duration, E>,
+) -> Result<u32, E> {
+    let most = 65_535u32;
+    let mut groups = 64u32;
+    time(groups)?;
+    let mut t = time(groups)?;
+    while t < target / 4 && groups < most {
+        groups = groups.saturating_mul(4).min(most);
+        t = time(groups)?;
+    }
+    let scaled = f64::from(groups) * target.as_secs_f64() / t.as_secs_f64().max(1e-6);
+    Ok(scaled.clamp(1.0, f64::from(most)) as u32)
+}
+
 pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
