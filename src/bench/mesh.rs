@@ -33,6 +33,9 @@ pub struct MeshBenchArgs {
     /// MiB moved in the blob transfer comparison.
     #[arg(long, default_value_t = 64)]
     pub transfer_mib: usize,
+    /// Runs of the task with a 16 MiB result, each directly and through the mesh.
+    #[arg(long, default_value_t = 5)]
+    pub big_runs: usize,
     /// After the table, one JSON object on the last line: p50_ms, p99_ms,
     /// tasks_per_s, mesh_vs_direct, blob_vs_tcp, blob_stored_vs_tcp, the disk's
     /// fsync_ms and fsync_after_idle_ms, and input_task_p50_ms.
@@ -79,7 +82,12 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 
 /// [`SPIN_SEEDED`] over `groups` workgroups with `seed`.
 fn seeded_spin(groups: u32, seed: u32) -> TaskSpec {
-    let mut s = spec(SPIN_SEEDED, groups, 1);
+    seeded(SPIN_SEEDED, groups, seed)
+}
+
+/// A kernel with its output at binding 0 and a seed at 1, over `groups` workgroups.
+fn seeded(source: &str, groups: u32, seed: u32) -> TaskSpec {
+    let mut s = spec(source, groups, 1);
     let mut data = seed.to_le_bytes().to_vec();
     data.resize(16, 0);
     s.bindings.push(BindingSpec {
@@ -88,6 +96,20 @@ fn seeded_spin(groups: u32, seed: u32) -> TaskSpec {
     });
     s
 }
+
+/// Fills its output with words of a seed, so each run's result is new bytes: over
+/// [`BIG_GROUPS`] workgroups, a 16 MiB result from next to no GPU work.
+const BIG_SEEDED: &str = r#"
+@group(0) @binding(0) var<storage, read_write> out: array<u32>;
+@group(0) @binding(1) var<uniform> seed: vec4<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    out[gid.x] = (gid.x ^ seed.x) * 2654435761u + 1u;
+}
+"#;
+
+/// Workgroups of [`BIG_SEEDED`]: 16 MiB less 256 bytes of result.
+const BIG_GROUPS: u32 = 65_535;
 
 /// Doubles each word of its input: a task with a blob in and a result out.
 const DOUBLE: &str = "@group(0) @binding(0) var<storage, read> inp: array<u32>;\n\
@@ -319,10 +341,10 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     // (3) A ~100 ms kernel: directly on this machine's adapter, then through the mesh.
     let mut direct = Executor::new(BackendChoice::Auto)?;
     let kernel = Arc::new(Kernel::compile(SPIN_SEEDED, "main")?);
-    let probe = Job::new(seeded_spin(64, 0), kernel.clone(), |_| None)?;
-    direct.run(&probe, None)?;
-    let t = direct.run(&probe, None)?.elapsed;
-    let groups = ((0.12 / t.as_secs_f64()) * 64.0).clamp(1.0, 65_535.0) as u32;
+    let groups = super::workgroups_for(Duration::from_millis(120), |groups| {
+        let job = Job::new(seeded_spin(groups, 0), kernel.clone(), |_| None)?;
+        anyhow::Ok(direct.run(&job, None)?.elapsed)
+    })?;
     direct.run(
         &Job::new(seeded_spin(groups, 0), kernel.clone(), |_| None)?,
         None,
@@ -361,6 +383,31 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     let (d, m) = (d[d.len() / 2], m[m.len() / 2]);
     let ratio = ratios[ratios.len() / 2];
     let spin = breakdown(&timeline.take(), &spin_ends);
+
+    // (3b) A task with a 16 MiB result: what moving a large result costs (the
+    // kernel is next to nothing), directly and through the mesh.
+    let big_kernel = Arc::new(Kernel::compile(BIG_SEEDED, "main")?);
+    client.run(seeded(BIG_SEEDED, BIG_GROUPS, seed)).await?;
+    let (mut big_d, mut big_m, mut big_ends) = (Vec::new(), Vec::new(), Vec::new());
+    timeline.take();
+    for _ in 0..args.big_runs.max(1) {
+        seed = seed.wrapping_add(1);
+        let task = seeded(BIG_SEEDED, BIG_GROUPS, seed);
+        let alone = direct.run(&Job::new(task.clone(), big_kernel.clone(), |_| None)?, None)?;
+        let t = Instant::now();
+        let (id, out) = client.run(task).await?;
+        big_m.push(t.elapsed());
+        big_ends.push((TaskId(id), t, Instant::now()));
+        anyhow::ensure!(
+            out == alone.outputs,
+            "the 16 MiB result through the mesh differs from the direct run's"
+        );
+        big_d.push(alone.elapsed);
+    }
+    big_d.sort();
+    big_m.sort();
+    let (big_d, big_m) = (big_d[big_d.len() / 2], big_m[big_m.len() / 2]);
+    let big = breakdown(&timeline.take(), &big_ends);
 
     // The disk the nodes write on: a log-sized write and fdatasync back to back, and
     // the same after as long without a write as the spin kernel runs. A task's
@@ -414,6 +461,16 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         format!("{:.3}-{:.3}", ratios[0], ratios[ratios.len() - 1])
     );
     println!(
+        "{:<58} {:>11.1} ms",
+        "a 16 MiB result run directly (kernel and readback)",
+        ms(big_d)
+    );
+    println!(
+        "{:<58} {:>11.1} ms",
+        "the same through the mesh, submit→result",
+        ms(big_m)
+    );
+    println!(
         "{:<58} {:>11.2} ms",
         "disk: 300 bytes written and fdatasync'd, back to back",
         ms(sync_warm)
@@ -442,6 +499,13 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         println!("  {what:<56} {:>11.2} ms", ms(*d));
     }
     println!(
+        "\nthe task with a 16 MiB result through the mesh (medians over its {} runs)",
+        big_ends.len()
+    );
+    for (what, d) in &big {
+        println!("  {what:<56} {:>11.2} ms", ms(*d));
+    }
+    println!(
         "\na task with a new 16 KiB input (medians over {}; the upload is before \
          \"client to the API\", fetching the output after \"completion applied\")",
         input_ends.len()
@@ -463,6 +527,8 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
                 "fsync_ms": ms(sync_warm),
                 "fsync_after_idle_ms": ms(sync_idle),
                 "input_task_p50_ms": ms(percentile(&with_input, 0.5)),
+                "big_result_ms": ms(big_m),
+                "big_result_direct_ms": ms(big_d),
             })
         );
     }
