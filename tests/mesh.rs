@@ -261,6 +261,59 @@ async fn a_small_result_rides_in_the_log_and_is_fetched_from_every_node() {
     .expect("bounded");
 }
 
+/// A one-shard run with a result over what JSON carries (1 MiB) answers with the
+/// bytes after its JSON: nothing stored for the output and no second request. The
+/// output fetched afterwards is the same bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_run_with_a_large_result_answers_with_its_bytes() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = mesh(dir.path(), 3).await;
+        let words = 1u32 << 18;
+        let source = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;\n\
+            @compute @workgroup_size(64)\n\
+            fn main(@builtin(global_invocation_id) gid: vec3<u32>) { out[gid.x] = gid.x * 2654435761u + 3u; }";
+        let spec = gpumesh::protocol::TaskSpec {
+            shader: ShaderSource::Wgsl(source.into()),
+            entry_point: "main".into(),
+            bindings: vec![gpumesh::protocol::BindingSpec {
+                binding: 0,
+                role: gpumesh::protocol::BindingRole::Output {
+                    size: u64::from(words) * 4,
+                },
+            }],
+            grid: gpumesh::protocol::Grid([words / 64, 1, 1]),
+            shards: 1,
+            merge: gpumesh::protocol::MergeRule::Changes,
+            merges: Default::default(),
+            options: Default::default(),
+        };
+        let cpu: Vec<u8> = (0..words)
+            .flat_map(|i| i.wrapping_mul(2_654_435_761).wrapping_add(3).to_le_bytes())
+            .collect();
+        let output = gpumesh::protocol::BlobId::of(&cpu);
+        let (task, out) = client(&nodes[2]).run(spec).await.unwrap();
+        assert_eq!(out[&0], cpu, "the run's answer");
+        for n in &nodes {
+            assert!(
+                !n.blobs.has(&output),
+                "node {} stored the output to answer the run",
+                n.raft_id
+            );
+        }
+        for n in &nodes {
+            let fetched = client(n).results(task).await.unwrap();
+            assert_eq!(fetched[&0], cpu, "fetched through {}", n.raft_id);
+        }
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_fourth_node_joins_mid_run_and_receives_shards() {
     if !have_any() {

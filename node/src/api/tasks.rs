@@ -23,7 +23,7 @@ use super::read_current;
 use super::state::ApiState;
 use super::views::{
     encode_run_binary, to_hex, view, OutputView, RunOutput, RunReply, SubmitReply, SubmitRequest,
-    TaskState, TaskView, RUN_BINARY, RUN_INLINE_BYTES,
+    TaskState, TaskView, RUN_ATTACHED_BYTES, RUN_BINARY, RUN_INLINE_BYTES,
 };
 use crate::limits::Limits;
 use crate::timeline::Stage;
@@ -287,7 +287,8 @@ pub(crate) struct RunQuery {
 /// replica runs on this node's GPU when a slot is free, [`crate::run_here`]), waits
 /// here for the task to finish (up to `timeout_ms`, 60 s by default, 600 s at most), and answers with the
 /// task and its outputs, their bytes inline when all together are at most
-/// [`RUN_INLINE_BYTES`]: one request instead of submit, wait, list and fetch.
+/// [`RUN_INLINE_BYTES`] ([`RUN_ATTACHED_BYTES`] in a binary answer): one request
+/// instead of submit, wait, list and fetch.
 pub(crate) async fn run(
     State(api): State<Arc<ApiState>>,
     axum::extract::Query(q): axum::extract::Query<RunQuery>,
@@ -309,15 +310,21 @@ pub(crate) async fn run(
     // Each output, with its bytes when they go in the answer.
     let mut outputs: Vec<(RunOutput, Option<Vec<u8>>)> = Vec::new();
     let completed = view.status == TaskState::Completed;
+    let inline = if binary {
+        RUN_ATTACHED_BYTES
+    } else {
+        RUN_INLINE_BYTES
+    };
     if completed {
         // One shard: its changes over the starting contents are the answer, made
-        // here in memory when small (nothing to store: any node can make it again).
+        // here in memory when they go in the answer (nothing to store: any node
+        // can make them again).
         let task = api
             .consensus
             .read_local(move |s| s.task(TaskId(id)).cloned())
             .ok_or_else(|| not_found(id))?;
         let declared: u64 = task.spec.bindings.iter().map(|b| b.role.size()).sum();
-        if task.outputs.is_empty() && declared <= RUN_INLINE_BYTES {
+        if task.outputs.is_empty() && declared <= inline {
             let made = crate::outputs::merge_shards(&api.blobs, &api.peers, &task)
                 .await
                 .map_err(|e| unavailable(e.to_string()))?;
@@ -345,7 +352,7 @@ pub(crate) async fn run(
                 .collect::<ApiResult<Vec<_>>>()?;
             let total: u64 = sized.iter().map(|(_, _, size)| size).sum();
             for (binding, blob, size) in sized {
-                let bytes = if total <= RUN_INLINE_BYTES {
+                let bytes = if total <= inline {
                     let bytes = store
                         .get(&blob)
                         .map_err(unavailable)?

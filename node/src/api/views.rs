@@ -43,8 +43,13 @@ pub struct RunOutput {
     pub attached: bool,
 }
 
-/// Output bytes `POST /v1/tasks/run` carries in its answer, all outputs together.
+/// Output bytes `POST /v1/tasks/run` carries in its answer, all outputs together,
+/// in hex in a JSON answer.
 pub const RUN_INLINE_BYTES: u64 = 64 << 10;
+
+/// The same in a binary answer (see [`RUN_BINARY`]). A larger result is stored
+/// on the node and fetched in a request of its own.
+pub const RUN_ATTACHED_BYTES: u64 = 64 << 20;
 
 /// The media type a client names in `Accept` to have `POST /v1/tasks/run` answer
 /// in binary: a u32 (little-endian) length, the [`RunReply`] as JSON in that many
