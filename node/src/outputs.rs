@@ -128,6 +128,15 @@ pub(crate) async fn merge_shards(
             .map_err(|e| MergeError::Fatal(format!("the result of shard {i} is malformed: {e}")))?;
         shards.push(changes);
     }
+    merge_changes(blobs, task, shards).await
+}
+
+/// [`merge_shards`] of results already in hand: `shards[i]` is shard `i`'s.
+pub(crate) async fn merge_changes(
+    blobs: &BlobsHandle,
+    task: &Task,
+    shards: Vec<ShardChanges>,
+) -> Result<BTreeMap<u32, Vec<u8>>, MergeError> {
     let starts = starts(blobs, task).await?;
     let spec = task.spec.clone();
     let bytes: u64 = spec.bindings.iter().map(|b| b.role.size()).sum();

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gpumesh_consensus::{Command, Committed, ConsensusHandle, Ran, RequestId};
-use gpumesh_protocol::TaskSpec;
+use gpumesh_protocol::{BlobId, ShardChanges, TaskSpec};
 use tokio::sync::Semaphore;
 
 use crate::timeline::{Stage, Timeline};
@@ -54,14 +54,16 @@ impl RunHere {
     /// this adapter, every slot busy or the wait behind them over [`WAIT_BUDGET`],
     /// or a failure another node may not have); the
     /// caller submits it to the mesh as usual. `Some`: the entry's fate, committed or
-    /// not.
+    /// not, and the result it records when the run gave one (its id and the words
+    /// it changed, still in memory: the caller answering with the outputs need not
+    /// read them back).
     pub async fn run(
         &self,
         request_id: RequestId,
         spec: &TaskSpec,
         submitter: &str,
         received: Instant,
-    ) -> Option<gpumesh_consensus::Result<Committed>> {
+    ) -> Option<(gpumesh_consensus::Result<Committed>, Option<RanHere>)> {
         if spec.shards != 1
             || spec.options.replicas > 1
             || gpumesh_consensus::largest_binding(spec) > self.fits
@@ -85,6 +87,7 @@ impl RunHere {
         };
         let started = Instant::now();
         let counts = &self.runner.counts;
+        let mut result = None;
         let ran = match self.runner.run(spec, submitter, 0, mark).await {
             Ok((changes, gpu)) => {
                 counts.run_seconds.observe(started.elapsed().as_secs_f64());
@@ -92,8 +95,11 @@ impl RunHere {
                 let old = self.recent_us.load(Ordering::Relaxed);
                 let new = if old == 0 { took } else { (old * 7 + took) / 8 };
                 self.recent_us.store(new, Ordering::Relaxed);
-                match store_and_copy(&self.runner.blobs, changes, submitter).await {
-                    Ok((blob, size, inline)) => Ran::Result { blob, size, inline },
+                match store_and_copy(&self.runner.blobs, &changes, submitter).await {
+                    Ok((blob, size, inline)) => {
+                        result = Some(RanHere { blob, changes });
+                        Ran::Result { blob, size, inline }
+                    }
                     Err(reason) => {
                         tracing::debug!(%reason, "result not kept; the mesh places the task");
                         return None;
@@ -132,6 +138,12 @@ impl RunHere {
                 self.timeline.mark_at(*task, stage, at);
             }
         }
-        Some(committed)
+        Some((committed, result))
     }
+}
+
+/// A result run here: its blob id as recorded, and the words it changed.
+pub(crate) struct RanHere {
+    pub blob: BlobId,
+    pub changes: ShardChanges,
 }

@@ -595,7 +595,7 @@ impl Worker {
         tokio::spawn(
             async move {
                 let _permit = permit;
-                let command = match store_and_copy(&blobs, outputs, &submitter).await {
+                let command = match store_and_copy(&blobs, &outputs, &submitter).await {
                     Ok((blob, size, inline)) => Command::ShardResult {
                         task: a.task,
                         shard: a.shard,
@@ -713,7 +713,7 @@ impl ShardRunner {
 /// and its bytes when they go inline.
 pub(crate) async fn store_and_copy(
     blobs: &BlobsHandle,
-    changes: ShardChanges,
+    changes: &ShardChanges,
     submitter: &str,
 ) -> Result<(BlobId, u64, Option<Vec<u8>>), String> {
     let bytes = changes.encode();

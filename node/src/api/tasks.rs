@@ -220,7 +220,7 @@ pub(crate) async fn submit(
 async fn submit_or_run_here(
     api: &ApiState,
     body: std::result::Result<Bytes, BytesRejection>,
-) -> ApiResult<u64> {
+) -> ApiResult<(u64, Option<crate::run_here::RanHere>)> {
     let admitted = admit(api, body).await?;
     // A retry of a task already made creates nothing: it goes the usual way.
     if let (Some(here), false) = (&api.run_here, admitted.slot.retry) {
@@ -232,12 +232,12 @@ async fn submit_or_run_here(
                 admitted.received,
             )
             .await;
-        if let Some(committed) = ran {
+        if let Some((committed, result)) = ran {
             let committed = committed.map_err(unavailable)?;
-            return Ok(submitted(api, committed.outcome, &admitted.slot)?.0);
+            return Ok((submitted(api, committed.outcome, &admitted.slot)?.0, result));
         }
     }
-    commit(api, admitted).await
+    Ok((commit(api, admitted).await?, None))
 }
 
 pub(crate) async fn list_tasks(State(api): State<Arc<ApiState>>) -> ApiResult<Json<Vec<TaskView>>> {
@@ -302,7 +302,7 @@ pub(crate) async fn run(
         .iter()
         .filter_map(|v| v.to_str().ok())
         .any(|v| v.split(',').any(|t| t.trim() == RUN_BINARY));
-    let id = submit_or_run_here(&api, body).await?;
+    let (id, ran_here) = submit_or_run_here(&api, body).await?;
     let mut view = wait_change(&api, id, None, deadline).await?;
     while !view.status.is_finished() && tokio::time::Instant::now() < deadline {
         view = wait_change(&api, id, Some(view.shards_done), deadline).await?;
@@ -325,9 +325,17 @@ pub(crate) async fn run(
             .ok_or_else(|| not_found(id))?;
         let declared: u64 = task.spec.bindings.iter().map(|b| b.role.size()).sum();
         if task.outputs.is_empty() && declared <= inline {
-            let made = crate::outputs::merge_shards(&api.blobs, &api.peers, &task)
-                .await
-                .map_err(|e| unavailable(e.to_string()))?;
+            // Run here: the changes are still in memory, when they are what the
+            // record holds (a request made twice at once may have recorded the
+            // other run's).
+            let recorded = task.shards.first().and_then(|s| s.output.as_ref());
+            let made = match ran_here {
+                Some(r) if recorded.is_some_and(|o| o.blob == r.blob) => {
+                    crate::outputs::merge_changes(&api.blobs, &task, vec![r.changes]).await
+                }
+                _ => crate::outputs::merge_shards(&api.blobs, &api.peers, &task).await,
+            }
+            .map_err(|e| unavailable(e.to_string()))?;
             for (binding, bytes) in made {
                 let output = RunOutput {
                     binding,
@@ -398,8 +406,25 @@ fn run_reply(
         return Ok(Json(RunReply { task, outputs }).into_response());
     }
     let (outputs, bytes) = outputs.into_iter().unzip();
-    let body = encode_run_binary(RunReply { task, outputs }, bytes).map_err(unavailable)?;
-    Ok(([(axum::http::header::CONTENT_TYPE, RUN_BINARY)], body).into_response())
+    let mut pieces = encode_run_binary(RunReply { task, outputs }, bytes).map_err(unavailable)?;
+    let length: usize = pieces.iter().map(Vec::len).sum();
+    let body = if let [head] = &mut pieces[..] {
+        axum::body::Body::from(std::mem::take(head))
+    } else {
+        // Each output's bytes sent as they are, not copied into one body first.
+        let pieces = pieces
+            .into_iter()
+            .map(|p| Ok::<_, std::convert::Infallible>(Bytes::from(p)));
+        axum::body::Body::from_stream(futures::stream::iter(pieces))
+    };
+    Ok((
+        [
+            (axum::http::header::CONTENT_TYPE, RUN_BINARY.to_string()),
+            (axum::http::header::CONTENT_LENGTH, length.to_string()),
+        ],
+        body,
+    )
+        .into_response())
 }
 
 /// Task `id` once it has other than `done` shards done, or has finished, or

@@ -65,8 +65,12 @@ pub type AttachedBytes = Vec<Option<Vec<u8>>>;
 /// `reply` with its outputs' bytes (`bytes[i]` for `reply.outputs[i]`, `None` where
 /// an output's bytes do not come with the answer) in the binary form of
 /// [`RUN_BINARY`]: each output with bytes is marked `attached`, its bytes go after
-/// the JSON.
-pub fn encode_run_binary(mut reply: RunReply, bytes: AttachedBytes) -> Result<Vec<u8>, String> {
+/// the JSON. In pieces, to be sent one after another: the length and the JSON,
+/// then each attached output's bytes as they were given (not copied into one).
+pub fn encode_run_binary(
+    mut reply: RunReply,
+    bytes: AttachedBytes,
+) -> Result<Vec<Vec<u8>>, String> {
     let mut attached = Vec::new();
     for (o, b) in reply.outputs.iter_mut().zip(bytes) {
         o.hex = None;
@@ -76,14 +80,12 @@ pub fn encode_run_binary(mut reply: RunReply, bytes: AttachedBytes) -> Result<Ve
     let json = serde_json::to_vec(&reply).map_err(|e| format!("the answer did not encode: {e}"))?;
     let len =
         u32::try_from(json.len()).map_err(|_| "the answer's JSON is over 4 GiB".to_string())?;
-    let mut body =
-        Vec::with_capacity(4 + json.len() + attached.iter().map(Vec::len).sum::<usize>());
-    body.extend_from_slice(&len.to_le_bytes());
-    body.extend_from_slice(&json);
-    for b in attached {
-        body.extend_from_slice(&b);
-    }
-    Ok(body)
+    let mut head = Vec::with_capacity(4 + json.len());
+    head.extend_from_slice(&len.to_le_bytes());
+    head.extend_from_slice(&json);
+    let mut pieces = vec![head];
+    pieces.extend(attached);
+    Ok(pieces)
 }
 
 /// A binary answer (see [`RUN_BINARY`]) taken apart: the reply, and each output's
@@ -494,8 +496,9 @@ mod tests {
     #[test]
     fn a_binary_answer_goes_both_ways_and_garbage_is_refused_with_the_reason() {
         let bytes = vec![Some(vec![1u8, 2, 3]), None, Some(vec![9u8; 5])];
-        let body =
-            encode_run_binary(reply(&[(0, 3), (1, 1 << 20), (2, 5)]), bytes.clone()).unwrap();
+        let body = encode_run_binary(reply(&[(0, 3), (1, 1 << 20), (2, 5)]), bytes.clone())
+            .unwrap()
+            .concat();
         let (back, got) = decode_run_binary(&body).unwrap();
         assert_eq!(got, bytes);
         assert_eq!(back.task.id, 7);
