@@ -297,6 +297,17 @@ async fn a_run_with_a_large_result_answers_with_its_bytes() {
         let output = gpumesh::protocol::BlobId::of(&cpu);
         let (task, out) = client(&nodes[2]).run(spec).await.unwrap();
         assert_eq!(out[&0], cpu, "the run's answer");
+        // Its result (the words it changed) is on two nodes, written here while
+        // the second copy was pulled.
+        let result = nodes[2]
+            .consensus
+            .read_local(move |s| {
+                let t = s.task(gpumesh::consensus::TaskId(task))?;
+                t.shards[0].output.as_ref().map(|o| o.blob)
+            })
+            .expect("a recorded result");
+        let holders = nodes.iter().filter(|n| n.blobs.has(&result)).count();
+        assert!(holders >= 2, "the result is on {holders} node(s)");
         for n in &nodes {
             assert!(
                 !n.blobs.has(&output),

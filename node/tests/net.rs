@@ -284,6 +284,41 @@ async fn a_ten_megabyte_blob_arrives_in_chunks_byte_for_byte() {
     client.stop().await;
 }
 
+/// A blob being stored (staged: hashed, held in memory while it is written) is
+/// served to a peer pulling its second copy, over the direct channel, the lane's
+/// stream and in chunks alike, and is no longer served once the guard goes without
+/// it stored.
+#[tokio::test]
+async fn a_staged_blob_is_served_while_it_is_written() {
+    for (lane, direct) in [(true, true), (true, false), (false, false)] {
+        let server = Node::start(|c| {
+            c.blob_lane = lane;
+            c.blob_direct = direct;
+        })
+        .await;
+        let client = Node::start(|_| {}).await;
+        let data = std::sync::Arc::new(pseudo_random(3_000_017, 11));
+        let id = BlobId::of(&data);
+        let staged = server.blobs.stage(id, data.clone());
+        assert!(!server.blobs.has(&id), "staged is not stored");
+        let peer = client.net.dial(server.addr.clone()).await.unwrap();
+        client.net.fetch_blob(peer, id).await.unwrap();
+        assert!(
+            client.blobs.get(&id).unwrap().unwrap() == *data,
+            "bytes differ (lane {lane}, direct {direct})"
+        );
+        drop(staged);
+        let other = pseudo_random(2_000_003, 12);
+        let other_id = BlobId::of(&other);
+        let gone = server.blobs.stage(other_id, std::sync::Arc::new(other));
+        drop(gone);
+        let err = client.net.fetch_blob(peer, other_id).await.unwrap_err();
+        assert!(err.to_string().contains(&other_id.to_string()), "{err}");
+        server.stop().await;
+        client.stop().await;
+    }
+}
+
 #[tokio::test]
 async fn fetching_an_unknown_blob_names_the_blob_and_the_peer() {
     let server = Node::start(|_| {}).await;

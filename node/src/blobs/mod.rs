@@ -9,6 +9,7 @@
 //! connections to them), consensus (the membership: every member may hold a blob).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use gpumesh_consensus::ConsensusHandle;
@@ -146,10 +147,19 @@ impl BlobsHandle {
     pub async fn put_and_copy(&self, bytes: Vec<u8>, prefer: Option<PeerId>) -> Result<BlobId> {
         let store = self.store.clone();
         if bytes.len() as u64 > store::PACK_MAX {
-            let id = tokio::task::spawn_blocking(move || store.put(&bytes))
+            // Hashed, then served from memory while it is written and synced here
+            // and pulled by the member keeping the second copy, both at once.
+            let bytes = Arc::new(bytes);
+            let hashing = bytes.clone();
+            let id = tokio::task::spawn_blocking(move || BlobId::of(&hashing))
                 .await
-                .map_err(|_| NodeError::Stopping)??;
-            self.replicate(id, prefer).await?;
+                .map_err(|_| NodeError::Stopping)?;
+            let staged = store.stage(id, bytes.clone());
+            let here = tokio::task::spawn_blocking(move || store.put_hashed(id, &bytes));
+            let (here, there) = tokio::join!(here, self.replicate(id, prefer));
+            drop(staged);
+            here.map_err(|_| NodeError::Stopping)??;
+            there?;
             return Ok(id);
         }
         let id = BlobId::of(&bytes);

@@ -7,10 +7,12 @@
 //! of it, and every read checks the bytes against the id, so a corrupted blob is
 //! reported and no longer served.
 
+use std::collections::HashMap;
 use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use gpumesh_protocol::BlobId;
 
@@ -26,6 +28,28 @@ pub struct BlobStore {
     root: PathBuf,
     max_blob_bytes: u64,
     pack: std::sync::Arc<Pack>,
+    /// Blobs being written here, served from memory meanwhile (see [`Self::stage`]).
+    staged: Arc<Mutex<HashMap<BlobId, Arc<Vec<u8>>>>>,
+}
+
+/// A blob served from memory until this is dropped (see [`BlobStore::stage`]).
+pub struct Staged {
+    staged: Arc<Mutex<HashMap<BlobId, Arc<Vec<u8>>>>>,
+    id: BlobId,
+    bytes: Arc<Vec<u8>>,
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if let Ok(mut staged) = self.staged.lock() {
+            if staged
+                .get(&self.id)
+                .is_some_and(|b| Arc::ptr_eq(b, &self.bytes))
+            {
+                staged.remove(&self.id);
+            }
+        }
+    }
 }
 
 /// Where a stored blob's bytes are: a file of its own, or a stretch of the pack's.
@@ -55,7 +79,29 @@ impl BlobStore {
             root,
             max_blob_bytes,
             pack: std::sync::Arc::new(pack),
+            staged: Default::default(),
         })
+    }
+
+    /// Serves blob `id` (`bytes`, already hashed to it) to peers from memory while
+    /// the guard lives: a second copy can be pulled while this node writes and
+    /// syncs its own, instead of after. Only serving sees it ([`Self::size`],
+    /// [`Self::read_range`], [`Self::staged`]): it is not [`Self::has`] (not on this
+    /// disk) until stored.
+    pub fn stage(&self, id: BlobId, bytes: Arc<Vec<u8>>) -> Staged {
+        if let Ok(mut staged) = self.staged.lock() {
+            staged.insert(id, bytes.clone());
+        }
+        Staged {
+            staged: self.staged.clone(),
+            id,
+            bytes,
+        }
+    }
+
+    /// A staged blob's bytes (see [`Self::stage`]).
+    pub fn staged(&self, id: &BlobId) -> Option<Arc<Vec<u8>>> {
+        self.staged.lock().ok()?.get(id).cloned()
     }
 
     pub fn max_blob_bytes(&self) -> u64 {
@@ -195,7 +241,10 @@ impl BlobStore {
         if let Some(slot) = self.pack.get(id) {
             return Some(slot.len);
         }
-        fs::metadata(self.path(id)).ok().map(|m| m.len())
+        fs::metadata(self.path(id))
+            .ok()
+            .map(|m| m.len())
+            .or_else(|| self.staged(id).map(|b| b.len() as u64))
     }
 
     /// A packed blob's bytes from `offset` (at most `len`), or `None` if it is not
@@ -249,7 +298,13 @@ impl BlobStore {
         let path = self.path(id);
         let mut f = match File::open(&path) {
             Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(self.staged(id).map(|b| {
+                    let start = (offset as usize).min(b.len());
+                    let end = start.saturating_add(len as usize).min(b.len());
+                    (b.len() as u64, b[start..end].to_vec())
+                }))
+            }
             Err(e) => return Err(NodeError::io(&path, e)),
         };
         let total = f.metadata().map_err(|e| NodeError::io(&path, e))?.len();
@@ -465,6 +520,34 @@ impl Drop for Incoming {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_staged_blob_is_served_but_not_stored_and_goes_with_its_guard() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path(), 1 << 20).unwrap();
+        let bytes = Arc::new(b"being written".to_vec());
+        let id = BlobId::of(&bytes);
+        let staged = store.stage(id, bytes.clone());
+        assert_eq!(store.size(&id), Some(13));
+        assert_eq!(
+            store.read_range(&id, 6, 100).unwrap().unwrap(),
+            (13, b"written".to_vec())
+        );
+        assert!(!store.has(&id), "staged is not stored");
+        assert_eq!(store.get(&id).unwrap(), None, "nor read as stored");
+        // A second staging of the same bytes outlives the first's guard.
+        let again = store.stage(id, Arc::new(bytes.to_vec()));
+        drop(staged);
+        assert!(store.staged(&id).is_some());
+        drop(again);
+        assert_eq!(store.size(&id), None);
+        assert_eq!(store.read_range(&id, 0, 4).unwrap(), None);
+        // Stored while staged: found on disk after the guard goes.
+        let staged = store.stage(id, bytes.clone());
+        store.put_hashed(id, &bytes).unwrap();
+        drop(staged);
+        assert_eq!(store.get(&id).unwrap().unwrap(), *bytes);
+    }
 
     #[test]
     fn stores_by_content_and_refuses_what_does_not_match() {

@@ -428,18 +428,28 @@ fn read_sealed(
     tx: mpsc::Sender<std::io::Result<Vec<u8>>>,
 ) {
     let key = sealing_key(key);
-    let opened = blobs.locate(&id).and_then(|f| {
-        f.ok_or_else(|| NodeError::BlobNotFound {
-            id,
-            peer: "this node".into(),
-        })
+    // On disk, or (a blob this node is storing as it is copied) in memory.
+    let opened = blobs.locate(&id).and_then(|f| match f {
+        Some(f) => Ok((Some((f.file, f.start)), f.len)),
+        None => blobs
+            .staged(&id)
+            .map(|b| (None, b.len() as u64))
+            .ok_or_else(|| NodeError::BlobNotFound {
+                id,
+                peer: "this node".into(),
+            }),
     });
-    let (mut file, start, end) = match opened {
-        Ok(f) => (f.file, f.start, end.min(f.len)),
+    let (mut file, end) = match opened {
+        Ok((file, len)) => (file, end.min(len)),
         Err(e) => {
             let _ = tx.blocking_send(Err(std::io::Error::other(e.to_string())));
             return;
         }
+    };
+    let staged = if file.is_none() {
+        blobs.staged(&id)
+    } else {
+        None
     };
     let mut at = at;
     let mut number = 0u64;
@@ -448,12 +458,19 @@ fn read_sealed(
         let len = RECORD.min(end - at) as usize;
         let mut record = Vec::with_capacity(len + TAG);
         record.resize(len, 0);
-        let read = if first {
-            file.seek(SeekFrom::Start(start + at)).map(|_| ())
-        } else {
-            Ok(())
-        }
-        .and_then(|()| file.read_exact(&mut record));
+        let read = match (&mut file, &staged) {
+            (Some((file, start)), _) => if first {
+                file.seek(SeekFrom::Start(*start + at)).map(|_| ())
+            } else {
+                Ok(())
+            }
+            .and_then(|()| file.read_exact(&mut record)),
+            (None, Some(bytes)) => {
+                record.copy_from_slice(&bytes[at as usize..at as usize + len]);
+                Ok(())
+            }
+            (None, None) => Err(std::io::Error::other("the blob is no longer here")),
+        };
         first = false;
         let sealed = read.and_then(|()| {
             key.seal_in_place_separate_tag(nonce(number), Aad::from(id.0), &mut record)
