@@ -403,6 +403,65 @@ mod tests {
         assert_eq!(ones.runs(), &[Run { offset: 8, len: 4 }]);
     }
 
+    /// Runs found word by word, the plain way: the reference for [`diff`].
+    fn runs_word_by_word(before: &[u8], after: &[u8]) -> Vec<Run> {
+        let mut runs: Vec<Run> = Vec::new();
+        for (k, (o, n)) in before
+            .chunks_exact(4)
+            .zip(after.chunks_exact(4))
+            .enumerate()
+        {
+            if o == n {
+                continue;
+            }
+            let w = 4 * k as u64;
+            match runs.last_mut() {
+                Some(r) if r.end() == w => r.len += 4,
+                _ => runs.push(Run { offset: w, len: 4 }),
+            }
+        }
+        runs
+    }
+
+    #[test]
+    fn diff_matches_a_word_by_word_walk_over_dense_sparse_and_ragged_buffers() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for case in 0..200 {
+            // Up to 40 blocks, not always whole ones.
+            let words = 1 + (next() % 2600) as usize;
+            let before: Vec<u8> = (0..words * 4).map(|_| next() as u8).collect();
+            let mut after = before.clone();
+            // Stretches changed in full (often whole blocks and more), and single words.
+            for _ in 0..(next() % 6) {
+                let start = (next() as usize) % words;
+                let len = 1 + (next() as usize) % (words - start).min(200);
+                for w in start..start + len {
+                    after[4 * w] ^= 1 + (next() % 255) as u8;
+                }
+            }
+            for _ in 0..(next() % 8) {
+                let w = (next() as usize) % words;
+                after[4 * w + 3] ^= 0x80;
+            }
+            if case % 10 == 0 {
+                after.iter_mut().for_each(|b| *b = !*b);
+            }
+            let c = BufferChanges::diff(Base::Bytes(&before), &after);
+            assert_eq!(
+                c.runs(),
+                &runs_word_by_word(&before, &after)[..],
+                "case {case}"
+            );
+            assert_eq!(c.applied(Base::Bytes(&before)), after, "case {case}");
+        }
+    }
+
     #[test]
     fn unchanged_buffers_have_no_runs_and_encode_small() {
         let b = vec![5u8; 1 << 20];
