@@ -196,7 +196,19 @@ impl Executor {
             tally: Tally::default(),
             loop_cap: None,
         };
-        executor.loop_cap = executor.probe_loop_cap()?;
+        // The first dispatch on the device: an adapter that opens but cannot run
+        // one (OpenGL through EGL with no display on some NVIDIA machines) is
+        // refused here, named, rather than failing every task later.
+        executor.loop_cap = executor
+            .probe_loop_cap()
+            .map_err(|e| ExecError::RequestDevice {
+                adapter: format!(
+                    "{} ({})",
+                    executor.capability.adapter_name,
+                    executor.capability.backend.name()
+                ),
+                reason: format!("it opened but its first dispatch failed: {e}"),
+            })?;
         if let Some(cap) = executor.loop_cap {
             tracing::info!(
                 cap,
