@@ -190,6 +190,26 @@ async fn an_output_damaged_where_it_is_fetched_is_made_again_from_the_mesh() {
     .expect("bounded");
 }
 
+/// A one-shard task of `source` (workgroups of 64) writing `words` words at
+/// binding 0.
+fn one_output(source: &str, words: u32) -> gpumesh::protocol::TaskSpec {
+    gpumesh::protocol::TaskSpec {
+        shader: ShaderSource::Wgsl(source.into()),
+        entry_point: "main".into(),
+        bindings: vec![gpumesh::protocol::BindingSpec {
+            binding: 0,
+            role: gpumesh::protocol::BindingRole::Output {
+                size: u64::from(words) * 4,
+            },
+        }],
+        grid: gpumesh::protocol::Grid([words.div_ceil(64), 1, 1]),
+        shards: 1,
+        merge: gpumesh::protocol::MergeRule::Changes,
+        merges: Default::default(),
+        options: Default::default(),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_small_result_rides_in_the_log_and_is_fetched_from_every_node() {
     if !have_any() {
@@ -201,19 +221,7 @@ async fn a_small_result_rides_in_the_log_and_is_fetched_from_every_node() {
         let source = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;\n\
             @compute @workgroup_size(64)\n\
             fn main(@builtin(global_invocation_id) gid: vec3<u32>) { out[gid.x] = gid.x * 7u + 1u; }";
-        let spec = gpumesh::protocol::TaskSpec {
-            shader: ShaderSource::Wgsl(source.into()),
-            entry_point: "main".into(),
-            bindings: vec![gpumesh::protocol::BindingSpec {
-                binding: 0,
-                role: gpumesh::protocol::BindingRole::Output { size: 256 },
-            }],
-            grid: gpumesh::protocol::Grid([1, 1, 1]),
-            shards: 1,
-            merge: gpumesh::protocol::MergeRule::Changes,
-            merges: Default::default(),
-            options: Default::default(),
-        };
+        let spec = one_output(source, 64);
         let task = client(&nodes[1]).submit(spec.clone(), None).await.unwrap();
         let view = client(&nodes[1]).wait(task, |_, _| {}).await.unwrap();
         let blob: gpumesh::protocol::BlobId =
@@ -276,21 +284,7 @@ async fn a_run_with_a_large_result_answers_with_its_bytes() {
         let source = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;\n\
             @compute @workgroup_size(64)\n\
             fn main(@builtin(global_invocation_id) gid: vec3<u32>) { out[gid.x] = gid.x * 2654435761u + 3u; }";
-        let spec = gpumesh::protocol::TaskSpec {
-            shader: ShaderSource::Wgsl(source.into()),
-            entry_point: "main".into(),
-            bindings: vec![gpumesh::protocol::BindingSpec {
-                binding: 0,
-                role: gpumesh::protocol::BindingRole::Output {
-                    size: u64::from(words) * 4,
-                },
-            }],
-            grid: gpumesh::protocol::Grid([words / 64, 1, 1]),
-            shards: 1,
-            merge: gpumesh::protocol::MergeRule::Changes,
-            merges: Default::default(),
-            options: Default::default(),
-        };
+        let spec = one_output(source, words);
         let cpu: Vec<u8> = (0..words)
             .flat_map(|i| i.wrapping_mul(2_654_435_761).wrapping_add(3).to_le_bytes())
             .collect();

@@ -34,6 +34,24 @@ impl Direct {
         }
     }
 
+    /// The bind group of a uniform at binding 0 and an output at binding 1.
+    fn bind(&self, params: &wgpu::Buffer, out: &wgpu::Buffer) -> wgpu::BindGroup {
+        self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("direct"),
+            layout: &self.pipeline.get_bind_group_layout(0),
+            entries: &[
+                wgpu::BindGroupEntry {
+                    binding: 0,
+                    resource: params.as_entire_binding(),
+                },
+                wgpu::BindGroupEntry {
+                    binding: 1,
+                    resource: out.as_entire_binding(),
+                },
+            ],
+        })
+    }
+
     /// One dispatch of `groups` workgroups with a uniform at binding 0 and an output
     /// of `out_bytes` at binding 1, read back in full.
     pub fn run(
@@ -62,20 +80,7 @@ impl Direct {
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: Some("direct"),
-            layout: &self.pipeline.get_bind_group_layout(0),
-            entries: &[
-                wgpu::BindGroupEntry {
-                    binding: 0,
-                    resource: params.as_entire_binding(),
-                },
-                wgpu::BindGroupEntry {
-                    binding: 1,
-                    resource: out.as_entire_binding(),
-                },
-            ],
-        });
+        let group = self.bind(&params, &out);
         let mut encoder = self
             .device
             .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
@@ -110,7 +115,6 @@ impl Direct {
 pub fn steps(direct: &Direct, runs: usize) -> anyhow::Result<Vec<(String, Duration)>> {
     let device = &direct.device;
     let queue = &direct.queue;
-    let layout = direct.pipeline.get_bind_group_layout(0);
     let uniform: &[u8] = bytemuck::cast_slice(&[1u32, 0, 0, 0]);
     let mut rows: Vec<(String, Vec<Duration>)> = Vec::new();
     let mark = |rows: &mut Vec<(String, Vec<Duration>)>, what: &str, t: &mut Instant| {
@@ -139,22 +143,7 @@ pub fn steps(direct: &Direct, runs: usize) -> anyhow::Result<Vec<(String, Durati
         encoder.copy_buffer_to_buffer(out, 0, staging, 0, 256);
         encoder.finish()
     };
-    let bind = |params: &wgpu::Buffer, out: &wgpu::Buffer| {
-        device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: None,
-            layout: &layout,
-            entries: &[
-                wgpu::BindGroupEntry {
-                    binding: 0,
-                    resource: params.as_entire_binding(),
-                },
-                wgpu::BindGroupEntry {
-                    binding: 1,
-                    resource: out.as_entire_binding(),
-                },
-            ],
-        })
-    };
+    let bind = |params: &wgpu::Buffer, out: &wgpu::Buffer| direct.bind(params, out);
     let map = |staging: &wgpu::Buffer| {
         let (tx, rx) = std::sync::mpsc::channel();
         staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
