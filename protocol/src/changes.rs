@@ -162,6 +162,17 @@ impl BufferChanges {
         &self.runs
     }
 
+    /// The buffer's bytes when every word is in these changes (as
+    /// [`Self::whole`] makes them), without a copy; `None` otherwise.
+    pub fn into_whole(self) -> Option<Vec<u8>> {
+        let all = match self.runs[..] {
+            [] => self.size == 0,
+            [only] => only.offset == 0 && only.len == self.size,
+            _ => false,
+        };
+        all.then_some(self.data)
+    }
+
     /// Each run with its new bytes.
     pub fn iter(&self) -> impl Iterator<Item = (Run, &[u8])> + '_ {
         let mut at = 0usize;
@@ -460,6 +471,19 @@ mod tests {
             );
             assert_eq!(c.applied(Base::Bytes(&before)), after, "case {case}");
         }
+    }
+
+    #[test]
+    fn whole_changes_give_their_bytes_back_and_others_do_not() {
+        let bytes = words(&[4, 5, 6]);
+        assert_eq!(
+            BufferChanges::whole(&bytes).into_whole(),
+            Some(bytes.clone())
+        );
+        assert_eq!(BufferChanges::whole(&[]).into_whole(), Some(Vec::new()));
+        let before = words(&[4, 0, 6]);
+        let some = BufferChanges::diff(Base::Bytes(&before), &bytes);
+        assert_eq!(some.into_whole(), None, "one word of three changed");
     }
 
     #[test]

@@ -304,21 +304,45 @@ impl Executor {
         self.gpu.device.destroy();
     }
 
-    /// Runs every shard of `job` here and merges the outputs.
+    /// Runs every shard of `job` here and merges the outputs. A job of one shard
+    /// whose buffers all merge by changes has its buffers read back as they are:
+    /// what it changed over its start, written into that start, is them.
     pub fn run(&mut self, job: &Job, deadline: Option<Duration>) -> Result<TaskOutput> {
         let start = Instant::now();
-        let shards = self.run_shards(job, &job.plan, deadline)?;
-        let changes: Vec<&ShardChanges> = shards.iter().map(|s| &s.changes).collect();
-        let outputs = job.merge(&changes)?;
+        let whole = job.plan.len() == 1
+            && job
+                .writable
+                .keys()
+                .all(|&b| job.spec.merge_of(b) == MergeRule::Changes);
+        let mut shards = self.shards_of(job, &job.plan, deadline, whole)?;
+        let timings = shards
+            .iter()
+            .map(|s| ShardTiming {
+                range: s.range,
+                elapsed: s.elapsed,
+            })
+            .collect();
+        let outputs = match shards.pop() {
+            Some(only) if whole && shards.is_empty() => only
+                .changes
+                .0
+                .into_iter()
+                .map(|(b, c)| {
+                    let bytes = c.into_whole().ok_or_else(|| {
+                        ExecError::Gpu(format!("binding {b} was not read back whole"))
+                    })?;
+                    Ok((b, bytes))
+                })
+                .collect::<Result<BTreeMap<_, _>>>()?,
+            last => {
+                shards.extend(last);
+                let changes: Vec<&ShardChanges> = shards.iter().map(|s| &s.changes).collect();
+                job.merge(&changes)?
+            }
+        };
         Ok(TaskOutput {
             outputs,
-            shards: shards
-                .iter()
-                .map(|s| ShardTiming {
-                    range: s.range,
-                    elapsed: s.elapsed,
-                })
-                .collect(),
+            shards: timings,
             elapsed: start.elapsed(),
         })
     }
@@ -394,6 +418,18 @@ impl Executor {
         ranges: &[ShardRange],
         deadline: Option<Duration>,
     ) -> Result<Vec<ShardOutput>> {
+        self.shards_of(job, ranges, deadline, false)
+    }
+
+    /// [`Self::run_shards`]; with `whole`, each writable buffer comes back whole
+    /// ([`BufferChanges::whole`]) instead of as the words it changed.
+    fn shards_of(
+        &mut self,
+        job: &Job,
+        ranges: &[ShardRange],
+        deadline: Option<Duration>,
+        whole: bool,
+    ) -> Result<Vec<ShardOutput>> {
         self.check_limits(job)?;
         self.rebuild_if_lost();
         let deadline = deadline.unwrap_or(self.limits.default_deadline);
@@ -414,7 +450,7 @@ impl Executor {
                 inputs: &inputs,
                 starts: &starts,
             };
-            me.dispatch_shards(job, &pipeline, buffers, ranges, started, deadline)
+            me.dispatch_shards(job, &pipeline, buffers, ranges, (started, deadline), whole)
         })
     }
 
@@ -475,15 +511,15 @@ impl Executor {
         pipeline: &Pipeline,
         buffers: Buffers<'_>,
         ranges: &[ShardRange],
-        started: Instant,
-        deadline: Duration,
+        (started, deadline): (Instant, Duration),
+        whole: bool,
     ) -> Result<(Vec<ShardOutput>, Kept)> {
         let mut out = Vec::with_capacity(ranges.len());
         let mut kept = Vec::new();
         for range in ranges {
             let shard_start = Instant::now();
             let (changes, keep) =
-                self.dispatch_one(job, pipeline, buffers, range, started, deadline)?;
+                self.dispatch_one(job, pipeline, buffers, range, (started, deadline), whole)?;
             kept.extend(keep);
             out.push(ShardOutput {
                 range: *range,
@@ -583,8 +619,8 @@ impl Executor {
         pipeline: &Pipeline,
         buffers: Buffers<'_>,
         range: &ShardRange,
-        started: Instant,
-        deadline: Duration,
+        (started, deadline): (Instant, Duration),
+        whole: bool,
     ) -> Result<(ShardChanges, Kept)> {
         let device = &self.gpu.device;
         let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
@@ -658,8 +694,11 @@ impl Executor {
                 if job.keep.contains(&binding) {
                     kept.push((BlobId::of(&after), buffer));
                 }
-                let base = job.writable[&binding].base();
-                BufferChanges::diff(base, &after)
+                if whole {
+                    BufferChanges::whole(&after)
+                } else {
+                    BufferChanges::diff(job.writable[&binding].base(), &after)
+                }
             };
             staging.unmap();
             result.insert(binding, changes);
