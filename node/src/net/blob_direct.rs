@@ -429,27 +429,29 @@ fn read_sealed(
 ) {
     let key = sealing_key(key);
     // On disk, or (a blob this node is storing as it is copied) in memory.
+    enum Source {
+        File(std::fs::File, u64),
+        Staged(std::sync::Arc<Vec<u8>>),
+    }
     let opened = blobs.locate(&id).and_then(|f| match f {
-        Some(f) => Ok((Some((f.file, f.start)), f.len)),
+        Some(f) => Ok((Source::File(f.file, f.start), f.len)),
         None => blobs
             .staged(&id)
-            .map(|b| (None, b.len() as u64))
+            .map(|b| {
+                let len = b.len() as u64;
+                (Source::Staged(b), len)
+            })
             .ok_or_else(|| NodeError::BlobNotFound {
                 id,
                 peer: "this node".into(),
             }),
     });
-    let (mut file, end) = match opened {
-        Ok((file, len)) => (file, end.min(len)),
+    let (mut source, end) = match opened {
+        Ok((source, len)) => (source, end.min(len)),
         Err(e) => {
             let _ = tx.blocking_send(Err(std::io::Error::other(e.to_string())));
             return;
         }
-    };
-    let staged = if file.is_none() {
-        blobs.staged(&id)
-    } else {
-        None
     };
     let mut at = at;
     let mut number = 0u64;
@@ -458,18 +460,17 @@ fn read_sealed(
         let len = RECORD.min(end - at) as usize;
         let mut record = Vec::with_capacity(len + TAG);
         record.resize(len, 0);
-        let read = match (&mut file, &staged) {
-            (Some((file, start)), _) => if first {
+        let read = match &mut source {
+            Source::File(file, start) => if first {
                 file.seek(SeekFrom::Start(*start + at)).map(|_| ())
             } else {
                 Ok(())
             }
             .and_then(|()| file.read_exact(&mut record)),
-            (None, Some(bytes)) => {
+            Source::Staged(bytes) => {
                 record.copy_from_slice(&bytes[at as usize..at as usize + len]);
                 Ok(())
             }
-            (None, None) => Err(std::io::Error::other("the blob is no longer here")),
         };
         first = false;
         let sealed = read.and_then(|()| {

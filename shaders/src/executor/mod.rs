@@ -322,9 +322,9 @@ impl Executor {
                 elapsed: s.elapsed,
             })
             .collect();
-        let outputs = match shards.pop() {
-            Some(only) if whole && shards.is_empty() => only
-                .changes
+        let outputs = if whole && shards.len() == 1 {
+            let only = shards.swap_remove(0);
+            only.changes
                 .0
                 .into_iter()
                 .map(|(b, c)| {
@@ -333,12 +333,10 @@ impl Executor {
                     })?;
                     Ok((b, bytes))
                 })
-                .collect::<Result<BTreeMap<_, _>>>()?,
-            last => {
-                shards.extend(last);
-                let changes: Vec<&ShardChanges> = shards.iter().map(|s| &s.changes).collect();
-                job.merge(&changes)?
-            }
+                .collect::<Result<BTreeMap<_, _>>>()?
+        } else {
+            let changes: Vec<&ShardChanges> = shards.iter().map(|s| &s.changes).collect();
+            job.merge(&changes)?
         };
         Ok(TaskOutput {
             outputs,
