@@ -235,18 +235,25 @@ impl Client {
         let status = resp.status();
         let body = resp.bytes().await.unwrap_or_default();
         Err(match serde_json::from_slice::<ErrorBody>(&body) {
-            Ok(e) if status == reqwest::StatusCode::SERVICE_UNAVAILABLE => {
-                ClientError::Unavailable {
-                    reason: e.error,
-                    waited: Duration::ZERO,
-                }
-            }
-            Ok(e) => ClientError::Refused(e.error),
+            Ok(e) => self.error_of(status, e.error),
             Err(_) => ClientError::Protocol {
                 addr: self.addr.clone(),
                 reason: format!("HTTP {status}"),
             },
         })
+    }
+
+    /// The error an answer of HTTP `status` saying `error` is: one worth waiting
+    /// out (503), or a refusal.
+    fn error_of(&self, status: reqwest::StatusCode, error: String) -> ClientError {
+        if status == reqwest::StatusCode::SERVICE_UNAVAILABLE {
+            ClientError::Unavailable {
+                reason: error,
+                waited: Duration::ZERO,
+            }
+        } else {
+            ClientError::Refused(error)
+        }
     }
 
     async fn json<T: serde::de::DeserializeOwned>(
@@ -541,7 +548,17 @@ impl Client {
             let none = vec![None; reply.outputs.len()];
             return Ok((reply, none));
         }
-        decode_run_binary(&body).map_err(protocol)
+        match decode_run_binary(&body).map_err(protocol)? {
+            Ok(answer) => Ok(answer),
+            // An answer whose body had begun before the error came.
+            Err(e) => match reqwest::StatusCode::from_u16(e.status) {
+                Ok(status) => Err(self.error_of(status, e.error)),
+                Err(_) => Err(protocol(format!(
+                    "an answer ended with status {}",
+                    e.status
+                ))),
+            },
+        }
     }
 
     /// Every merged output's bytes, checked against the hash the node reports.

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{client, have_any, mesh_with, stop, LCG_STEPS as STEPS, LIMIT, RUNAWAY};
 use gpumesh::consensus::TaskId;
-use gpumesh::node::api::{from_hex, RunReply, TaskState, RUN_BINARY};
+use gpumesh::node::api::{decode_run_binary, from_hex, RunEnd, RunReply, TaskState, RUN_BINARY};
 use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
 use gpumesh::ClientError;
 
@@ -211,8 +211,8 @@ async fn a_run_goes_on_the_node_it_is_sent_to_and_is_recorded_with_its_result() 
             RUN_BINARY.as_bytes()
         );
         let framed = answer.bytes().await.unwrap();
-        let len = u32::from_le_bytes(framed[..4].try_into().unwrap()) as usize;
-        let reply: RunReply = serde_json::from_slice(&framed[4..4 + len]).unwrap();
+        // The output's bytes first, then the reply as JSON, then its length.
+        let (reply, attached) = decode_run_binary(&framed).unwrap().unwrap();
         assert_eq!(
             reply.task.id, tasks[0],
             "the binary answer names the same task"
@@ -220,14 +220,10 @@ async fn a_run_goes_on_the_node_it_is_sent_to_and_is_recorded_with_its_result() 
         assert_eq!(reply.outputs.len(), 1, "{reply:#?}");
         let output = &reply.outputs[0];
         assert!(output.attached && output.hex.is_none(), "{output:?}");
-        let attached = &framed[4 + len..];
-        assert_eq!(
-            attached.len() as u64,
-            output.size,
-            "only the output follows"
-        );
+        let cpu = collatz(&input, 100);
+        assert!(framed.starts_with(&cpu), "the output's bytes come first");
         assert!(
-            attached == collatz(&input, 100),
+            attached[0].as_deref() == Some(&cpu[..]),
             "attached bytes are the answer"
         );
         let accepted = nodes[0].consensus.read_local(|s| {
@@ -269,6 +265,132 @@ async fn a_run_goes_on_the_node_it_is_sent_to_and_is_recorded_with_its_result() 
         for n in &nodes {
             client(n).status().await.unwrap();
         }
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
+/// `POST /v1/tasks/run` with `Accept: RUN_BINARY` to the API at `addr`: the
+/// answer's content type and body.
+async fn run_binary(addr: std::net::SocketAddr, body: &serde_json::Value) -> (String, Vec<u8>) {
+    let answer = reqwest::Client::new()
+        .post(format!("http://{addr}/v1/tasks/run"))
+        .header(reqwest::header::ACCEPT, RUN_BINARY)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let kind = answer.headers()[reqwest::header::CONTENT_TYPE]
+        .to_str()
+        .unwrap()
+        .to_string();
+    (kind, answer.bytes().await.unwrap().to_vec())
+}
+
+/// The end of a binary answer, as JSON.
+fn end_of(body: &[u8]) -> RunEnd {
+    let at = body.len() - 4;
+    let len = u32::from_le_bytes(body[at..].try_into().unwrap()) as usize;
+    serde_json::from_slice(&body[at - len..at]).unwrap()
+}
+
+/// A run whose result is too large for its entry sends its outputs while they
+/// are stored and recorded. The same request sent twice at once, both run where
+/// they were sent (the GPU held back 300 ms): each answer is the CPU's bytes and
+/// names the one task the record made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_sent_twice_at_once_answers_both_with_the_one_task() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = mesh_with(dir.path(), 3, |i, c| {
+            if i == 0 {
+                c.faults.gpu_delay = Some(Duration::from_millis(300));
+            }
+        })
+        .await;
+        // 4,000 values: a 16,000-byte result, stored as a blob.
+        let input = values(4000);
+        let cpu = collatz(&input, 60);
+        let blob = client(&nodes[0]).upload(bytes(&input)).await.unwrap();
+        let body = serde_json::json!({
+            "spec": collatz_spec(blob, 4000, 60),
+            "request_id": {"client": 91, "seq": 1},
+        });
+        let addr = nodes[0].api_addr;
+        let (a, b) = tokio::join!(run_binary(addr, &body), run_binary(addr, &body));
+        let mut tasks = Vec::new();
+        for (kind, body) in [a, b] {
+            assert_eq!(kind, RUN_BINARY);
+            let end = end_of(&body);
+            let (reply, attached) = decode_run_binary(&body).unwrap().unwrap();
+            assert_eq!(reply.task.status, TaskState::Completed, "{reply:#?}");
+            assert!(
+                attached[0].as_deref() == Some(&cpu[..]),
+                "an answer (skipping {} bytes) is not the CPU's",
+                end.skip
+            );
+            tasks.push(reply.task.id);
+        }
+        assert_eq!(tasks[0], tasks[1], "both answers name one task");
+        let made = nodes[0].consensus.read_local(|s| {
+            s.tasks()
+                .values()
+                .filter(|t| t.request_id.client == 91)
+                .count()
+        });
+        assert_eq!(made, 1, "one task for the request id");
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
+/// A run whose outputs went to the client ahead of its record, and which then
+/// could not be recorded (the two other nodes of the mesh stopped while the GPU
+/// ran it): its answer ends in the error, skipping the bytes sent, so nothing
+/// reads them as a result; the node goes on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn outputs_sent_ahead_of_a_record_that_never_comes_end_in_an_error() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let mut nodes = mesh_with(dir.path(), 3, |i, c| {
+            if i == 0 {
+                c.faults.gpu_delay = Some(Duration::from_millis(800));
+            }
+        })
+        .await;
+        let input = values(4000);
+        let blob = client(&nodes[0]).upload(bytes(&input)).await.unwrap();
+        let body = serde_json::json!({
+            "spec": collatz_spec(blob, 4000, 60),
+            "request_id": {"client": 92, "seq": 1},
+        });
+        let addr = nodes[0].api_addr;
+        let asked = tokio::spawn(async move { run_binary(addr, &body).await });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let others = nodes.split_off(1);
+        stop(others).await;
+        let (kind, body) = asked.await.unwrap();
+        assert_eq!(kind, RUN_BINARY);
+        let end = end_of(&body);
+        assert!(end.reply.is_none(), "{end:?}");
+        let error = decode_run_binary(&body).unwrap().unwrap_err();
+        assert_eq!(error.status, 503, "{error:?}");
+        assert_eq!(end.skip, 16_000, "the output went ahead and is skipped");
+        assert_eq!(
+            end.skip as usize,
+            body.len() - 4 - serde_json::to_vec(&end).unwrap().len(),
+            "the end skips every byte before it"
+        );
+        println!("sent ahead: {} bytes; error: {}", end.skip, error.error);
+        client(&nodes[0]).status().await.unwrap();
         stop(nodes).await;
     })
     .await

@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 
 use gpumesh_consensus::{Command, ConsensusHandle, MergedOutput, Task, TaskId, TaskStatus};
-use gpumesh_protocol::{BlobId, ShardChanges};
+use gpumesh_protocol::{BlobId, ShardChanges, TaskSpec};
 use gpumesh_shaders::merge;
 
 use crate::blobs::BlobsHandle;
@@ -89,14 +89,16 @@ pub(crate) async fn result_bytes(
     }
 }
 
-/// The starting contents of `task`'s in-out bindings, pulled from the mesh.
+/// The starting contents of the in-out bindings of `spec` (submitted through
+/// `submitter`), pulled from the mesh.
 pub(crate) async fn starts(
     blobs: &BlobsHandle,
-    task: &Task,
+    spec: &TaskSpec,
+    submitter: &str,
 ) -> Result<BTreeMap<u32, Vec<u8>>, MergeError> {
-    let submitter = task.submitter.parse().ok();
+    let submitter = submitter.parse().ok();
     let mut starts = BTreeMap::new();
-    for b in &task.spec.bindings {
+    for b in &spec.bindings {
         if let gpumesh_protocol::BindingRole::InOut { blob, .. } = b.role {
             let bytes = blobs.pull(blob, submitter).await.map_err(|e| {
                 MergeError::Unavailable(format!("the start of in-out binding {}: {e}", b.binding))
@@ -128,23 +130,28 @@ pub(crate) async fn merge_shards(
             .map_err(|e| MergeError::Fatal(format!("the result of shard {i} is malformed: {e}")))?;
         shards.push(changes);
     }
-    merge_changes(blobs, task, shards).await
+    merge_changes(blobs, &task.spec, &task.submitter, shards).await
 }
 
-/// [`merge_shards`] of results already in hand: `shards[i]` is shard `i`'s.
-pub(crate) async fn merge_changes(
+/// [`merge_shards`] of results already in hand: `shards[i]` is shard `i`'s of a
+/// task of `spec` submitted through `submitter`.
+pub(crate) async fn merge_changes<S>(
     blobs: &BlobsHandle,
-    task: &Task,
-    shards: Vec<ShardChanges>,
-) -> Result<BTreeMap<u32, Vec<u8>>, MergeError> {
-    let starts = starts(blobs, task).await?;
-    let spec = task.spec.clone();
+    spec: &TaskSpec,
+    submitter: &str,
+    shards: Vec<S>,
+) -> Result<BTreeMap<u32, Vec<u8>>, MergeError>
+where
+    S: std::borrow::Borrow<ShardChanges> + Send + 'static,
+{
+    let starts = starts(blobs, spec, submitter).await?;
+    let spec = spec.clone();
     let bytes: u64 = spec.bindings.iter().map(|b| b.role.size()).sum();
     // Deterministic from here: the same results fail the same way on any node. Off
     // the async runtime unless small: a merge walks every changed word of every shard.
     let merge = move || {
         let targets = merge::targets(&spec, |b| starts.get(&b).map(Vec::as_slice));
-        let refs: Vec<&ShardChanges> = shards.iter().collect();
+        let refs: Vec<&ShardChanges> = shards.iter().map(|s| s.borrow()).collect();
         merge::merge(&targets, &refs).map_err(|e| MergeError::Fatal(e.to_string()))
     };
     if bytes <= MERGE_IN_PLACE_BYTES {

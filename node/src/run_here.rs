@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use gpumesh_consensus::{Command, Committed, ConsensusHandle, Ran, RequestId};
 use gpumesh_protocol::{BlobId, ShardChanges, TaskSpec};
-use tokio::sync::Semaphore;
+use tokio::sync::{oneshot, Semaphore};
 
 use crate::timeline::{Stage, Timeline};
 use crate::worker::{store_and_copy, ShardError, ShardRunner};
@@ -56,13 +56,16 @@ impl RunHere {
     /// caller submits it to the mesh as usual. `Some`: the entry's fate, committed or
     /// not, and the result it records when the run gave one (its id and the words
     /// it changed, still in memory: the caller answering with the outputs need not
-    /// read them back).
+    /// read them back). `early` is given those changes as soon as the GPU is done
+    /// with them, before they are stored and recorded (the caller may send them
+    /// on, so long as it says whether they are the answer only once it knows).
     pub async fn run(
         &self,
         request_id: RequestId,
         spec: &TaskSpec,
         submitter: &str,
         received: Instant,
+        early: Option<oneshot::Sender<Arc<ShardChanges>>>,
     ) -> Option<(gpumesh_consensus::Result<Committed>, Option<RanHere>)> {
         if spec.shards != 1
             || spec.options.replicas > 1
@@ -95,6 +98,10 @@ impl RunHere {
                 let old = self.recent_us.load(Ordering::Relaxed);
                 let new = if old == 0 { took } else { (old * 7 + took) / 8 };
                 self.recent_us.store(new, Ordering::Relaxed);
+                let changes = Arc::new(changes);
+                if let Some(early) = early {
+                    let _ = early.send(changes.clone());
+                }
                 match store_and_copy(&self.runner.blobs, &changes, submitter).await {
                     Ok((blob, size, inline)) => {
                         result = Some(RanHere { blob, changes });
@@ -145,5 +152,5 @@ impl RunHere {
 /// A result run here: its blob id as recorded, and the words it changed.
 pub(crate) struct RanHere {
     pub blob: BlobId,
-    pub changes: ShardChanges,
+    pub changes: Arc<ShardChanges>,
 }

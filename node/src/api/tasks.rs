@@ -15,6 +15,7 @@ use gpumesh_consensus::{
 };
 use gpumesh_protocol::BlobId;
 use serde::Deserialize;
+use tokio::sync::oneshot;
 
 use super::changes::Topic;
 use super::error::{bad, not_found, too_large, unavailable, ApiError, ApiResult};
@@ -22,8 +23,9 @@ use super::gate::BodyCaps;
 use super::read_current;
 use super::state::ApiState;
 use super::views::{
-    encode_run_binary, to_hex, view, OutputView, RunOutput, RunReply, SubmitReply, SubmitRequest,
-    TaskState, TaskView, RUN_ATTACHED_BYTES, RUN_BINARY, RUN_INLINE_BYTES,
+    encode_run_binary, encode_run_end, to_hex, view, OutputView, RunEnd, RunError, RunOutput,
+    RunReply, SubmitReply, SubmitRequest, TaskState, TaskView, RUN_ATTACHED_BYTES, RUN_BINARY,
+    RUN_INLINE_BYTES,
 };
 use crate::limits::Limits;
 use crate::timeline::Stage;
@@ -220,18 +222,39 @@ pub(crate) async fn submit(
 async fn submit_or_run_here(
     api: &ApiState,
     body: std::result::Result<Bytes, BytesRejection>,
+    early: Option<oneshot::Sender<Early>>,
 ) -> ApiResult<(u64, Option<crate::run_here::RanHere>)> {
     let admitted = admit(api, body).await?;
     // A retry of a task already made creates nothing: it goes the usual way.
     if let (Some(here), false) = (&api.run_here, admitted.slot.retry) {
-        let ran = here
-            .run(
-                admitted.request_id,
-                &admitted.spec,
-                &api.peer_name,
-                admitted.received,
-            )
-            .await;
+        // Its outputs may go ahead of the record when its result is stored as a
+        // blob (too large for the entry) and they all go in the answer.
+        let spec = &admitted.spec;
+        let writable: u64 = spec
+            .bindings
+            .iter()
+            .filter(|b| b.role.is_writable())
+            .map(|b| b.role.size())
+            .sum();
+        let declared: u64 = spec.bindings.iter().map(|b| b.role.size()).sum();
+        let early = early.filter(|_| {
+            writable > gpumesh_consensus::MAX_INLINE_RESULT as u64 && declared <= RUN_ATTACHED_BYTES
+        });
+        let (ahead_tx, ahead_rx) = oneshot::channel();
+        let ahead_tx = early.is_some().then_some(ahead_tx);
+        let hand_on = async move {
+            if let (Some(early), Ok(changes)) = (early, ahead_rx.await) {
+                let _ = early.send((changes, spec.clone()));
+            }
+        };
+        let run = here.run(
+            admitted.request_id,
+            spec,
+            &api.peer_name,
+            admitted.received,
+            ahead_tx,
+        );
+        let (ran, ()) = tokio::join!(run, hand_on);
         if let Some((committed, result)) = ran {
             let committed = committed.map_err(unavailable)?;
             return Ok((submitted(api, committed.outcome, &admitted.slot)?.0, result));
@@ -289,6 +312,10 @@ pub(crate) struct RunQuery {
 /// task and its outputs, their bytes inline when all together are at most
 /// [`RUN_INLINE_BYTES`] ([`RUN_ATTACHED_BYTES`] in a binary answer): one request
 /// instead of submit, wait, list and fetch.
+///
+/// In a binary answer, the outputs of a task run here that are too large for its
+/// entry go to the client while its result is being stored on two nodes and
+/// recorded ([`streamed`]); the answer's end says whether they are the answer.
 pub(crate) async fn run(
     State(api): State<Arc<ApiState>>,
     axum::extract::Query(q): axum::extract::Query<RunQuery>,
@@ -302,89 +329,160 @@ pub(crate) async fn run(
         .iter()
         .filter_map(|v| v.to_str().ok())
         .any(|v| v.split(',').any(|t| t.trim() == RUN_BINARY));
-    let (id, ran_here) = submit_or_run_here(&api, body).await?;
+    let (early_tx, mut early_rx) = oneshot::channel();
+    let mut ran = Box::pin(run_and_wait(
+        api.clone(),
+        body,
+        deadline,
+        binary.then_some(early_tx),
+    ));
+    // The run's changes, when it ran here and they may go ahead of its record.
+    let early = tokio::select! {
+        biased;
+        ran = &mut ran => return answer(&api, ran?, binary).await,
+        early = &mut early_rx => early.ok(),
+    };
+    match early {
+        Some(early) => Ok(streamed(api, Box::pin(ran), early)),
+        None => answer(&api, ran.await?, binary).await,
+    }
+}
+
+/// What a run came to, before its outputs are made: the task as it stands
+/// (finished, or the wait ran out) and, for a task run here, its result in memory.
+struct Ran {
+    view: TaskView,
+    here: Option<crate::run_here::RanHere>,
+}
+
+/// A run's changes handed over before they are stored and recorded.
+type Early = (
+    Arc<gpumesh_protocol::ShardChanges>,
+    gpumesh_protocol::TaskSpec,
+);
+
+/// Submits (or runs here) and waits for the task to finish or `deadline`. `early`
+/// is given the changes of a run here whose result is stored as a blob (too large
+/// for its entry) and whose outputs all go in a binary answer.
+async fn run_and_wait(
+    api: Arc<ApiState>,
+    body: std::result::Result<Bytes, BytesRejection>,
+    deadline: tokio::time::Instant,
+    early: Option<oneshot::Sender<Early>>,
+) -> ApiResult<Ran> {
+    let (id, here) = submit_or_run_here(&api, body, early).await?;
     let mut view = wait_change(&api, id, None, deadline).await?;
     while !view.status.is_finished() && tokio::time::Instant::now() < deadline {
         view = wait_change(&api, id, Some(view.shards_done), deadline).await?;
     }
-    // Each output, with its bytes when they go in the answer.
-    let mut outputs: Vec<(RunOutput, Option<Vec<u8>>)> = Vec::new();
-    let completed = view.status == TaskState::Completed;
+    Ok(Ran { view, here })
+}
+
+/// The answer to a run, once it is recorded.
+async fn answer(api: &ApiState, ran: Ran, binary: bool) -> ApiResult<axum::response::Response> {
+    let id = ran.view.id;
+    let completed = ran.view.status == TaskState::Completed;
     let inline = if binary {
         RUN_ATTACHED_BYTES
     } else {
         RUN_INLINE_BYTES
     };
-    if completed {
-        // One shard: its changes over the starting contents are the answer, made
-        // here in memory when they go in the answer (nothing to store: any node
-        // can make them again).
-        let task = api
-            .consensus
-            .read_local(move |s| s.task(TaskId(id)).cloned())
-            .ok_or_else(|| not_found(id))?;
-        let declared: u64 = task.spec.bindings.iter().map(|b| b.role.size()).sum();
-        if task.outputs.is_empty() && declared <= inline {
-            // Run here: the changes are still in memory, when they are what the
-            // record holds (a request made twice at once may have recorded the
-            // other run's).
-            let recorded = task.shards.first().and_then(|s| s.output.as_ref());
-            let made = match ran_here {
-                Some(r) if recorded.is_some_and(|o| o.blob == r.blob) => {
-                    crate::outputs::merge_changes(&api.blobs, &task, vec![r.changes]).await
-                }
-                _ => crate::outputs::merge_shards(&api.blobs, &api.peers, &task).await,
-            }
-            .map_err(|e| unavailable(e.to_string()))?;
-            for (binding, bytes) in made {
-                let output = RunOutput {
-                    binding,
-                    size: bytes.len() as u64,
-                    blake3: BlobId::of(&bytes).to_hex(),
-                    hex: None,
-                    attached: false,
-                };
-                outputs.push((output, Some(bytes)));
-            }
-        } else {
-            let ids = merged(&api, id).await?;
-            let store = api.blobs.store();
-            // Each size asked for once; a merged output not here is an error, not
-            // an output of 0 bytes.
-            let sized = ids
-                .into_iter()
-                .map(|(binding, blob)| match store.size(&blob) {
-                    Some(size) => Ok((binding, blob, size)),
-                    None => Err(unavailable("merged output vanished")),
-                })
-                .collect::<ApiResult<Vec<_>>>()?;
-            let total: u64 = sized.iter().map(|(_, _, size)| size).sum();
-            for (binding, blob, size) in sized {
-                let bytes = if total <= inline {
-                    let bytes = store
-                        .get(&blob)
-                        .map_err(unavailable)?
-                        .ok_or_else(|| unavailable("merged output vanished"))?;
-                    Some(bytes)
-                } else {
-                    None
-                };
-                let output = RunOutput {
-                    binding,
-                    size,
-                    blake3: blob.to_hex(),
-                    hex: None,
-                    attached: false,
-                };
-                outputs.push((output, bytes));
-            }
-        }
-    }
-    let reply = run_reply(view, outputs, binary)?;
+    let outputs = if completed {
+        outputs_of(api, id, ran.here, inline).await?
+    } else {
+        Vec::new()
+    };
+    let reply = run_reply(ran.view, outputs, binary)?;
     if completed {
         api.timeline.mark(TaskId(id), Stage::Served);
     }
     Ok(reply)
+}
+
+/// Each output of completed task `id`, with its bytes when all together are at
+/// most `inline`.
+async fn outputs_of(
+    api: &ApiState,
+    id: u64,
+    here: Option<crate::run_here::RanHere>,
+    inline: u64,
+) -> ApiResult<Vec<(RunOutput, Option<Vec<u8>>)>> {
+    let mut outputs = Vec::new();
+    // One shard: its changes over the starting contents are the answer, made
+    // here in memory when they go in the answer (nothing to store: any node
+    // can make them again).
+    let task = api
+        .consensus
+        .read_local(move |s| s.task(TaskId(id)).cloned())
+        .ok_or_else(|| not_found(id))?;
+    let declared: u64 = task.spec.bindings.iter().map(|b| b.role.size()).sum();
+    if task.outputs.is_empty() && declared <= inline {
+        // Run here: the changes are still in memory, when they are what the
+        // record holds (a request made twice at once may have recorded the
+        // other run's).
+        let made = match here {
+            Some(r) if holds(&task, &r) => {
+                crate::outputs::merge_changes(
+                    &api.blobs,
+                    &task.spec,
+                    &task.submitter,
+                    vec![r.changes],
+                )
+                .await
+            }
+            _ => crate::outputs::merge_shards(&api.blobs, &api.peers, &task).await,
+        }
+        .map_err(|e| unavailable(e.to_string()))?;
+        for (binding, bytes) in made {
+            let output = RunOutput {
+                binding,
+                size: bytes.len() as u64,
+                blake3: BlobId::of(&bytes).to_hex(),
+                hex: None,
+                attached: false,
+            };
+            outputs.push((output, Some(bytes)));
+        }
+        return Ok(outputs);
+    }
+    let ids = merged(api, id).await?;
+    let store = api.blobs.store();
+    // Each size asked for once; a merged output not here is an error, not an
+    // output of 0 bytes.
+    let sized = ids
+        .into_iter()
+        .map(|(binding, blob)| match store.size(&blob) {
+            Some(size) => Ok((binding, blob, size)),
+            None => Err(unavailable("merged output vanished")),
+        })
+        .collect::<ApiResult<Vec<_>>>()?;
+    let total: u64 = sized.iter().map(|(_, _, size)| size).sum();
+    for (binding, blob, size) in sized {
+        let bytes = if total <= inline {
+            let bytes = store
+                .get(&blob)
+                .map_err(unavailable)?
+                .ok_or_else(|| unavailable("merged output vanished"))?;
+            Some(bytes)
+        } else {
+            None
+        };
+        let output = RunOutput {
+            binding,
+            size,
+            blake3: blob.to_hex(),
+            hex: None,
+            attached: false,
+        };
+        outputs.push((output, bytes));
+    }
+    Ok(outputs)
+}
+
+/// Whether the record has `here` as the result of `task`'s one shard.
+fn holds(task: &gpumesh_consensus::Task, here: &crate::run_here::RanHere) -> bool {
+    let recorded = task.shards.first().and_then(|s| s.output.as_ref());
+    task.shards.len() == 1 && recorded.is_some_and(|o| o.blob == here.blob)
 }
 
 /// The answer of `POST /v1/tasks/run`: JSON with the outputs' bytes in hex, or in
@@ -406,7 +504,8 @@ fn run_reply(
         return Ok(Json(RunReply { task, outputs }).into_response());
     }
     let (outputs, bytes) = outputs.into_iter().unzip();
-    let mut pieces = encode_run_binary(RunReply { task, outputs }, bytes).map_err(unavailable)?;
+    let mut pieces =
+        encode_run_binary(RunReply { task, outputs }, bytes, 0).map_err(unavailable)?;
     let length: usize = pieces.iter().map(Vec::len).sum();
     let body = if let [head] = &mut pieces[..] {
         axum::body::Body::from(std::mem::take(head))
@@ -425,6 +524,146 @@ fn run_reply(
         body,
     )
         .into_response())
+}
+
+/// A binary answer whose outputs go ahead of the record: the outputs `early`
+/// makes are sent (and hashed) while `ran` stores the result on two nodes and
+/// records it; the end follows once it did. When the record then holds this
+/// result the end names those bytes as the outputs; otherwise (the run not
+/// recorded, another run's result recorded under the same request id, an error)
+/// it skips them and the answer follows as it would have without them.
+fn streamed(
+    api: Arc<ApiState>,
+    ran: std::pin::Pin<Box<dyn std::future::Future<Output = ApiResult<Ran>> + Send>>,
+    (changes, spec): Early,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(4);
+    tokio::spawn(async move {
+        let spec = Arc::new(spec);
+        // Merged here as the record's node would, from the same starts.
+        let made =
+            crate::outputs::merge_changes(&api.blobs, &spec, &api.peer_name, vec![changes.clone()])
+                .await;
+        let mut sent = 0u64;
+        let mut ahead = Vec::new();
+        if let Ok(made) = made {
+            for (binding, bytes) in made {
+                let bytes = Bytes::from(bytes);
+                let hashed = {
+                    let bytes = bytes.clone();
+                    tokio::task::spawn_blocking(move || BlobId::of(&bytes))
+                };
+                sent += bytes.len() as u64;
+                ahead.push((binding, bytes.len() as u64, hashed));
+                if tx.send(bytes).await.is_err() {
+                    return; // the client is gone; the run goes on being recorded
+                }
+            }
+        }
+        let end = match ran.await {
+            Ok(ran) => streamed_end(&api, ran, &changes, ahead, sent).await,
+            Err(ApiError(status, error)) => Err(ApiError(status, error)),
+        };
+        let pieces = end.unwrap_or_else(|ApiError(status, error)| {
+            let end = RunEnd {
+                skip: sent,
+                reply: None,
+                error: Some(RunError {
+                    status: status.as_u16(),
+                    error,
+                }),
+            };
+            vec![encode_run_end(&end).unwrap_or_default()]
+        });
+        for piece in pieces {
+            if tx.send(Bytes::from(piece)).await.is_err() {
+                return;
+            }
+        }
+    });
+    let body = futures::stream::unfold(rx, |mut rx| async move {
+        let piece = rx.recv().await?;
+        Some((Ok::<_, std::convert::Infallible>(piece), rx))
+    });
+    (
+        [(axum::http::header::CONTENT_TYPE, RUN_BINARY.to_string())],
+        axum::body::Body::from_stream(body),
+    )
+        .into_response()
+}
+
+/// The rest of a [`streamed`] answer once the run is recorded: the end naming the
+/// `ahead` outputs (binding, size, hash) sent from `changes` when the record
+/// holds them, else the answer as it would have been, after the `sent` bytes.
+async fn streamed_end(
+    api: &ApiState,
+    ran: Ran,
+    changes: &Arc<gpumesh_protocol::ShardChanges>,
+    ahead: Vec<(u32, u64, tokio::task::JoinHandle<BlobId>)>,
+    sent: u64,
+) -> ApiResult<Vec<Vec<u8>>> {
+    let id = ran.view.id;
+    if ran.view.status != TaskState::Completed {
+        return encode_run_binary(
+            RunReply {
+                task: ran.view,
+                outputs: Vec::new(),
+            },
+            Vec::new(),
+            sent,
+        )
+        .map_err(unavailable);
+    }
+    let task = api
+        .consensus
+        .read_local(move |s| s.task(TaskId(id)).cloned())
+        .ok_or_else(|| not_found(id))?;
+    let ours = ran
+        .here
+        .as_ref()
+        .is_some_and(|h| Arc::ptr_eq(&h.changes, changes) && holds(&task, h));
+    let declared: u64 = task.spec.bindings.iter().map(|b| b.role.size()).sum();
+    let attach = task.outputs.is_empty() && declared <= RUN_ATTACHED_BYTES;
+    let pieces = if ours && attach && !ahead.is_empty() {
+        let mut outputs = Vec::with_capacity(ahead.len());
+        for (binding, size, hashed) in ahead {
+            let hash = hashed
+                .await
+                .map_err(|e| unavailable(format!("an output's hash: {e}")))?;
+            outputs.push(RunOutput {
+                binding,
+                size,
+                blake3: hash.to_hex(),
+                hex: None,
+                attached: true,
+            });
+        }
+        let reply = RunReply {
+            task: ran.view,
+            outputs,
+        };
+        vec![encode_run_end(&RunEnd {
+            skip: 0,
+            reply: Some(reply),
+            error: None,
+        })
+        .map_err(unavailable)?]
+    } else {
+        let outputs = outputs_of(api, id, ran.here, RUN_ATTACHED_BYTES).await?;
+        let (outputs, bytes) = outputs.into_iter().unzip();
+        encode_run_binary(
+            RunReply {
+                task: ran.view,
+                outputs,
+            },
+            bytes,
+            sent,
+        )
+        .map_err(unavailable)?
+    };
+    api.timeline.mark(TaskId(id), Stage::Served);
+    Ok(pieces)
 }
 
 /// Task `id` once it has other than `done` shards done, or has finished, or

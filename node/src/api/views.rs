@@ -52,57 +52,110 @@ pub const RUN_INLINE_BYTES: u64 = 64 << 10;
 pub const RUN_ATTACHED_BYTES: u64 = 64 << 20;
 
 /// The media type a client names in `Accept` to have `POST /v1/tasks/run` answer
-/// in binary: a u32 (little-endian) length, the [`RunReply`] as JSON in that many
-/// bytes, then the bytes of each output marked `attached`, in the order listed,
-/// each `size` long. Output bytes cost no hex on either side that way (an answer's
-/// 48 KB output: 96 KB of JSON text to write, parse and decode).
-pub const RUN_BINARY: &str = "application/vnd.gpumesh.run";
+/// in binary: the bytes of each output marked `attached`, in the order listed,
+/// each `size` long, after the first `skip` bytes of the body; then the
+/// [`RunEnd`] as JSON; then that JSON's length as a u32 (little-endian). Output
+/// bytes cost no hex on either side that way (an answer's 48 KB output: 96 KB of
+/// JSON text to write, parse and decode).
+///
+/// The JSON comes last so that a task run where it was sent can have its outputs
+/// on the way to the client while its result is being stored on two nodes and
+/// recorded: what says the bytes are the answer (the task completed, the record
+/// holds that result, each output's hash) comes only once that is done. A body
+/// that ends without it is no answer.
+pub const RUN_BINARY: &str = "application/vnd.gpumesh.run.v2";
+
+/// The end of a binary answer (see [`RUN_BINARY`]): the reply, or the error that
+/// took its place (a status and reason, as an HTTP error would have given them).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunEnd {
+    /// Bytes at the body's start that are no output of the reply: sent before the
+    /// run was recorded, when the record then held something else.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub skip: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reply: Option<RunReply>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<RunError>,
+}
+
+/// An error at the end of a binary answer whose body had begun.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunError {
+    pub status: u16,
+    pub error: String,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
 
 /// Each output's bytes in a run's answer, in the order of its outputs: `None` for
 /// one whose bytes did not come with it.
 pub type AttachedBytes = Vec<Option<Vec<u8>>>;
 
+/// The end of a binary answer: `end` as JSON, then its length.
+pub fn encode_run_end(end: &RunEnd) -> Result<Vec<u8>, String> {
+    let mut json =
+        serde_json::to_vec(end).map_err(|e| format!("the answer did not encode: {e}"))?;
+    let len =
+        u32::try_from(json.len()).map_err(|_| "the answer's JSON is over 4 GiB".to_string())?;
+    json.extend_from_slice(&len.to_le_bytes());
+    Ok(json)
+}
+
 /// `reply` with its outputs' bytes (`bytes[i]` for `reply.outputs[i]`, `None` where
 /// an output's bytes do not come with the answer) in the binary form of
-/// [`RUN_BINARY`]: each output with bytes is marked `attached`, its bytes go after
-/// the JSON. In pieces, to be sent one after another: the length and the JSON,
-/// then each attached output's bytes as they were given (not copied into one).
+/// [`RUN_BINARY`], after `skip` bytes already sent: each output with bytes is
+/// marked `attached`. In pieces, to be sent one after another: each attached
+/// output's bytes as they were given (not copied into one), then the end.
 pub fn encode_run_binary(
     mut reply: RunReply,
     bytes: AttachedBytes,
+    skip: u64,
 ) -> Result<Vec<Vec<u8>>, String> {
-    let mut attached = Vec::new();
+    let mut pieces = Vec::new();
     for (o, b) in reply.outputs.iter_mut().zip(bytes) {
         o.hex = None;
         o.attached = b.is_some();
-        attached.extend(b);
+        pieces.extend(b);
     }
-    let json = serde_json::to_vec(&reply).map_err(|e| format!("the answer did not encode: {e}"))?;
-    let len =
-        u32::try_from(json.len()).map_err(|_| "the answer's JSON is over 4 GiB".to_string())?;
-    let mut head = Vec::with_capacity(4 + json.len());
-    head.extend_from_slice(&len.to_le_bytes());
-    head.extend_from_slice(&json);
-    let mut pieces = vec![head];
-    pieces.extend(attached);
+    pieces.push(encode_run_end(&RunEnd {
+        skip,
+        reply: Some(reply),
+        error: None,
+    })?);
     Ok(pieces)
 }
 
 /// A binary answer (see [`RUN_BINARY`]) taken apart: the reply, and each output's
 /// bytes in order (`None` for one not attached), every attached output exactly
-/// `size` bytes and nothing left over. A body that is cut short, runs on, or does
-/// not parse is an error that says which.
-pub fn decode_run_binary(body: &[u8]) -> Result<(RunReply, AttachedBytes), String> {
-    let len = body
-        .get(..4)
-        .map(|l| u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize)
-        .ok_or("a binary answer shorter than its length")?;
-    let json = body
-        .get(4..4usize.saturating_add(len))
-        .ok_or_else(|| format!("a binary answer cut inside its {len}-byte JSON"))?;
-    let reply: RunReply =
-        serde_json::from_slice(json).map_err(|e| format!("a binary answer's JSON: {e}"))?;
-    let mut rest = &body[4 + len..];
+/// `size` bytes after the skipped ones and nothing left over; or the error it
+/// ends with. A body that is cut short, runs on, or does not parse is an error
+/// that says which.
+pub fn decode_run_binary(
+    body: &[u8],
+) -> Result<Result<(RunReply, AttachedBytes), RunError>, String> {
+    let at = body
+        .len()
+        .checked_sub(4)
+        .ok_or("a binary answer shorter than its end's length")?;
+    let l = &body[at..];
+    let len = u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize;
+    let start = at
+        .checked_sub(len)
+        .ok_or_else(|| format!("a binary answer shorter than its {len}-byte end"))?;
+    let end: RunEnd = serde_json::from_slice(&body[start..at])
+        .map_err(|e| format!("a binary answer's end: {e}"))?;
+    let skip = usize::try_from(end.skip).unwrap_or(usize::MAX);
+    let mut rest = body[..start]
+        .get(skip..)
+        .ok_or_else(|| format!("a binary answer shorter than the {skip} bytes it skips"))?;
+    let reply = match (end.reply, end.error) {
+        (_, Some(error)) => return Ok(Err(error)),
+        (Some(reply), None) => reply,
+        (None, None) => return Err("a binary answer ends with neither reply nor error".into()),
+    };
     let mut bytes = Vec::with_capacity(reply.outputs.len());
     for o in &reply.outputs {
         if !o.attached {
@@ -112,7 +165,7 @@ pub fn decode_run_binary(body: &[u8]) -> Result<(RunReply, AttachedBytes), Strin
         let size = usize::try_from(o.size).unwrap_or(usize::MAX);
         if size > rest.len() {
             return Err(format!(
-                "output {} ({size} bytes) runs past the answer's end",
+                "output {} ({size} bytes) runs past its part of the answer",
                 o.binding
             ));
         }
@@ -126,7 +179,7 @@ pub fn decode_run_binary(body: &[u8]) -> Result<(RunReply, AttachedBytes), Strin
             rest.len()
         ));
     }
-    Ok((reply, bytes))
+    Ok(Ok((reply, bytes)))
 }
 
 /// Lower-case hex of `bytes`.
@@ -496,29 +549,60 @@ mod tests {
     #[test]
     fn a_binary_answer_goes_both_ways_and_garbage_is_refused_with_the_reason() {
         let bytes = vec![Some(vec![1u8, 2, 3]), None, Some(vec![9u8; 5])];
-        let body = encode_run_binary(reply(&[(0, 3), (1, 1 << 20), (2, 5)]), bytes.clone())
+        let body = encode_run_binary(reply(&[(0, 3), (1, 1 << 20), (2, 5)]), bytes.clone(), 0)
             .unwrap()
             .concat();
-        let (back, got) = decode_run_binary(&body).unwrap();
+        let (back, got) = decode_run_binary(&body).unwrap().unwrap();
         assert_eq!(got, bytes);
         assert_eq!(back.task.id, 7);
         let marks: Vec<bool> = back.outputs.iter().map(|o| o.attached).collect();
         assert_eq!(marks, vec![true, false, true]);
 
+        // Bytes sent ahead and then disowned: skipped, the outputs after them.
+        let mut ahead = vec![0xeeu8; 11];
+        ahead.extend(
+            encode_run_binary(reply(&[(0, 3), (1, 1 << 20), (2, 5)]), bytes.clone(), 11)
+                .unwrap()
+                .concat(),
+        );
+        assert_eq!(decode_run_binary(&ahead).unwrap().unwrap().1, bytes);
+
+        // An answer that ends in an error, whatever came before it.
+        let mut failed = vec![1u8, 2, 3];
+        let error = RunError {
+            status: 503,
+            error: "no quorum".into(),
+        };
+        failed.extend(
+            encode_run_end(&RunEnd {
+                skip: 3,
+                reply: None,
+                error: Some(error.clone()),
+            })
+            .unwrap(),
+        );
+        assert_eq!(decode_run_binary(&failed).unwrap().unwrap_err(), error);
+
         let fails = |body: &[u8], why: &str| {
             let e = decode_run_binary(body).unwrap_err();
             assert!(e.contains(why), "{e}");
         };
-        fails(&body[..3], "shorter than its length");
-        fails(&body[..10], "cut inside");
-        fails(&body[..body.len() - 1], "runs past the answer's end");
-        let mut longer = body.clone();
-        longer.push(0);
+        fails(&body[..3], "shorter than its end's length");
+        // Cut anywhere, the end is not where its length says.
+        fails(&body[..body.len() - 1], "");
+        fails(&body[1..], "runs past its part");
+        let mut longer = vec![0];
+        longer.extend_from_slice(&body);
         fails(&longer, "past its outputs");
         let mut bad_json = body.clone();
-        bad_json[4] = b'?';
-        fails(&bad_json, "JSON");
-        fails(&[0xff, 0xff, 0xff, 0xff, b'{'], "cut inside");
+        let n = bad_json.len();
+        bad_json[n - 6] = b'?';
+        fails(&bad_json, "end:");
+        fails(&[b'}', 0xff, 0xff, 0xff, 0xff], "shorter than its");
+        fails(&[b'{', b'}', 2, 0, 0, 0], "neither reply nor error");
+        let mut skips_too_much = b"{\"skip\":9}".to_vec();
+        skips_too_much.extend_from_slice(&10u32.to_le_bytes());
+        fails(&skips_too_much, "shorter than the 9 bytes it skips");
     }
 
     #[test]

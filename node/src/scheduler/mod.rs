@@ -364,7 +364,7 @@ async fn verdict(
         ));
     }
     // Replicas that changed different words are compared over whole buffers.
-    let starts = crate::outputs::starts(blobs, &t)
+    let starts = crate::outputs::starts(blobs, &t.spec, &t.submitter)
         .await
         .map_err(|e| e.to_string())?;
     let bases: BTreeMap<u32, gpumesh_protocol::Base<'_>> =
