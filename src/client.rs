@@ -10,7 +10,7 @@ use gpumesh_consensus::{RequestId, RequestIds};
 use gpumesh_node::api::{
     decode_run_binary, from_hex, ActorView, AttachedBytes, BlobReply, CallReply, CallRequest,
     CreateActorRequest, ErrorBody, OutputView, RunReply, StateInit, StatusView, SubmitReply,
-    SubmitRequest, TaskState, TaskView, RUN_BINARY,
+    SubmitRequest, TaskState, TaskView, RUN_ATTACHED_BYTES, RUN_BINARY,
 };
 use gpumesh_protocol::{ActorCall, BlobId, TaskSpec};
 
@@ -465,6 +465,13 @@ impl Client {
         spec: TaskSpec,
         request_id: RequestId,
     ) -> ClientResult<(u64, BTreeMap<u32, Vec<u8>>)> {
+        let expected: u64 = spec
+            .bindings
+            .iter()
+            .filter(|b| b.role.is_writable())
+            .map(|b| b.role.size())
+            .sum();
+        let expected = usize::try_from(expected).unwrap_or(usize::MAX);
         let request = SubmitRequest {
             spec,
             request_id: Some(request_id),
@@ -476,7 +483,7 @@ impl Client {
                     .post(self.url("/v1/tasks/run"))
                     .header(reqwest::header::ACCEPT, RUN_BINARY)
                     .json(&request);
-                self.run_reply(self.send(asked).await?).await
+                self.run_reply(self.send(asked).await?, expected).await
             })
             .await?;
         let t = reply.task;
@@ -531,8 +538,14 @@ impl Client {
 
     /// The answer of `POST /v1/tasks/run`, in binary (see [`RUN_BINARY`]) or, from
     /// a node that answers only in JSON, as JSON: the reply, and each output's bytes
-    /// where they came attached.
-    async fn run_reply(&self, resp: reqwest::Response) -> ClientResult<(RunReply, AttachedBytes)> {
+    /// where they came attached. The body is read into one buffer of room for
+    /// `expected` bytes (the outputs the task declares) and the first output keeps
+    /// it: no copy of the bytes past the one out of the connection.
+    async fn run_reply(
+        &self,
+        mut resp: reqwest::Response,
+        expected: usize,
+    ) -> ClientResult<(RunReply, AttachedBytes)> {
         let protocol = |reason: String| ClientError::Protocol {
             addr: self.addr.clone(),
             reason,
@@ -541,14 +554,20 @@ impl Client {
             .headers()
             .get(reqwest::header::CONTENT_TYPE)
             .is_some_and(|t| t.as_bytes() == RUN_BINARY.as_bytes());
-        let body = resp.bytes().await.map_err(|e| protocol(e.to_string()))?;
+        let room = resp
+            .content_length()
+            .map_or(expected.saturating_add(64 << 10), |n| n as usize);
+        let mut body = Vec::with_capacity(room.min(RUN_ATTACHED_BYTES as usize + (1 << 20)));
+        while let Some(chunk) = resp.chunk().await.map_err(|e| protocol(e.to_string()))? {
+            body.extend_from_slice(&chunk);
+        }
         if !binary {
             let reply: RunReply =
                 serde_json::from_slice(&body).map_err(|e| protocol(e.to_string()))?;
             let none = vec![None; reply.outputs.len()];
             return Ok((reply, none));
         }
-        match decode_run_binary(&body).map_err(protocol)? {
+        match decode_run_binary(body).map_err(protocol)? {
             Ok(answer) => Ok(answer),
             // An answer whose body had begun before the error came.
             Err(e) => match reqwest::StatusCode::from_u16(e.status) {

@@ -212,7 +212,7 @@ async fn a_run_goes_on_the_node_it_is_sent_to_and_is_recorded_with_its_result() 
         );
         let framed = answer.bytes().await.unwrap();
         // The output's bytes first, then the reply as JSON, then its length.
-        let (reply, attached) = decode_run_binary(&framed).unwrap().unwrap();
+        let (reply, attached) = decode_run_binary(framed.to_vec()).unwrap().unwrap();
         assert_eq!(
             reply.task.id, tasks[0],
             "the binary answer names the same task"
@@ -326,7 +326,7 @@ async fn a_request_sent_twice_at_once_answers_both_with_the_one_task() {
         for (kind, body) in [a, b] {
             assert_eq!(kind, RUN_BINARY);
             let end = end_of(&body);
-            let (reply, attached) = decode_run_binary(&body).unwrap().unwrap();
+            let (reply, attached) = decode_run_binary(body.clone()).unwrap().unwrap();
             assert_eq!(reply.task.status, TaskState::Completed, "{reply:#?}");
             assert!(
                 attached[0].as_deref() == Some(&cpu[..]),
@@ -381,7 +381,7 @@ async fn outputs_sent_ahead_of_a_record_that_never_comes_end_in_an_error() {
         assert_eq!(kind, RUN_BINARY);
         let end = end_of(&body);
         assert!(end.reply.is_none(), "{end:?}");
-        let error = decode_run_binary(&body).unwrap().unwrap_err();
+        let error = decode_run_binary(body.clone()).unwrap().unwrap_err();
         assert_eq!(error.status, 503, "{error:?}");
         assert_eq!(end.skip, 16_000, "the output went ahead and is skipped");
         assert_eq!(

@@ -132,9 +132,10 @@ pub fn encode_run_binary(
 /// bytes in order (`None` for one not attached), every attached output exactly
 /// `size` bytes after the skipped ones and nothing left over; or the error it
 /// ends with. A body that is cut short, runs on, or does not parse is an error
-/// that says which.
+/// that says which. The first attached output keeps the body's allocation (an
+/// answer of one output is not copied).
 pub fn decode_run_binary(
-    body: &[u8],
+    mut body: Vec<u8>,
 ) -> Result<Result<(RunReply, AttachedBytes), RunError>, String> {
     let at = body
         .len()
@@ -147,37 +148,45 @@ pub fn decode_run_binary(
         .ok_or_else(|| format!("a binary answer shorter than its {len}-byte end"))?;
     let end: RunEnd = serde_json::from_slice(&body[start..at])
         .map_err(|e| format!("a binary answer's end: {e}"))?;
+    body.truncate(start);
     let skip = usize::try_from(end.skip).unwrap_or(usize::MAX);
-    let mut rest = body[..start]
-        .get(skip..)
-        .ok_or_else(|| format!("a binary answer shorter than the {skip} bytes it skips"))?;
+    if skip > body.len() {
+        return Err(format!(
+            "a binary answer shorter than the {skip} bytes it skips"
+        ));
+    }
     let reply = match (end.reply, end.error) {
         (_, Some(error)) => return Ok(Err(error)),
         (Some(reply), None) => reply,
         (None, None) => return Err("a binary answer ends with neither reply nor error".into()),
     };
-    let mut bytes = Vec::with_capacity(reply.outputs.len());
-    for o in &reply.outputs {
-        if !o.attached {
-            bytes.push(None);
-            continue;
-        }
+    let mut left = body.len() - skip;
+    for o in reply.outputs.iter().filter(|o| o.attached) {
         let size = usize::try_from(o.size).unwrap_or(usize::MAX);
-        if size > rest.len() {
+        if size > left {
             return Err(format!(
                 "output {} ({size} bytes) runs past its part of the answer",
                 o.binding
             ));
         }
-        let (mine, after) = rest.split_at(size);
-        bytes.push(Some(mine.to_vec()));
-        rest = after;
+        left -= size;
     }
-    if !rest.is_empty() {
-        return Err(format!(
-            "{} bytes in the answer past its outputs",
-            rest.len()
-        ));
+    if left > 0 {
+        return Err(format!("{left} bytes in the answer past its outputs"));
+    }
+    body.drain(..skip);
+    // From the last output back, so the first keeps the body's allocation.
+    let first = reply.outputs.iter().position(|o| o.attached);
+    let mut bytes = vec![None; reply.outputs.len()];
+    for (i, o) in reply.outputs.iter().enumerate().rev() {
+        if !o.attached {
+            continue;
+        }
+        bytes[i] = Some(if Some(i) == first {
+            std::mem::take(&mut body)
+        } else {
+            body.split_off(body.len() - o.size as usize)
+        });
     }
     Ok(Ok((reply, bytes)))
 }
@@ -552,7 +561,7 @@ mod tests {
         let body = encode_run_binary(reply(&[(0, 3), (1, 1 << 20), (2, 5)]), bytes.clone(), 0)
             .unwrap()
             .concat();
-        let (back, got) = decode_run_binary(&body).unwrap().unwrap();
+        let (back, got) = decode_run_binary(body.clone()).unwrap().unwrap();
         assert_eq!(got, bytes);
         assert_eq!(back.task.id, 7);
         let marks: Vec<bool> = back.outputs.iter().map(|o| o.attached).collect();
@@ -565,7 +574,7 @@ mod tests {
                 .unwrap()
                 .concat(),
         );
-        assert_eq!(decode_run_binary(&ahead).unwrap().unwrap().1, bytes);
+        assert_eq!(decode_run_binary(ahead).unwrap().unwrap().1, bytes);
 
         // An answer that ends in an error, whatever came before it.
         let mut failed = vec![1u8, 2, 3];
@@ -581,10 +590,10 @@ mod tests {
             })
             .unwrap(),
         );
-        assert_eq!(decode_run_binary(&failed).unwrap().unwrap_err(), error);
+        assert_eq!(decode_run_binary(failed).unwrap().unwrap_err(), error);
 
         let fails = |body: &[u8], why: &str| {
-            let e = decode_run_binary(body).unwrap_err();
+            let e = decode_run_binary(body.to_vec()).unwrap_err();
             assert!(e.contains(why), "{e}");
         };
         fails(&body[..3], "shorter than its end's length");
