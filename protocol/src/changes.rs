@@ -165,12 +165,20 @@ impl BufferChanges {
     /// The buffer's bytes when every word is in these changes (as
     /// [`Self::whole`] makes them), without a copy; `None` otherwise.
     pub fn into_whole(self) -> Option<Vec<u8>> {
-        let all = match self.runs[..] {
+        self.is_whole().then_some(self.data)
+    }
+
+    /// [`Self::into_whole`], borrowed.
+    pub fn as_whole(&self) -> Option<&[u8]> {
+        self.is_whole().then_some(&self.data[..])
+    }
+
+    fn is_whole(&self) -> bool {
+        match self.runs[..] {
             [] => self.size == 0,
             [only] => only.offset == 0 && only.len == self.size,
             _ => false,
-        };
-        all.then_some(self.data)
+        }
     }
 
     /// Each run with its new bytes.
@@ -483,7 +491,11 @@ mod tests {
         assert_eq!(BufferChanges::whole(&[]).into_whole(), Some(Vec::new()));
         let before = words(&[4, 0, 6]);
         let some = BufferChanges::diff(Base::Bytes(&before), &bytes);
+        assert_eq!(some.as_whole(), None, "one word of three changed");
         assert_eq!(some.into_whole(), None, "one word of three changed");
+        // Every word changed: the diff is one run, its bytes the buffer's.
+        let all = BufferChanges::diff(Base::Fill([0; 4]), &bytes);
+        assert_eq!(all.as_whole(), Some(&bytes[..]));
     }
 
     #[test]

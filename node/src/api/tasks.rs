@@ -540,16 +540,11 @@ fn streamed(
     use axum::response::IntoResponse;
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(4);
     tokio::spawn(async move {
-        let spec = Arc::new(spec);
-        // Merged here as the record's node would, from the same starts.
-        let made =
-            crate::outputs::merge_changes(&api.blobs, &spec, &api.peer_name, vec![changes.clone()])
-                .await;
+        let made = ahead_outputs(&api, &spec, &changes).await;
         let mut sent = 0u64;
         let mut ahead = Vec::new();
         if let Ok(made) = made {
             for (binding, bytes) in made {
-                let bytes = Bytes::from(bytes);
                 let hashed = {
                     let bytes = bytes.clone();
                     tokio::task::spawn_blocking(move || BlobId::of(&bytes))
@@ -591,6 +586,48 @@ fn streamed(
         axum::body::Body::from_stream(body),
     )
         .into_response()
+}
+
+/// The outputs of a run here from its `changes`, made as the record's node would
+/// make them: each writable buffer of `spec` that the run changed word for word
+/// is its changes' bytes as they are (no copy); otherwise they are merged over
+/// the buffers' starting contents.
+async fn ahead_outputs(
+    api: &ApiState,
+    spec: &gpumesh_protocol::TaskSpec,
+    changes: &Arc<gpumesh_protocol::ShardChanges>,
+) -> Result<Vec<(u32, Bytes)>, crate::outputs::MergeError> {
+    let writable: Vec<(u32, u64)> = spec
+        .bindings
+        .iter()
+        .filter(|b| b.role.is_writable())
+        .map(|b| (b.binding, b.role.size()))
+        .collect();
+    let whole = writable.iter().all(|(b, size)| {
+        changes
+            .0
+            .get(b)
+            .is_some_and(|c| c.size == *size && c.as_whole().is_some())
+    });
+    if whole {
+        let output = |(binding, _)| (binding, Bytes::from_owner(Whole(changes.clone(), binding)));
+        return Ok(writable.into_iter().map(output).collect());
+    }
+    let made =
+        crate::outputs::merge_changes(&api.blobs, spec, &api.peer_name, vec![changes.clone()])
+            .await?;
+    Ok(made.into_iter().map(|(b, v)| (b, Bytes::from(v))).collect())
+}
+
+/// The bytes of a buffer a run changed word for word, in its changes (as
+/// [`ahead_outputs`] checked).
+struct Whole(Arc<gpumesh_protocol::ShardChanges>, u32);
+
+impl AsRef<[u8]> for Whole {
+    fn as_ref(&self) -> &[u8] {
+        let changes = self.0 .0.get(&self.1);
+        changes.and_then(|c| c.as_whole()).unwrap_or_default()
+    }
 }
 
 /// The rest of a [`streamed`] answer once the run is recorded: the end naming the
