@@ -465,13 +465,7 @@ impl Client {
         spec: TaskSpec,
         request_id: RequestId,
     ) -> ClientResult<(u64, BTreeMap<u32, Vec<u8>>)> {
-        let expected: u64 = spec
-            .bindings
-            .iter()
-            .filter(|b| b.role.is_writable())
-            .map(|b| b.role.size())
-            .sum();
-        let expected = usize::try_from(expected).unwrap_or(usize::MAX);
+        let expected = usize::try_from(spec.writable_bytes()).unwrap_or(usize::MAX);
         let request = SubmitRequest {
             spec,
             request_id: Some(request_id),

@@ -146,7 +146,7 @@ where
 {
     let starts = starts(blobs, spec, submitter).await?;
     let spec = spec.clone();
-    let bytes: u64 = spec.bindings.iter().map(|b| b.role.size()).sum();
+    let bytes = spec.binding_bytes();
     // Deterministic from here: the same results fail the same way on any node. Off
     // the async runtime unless small: a merge walks every changed word of every shard.
     let merge = move || {

@@ -285,6 +285,17 @@ pub(crate) fn values_agree(a: &[u8], b: &[u8], tolerance: Option<f32>) -> bool {
 }
 
 impl TaskSpec {
+    /// Bytes of all its bindings together.
+    pub fn binding_bytes(&self) -> u64 {
+        self.bindings.iter().map(|b| b.role.size()).sum()
+    }
+
+    /// Bytes of its writable bindings (outputs and in-out buffers) together.
+    pub fn writable_bytes(&self) -> u64 {
+        let writable = self.bindings.iter().filter(|b| b.role.is_writable());
+        writable.map(|b| b.role.size()).sum()
+    }
+
     /// The merge rule of writable binding `binding`.
     pub fn merge_of(&self, binding: u32) -> MergeRule {
         self.merges.get(&binding).copied().unwrap_or(self.merge)

@@ -358,6 +358,7 @@ fn a_merge_rule_for_a_binding_that_is_not_written_is_refused() {
         options: Default::default(),
     };
     spec.check_shape().unwrap();
+    assert_eq!((spec.binding_bytes(), spec.writable_bytes()), (32, 16));
     assert_eq!(spec.merge_of(1), MergeRule::Sum(ElemType::U32));
     assert_eq!(spec.merge_label(), "changes, 1=sum-u32");
     for binding in [0, 7] {

@@ -230,15 +230,9 @@ async fn submit_or_run_here(
         // Its outputs may go ahead of the record when its result is stored as a
         // blob (too large for the entry) and they all go in the answer.
         let spec = &admitted.spec;
-        let writable: u64 = spec
-            .bindings
-            .iter()
-            .filter(|b| b.role.is_writable())
-            .map(|b| b.role.size())
-            .sum();
-        let declared: u64 = spec.bindings.iter().map(|b| b.role.size()).sum();
         let early = early.filter(|_| {
-            writable > gpumesh_consensus::MAX_INLINE_RESULT as u64 && declared <= RUN_ATTACHED_BYTES
+            spec.writable_bytes() > gpumesh_consensus::MAX_INLINE_RESULT as u64
+                && spec.binding_bytes() <= RUN_ATTACHED_BYTES
         });
         let (ahead_tx, ahead_rx) = oneshot::channel();
         let ahead_tx = early.is_some().then_some(ahead_tx);
@@ -415,8 +409,7 @@ async fn outputs_of(
         .consensus
         .read_local(move |s| s.task(TaskId(id)).cloned())
         .ok_or_else(|| not_found(id))?;
-    let declared: u64 = task.spec.bindings.iter().map(|b| b.role.size()).sum();
-    if task.outputs.is_empty() && declared <= inline {
+    if task.outputs.is_empty() && task.spec.binding_bytes() <= inline {
         // Run here: the changes are still in memory, when they are what the
         // record holds (a request made twice at once may have recorded the
         // other run's).
@@ -660,8 +653,7 @@ async fn streamed_end(
         .here
         .as_ref()
         .is_some_and(|h| Arc::ptr_eq(&h.changes, changes) && holds(&task, h));
-    let declared: u64 = task.spec.bindings.iter().map(|b| b.role.size()).sum();
-    let attach = task.outputs.is_empty() && declared <= RUN_ATTACHED_BYTES;
+    let attach = task.outputs.is_empty() && task.spec.binding_bytes() <= RUN_ATTACHED_BYTES;
     let pieces = if ours && attach && !ahead.is_empty() {
         let mut outputs = Vec::with_capacity(ahead.len());
         for (binding, size, hashed) in ahead {
