@@ -545,7 +545,10 @@ fn streamed(
                 sent += bytes.len() as u64;
                 ahead.push((binding, bytes.len() as u64, hashed));
                 if tx.send(bytes).await.is_err() {
-                    return; // the client is gone; the run goes on being recorded
+                    // The client is gone: the run is still stored and recorded, as
+                    // a submit is once made.
+                    let _ = ran.await;
+                    return;
                 }
             }
         }
