@@ -593,12 +593,14 @@ async fn ahead_outputs(
     spec: &gpumesh_protocol::TaskSpec,
     changes: &Arc<gpumesh_protocol::ShardChanges>,
 ) -> Result<Vec<(u32, Bytes)>, crate::outputs::MergeError> {
-    let writable: Vec<(u32, u64)> = spec
+    let mut writable: Vec<(u32, u64)> = spec
         .bindings
         .iter()
         .filter(|b| b.role.is_writable())
         .map(|b| (b.binding, b.role.size()))
         .collect();
+    // In binding order, as a merge gives them.
+    writable.sort_unstable();
     let whole = writable.iter().all(|(b, size)| {
         changes
             .0
