@@ -56,16 +56,17 @@ impl RunHere {
     /// caller submits it to the mesh as usual. `Some`: the entry's fate, committed or
     /// not, and the result it records when the run gave one (its id and the words
     /// it changed, still in memory: the caller answering with the outputs need not
-    /// read them back). `early` is given those changes as soon as the GPU is done
-    /// with them, before they are stored and recorded (the caller may send them
-    /// on, so long as it says whether they are the answer only once it knows).
+    /// read them back). `early` is given those changes, with the spec, as soon as
+    /// the GPU is done with them, before they are stored and recorded (the caller
+    /// may send them on, so long as it says whether they are the answer only once
+    /// it knows).
     pub async fn run(
         &self,
         request_id: RequestId,
         spec: &TaskSpec,
         submitter: &str,
         received: Instant,
-        early: Option<oneshot::Sender<Arc<ShardChanges>>>,
+        early: Option<oneshot::Sender<Early>>,
     ) -> Option<(gpumesh_consensus::Result<Committed>, Option<RanHere>)> {
         if spec.shards != 1
             || spec.options.replicas > 1
@@ -100,7 +101,7 @@ impl RunHere {
                 self.recent_us.store(new, Ordering::Relaxed);
                 let changes = Arc::new(changes);
                 if let Some(early) = early {
-                    let _ = early.send(changes.clone());
+                    let _ = early.send((changes.clone(), spec.clone()));
                 }
                 match store_and_copy(&self.runner.blobs, &changes, submitter).await {
                     Ok((blob, size, inline)) => {
@@ -148,6 +149,9 @@ impl RunHere {
         Some((committed, result))
     }
 }
+
+/// A run's changes and its spec, handed over before they are stored and recorded.
+pub(crate) type Early = (Arc<ShardChanges>, TaskSpec);
 
 /// A result run here: its blob id as recorded, and the words it changed.
 pub(crate) struct RanHere {

@@ -28,6 +28,7 @@ use super::views::{
     RUN_INLINE_BYTES,
 };
 use crate::limits::Limits;
+use crate::run_here::Early;
 use crate::timeline::Stage;
 
 /// A place in this node's queue, held from the limit check until the submit is
@@ -234,21 +235,15 @@ async fn submit_or_run_here(
             spec.writable_bytes() > gpumesh_consensus::MAX_INLINE_RESULT as u64
                 && spec.binding_bytes() <= RUN_ATTACHED_BYTES
         });
-        let (ahead_tx, ahead_rx) = oneshot::channel();
-        let ahead_tx = early.is_some().then_some(ahead_tx);
-        let hand_on = async move {
-            if let (Some(early), Ok(changes)) = (early, ahead_rx.await) {
-                let _ = early.send((changes, spec.clone()));
-            }
-        };
-        let run = here.run(
-            admitted.request_id,
-            spec,
-            &api.peer_name,
-            admitted.received,
-            ahead_tx,
-        );
-        let (ran, ()) = tokio::join!(run, hand_on);
+        let ran = here
+            .run(
+                admitted.request_id,
+                spec,
+                &api.peer_name,
+                admitted.received,
+                early,
+            )
+            .await;
         if let Some((committed, result)) = ran {
             let committed = committed.map_err(unavailable)?;
             return Ok((submitted(api, committed.outcome, &admitted.slot)?.0, result));
@@ -337,7 +332,7 @@ pub(crate) async fn run(
         early = &mut early_rx => early.ok(),
     };
     match early {
-        Some(early) => Ok(streamed(api, Box::pin(ran), early)),
+        Some(early) => Ok(streamed(api, ran, early)),
         None => answer(&api, ran.await?, binary).await,
     }
 }
@@ -348,12 +343,6 @@ struct Ran {
     view: TaskView,
     here: Option<crate::run_here::RanHere>,
 }
-
-/// A run's changes handed over before they are stored and recorded.
-type Early = (
-    Arc<gpumesh_protocol::ShardChanges>,
-    gpumesh_protocol::TaskSpec,
-);
 
 /// Submits (or runs here) and waits for the task to finish or `deadline`. `early`
 /// is given the changes of a run here whose result is stored as a blob (too large
@@ -527,7 +516,7 @@ fn run_reply(
 /// it skips them and the answer follows as it would have without them.
 fn streamed(
     api: Arc<ApiState>,
-    ran: std::pin::Pin<Box<dyn std::future::Future<Output = ApiResult<Ran>> + Send>>,
+    ran: impl std::future::Future<Output = ApiResult<Ran>> + Send + 'static,
     (changes, spec): Early,
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
