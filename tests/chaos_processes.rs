@@ -39,9 +39,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     out[i] = i * 2654435761u + SALTu;
 }
 ";
-/// Values per task: each of its two shards' results (12 KB) is over what a log entry
-/// carries, so results are blobs (in each node's pack) kept on two nodes, through the
-/// kills and restarts.
+/// Values per task: each of its two shards' results (12 KB) is over what the record
+/// keeps, so it is carried in its Raft entry and stored as a blob (in each node's
+/// pack) by every node applying it, through the kills and restarts.
 const N: u32 = 6000;
 
 fn spec(salt: u32) -> TaskSpec {

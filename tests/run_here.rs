@@ -117,9 +117,11 @@ async fn a_run_goes_on_the_node_it_is_sent_to_and_is_recorded_with_its_result() 
         })
         .await;
 
-        // A small result (in the log entry) and a larger one (a blob on two nodes),
-        // 1000 and 1500 values: neither a whole number of workgroups.
-        for (count, limit) in [(1000u32, 40u32), (1500, 1000)] {
+        // A small result (in the log entry and the record), a larger one (carried in
+        // the entry, a blob on every node that applies it) and one larger still (a
+        // blob on two nodes before it is recorded): 1000, 1500 and 20,000 values,
+        // none a whole number of workgroups.
+        for (count, limit) in [(1000u32, 40u32), (1500, 1000), (20_000, 1000)] {
             let input = values(count);
             let cpu = collatz(&input, limit);
             for n in &nodes {
@@ -134,20 +136,47 @@ async fn a_run_goes_on_the_node_it_is_sent_to_and_is_recorded_with_its_result() 
                     assert_eq!(node, n.raft_id, "t{task} ran where it was sent");
                     assert!(here, "t{task}'s history says so");
                 }
+                let (output, in_record) = n.consensus.read_local(move |s| {
+                    let t = s.task(TaskId(task)).expect("recorded");
+                    let output = t.shards[0].output.expect("a result");
+                    (output, t.inline.contains_key(&output.blob))
+                });
+                let size = output.size as usize;
+                assert_eq!(
+                    in_record,
+                    size <= gpumesh::consensus::MAX_INLINE_RESULT,
+                    "t{task}: a result of {size} bytes in the record"
+                );
+                let carried = size > gpumesh::consensus::MAX_INLINE_RESULT
+                    && size <= gpumesh::consensus::MAX_CARRIED_RESULT;
+                assert_eq!(
+                    (in_record, carried),
+                    (count == 1000, count == 1500),
+                    "{count} values: a result of {size} bytes"
+                );
+                if size > gpumesh::consensus::MAX_CARRIED_RESULT {
+                    // Kept on two nodes before it was recorded (its second copy
+                    // pulled from here).
+                    let holders = nodes.iter().filter(|m| m.blobs.has(&output.blob)).count();
+                    assert!(holders >= 2, "t{task}'s result is on {holders} node(s)");
+                } else if size > gpumesh::consensus::MAX_INLINE_RESULT {
+                    // Carried in its entry: every node stores it on applying it,
+                    // before any has been asked for it.
+                    for m in &nodes {
+                        let mut held = false;
+                        for _ in 0..100 {
+                            held = m.blobs.has(&output.blob);
+                            if held {
+                                break;
+                            }
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                        assert!(held, "t{task}'s carried result is not on {:x}", m.raft_id);
+                    }
+                }
                 // Every node serves the same bytes.
                 for other in &nodes {
                     assert!(client(other).results(task).await.unwrap()[&0] == cpu);
-                }
-                // The larger result was kept on two nodes before it was recorded
-                // (its second copy sent with the request to keep it).
-                let output = n.consensus.read_local(move |s| {
-                    s.task(TaskId(task)).expect("recorded").shards[0]
-                        .output
-                        .expect("a result")
-                });
-                if output.size as usize > gpumesh::consensus::MAX_INLINE_RESULT {
-                    let holders = nodes.iter().filter(|m| m.blobs.has(&output.blob)).count();
-                    assert!(holders >= 2, "t{task}'s result is on {holders} node(s)");
                 }
             }
         }
@@ -312,12 +341,13 @@ async fn a_request_sent_twice_at_once_answers_both_with_the_one_task() {
             }
         })
         .await;
-        // 4,000 values: a 16,000-byte result, stored as a blob.
-        let input = values(4000);
+        // 20,000 values: an 80,000-byte result, too large to ride in its entry, so
+        // stored as a blob (its outputs go ahead of the record).
+        let input = values(20_000);
         let cpu = collatz(&input, 60);
         let blob = client(&nodes[0]).upload(bytes(&input)).await.unwrap();
         let body = serde_json::json!({
-            "spec": collatz_spec(blob, 4000, 60),
+            "spec": collatz_spec(blob, 20_000, 60),
             "request_id": {"client": 91, "seq": 1},
         });
         let addr = nodes[0].api_addr;
@@ -366,10 +396,11 @@ async fn outputs_sent_ahead_of_a_record_that_never_comes_end_in_an_error() {
             }
         })
         .await;
-        let input = values(4000);
+        // Too large to ride in its entry (as above).
+        let input = values(20_000);
         let blob = client(&nodes[0]).upload(bytes(&input)).await.unwrap();
         let body = serde_json::json!({
-            "spec": collatz_spec(blob, 4000, 60),
+            "spec": collatz_spec(blob, 20_000, 60),
             "request_id": {"client": 92, "seq": 1},
         });
         let addr = nodes[0].api_addr;
@@ -383,7 +414,7 @@ async fn outputs_sent_ahead_of_a_record_that_never_comes_end_in_an_error() {
         assert!(end.reply.is_none(), "{end:?}");
         let error = decode_run_binary(body.clone()).unwrap().unwrap_err();
         assert_eq!(error.status, 503, "{error:?}");
-        assert_eq!(end.skip, 16_000, "the output went ahead and is skipped");
+        assert_eq!(end.skip, 80_000, "the output went ahead and is skipped");
         assert_eq!(
             end.skip as usize,
             body.len() - 4 - serde_json::to_vec(&end).unwrap().len(),

@@ -126,9 +126,11 @@ pub enum Command {
     /// agree (compared bit for bit here, or by a [`Command::ShardVerdict`] under a
     /// float tolerance). Results from attempts no longer live are ignored.
     ///
-    /// A small result (at most [`crate::MAX_INLINE_RESULT`] bytes) rides in the entry
+    /// A small result (at most [`crate::MAX_CARRIED_RESULT`] bytes) rides in the entry
     /// itself (`inline`, whose hash must be `blob`): committed on a quorum, it needs no
-    /// blob write or second copy.
+    /// blob write or second copy first. The record keeps one of at most
+    /// [`crate::MAX_INLINE_RESULT`] bytes; a larger one each replica stores as blob
+    /// `blob` when it applies the entry ([`crate::CarriedStore`]).
     ShardResult {
         task: TaskId,
         shard: u32,
@@ -307,7 +309,7 @@ pub enum CallRan {
 /// What came of a task run where it was submitted ([`Command::TaskRan`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Ran {
-    /// Its one shard's result, as in [`Command::ShardResult`]: inline when small,
+    /// Its one shard's result, as in [`Command::ShardResult`]: carried when small,
     /// else a blob already stored on `node` and one other node.
     Result {
         blob: BlobId,
@@ -375,6 +377,24 @@ impl Command {
     /// learn it with the next append or heartbeat.
     pub fn only_proposer_acts(&self) -> bool {
         matches!(self, Command::ActorCallsRan { .. })
+    }
+
+    /// A result this entry carries that the record does not keep (over
+    /// [`crate::MAX_INLINE_RESULT`] bytes): its blob id and bytes, which each replica
+    /// stores when applying the entry. Whether they hash to the id is not checked here.
+    pub fn carried(&self) -> Option<(BlobId, &[u8])> {
+        let (blob, inline) = match self {
+            Command::ShardResult { blob, inline, .. } => (blob, inline),
+            Command::TaskRan { ran, .. } => match &**ran {
+                Ran::Result { blob, inline, .. } => (blob, inline),
+                Ran::Failed(_) => return None,
+            },
+            _ => return None,
+        };
+        inline
+            .as_deref()
+            .filter(|b| b.len() > crate::MAX_INLINE_RESULT)
+            .map(|b| (*blob, b))
     }
 
     /// Whether this command is a Raft membership change (proposed as a ConfChange).

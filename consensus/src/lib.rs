@@ -68,6 +68,7 @@
 //! ```
 
 pub mod bench;
+mod carried;
 mod cluster;
 pub mod command;
 mod error;
@@ -80,6 +81,7 @@ pub mod transport;
 pub mod wal;
 pub mod wire;
 
+pub use carried::CarriedStore;
 pub use cluster::ClusterId;
 pub use command::{
     ActorState, CallRan, Command, Committed, LogEntry, MergedOutput, Outcome, Ran, RequestId,
@@ -93,7 +95,8 @@ pub use replica::{
 pub use state::{
     candidates, largest_binding, pick, Actor, CallResult, Candidate, ClusterSettings, Liveness,
     Member, PendingCall, Role, Shard, ShardOutput, ShardState, StateMachine, Task, TaskStatus,
-    KEPT_FINISHED_TASKS, MAX_HISTORY, MAX_INLINE_RESULT, MAX_WAITING_CALLS, REMEMBERED_CALLS,
+    KEPT_FINISHED_TASKS, MAX_CARRIED_RESULT, MAX_HISTORY, MAX_INLINE_RESULT, MAX_WAITING_CALLS,
+    REMEMBERED_CALLS,
 };
 pub use storage::RedbStorage;
 pub use tracing_drain::{raft_logger, TracingDrain};

@@ -453,6 +453,12 @@ impl RedbStorage {
         self.entry_bytes
     }
 
+    /// The entries held in the log up to index `upto`.
+    pub fn held_entries(&self, upto: u64) -> impl Iterator<Item = &Entry> {
+        let n = upto.saturating_sub(self.truncated.0) as usize;
+        self.entries.iter().take(n)
+    }
+
     /// Index of the last entry in the log (or of the snapshot if the log is empty).
     pub fn last(&self) -> u64 {
         self.truncated.0 + self.entries.len() as u64

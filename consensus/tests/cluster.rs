@@ -770,3 +770,99 @@ async fn followers_learn_of_a_commit_only_the_leader_acts_on_with_its_next_heart
         );
     }
 }
+
+/// A blob store for carried results that records what was kept and what synced.
+#[derive(Debug, Default)]
+struct CarriedLog {
+    kept: std::sync::Mutex<Vec<gpumesh_protocol::BlobId>>,
+    durable: std::sync::Mutex<Vec<gpumesh_protocol::BlobId>>,
+}
+
+impl gpumesh_consensus::CarriedStore for CarriedLog {
+    fn keep(&self, blob: gpumesh_protocol::BlobId, bytes: &[u8]) -> Result<(), String> {
+        assert!(blob.matches(bytes), "kept bytes that are not {blob}'s");
+        let mut kept = self.kept.lock().unwrap();
+        if !kept.contains(&blob) {
+            kept.push(blob);
+        }
+        Ok(())
+    }
+
+    fn sync(&self) -> Result<(), String> {
+        *self.durable.lock().unwrap() = self.kept.lock().unwrap().clone();
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_carried_result_is_stored_on_apply_and_synced_before_the_log_drops_it() {
+    use std::sync::{Arc, OnceLock};
+    static STORES: OnceLock<[Arc<CarriedLog>; 3]> = OnceLock::new();
+    fn carrying(id: u64) -> gpumesh_consensus::ReplicaConfig {
+        let mut c = test_config(id);
+        c.snapshot_interval = 20;
+        c.log_retain = 5;
+        let stores = STORES.get_or_init(Default::default);
+        c.carried = Some(stores[id as usize - 1].clone());
+        c
+    }
+    let stores = STORES.get_or_init(Default::default);
+    let c = Cluster::with(3, 5, carrying, 5).await;
+    let leader = c.leader().await;
+    let Outcome::TaskSubmitted { task } = c
+        .node(leader)
+        .propose(submit(4))
+        .await
+        .expect("submit")
+        .outcome
+    else {
+        panic!("not submitted")
+    };
+    c.node(leader)
+        .propose(Command::AssignShard {
+            task,
+            shard: 0,
+            node: leader,
+        })
+        .await
+        .expect("assign");
+    let bytes: Vec<u8> = (0..20_000u32).map(|i| (i % 253) as u8).collect();
+    let blob = gpumesh_protocol::BlobId::of(&bytes);
+    let result = c
+        .node(leader)
+        .propose(Command::ShardResult {
+            task,
+            shard: 0,
+            epoch: 1,
+            node: leader,
+            blob,
+            size: bytes.len() as u64,
+            inline: Some(bytes.clone()),
+        })
+        .await
+        .expect("result");
+    assert_eq!(result.outcome, Outcome::Applied);
+    let all = c.ids();
+    c.wait_applied(&all, result.index, 10 * SEC).await;
+    // Every replica stored it on applying it; the record names it without its bytes.
+    for id in &all {
+        let s = &stores[*id as usize - 1];
+        assert_eq!(*s.kept.lock().unwrap(), [blob], "replica {id}");
+        let (named, held) = c.node(*id).read_local(|s| {
+            let t = s.task(task).expect("task");
+            (t.shards[0].output.map(|o| o.blob), t.inline.len())
+        });
+        assert_eq!((named, held), (Some(blob), 0), "replica {id}'s record");
+    }
+    // More entries: each replica snapshots and compacts past the result's entry,
+    // and had it synced first.
+    let last = submit_60(&c, leader).await;
+    c.wait_applied(&all, last, 10 * SEC).await;
+    for id in &all {
+        let first = c.status(*id).await.first_index;
+        assert!(first > result.index, "replica {id} compacted to {first}");
+        let s = &stores[*id as usize - 1];
+        assert_eq!(*s.durable.lock().unwrap(), [blob], "replica {id} synced it");
+    }
+    c.shutdown().await;
+}

@@ -693,7 +693,7 @@ fn a_small_result_rides_in_its_entry_and_a_bad_one_is_refused() {
     // Bytes that are not the blob id's, or too many to ride in the log: refused.
     let wrong = inline(b"changes".to_vec(), BlobId::of(b"other"));
     assert!(matches!(log.apply(wrong), Outcome::Rejected(_)));
-    let big = vec![7u8; gpumesh_consensus::MAX_INLINE_RESULT + 1];
+    let big = vec![7u8; gpumesh_consensus::MAX_CARRIED_RESULT + 1];
     let too_big = inline(big.clone(), BlobId::of(&big));
     assert!(matches!(log.apply(too_big), Outcome::Rejected(_)));
     assert_eq!(
@@ -707,6 +707,54 @@ fn a_small_result_rides_in_its_entry_and_a_bad_one_is_refused() {
     let t = log.sm.task(task).unwrap();
     assert_eq!(t.shards[0].output.map(|o| o.blob), Some(id));
     assert_eq!(t.inline.get(&id), Some(&bytes));
+}
+
+#[test]
+fn a_result_carried_in_its_entry_but_over_the_records_bound_is_not_kept_in_the_record() {
+    let mut log = Log::new();
+    let Outcome::TaskSubmitted { task } = log.apply(submit(4)) else {
+        panic!()
+    };
+    log.apply(Command::AssignShard {
+        task,
+        shard: 0,
+        node: 2,
+    });
+    let bytes: Vec<u8> = (0..gpumesh_consensus::MAX_CARRIED_RESULT)
+        .map(|i| (i % 251) as u8)
+        .collect();
+    let id = BlobId::of(&bytes);
+    let command = Command::ShardResult {
+        task,
+        shard: 0,
+        epoch: 1,
+        node: 2,
+        blob: id,
+        size: bytes.len() as u64,
+        inline: Some(bytes.clone()),
+    };
+    // The entry names what each replica stores as a blob on applying it.
+    assert_eq!(command.carried(), Some((id, &bytes[..])));
+    assert_eq!(log.apply(command), Outcome::Applied);
+    let t = log.sm.task(task).unwrap();
+    assert_eq!(t.shards[0].output.map(|o| o.blob), Some(id));
+    assert_eq!(t.shards[0].state, ShardState::Done);
+    assert!(
+        t.inline.is_empty(),
+        "the record keeps {} bytes",
+        bytes.len()
+    );
+    // One the record keeps is not named as carried.
+    let small = Command::ShardResult {
+        task,
+        shard: 0,
+        epoch: 1,
+        node: 2,
+        blob: BlobId::of(b"x"),
+        size: 1,
+        inline: Some(b"x".to_vec()),
+    };
+    assert_eq!(small.carried(), None);
 }
 
 #[test]

@@ -74,8 +74,8 @@ impl std::fmt::Display for MergeError {
     }
 }
 
-/// The bytes of one of `task`'s shard results: from the record when it rode in its
-/// entry, else pulled from `node` (or any holder).
+/// The bytes of one of `task`'s shard results: from the record when it keeps them,
+/// else from this node's blobs or pulled from `node` (or any holder).
 pub(crate) async fn result_bytes(
     blobs: &BlobsHandle,
     peers: &PeersHandle,

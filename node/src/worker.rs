@@ -708,9 +708,10 @@ impl ShardRunner {
 }
 
 /// A shard's result (the words it changed), kept: a small one rides in its
-/// `ShardResult` entry (the log puts it on a quorum); a larger one is stored as a
-/// blob here and on a second node before it is reported. Returns its id, its size,
-/// and its bytes when they go inline.
+/// `ShardResult` entry (the log puts it on a quorum, and each member stores it as a
+/// blob on applying it when the record does not keep it); a larger one is stored as
+/// a blob here and on a second node before it is reported. Returns its id, its
+/// size, and its bytes when they ride in the entry.
 pub(crate) async fn store_and_copy(
     blobs: &BlobsHandle,
     changes: &ShardChanges,
@@ -718,7 +719,7 @@ pub(crate) async fn store_and_copy(
 ) -> Result<(BlobId, u64, Option<Vec<u8>>), String> {
     let bytes = changes.encode();
     let size = bytes.len() as u64;
-    if bytes.len() <= gpumesh_consensus::MAX_INLINE_RESULT {
+    if bytes.len() <= gpumesh_consensus::MAX_CARRIED_RESULT {
         return Ok((BlobId::of(&bytes), size, Some(bytes)));
     }
     let id = blobs

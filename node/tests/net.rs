@@ -15,7 +15,7 @@ use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, StreamExt};
 use gpumesh_node::blobs::BlobStore;
 use gpumesh_node::net::{
     bench_blob_transfer_with, BlobRoute, ConnectionCaps, NetConfig, NetEvent, NetHandle,
-    MESH_PROTOCOL,
+    MESH_PROTOCOL, RAFT_PROTOCOL,
 };
 use gpumesh_node::NodeError;
 use gpumesh_protocol::{seal, BlobId, MeshRequest, MeshResponse};
@@ -633,7 +633,7 @@ async fn garbage_on_a_raft_stream_closes_that_stream_and_nothing_else() {
     .await;
     let victim_id = victim.id();
     let (_, mut control, driver) = rogue_streams(&victim.addr);
-    let raft = StreamProtocol::new("/gpumesh/raft/1");
+    let raft = RAFT_PROTOCOL;
     let framed_raft =
         |body: &[u8]| [(body.len() as u32).to_le_bytes().to_vec(), body.to_vec()].concat();
     let junk: Vec<Vec<u8>> = vec![

@@ -2,6 +2,7 @@
 //! raft-rs, and their outcomes back to whoever proposed them.
 
 use super::*;
+use crate::{MAX_CARRIED_RESULT, MAX_INLINE_RESULT};
 
 impl Actor {
     pub(super) fn apply_entries(&mut self, entries: Vec<Entry>) {
@@ -18,6 +19,9 @@ impl Actor {
                 }
                 EntryType::EntryNormal => match codec::from_bytes::<LogEntry>(&entry.data) {
                     Ok(le) => {
+                        // Stored before the record names it, so whoever reads the
+                        // record here finds the blob here.
+                        self.keep_carried(index, &le.command);
                         let applied = self.state.change(|s| s.apply(index, term, &le));
                         self.finish(index, term, le, applied);
                     }
@@ -42,6 +46,56 @@ impl Actor {
                 }
             }
         }
+    }
+
+    /// Stores the result `command` carries that the record does not keep, if any
+    /// (see [`CarriedStore`]); not yet synced. One whose bytes are not its blob's is
+    /// left out (the record refuses it too). A failure is logged: the entry stays in
+    /// the log, and the result is stored again before the log may lose it.
+    fn keep_carried(&self, index: u64, command: &Command) {
+        let (Some(store), Some((blob, bytes))) = (&self.cfg.carried, command.carried()) else {
+            return;
+        };
+        if bytes.len() > MAX_CARRIED_RESULT || !blob.matches(bytes) {
+            return;
+        }
+        if let Err(e) = store.keep(blob, bytes) {
+            warn!(raft_id = self.cfg.id, index, %blob, "cannot store a carried result: {e}");
+        }
+    }
+
+    /// Stores every result carried by an entry up to `upto` still in the log, and
+    /// syncs: called before a snapshot at `upto` is stored, after which a restart no
+    /// longer replays those entries and the log may drop them.
+    pub(super) fn keep_carried_upto(&self, upto: u64) -> Result<()> {
+        let Some(store) = &self.cfg.carried else {
+            return Ok(());
+        };
+        let mut kept = 0usize;
+        for entry in self.raw.store().held_entries(upto) {
+            if entry.get_entry_type() != EntryType::EntryNormal
+                || entry.data.len() <= MAX_INLINE_RESULT
+            {
+                continue;
+            }
+            let Ok(le) = codec::from_bytes::<LogEntry>(&entry.data) else {
+                continue;
+            };
+            if let Some((blob, bytes)) = le.command.carried() {
+                if bytes.len() <= MAX_CARRIED_RESULT && blob.matches(bytes) {
+                    store
+                        .keep(blob, bytes)
+                        .map_err(|e| carried_error(format!("storing {blob}: {e}")))?;
+                    kept += 1;
+                }
+            }
+        }
+        if kept > 0 {
+            store
+                .sync()
+                .map_err(|e| carried_error(format!("syncing: {e}")))?;
+        }
+        Ok(())
     }
 
     pub(super) fn apply_conf_change(&mut self, entry: &Entry) {
@@ -130,5 +184,14 @@ impl Actor {
                 }
             }
         }
+    }
+}
+
+/// A carried result that could not be stored or synced before the log may drop it:
+/// the replica stops rather than compact it away.
+fn carried_error(reason: String) -> ConsensusError {
+    ConsensusError::Storage {
+        path: "the blob store".into(),
+        reason: format!("results carried in the log not stored durably ({reason})"),
     }
 }

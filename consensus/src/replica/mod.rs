@@ -44,6 +44,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{self, Instant, MissedTickBehavior};
 use tracing::{debug, error, info, warn};
 
+use crate::carried::CarriedStore;
 use crate::cluster::ClusterId;
 use crate::command::{Command, Committed, LogEntry, Outcome, RequestId, RequestIds};
 use crate::error::{ConsensusError, Result};
@@ -99,6 +100,10 @@ pub struct ReplicaConfig {
     pub inbox_capacity: usize,
     /// Capacity of the applied-event broadcast (slow subscribers see `Lagged`).
     pub event_capacity: usize,
+    /// Where results carried in entries are stored as blobs (see [`CarriedStore`]).
+    /// Without one they are dropped once applied: the record does not keep them, and
+    /// they are gone from here when the log is compacted. A node always sets it.
+    pub carried: Option<Arc<dyn CarriedStore>>,
 }
 
 impl ReplicaConfig {
@@ -117,6 +122,7 @@ impl ReplicaConfig {
             follow_workload: true,
             inbox_capacity: 8192,
             event_capacity: 8192,
+            carried: None,
         }
     }
 

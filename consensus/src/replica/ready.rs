@@ -30,6 +30,10 @@ impl Actor {
                 self.send_raft(ready.take_messages());
             }
             let snapshot = (!ready.snapshot().is_empty()).then(|| ready.snapshot().clone());
+            if let Some(s) = &snapshot {
+                // It replaces the log: what the log carried becomes blobs first.
+                blocking(|| self.keep_carried_upto(s.get_metadata().index))?;
+            }
             if snapshot.is_some() || !ready.entries().is_empty() || ready.hs().is_some() {
                 let bytes: usize = ready.entries().iter().map(|e| e.data.len()).sum();
                 let store = self.raw.mut_store();

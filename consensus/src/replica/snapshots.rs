@@ -66,6 +66,7 @@ impl Actor {
     /// behind it.
     fn take_snapshot(&mut self, applied: u64) -> Result<()> {
         let began = std::time::Instant::now();
+        self.keep_carried_upto(applied)?;
         let mut snapshot = Snapshot {
             data: self.state.get().to_bytes()?.into(),
             ..Default::default()

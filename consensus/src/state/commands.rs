@@ -342,7 +342,8 @@ impl StateMachine {
         self.with_attempt(task, shard, epoch, node, |t, s| {
             s.attempts.retain(|a| a.epoch != epoch);
             s.reports.push(report);
-            if let Some(bytes) = inline {
+            // A larger carried result is a blob each replica stored on applying this.
+            if let Some(bytes) = inline.as_ref().filter(|b| b.len() <= MAX_INLINE_RESULT) {
                 t.inline.insert(blob, bytes.clone());
             }
             if t.spec.options.replicas <= 1 {
@@ -562,12 +563,13 @@ impl StateMachine {
     }
 }
 
-/// An inline result is small, of its declared size, and hashes to its blob id.
+/// A result carried in its entry is small, of its declared size, and hashes to its
+/// blob id.
 fn check_inline(blob: BlobId, size: u64, bytes: &[u8]) -> Result<(), String> {
-    if bytes.len() > MAX_INLINE_RESULT || bytes.len() as u64 != size || !blob.matches(bytes) {
+    if bytes.len() > MAX_CARRIED_RESULT || bytes.len() as u64 != size || !blob.matches(bytes) {
         return Err(format!(
-            "an inline result must be at most {MAX_INLINE_RESULT} bytes, of its size, and \
-             hash to its blob id"
+            "a result carried in its entry must be at most {MAX_CARRIED_RESULT} bytes, of its \
+             size, and hash to its blob id"
         ));
     }
     Ok(())

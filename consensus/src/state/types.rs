@@ -10,8 +10,14 @@ pub const REMEMBERED_REQUESTS: usize = 100_000;
 /// A task may be split into at most this many shards.
 pub const MAX_SHARDS_PER_TASK: u32 = 65_536;
 
-/// Largest shard result carried in its `ShardResult` entry instead of a blob.
+/// Largest shard result the record itself keeps (it rides in its `ShardResult`
+/// entry and stays in the record with its task).
 pub const MAX_INLINE_RESULT: usize = 4096;
+/// Largest shard result carried in its `ShardResult` entry instead of a blob stored
+/// and copied before it is reported. One over [`MAX_INLINE_RESULT`] is not kept in
+/// the record: each replica stores it as a blob when applying the entry (see
+/// [`crate::CarriedStore`]), and the log keeps it until then synced.
+pub const MAX_CARRIED_RESULT: usize = 64 << 10;
 
 /// Finished tasks the record keeps (the newest by id), with their results and the
 /// request ids that made them; older ones are forgotten.

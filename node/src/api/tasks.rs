@@ -232,7 +232,7 @@ async fn submit_or_run_here(
         // blob (too large for the entry) and they all go in the answer.
         let spec = &admitted.spec;
         let early = early.filter(|_| {
-            spec.writable_bytes() > gpumesh_consensus::MAX_INLINE_RESULT as u64
+            spec.writable_bytes() > gpumesh_consensus::MAX_CARRIED_RESULT as u64
                 && spec.binding_bytes() <= RUN_ATTACHED_BYTES
         });
         let ran = here

@@ -15,7 +15,9 @@
 //! (syncs of appends made at once overlap), and a blob is found here only once its
 //! sync is done. So an append acknowledged (its sync returned) had every earlier
 //! record synced with it, and a crash can only cut records that nobody was told are
-//! kept. On opening, every record is checked against its id: one whose bytes do not
+//! kept. The one exception is a result carried in the Raft log
+//! ([`Pack::append_unsynced`]): found at once, it is durable in the log until the
+//! replica syncs the pack, before the log may drop it. On opening, every record is checked against its id: one whose bytes do not
 //! (a write a crash cut short, or damage since) is skipped and not served, and the
 //! records after it are read on; a head that cannot be one (a length over
 //! [`PACK_MAX`] or past the file's end) ends the pack, and what follows is zeroed.
@@ -120,6 +122,25 @@ impl Pack {
     /// the last record, synced, then found here. A blob already packed is not
     /// written again.
     pub fn append(&self, id: BlobId, bytes: &[u8]) -> io::Result<()> {
+        self.write(id, bytes, true)
+    }
+
+    /// Keeps `bytes` as blob `id` like [`Self::append`], found at once but not yet
+    /// synced: for a blob durable elsewhere until [`Self::sync`] (a result carried
+    /// in the Raft log). A later append's sync covers it too.
+    pub fn append_unsynced(&self, id: BlobId, bytes: &[u8]) -> io::Result<()> {
+        self.write(id, bytes, false)
+    }
+
+    /// Makes every record written so far durable.
+    pub fn sync(&self) -> io::Result<()> {
+        if self.file.read().map_err(|_| poisoned())?.is_none() {
+            return Ok(());
+        }
+        self.with_file(|f| f.sync_data())
+    }
+
+    fn write(&self, id: BlobId, bytes: &[u8], sync: bool) -> io::Result<()> {
         if self.get(&id).is_some() {
             return Ok(());
         }
@@ -154,7 +175,9 @@ impl Pack {
                 len,
             }
         };
-        self.with_file(|f| f.sync_data())?;
+        if sync {
+            self.with_file(|f| f.sync_data())?;
+        }
         self.index.write().map_err(|_| poisoned())?.insert(id, slot);
         Ok(())
     }
@@ -324,6 +347,31 @@ mod tests {
         assert_eq!(third.stats().0, 41);
         let over = blob(PACK_MAX as usize + 1, 5);
         assert!(third.append(BlobId::of(&over), &over).is_err());
+    }
+
+    #[test]
+    fn an_unsynced_append_is_found_at_once_and_kept_with_the_records_around_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("small.pack");
+        let pack = Pack::open(path.clone()).unwrap();
+        // Syncing a pack that has no file yet does nothing.
+        pack.sync().unwrap();
+        let (a, b, c) = (blob(5_000, 1), blob(20_000, 2), blob(700, 3));
+        pack.append(BlobId::of(&a), &a).unwrap();
+        pack.append_unsynced(BlobId::of(&b), &b).unwrap();
+        let slot = pack.get(&BlobId::of(&b)).expect("found before any sync");
+        assert_eq!(pack.read(slot, 0, u64::MAX).unwrap(), b);
+        // Kept once: a second write of it changes nothing.
+        pack.append_unsynced(BlobId::of(&b), &b).unwrap();
+        pack.append(BlobId::of(&c), &c).unwrap();
+        pack.sync().unwrap();
+        assert_eq!(pack.stats().0, 3);
+        let again = Pack::open(path).unwrap();
+        for x in [&a, &b, &c] {
+            let slot = again.get(&BlobId::of(x)).unwrap();
+            assert_eq!(&again.read(slot, 0, u64::MAX).unwrap(), x);
+        }
+        assert_eq!(again.stats(), pack.stats());
     }
 
     #[test]

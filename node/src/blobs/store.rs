@@ -232,6 +232,19 @@ impl BlobStore {
         })
     }
 
+    /// Keeps a result carried in a Raft entry (`bytes`, which the replica checked
+    /// hash to `id`): packed and found at once, synced with the pack by
+    /// [`gpumesh_consensus::CarriedStore::sync`] before the log may drop it.
+    fn keep_carried(&self, id: BlobId, bytes: &[u8]) -> Result<()> {
+        if self.has(&id) {
+            return Ok(());
+        }
+        let path = self.pack.path();
+        self.pack
+            .append_unsynced(id, bytes)
+            .map_err(|e| NodeError::io(path, e))
+    }
+
     pub fn has(&self, id: &BlobId) -> bool {
         self.pack.get(id).is_some() || self.path(id).is_file()
     }
@@ -790,5 +803,17 @@ mod tests {
             err.contains("limit of 8") && err.contains("--max-blob-bytes"),
             "{err}"
         );
+    }
+}
+
+impl gpumesh_consensus::CarriedStore for BlobStore {
+    fn keep(&self, blob: BlobId, bytes: &[u8]) -> std::result::Result<(), String> {
+        self.keep_carried(blob, bytes).map_err(|e| e.to_string())
+    }
+
+    fn sync(&self) -> std::result::Result<(), String> {
+        self.pack
+            .sync()
+            .map_err(|e| NodeError::io(self.pack.path(), e).to_string())
     }
 }

@@ -198,6 +198,7 @@ impl MeshNode {
         let restarting = restarting && joined_through.is_none();
         let mut rc = ReplicaConfig::new(raft_id);
         rc.tick_interval = config.raft_tick;
+        rc.carried = Some(Arc::new(store.clone()));
         let transport = Arc::new(NetTransport {
             net: net.clone(),
             peers: peers.clone(),

@@ -77,6 +77,7 @@ pub use bench::{
 pub use codec::MESH_PROTOCOL;
 pub use config::{ConnectionCaps, NetConfig};
 pub use events::NetEvent;
+pub use raft_lane::RAFT_PROTOCOL;
 
 use events::Command;
 use swarm::{build_swarm, listen};
