@@ -17,10 +17,11 @@
 //! record synced with it, and a crash can only cut records that nobody was told are
 //! kept. The one exception is a result carried in the Raft log
 //! ([`Pack::append_unsynced`]): found at once, it is durable in the log until the
-//! replica syncs the pack, before the log may drop it. On opening, every record is checked against its id: one whose bytes do not
-//! (a write a crash cut short, or damage since) is skipped and not served, and the
-//! records after it are read on; a head that cannot be one (a length over
-//! [`PACK_MAX`] or past the file's end) ends the pack, and what follows is zeroed.
+//! replica syncs the pack, before the log may drop it. On opening, every record is
+//! checked against its id: one whose bytes do not (a write a crash cut short, or
+//! damage since) is skipped and not served, and the records after it are read on;
+//! a head that cannot be one (a length over [`PACK_MAX`] or past the file's end)
+//! ends the pack, and what follows is zeroed.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
