@@ -138,6 +138,7 @@ pub enum Command {
         node: u64,
         blob: BlobId,
         size: u64,
+        #[serde(with = "gpumesh_protocol::mesh::opt_bytes")]
         inline: Option<Vec<u8>>,
     },
     /// A live attempt failed; the scheduler places the shard again.
@@ -267,6 +268,7 @@ pub enum Command {
         /// The state's bytes, buffer by buffer in the actor's order, when the whole
         /// state is at most [`INLINE_STATE_BYTES`]: the record then holds it (on a
         /// quorum, in this entry) and `backup` means nothing. Empty otherwise.
+        #[serde(with = "gpumesh_protocol::mesh::bytes_list")]
         inline: Vec<Vec<u8>>,
         backup: u64,
     },
@@ -286,6 +288,7 @@ pub enum Command {
         calls: Vec<(RequestId, CallRan)>,
         state: Vec<(u32, BlobId)>,
         /// As in [`Command::ActorCallsDone`].
+        #[serde(with = "gpumesh_protocol::mesh::bytes_list")]
         inline: Vec<Vec<u8>>,
         backup: u64,
     },
@@ -314,6 +317,7 @@ pub enum Ran {
     Result {
         blob: BlobId,
         size: u64,
+        #[serde(with = "gpumesh_protocol::mesh::opt_bytes")]
         inline: Option<Vec<u8>>,
     },
     /// It cannot succeed anywhere (a shader that runs past its deadline).

@@ -28,7 +28,7 @@ pub struct Frame {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum FrameBody {
     /// A raft-rs message, protobuf-encoded.
-    Raft(Vec<u8>),
+    Raft(#[serde(with = "gpumesh_protocol::mesh::bytes")] Vec<u8>),
     /// A follower hands a proposal to the node it believes leads.
     Forward(LogEntry),
     /// The leader appended the forwarded proposal at (`index`, `term`): it commits

@@ -116,6 +116,96 @@ pub mod bytes {
     }
 }
 
+/// [`bytes`] for an `Option<Vec<u8>>`: the same encoding as serde's default, so
+/// data written before it decodes alike. For
+/// `#[serde(with = "gpumesh_protocol::mesh::opt_bytes")]`.
+pub mod opt_bytes {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    use super::{AsBytes, ByteBuf};
+
+    pub fn serialize<S: Serializer>(
+        bytes: &Option<Vec<u8>>,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        match bytes {
+            Some(b) => serializer.serialize_some(&AsBytes(b)),
+            None => serializer.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Option<Vec<u8>>, D::Error> {
+        Ok(Option::<ByteBuf>::deserialize(deserializer)?.map(|b| b.0))
+    }
+}
+
+/// [`bytes`] for each of a `Vec<Vec<u8>>`: the same encoding as serde's default.
+/// For `#[serde(with = "gpumesh_protocol::mesh::bytes_list")]`.
+pub mod bytes_list {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    use super::{AsBytes, ByteBuf};
+
+    pub fn serialize<S: Serializer>(list: &[Vec<u8>], serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(list.iter().map(|b| AsBytes(b)))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Vec<Vec<u8>>, D::Error> {
+        Ok(Vec::<ByteBuf>::deserialize(deserializer)?
+            .into_iter()
+            .map(|b| b.0)
+            .collect())
+    }
+}
+
+/// [`bytes`] for each value of a `BTreeMap<K, Vec<u8>>`: the same encoding as
+/// serde's default. For `#[serde(with = "gpumesh_protocol::mesh::bytes_values")]`.
+pub mod bytes_values {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    use super::{AsBytes, ByteBuf};
+
+    pub fn serialize<K: Serialize, S: Serializer>(
+        map: &BTreeMap<K, Vec<u8>>,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(map.iter().map(|(k, v)| (k, AsBytes(v))))
+    }
+
+    pub fn deserialize<'de, K: Deserialize<'de> + Ord, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<BTreeMap<K, Vec<u8>>, D::Error> {
+        Ok(BTreeMap::<K, ByteBuf>::deserialize(deserializer)?
+            .into_iter()
+            .map(|(k, v)| (k, v.0))
+            .collect())
+    }
+}
+
+/// Bytes serialized as [`bytes`] does.
+struct AsBytes<'a>(&'a [u8]);
+
+impl Serialize for AsBytes<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        bytes::serialize(self.0, serializer)
+    }
+}
+
+/// Bytes deserialized as [`bytes`] does.
+struct ByteBuf(Vec<u8>);
+
+impl<'de> Deserialize<'de> for ByteBuf {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        bytes::deserialize(deserializer).map(ByteBuf)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -151,6 +241,65 @@ mod tests {
             let back: MeshResponse = open(&seal(&response).unwrap()).unwrap();
             assert_eq!(back, response);
         }
+    }
+
+    #[test]
+    fn byte_fields_encode_as_serde_s_default_does() {
+        // Logs and snapshots written before a field took one of these must decode
+        // alike, and the other way round.
+        #[derive(Serialize, Deserialize, PartialEq, Debug)]
+        struct Plain {
+            one: Vec<u8>,
+            maybe: Option<Vec<u8>>,
+            none: Option<Vec<u8>>,
+            list: Vec<Vec<u8>>,
+        }
+        #[derive(Serialize, Deserialize, PartialEq, Debug)]
+        struct Fast {
+            #[serde(with = "bytes")]
+            one: Vec<u8>,
+            #[serde(with = "opt_bytes")]
+            maybe: Option<Vec<u8>>,
+            #[serde(with = "opt_bytes")]
+            none: Option<Vec<u8>>,
+            #[serde(with = "bytes_list")]
+            list: Vec<Vec<u8>>,
+        }
+        #[derive(Serialize, Deserialize, PartialEq, Debug)]
+        struct PlainMap(std::collections::BTreeMap<u32, Vec<u8>>);
+        #[derive(Serialize, Deserialize, PartialEq, Debug)]
+        struct FastMap(#[serde(with = "bytes_values")] std::collections::BTreeMap<u32, Vec<u8>>);
+        let map: std::collections::BTreeMap<u32, Vec<u8>> =
+            [(3, vec![1; 5000]), (1, vec![])].into_iter().collect();
+        let encoded = crate::codec::to_bytes(&PlainMap(map.clone())).unwrap();
+        assert_eq!(
+            crate::codec::to_bytes(&FastMap(map.clone())).unwrap(),
+            encoded
+        );
+        assert_eq!(
+            crate::codec::from_bytes::<FastMap>(&encoded).unwrap().0,
+            map
+        );
+        let big: Vec<u8> = (0..70_000u32).map(|i| (i % 255) as u8).collect();
+        let plain = Plain {
+            one: big.clone(),
+            maybe: Some(vec![1, 2, 3]),
+            none: None,
+            list: vec![vec![], big.clone(), vec![9]],
+        };
+        let fast = Fast {
+            one: big.clone(),
+            maybe: Some(vec![1, 2, 3]),
+            none: None,
+            list: vec![vec![], big.clone(), vec![9]],
+        };
+        let encoded = crate::codec::to_bytes(&plain).unwrap();
+        assert_eq!(crate::codec::to_bytes(&fast).unwrap(), encoded);
+        assert_eq!(crate::codec::from_bytes::<Fast>(&encoded).unwrap(), fast);
+        // And in JSON (for debugging), numbers as before.
+        let json = serde_json::to_string(&plain).unwrap();
+        assert_eq!(serde_json::to_string(&fast).unwrap(), json);
+        assert_eq!(serde_json::from_str::<Fast>(&json).unwrap(), fast);
     }
 
     #[test]

@@ -55,6 +55,7 @@ pub struct Actor {
     /// The state's bytes, buffer by buffer in `state`'s order, when the record holds
     /// them (a state of at most [`INLINE_STATE_BYTES`], once a call changed it);
     /// empty otherwise. Each is the bytes of its buffer's blob id.
+    #[serde(with = "gpumesh_protocol::mesh::bytes_list")]
     pub inline: Vec<Vec<u8>>,
     /// The sequence number the next call takes.
     pub next_seq: u64,
