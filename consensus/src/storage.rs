@@ -453,6 +453,23 @@ impl RedbStorage {
         self.entry_bytes
     }
 
+    /// The first index, at or after `from`, from which the entries up to `upto`
+    /// hold at most `bytes` of commands (`upto + 1` if not even entry `upto` fits).
+    pub fn keep_from(&self, from: u64, upto: u64, bytes: u64) -> u64 {
+        let upto = upto.min(self.last());
+        let mut first = upto + 1;
+        let mut total = 0u64;
+        let offset = self.truncated.0 + 1;
+        for index in (from.max(offset)..=upto).rev() {
+            total += self.entries[(index - offset) as usize].data.len() as u64;
+            if total > bytes {
+                break;
+            }
+            first = index;
+        }
+        first.max(from)
+    }
+
     /// The entries held in the log up to index `upto`.
     pub fn held_entries(&self, upto: u64) -> impl Iterator<Item = &Entry> {
         let n = upto.saturating_sub(self.truncated.0) as usize;

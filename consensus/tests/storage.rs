@@ -129,6 +129,35 @@ fn compaction_keeps_the_tail_and_snapshots_replace_the_log() {
 }
 
 #[test]
+fn the_entries_kept_behind_a_snapshot_are_bounded_in_bytes_and_held_entries_reach_the_index() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut s = initialized(&dir.path().join("raft.redb"));
+    // Entries 2..=11 of 100 bytes each.
+    let ents: Vec<Entry> = (2..=11)
+        .map(|i| Entry {
+            index: i,
+            term: 2,
+            data: vec![i as u8; 100].into(),
+            ..Default::default()
+        })
+        .collect();
+    s.persist(None, &ents, None).expect("persist");
+    let first = s.first();
+    // Room for everything from `from` on: `from` itself.
+    assert_eq!(s.keep_from(first, 11, 10_000), first);
+    // 350 bytes hold the last three entries, 300 bytes too; 99 not even one.
+    assert_eq!(s.keep_from(first, 11, 350), 9);
+    assert_eq!(s.keep_from(first, 11, 300), 9);
+    assert_eq!(s.keep_from(first, 11, 99), 12);
+    // Never before `from`, and up to `upto` only.
+    assert_eq!(s.keep_from(10, 11, 10_000), 10);
+    assert_eq!(s.keep_from(first, 8, 200), 7);
+    let held: Vec<u64> = s.held_entries(5).map(|e| e.index).collect();
+    assert_eq!(held, (first..=5).collect::<Vec<_>>());
+    assert_eq!(s.held_entries(100).count() as u64, 11 - first + 1);
+}
+
+#[test]
 fn storage_of_another_cluster_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("raft.redb");

@@ -86,6 +86,10 @@ pub struct ReplicaConfig {
     /// Entries kept in the log behind a snapshot, so a follower that lags a little
     /// catches up from the log rather than a full snapshot.
     pub log_retain: u64,
+    /// At most this many bytes of entries are kept behind a snapshot, whatever
+    /// `log_retain` says: a compaction writes what it keeps into the log's next
+    /// file, and entries carrying results make a thousand entries tens of MB.
+    pub log_retain_bytes: u64,
     /// How long a proposal may take before its caller gets an answer anyway.
     pub proposal_timeout: Duration,
     /// How long a linearizable read may wait for a quorum.
@@ -116,6 +120,7 @@ impl ReplicaConfig {
             snapshot_interval: 50_000,
             snapshot_bytes: 64 << 20,
             log_retain: 1_000,
+            log_retain_bytes: 4 << 20,
             proposal_timeout: Duration::from_secs(10),
             read_timeout: Duration::from_secs(5),
             auto_promote: true,

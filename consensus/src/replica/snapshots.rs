@@ -76,7 +76,11 @@ impl Actor {
         meta.index = applied;
         meta.term = self.state.get().applied_term();
         meta.set_conf_state(self.conf_state.clone());
-        let compact_to = (applied + 1).saturating_sub(self.cfg.log_retain);
+        let compact_to = self.raw.store().keep_from(
+            (applied + 1).saturating_sub(self.cfg.log_retain),
+            applied,
+            self.cfg.log_retain_bytes,
+        );
         let bytes = snapshot.data.len();
         self.raw.mut_store().compact(snapshot, compact_to)?;
         debug!(
