@@ -25,6 +25,10 @@ pub struct MeshBenchArgs {
     /// Tiny tasks in flight at once during the throughput run.
     #[arg(long, default_value_t = 64)]
     pub in_flight: usize,
+    /// Gives each latency and throughput task a result of this many KiB, new bytes
+    /// each task (checked against the CPU's), instead of the tiny task's 256 bytes.
+    #[arg(long, default_value_t = 0)]
+    pub result_kib: u32,
     /// Runs of the ~120 ms kernel, each directly and then through the mesh: the
     /// ratio is the median of the pairs' (a pair's two runs are a quarter second
     /// apart, so the machine's drift from minute to minute cancels out).
@@ -37,7 +41,8 @@ pub struct MeshBenchArgs {
     #[arg(long, default_value_t = 5)]
     pub big_runs: usize,
     /// After the table, one JSON object on the last line: p50_ms, p99_ms,
-    /// tasks_per_s, mesh_vs_direct, blob_vs_tcp, blob_stored_vs_tcp, the disk's
+    /// tasks_per_s (result_kib: the size of those figures' results, 0 for 256 bytes),
+    /// mesh_vs_direct, blob_vs_tcp, blob_stored_vs_tcp, the disk's
     /// fsync_ms and fsync_after_idle_ms, and input_task_p50_ms.
     #[arg(long)]
     pub json: bool,
@@ -95,6 +100,36 @@ fn seeded(source: &str, groups: u32, seed: u32) -> TaskSpec {
         role: BindingRole::Param { data },
     });
     s
+}
+
+/// Task `n` of the latency and throughput runs, through `client`, its result
+/// checked: the tiny task, or (`result_kib` > 0) one whose result is that many KiB
+/// of new bytes.
+async fn timed_task(client: &Client, result_kib: u32, n: usize) -> anyhow::Result<TaskId> {
+    if result_kib == 0 {
+        let (task, out) = client.run(spec(TINY, 1, 1)).await?;
+        anyhow::ensure!(out[&0][4..8] == 2u32.to_le_bytes(), "wrong tiny result");
+        return Ok(TaskId(task));
+    }
+    let seed = (n as u32).wrapping_mul(2_654_435_761) ^ std::process::id();
+    let (task, out) = client.run(seeded(BIG_SEEDED, result_kib * 4, seed)).await?;
+    anyhow::ensure!(
+        out[&0] == big_seeded_cpu(result_kib * 4 * 64, seed),
+        "a {result_kib} KiB result differs from the CPU's"
+    );
+    Ok(TaskId(task))
+}
+
+/// What [`BIG_SEEDED`] writes over `words` invocations with `seed`, on the CPU.
+fn big_seeded_cpu(words: u32, seed: u32) -> Vec<u8> {
+    (0..words)
+        .flat_map(|i| {
+            (i ^ seed)
+                .wrapping_mul(2_654_435_761)
+                .wrapping_add(1)
+                .to_le_bytes()
+        })
+        .collect()
 }
 
 /// Fills its output with words of a seed, so each run's result is new bytes: over
@@ -269,18 +304,17 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     // One request each (`Client::run`: submit, wait, outputs inline). Warmed up
     // first, as the Ray script warms up its cluster: the first runs compile the
     // kernel on each node and open the client's connections.
-    for _ in 0..WARM_UP {
-        client.run(spec(TINY, 1, 1)).await?;
+    for i in 0..WARM_UP {
+        timed_task(&client, args.result_kib, i).await?;
     }
     timeline.take();
     let mut lat = Vec::new();
     let mut ends = Vec::new();
-    for _ in 0..args.latency_tasks.max(1) {
+    for i in 0..args.latency_tasks.max(1) {
         let t = Instant::now();
-        let (task, out) = client.run(spec(TINY, 1, 1)).await?;
-        anyhow::ensure!(out[&0][4..8] == 2u32.to_le_bytes(), "wrong tiny result");
+        let task = timed_task(&client, args.result_kib, WARM_UP + i).await?;
         lat.push(t.elapsed());
-        ends.push((TaskId(task), t, Instant::now()));
+        ends.push((task, t, Instant::now()));
     }
     lat.sort();
     let alone = breakdown(&timeline.take(), &ends);
@@ -324,11 +358,12 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
             done += 1;
         }
         let c = clients[i % clients.len()].clone();
+        let result_kib = args.result_kib;
+        let n = WARM_UP + args.latency_tasks.max(1) + i;
         pending.spawn(async move {
             let began = Instant::now();
-            let (task, out) = c.run(spec(TINY, 1, 1)).await?;
-            anyhow::ensure!(out[&0][4..8] == 2u32.to_le_bytes(), "wrong tiny result");
-            anyhow::Ok((TaskId(task), began, Instant::now()))
+            let task = timed_task(&c, result_kib, n).await?;
+            anyhow::Ok((task, began, Instant::now()))
         });
     }
     while let Some(r) = pending.join_next().await {
@@ -420,14 +455,19 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     let transfer = gpumesh::node::net::bench_blob_transfer(args.transfer_mib << 20).await?;
 
     println!("\n{:<58} {:>14}", "measurement", "value");
+    let which = if args.result_kib == 0 {
+        "trivial task".to_string()
+    } else {
+        format!("task with a {} KiB result", args.result_kib)
+    };
     println!(
         "{:<58} {:>11.2} ms",
-        "trivial task submit→result, p50",
+        format!("{which} submit→result, p50"),
         ms(percentile(&lat, 0.5))
     );
     println!(
         "{:<58} {:>11.2} ms",
-        "trivial task submit→result, p99",
+        format!("{which} submit→result, p99"),
         ms(percentile(&lat, 0.99))
     );
     println!(
@@ -437,7 +477,14 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     );
     println!(
         "{:<58} {:>10.0} /s",
-        format!("sustained tiny tasks ({} in flight)", args.in_flight),
+        if args.result_kib == 0 {
+            format!("sustained tiny tasks ({} in flight)", args.in_flight)
+        } else {
+            format!(
+                "sustained tasks, {} KiB results ({} in flight)",
+                args.result_kib, args.in_flight
+            )
+        },
         rate
     );
     println!(
@@ -521,6 +568,7 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
                 "p50_ms": ms(percentile(&lat, 0.5)),
                 "p99_ms": ms(percentile(&lat, 0.99)),
                 "tasks_per_s": rate,
+                "result_kib": args.result_kib,
                 "mesh_vs_direct": ratio,
                 "blob_vs_tcp": transfer.pull_ratio(),
                 "blob_stored_vs_tcp": transfer.fetch_ratio(),
