@@ -826,7 +826,7 @@ async fn a_carried_result_is_stored_on_apply_and_synced_before_the_log_drops_it(
         })
         .await
         .expect("assign");
-    let bytes: Vec<u8> = (0..20_000u32).map(|i| (i % 253) as u8).collect();
+    let bytes: Vec<u8> = (0..12_000u32).map(|i| (i % 253) as u8).collect();
     let blob = gpumesh_protocol::BlobId::of(&bytes);
     let result = c
         .node(leader)

@@ -16,8 +16,12 @@ pub const MAX_INLINE_RESULT: usize = 4096;
 /// Largest shard result carried in its `ShardResult` entry instead of a blob stored
 /// and copied before it is reported. One over [`MAX_INLINE_RESULT`] is not kept in
 /// the record: each replica stores it as a blob when applying the entry (see
-/// [`crate::CarriedStore`]), and the log keeps it until then synced.
-pub const MAX_CARRIED_RESULT: usize = 64 << 10;
+/// [`crate::CarriedStore`]), and the log keeps it until then synced. Carried, a
+/// result saves a round of fsyncs on two nodes before its commit, but is written
+/// to three logs and three packs instead of two packs: past about this size that
+/// costs more than it saves once many tasks are in flight (`gpumesh bench mesh
+/// --result-kib`).
+pub const MAX_CARRIED_RESULT: usize = 16 << 10;
 
 /// Finished tasks the record keeps (the newest by id), with their results and the
 /// request ids that made them; older ones are forgotten.
@@ -254,6 +258,7 @@ pub struct Task {
     pub outputs: Vec<MergedOutput>,
     /// Shard results carried in their log entries (small ones), by blob id: a
     /// result's bytes are here or in the blob store under the same id.
+    #[serde(with = "gpumesh_protocol::mesh::bytes_values")]
     pub inline: BTreeMap<BlobId, Vec<u8>>,
 }
 
