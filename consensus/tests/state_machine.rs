@@ -670,8 +670,8 @@ fn a_state_restored_from_a_snapshot_equals_one_that_replayed_the_log() {
     }
 }
 
-#[test]
-fn a_small_result_rides_in_its_entry_and_a_bad_one_is_refused() {
+/// A record with one task whose shard 0 is assigned to node 2 (attempt epoch 1).
+fn one_assigned_shard() -> (Log, TaskId) {
     let mut log = Log::new();
     let Outcome::TaskSubmitted { task } = log.apply(submit(4)) else {
         panic!()
@@ -681,6 +681,12 @@ fn a_small_result_rides_in_its_entry_and_a_bad_one_is_refused() {
         shard: 0,
         node: 2,
     });
+    (log, task)
+}
+
+#[test]
+fn a_small_result_rides_in_its_entry_and_a_bad_one_is_refused() {
+    let (mut log, task) = one_assigned_shard();
     let inline = |bytes: Vec<u8>, blob: BlobId| Command::ShardResult {
         task,
         shard: 0,
@@ -711,15 +717,7 @@ fn a_small_result_rides_in_its_entry_and_a_bad_one_is_refused() {
 
 #[test]
 fn a_result_carried_in_its_entry_but_over_the_records_bound_is_not_kept_in_the_record() {
-    let mut log = Log::new();
-    let Outcome::TaskSubmitted { task } = log.apply(submit(4)) else {
-        panic!()
-    };
-    log.apply(Command::AssignShard {
-        task,
-        shard: 0,
-        node: 2,
-    });
+    let (mut log, task) = one_assigned_shard();
     let bytes: Vec<u8> = (0..gpumesh_consensus::MAX_CARRIED_RESULT)
         .map(|i| (i % 251) as u8)
         .collect();
