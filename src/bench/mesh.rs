@@ -527,7 +527,7 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         format!("disk: the same after {:.0} ms without a write", ms(d)),
         ms(sync_idle)
     );
-    println!("\nwhere a trivial task's time goes (medians over the latency tasks)");
+    println!("\nwhere a {which}'s time goes (medians over the latency tasks)");
     for (what, d) in &alone {
         println!("  {what:<56} {:>11.2} ms", ms(*d));
     }
