@@ -781,7 +781,7 @@ struct CarriedLog {
 impl gpumesh_consensus::CarriedStore for CarriedLog {
     fn keep(&self, blob: gpumesh_protocol::BlobId, bytes: &[u8]) -> Result<(), String> {
         assert!(blob.matches(bytes), "kept bytes that are not {blob}'s");
-        let mut kept = self.kept.lock().unwrap();
+        let mut kept = self.kept.lock().expect("not poisoned");
         if !kept.contains(&blob) {
             kept.push(blob);
         }
@@ -789,7 +789,8 @@ impl gpumesh_consensus::CarriedStore for CarriedLog {
     }
 
     fn sync(&self) -> Result<(), String> {
-        *self.durable.lock().unwrap() = self.kept.lock().unwrap().clone();
+        *self.durable.lock().expect("not poisoned") =
+            self.kept.lock().expect("not poisoned").clone();
         Ok(())
     }
 }

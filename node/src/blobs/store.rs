@@ -530,6 +530,18 @@ impl Drop for Incoming {
     }
 }
 
+impl gpumesh_consensus::CarriedStore for BlobStore {
+    fn keep(&self, blob: BlobId, bytes: &[u8]) -> std::result::Result<(), String> {
+        self.keep_carried(blob, bytes).map_err(|e| e.to_string())
+    }
+
+    fn sync(&self) -> std::result::Result<(), String> {
+        self.pack
+            .sync()
+            .map_err(|e| NodeError::io(self.pack.path(), e).to_string())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -803,17 +815,5 @@ mod tests {
             err.contains("limit of 8") && err.contains("--max-blob-bytes"),
             "{err}"
         );
-    }
-}
-
-impl gpumesh_consensus::CarriedStore for BlobStore {
-    fn keep(&self, blob: BlobId, bytes: &[u8]) -> std::result::Result<(), String> {
-        self.keep_carried(blob, bytes).map_err(|e| e.to_string())
-    }
-
-    fn sync(&self) -> std::result::Result<(), String> {
-        self.pack
-            .sync()
-            .map_err(|e| NodeError::io(self.pack.path(), e).to_string())
     }
 }
