@@ -152,7 +152,7 @@ async fn dialled_nodes_exchange_raft_frames_both_ways_with_sender_ids() {
         other => Err(other),
     })
     .await;
-    assert_eq!(b.net.connected_peers().await.unwrap(), vec![a.id()]);
+    assert_eq!(b.net.connected_peers(), vec![a.id()]);
 
     b.net.send_raft(a.id(), b"vote for me".to_vec()).unwrap();
     let (from, frame) = a
@@ -226,7 +226,7 @@ async fn three_nodes_reach_each_other_through_known_addresses() {
             .await;
         assert_eq!(frame, from.to_bytes(), "the frame names its sender");
     }
-    let mut peers = hub.net.connected_peers().await.unwrap();
+    let mut peers = hub.net.connected_peers();
     peers.sort();
     let mut want = vec![b.id(), c.id()];
     want.sort();
@@ -883,7 +883,7 @@ async fn a_request_to_a_peer_not_connected_dials_it_at_a_known_address_or_says_i
     // An address learned for it (as the membership sweep hands them on): the
     // request dials it and is answered.
     b.net.add_address(a_id, a.addr.clone()).await.unwrap();
-    assert!(!b.net.connected_peers().await.unwrap().contains(&a_id));
+    assert!(!b.net.connected_peers().contains(&a_id));
     let asking = tokio::spawn({
         let net = b.net.clone();
         async move { net.request(a_id, MeshRequest::Node(b"hi".to_vec())).await }
@@ -1096,7 +1096,7 @@ async fn only_nodes_with_the_same_cluster_key_connect() {
         let err = outsider.net.dial(a.addr.clone()).await.unwrap_err();
         assert!(err.to_string().contains(&a.addr.to_string()), "{err}");
     }
-    assert_eq!(a.net.connected_peers().await.unwrap(), vec![b.id()]);
+    assert_eq!(a.net.connected_peers(), vec![b.id()]);
     for node in [a, b, stranger, open] {
         node.stop().await;
     }
@@ -1295,7 +1295,7 @@ async fn connections_over_the_caps_are_refused_and_the_node_keeps_serving() {
         // The node notices the closed connection a moment after it closes.
         let peer = client.net.dial(victim.addr.clone()).await.unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await;
-        if client.net.connected_peers().await.unwrap().contains(&peer) {
+        if client.net.connected_peers().contains(&peer) {
             break peer;
         }
         assert!(tokio::time::Instant::now() < deadline, "never admitted");
@@ -1334,13 +1334,7 @@ async fn an_allow_list_admits_only_its_peers_both_ways() {
     // The stranger completes its handshake, and then the guarded node hangs up.
     let _ = stranger.net.dial(guarded.addr.clone()).await;
     let deadline = tokio::time::Instant::now() + WAIT;
-    while stranger
-        .net
-        .connected_peers()
-        .await
-        .unwrap()
-        .contains(&guarded.id())
-    {
+    while stranger.net.connected_peers().contains(&guarded.id()) {
         assert!(
             tokio::time::Instant::now() < deadline,
             "stranger still connected"
@@ -1362,10 +1356,7 @@ async fn an_allow_list_admits_only_its_peers_both_ways() {
             .contains(&format!("peer {stranger_id} is not in the allow list")),
         "{err}"
     );
-    assert_eq!(
-        guarded.net.connected_peers().await.unwrap(),
-        vec![friend_id]
-    );
+    assert_eq!(guarded.net.connected_peers(), vec![friend_id]);
 
     for node in [guarded, friend, stranger] {
         node.stop().await;

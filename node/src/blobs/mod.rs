@@ -277,7 +277,7 @@ impl Mover {
                 }
             }
             // Maybe there is no connection to the holder yet: make them and try again.
-            let connected = self.net.connected_peers().await.unwrap_or_default();
+            let connected = self.net.connected_peers();
             let missing: Vec<PeerId> = sources
                 .iter()
                 .copied()
@@ -301,7 +301,7 @@ impl Mover {
         if others.is_empty() {
             return Ok(None);
         }
-        let mut connected = self.net.connected_peers().await.unwrap_or_default();
+        let mut connected = self.net.connected_peers();
         let unconnected: Vec<PeerId> = others
             .iter()
             .copied()
@@ -311,7 +311,7 @@ impl Mover {
             // No connection to any other member (this node just lost them, or is
             // just back): try to reach them before giving up.
             self.peers.connect(&connected, &unconnected).await;
-            connected = self.net.connected_peers().await.unwrap_or_default();
+            connected = self.net.connected_peers();
         }
         let mut targets: Vec<PeerId> = prefer
             .into_iter()

@@ -123,7 +123,7 @@ impl CallSender {
             // lost): connect as the membership sweep would, at once, and send the
             // call again (it was not sent), rather than the slow way, through the
             // record.
-            let connected = self.net.connected_peers().await.unwrap_or_default();
+            let connected = self.net.connected_peers();
             self.peers.connect(&connected, &[peer]).await;
             answer = wire::call(&self.net, peer, &asked).await;
         }

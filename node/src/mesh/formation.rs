@@ -107,7 +107,7 @@ pub(super) fn save_cluster(path: &std::path::Path, cluster: ClusterId) -> Result
 
 /// Asks every connected peer which mesh it is in.
 pub(super) async fn hello_all(me: &Newcomer) -> Vec<(PeerId, Option<u64>)> {
-    let peers = me.net.connected_peers().await.unwrap_or_default();
+    let peers = me.net.connected_peers();
     let mut out = Vec::new();
     for peer in peers {
         match wire::call(&me.net, peer, &NodeRequest::Hello).await {

@@ -80,7 +80,7 @@ impl Router {
                     for a in &addrs {
                         let _ = self.net.add_address(peer, a.clone()).await;
                     }
-                    let connected = self.net.connected_peers().await.unwrap_or_default();
+                    let connected = self.net.connected_peers();
                     if !connected.contains(&peer) {
                         if let Some(addr) = addrs.first() {
                             let net = self.net.clone();

@@ -31,6 +31,14 @@ const OUTBOX_LIMIT: usize = 4096;
 /// The longest a bootstrap peer that keeps failing waits between dials.
 const MAX_REDIAL_BACKOFF: Duration = Duration::from_secs(60);
 
+/// What the actor keeps up to date for the handles to read without a turn of it.
+pub(super) struct Shared {
+    /// Where each peer was reached, for pulls on the direct blob channel.
+    pub direct: super::blob_direct::Peers,
+    /// The peers connected now ([`super::NetHandle::connected_peers`]).
+    pub connected: super::raft_direct::PeerSet,
+}
+
 /// Spawns the actor over a swarm that listens already; it stops when `cancel` fires
 /// or every handle is dropped.
 pub(super) fn spawn(
@@ -39,7 +47,7 @@ pub(super) fn spawn(
     commands: mpsc::Receiver<Command>,
     events: mpsc::Sender<NetEvent>,
     blobs: BlobStore,
-    direct: super::blob_direct::Peers,
+    Shared { direct, connected }: Shared,
     cancel: CancellationToken,
 ) -> JoinHandle<()> {
     let (replies_tx, replies) = mpsc::channel(REPLY_QUEUE);
@@ -63,6 +71,7 @@ pub(super) fn spawn(
         replies,
         blobs,
         direct,
+        connected,
         pending_requests: HashMap::new(),
         pending_dials: HashMap::new(),
         bootstrap,
@@ -116,6 +125,9 @@ struct NetActor {
     blobs: BlobStore,
     /// Where each peer was reached, for pulls on the direct blob channel.
     direct: super::blob_direct::Peers,
+    /// The peers connected now, kept for [`super::NetHandle::connected_peers`] to
+    /// read without a turn of this actor.
+    connected: super::raft_direct::PeerSet,
     pending_requests: HashMap<OutboundRequestId, PendingRequest>,
     pending_dials: HashMap<ConnectionId, PendingDial>,
     bootstrap: Vec<Bootstrap>,
@@ -160,6 +172,9 @@ impl NetActor {
                 Wake::Swarm(event) => self.on_swarm_event(event),
                 Wake::Redial => self.redial(),
             }
+        }
+        for peer in self.connected.all() {
+            self.connected.set(peer, false);
         }
         tracing::debug!(peer = %self.swarm.local_peer_id(), "net actor stopped");
     }
@@ -209,9 +224,6 @@ impl NetActor {
                 let id = self.swarm.behaviour_mut().rpc.send_request(&to, request);
                 self.pending_requests
                     .insert(id, PendingRequest::Reply(reply));
-            }
-            Command::ConnectedPeers(reply) => {
-                let _ = reply.send(self.swarm.connected_peers().copied().collect());
             }
             Command::AddAddress { peer, addr } => self.swarm.add_peer_address(peer, addr),
             Command::Cut { peer, cut: true } => {
@@ -337,6 +349,8 @@ impl NetActor {
                 ..
             } => {
                 let remote = endpoint.get_remote_address().clone();
+                // Before the dial is answered: its caller may look next.
+                self.connected.set(peer_id, true);
                 self.direct.connected(peer_id, &remote);
                 if endpoint.is_dialer() {
                     // Remember what worked, so request-response can redial it.
@@ -369,6 +383,7 @@ impl NetActor {
                 cause,
                 ..
             } => {
+                self.connected.set(peer_id, false);
                 self.metrics
                     .set_connected_peers(self.swarm.connected_peers().count());
                 tracing::info!(peer = %peer_id, ?cause, "disconnected");

@@ -38,7 +38,6 @@ pub(super) enum Command {
         request: MeshRequest,
         reply: oneshot::Sender<Result<MeshResponse>>,
     },
-    ConnectedPeers(oneshot::Sender<Vec<PeerId>>),
     AddAddress {
         peer: PeerId,
         addr: Multiaddr,

@@ -118,6 +118,8 @@ pub struct NetHandle {
     dial_timeout: Duration,
     /// Injected delay of every outgoing Raft write and request, in microseconds.
     delay_us: Arc<AtomicU64>,
+    /// The peers connected now, as the actor last saw them.
+    connected: raft_direct::PeerSet,
 }
 
 /// The next stream a peer opened on `incoming` (a lane's listener), or `None` once
@@ -262,13 +264,17 @@ impl NetHandle {
             )?;
         }
         let (commands_tx, commands) = mpsc::channel(COMMAND_QUEUE);
+        let connected = raft_direct::PeerSet::default();
         let task = actor::spawn(
             swarm,
             &config,
             commands,
             events,
             blobs.clone(),
-            peers.clone(),
+            actor::Shared {
+                direct: peers.clone(),
+                connected: connected.clone(),
+            },
             cancel,
         );
         let handle = NetHandle {
@@ -285,6 +291,7 @@ impl NetHandle {
             request_timeout: config.request_timeout,
             dial_timeout: config.dial_timeout,
             delay_us,
+            connected,
         };
         Ok((handle, task))
     }
@@ -386,11 +393,11 @@ impl NetHandle {
         }
     }
 
-    /// Peers with at least one open connection.
-    pub async fn connected_peers(&self) -> Result<Vec<PeerId>> {
-        let (reply, rx) = oneshot::channel();
-        self.command(Command::ConnectedPeers(reply)).await?;
-        rx.await.map_err(|_| NodeError::NetStopped)
+    /// Peers with at least one open connection (none once the network stopped).
+    /// Read here, without a turn of the network's actor: a blob's second copy
+    /// and a call sent to an actor's host look first.
+    pub fn connected_peers(&self) -> Vec<PeerId> {
+        self.connected.all()
     }
 
     /// Remembers an address of `peer` for later dials (e.g. from the membership table).

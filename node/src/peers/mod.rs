@@ -221,7 +221,7 @@ impl PeersHandle {
     pub async fn confirm_lost(&self, peer: PeerId) -> bool {
         tokio::time::sleep(RECONNECT_GRACE).await;
         let connected = |list: &[PeerId]| list.contains(&peer);
-        if connected(&self.net.connected_peers().await.unwrap_or_default()) {
+        if connected(&self.net.connected_peers()) {
             return false;
         }
         let addrs = self.view().addrs(&peer).to_vec();
@@ -233,7 +233,7 @@ impl PeersHandle {
                 return false;
             }
         }
-        !connected(&self.net.connected_peers().await.unwrap_or_default())
+        !connected(&self.net.connected_peers())
     }
 }
 

@@ -72,7 +72,7 @@ pub async fn keep_connected(
     loop {
         let records = member_records(&consensus);
         record_mesh_addrs(&peers, &records, &data_dir, &mut recorded).await;
-        let connected = peers.net.connected_peers().await.unwrap_or_default();
+        let connected = peers.net.connected_peers();
         let missing: Vec<PeerId> = records
             .iter()
             .map(|(p, _)| *p)
