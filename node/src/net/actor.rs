@@ -173,9 +173,7 @@ impl NetActor {
                 Wake::Redial => self.redial(),
             }
         }
-        for peer in self.connected.all() {
-            self.connected.set(peer, false);
-        }
+        self.connected.clear();
         tracing::debug!(peer = %self.swarm.local_peer_id(), "net actor stopped");
     }
 

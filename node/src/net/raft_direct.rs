@@ -66,6 +66,13 @@ impl PeerSet {
             .contains(peer)
     }
 
+    pub(super) fn clear(&self) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+    }
+
     pub(super) fn all(&self) -> Vec<PeerId> {
         let peers = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         peers.iter().copied().collect()
