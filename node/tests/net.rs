@@ -1145,10 +1145,10 @@ async fn the_transfer_bench_reports_all_three_paths() {
             .await
             .unwrap();
         assert!(report.raw_tcp > Duration::ZERO && report.mesh_pull > Duration::ZERO);
-        assert!(report.fetch_blob > Duration::ZERO);
+        assert!(report.fetch_blob > Duration::ZERO && report.disk > Duration::ZERO);
         let text = report.to_string();
         assert!(
-            text.contains("raw TCP") && text.contains("fetch_blob"),
+            text.contains("raw TCP") && text.contains("fetch_blob") && text.contains("disk alone"),
             "{text}"
         );
         assert_eq!(

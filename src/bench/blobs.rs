@@ -27,7 +27,8 @@ pub struct BlobsBenchArgs {
     #[arg(long)]
     pub window: Option<usize>,
     /// After the table, one JSON object on the last line: blob_vs_tcp,
-    /// blob_stored_vs_tcp, raw_tcp_ms, pull_ms, fetch_ms.
+    /// blob_stored_vs_tcp, blob_stored_vs_disk, raw_tcp_ms, pull_ms, fetch_ms,
+    /// disk_ms.
     #[arg(long)]
     pub json: bool,
 }
@@ -59,9 +60,11 @@ pub fn blobs(args: BlobsBenchArgs) -> anyhow::Result<ExitCode> {
             serde_json::json!({
                 "blob_vs_tcp": report.pull_ratio(),
                 "blob_stored_vs_tcp": report.fetch_ratio(),
+                "blob_stored_vs_disk": report.fetch_vs_disk(),
                 "raw_tcp_ms": super::ms(report.raw_tcp),
                 "pull_ms": super::ms(report.mesh_pull),
                 "fetch_ms": super::ms(report.fetch_blob),
+                "disk_ms": super::ms(report.disk),
             })
         );
     }

@@ -42,8 +42,8 @@ pub struct MeshBenchArgs {
     pub big_runs: usize,
     /// After the table, one JSON object on the last line: p50_ms, p99_ms,
     /// tasks_per_s (result_kib: the size of those figures' results, 0 for 256 bytes),
-    /// mesh_vs_direct, blob_vs_tcp, blob_stored_vs_tcp, the disk's
-    /// fsync_ms and fsync_after_idle_ms, and input_task_p50_ms.
+    /// mesh_vs_direct, blob_vs_tcp, blob_stored_vs_tcp, blob_stored_vs_disk, the
+    /// disk's fsync_ms and fsync_after_idle_ms, and input_task_p50_ms.
     #[arg(long)]
     pub json: bool,
 }
@@ -572,6 +572,7 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
                 "mesh_vs_direct": ratio,
                 "blob_vs_tcp": transfer.pull_ratio(),
                 "blob_stored_vs_tcp": transfer.fetch_ratio(),
+                "blob_stored_vs_disk": transfer.fetch_vs_disk(),
                 "fsync_ms": ms(sync_warm),
                 "fsync_after_idle_ms": ms(sync_idle),
                 "input_task_p50_ms": ms(percentile(&with_input, 0.5)),

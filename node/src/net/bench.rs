@@ -55,6 +55,10 @@ pub struct BlobTransferReport {
     /// [`NetHandle::fetch_blob`] end to end: the pull, the blake3 check, and the
     /// fsync'd write into the blob store.
     pub fetch_blob: Duration,
+    /// The same bytes written from memory to a new file beside the store's, in
+    /// megabyte writes, and fdatasync'd: what the disk alone takes to make them
+    /// durable, a floor under `fetch_blob` that no transfer removes.
+    pub disk: Duration,
 }
 
 impl BlobTransferReport {
@@ -70,6 +74,11 @@ impl BlobTransferReport {
     /// `fetch_blob` throughput as a fraction of raw TCP.
     pub fn fetch_ratio(&self) -> f64 {
         self.raw_tcp.as_secs_f64() / self.fetch_blob.as_secs_f64().max(1e-9)
+    }
+
+    /// `fetch_blob` throughput as a fraction of the disk's alone.
+    pub fn fetch_vs_disk(&self) -> f64 {
+        self.disk.as_secs_f64() / self.fetch_blob.as_secs_f64().max(1e-9)
     }
 }
 
@@ -110,6 +119,11 @@ impl fmt::Display for BlobTransferReport {
                 self.fetch_blob,
                 self.fetch_ratio(),
             ),
+            (
+                "disk alone (write +fdatasync)",
+                self.disk,
+                self.raw_tcp.as_secs_f64() / self.disk.as_secs_f64().max(1e-9),
+            ),
         ];
         for (name, d, ratio) in rows {
             writeln!(
@@ -120,6 +134,11 @@ impl fmt::Display for BlobTransferReport {
                 ratio * 100.0
             )?;
         }
+        writeln!(
+            f,
+            "fetch_blob reaches {:.0}% of the disk alone's rate",
+            self.fetch_vs_disk() * 100.0
+        )?;
         Ok(())
     }
 }
@@ -159,6 +178,20 @@ pub async fn bench_blob_transfer_with(
     }
 
     let dir = tempfile::tempdir().map_err(|e| NodeError::io(&std::env::temp_dir(), e))?;
+    let mut disk = Duration::MAX;
+    for (n, blob) in blobs.iter().enumerate() {
+        let path = dir.path().join(format!("disk-{n}"));
+        let write = {
+            let (path, blob) = (path.clone(), blob.clone());
+            tokio::task::spawn_blocking(move || durable_write(&path, &blob))
+        };
+        let took = write
+            .await
+            .map_err(|e| NodeError::NetSetup(format!("disk write task: {e}")))?
+            .map_err(|e| NodeError::io(&path, e))?;
+        disk = disk.min(took);
+        std::fs::remove_file(&path).map_err(|e| NodeError::io(&path, e))?;
+    }
     let cancel = CancellationToken::new();
     let max_blob = bytes as u64 + 1;
     // A closed mesh, as meshes are by default: both nodes hold one cluster key.
@@ -219,6 +252,7 @@ pub async fn bench_blob_transfer_with(
             raw_tcp,
             mesh_pull,
             fetch_blob,
+            disk,
         })
     }
     .await;
@@ -258,6 +292,19 @@ async fn raw_tcp_transfer(data: Arc<Vec<u8>>) -> std::io::Result<Duration> {
     let elapsed = start.elapsed();
     sender.await.map_err(std::io::Error::other)??;
     Ok(elapsed)
+}
+
+/// Writes `bytes` to a new file at `path` a megabyte at a time and fdatasyncs it:
+/// how long that took.
+fn durable_write(path: &Path, bytes: &[u8]) -> std::io::Result<Duration> {
+    use std::io::Write;
+    let start = Instant::now();
+    let mut file = std::fs::File::create(path)?;
+    for piece in bytes.chunks(1 << 20) {
+        file.write_all(piece)?;
+    }
+    file.sync_data()?;
+    Ok(start.elapsed())
 }
 
 /// Incompressible bytes (xorshift), different per seed, cheap to make.
