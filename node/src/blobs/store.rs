@@ -180,7 +180,7 @@ impl BlobStore {
             early: std::collections::BTreeMap::new(),
             done: false,
             unflushed: 0,
-            flusher: None,
+            write_backs: 0,
         })
     }
 
@@ -386,15 +386,14 @@ pub struct Incoming {
     /// Pieces that came before the bytes ahead of them, by offset.
     early: std::collections::BTreeMap<u64, Vec<u8>>,
     done: bool,
-    /// Bytes written since the flusher was last asked to write back.
+    /// Bytes written since write-back was last started.
     unflushed: u64,
-    /// A thread that writes the file back to disk while more of it arrives (see
-    /// [`FLUSH_EVERY`]), so the fsync at the end waits for the tail alone.
-    flusher: Option<Flusher>,
+    /// Times write-back was started while the blob arrived (see [`start_write_back`]).
+    write_backs: u32,
 }
 
-/// Bytes written to an incoming blob between two write-backs by its flusher.
-const FLUSH_EVERY: u64 = 8 << 20;
+/// Bytes written to an incoming blob between two starts of its write-back.
+const WRITE_BACK_EVERY: u64 = 8 << 20;
 
 /// The pack's file in the store's directory.
 const PACK_FILE: &str = "small.pack";
@@ -409,33 +408,33 @@ enum Sink {
     },
 }
 
-struct Flusher {
-    wake: std::sync::mpsc::Sender<()>,
-    thread: std::thread::JoinHandle<()>,
+/// Asks the kernel to start writing `file`'s dirty pages to disk, and returns
+/// without waiting for them (Linux's `sync_file_range` with
+/// `SYNC_FILE_RANGE_WRITE`): neither the journal nor the disk's cache is flushed,
+/// so the writer hardly pays for it, and the fsync in [`Incoming::finish`] (what
+/// makes the blob durable) then waits for the tail alone. `false` where the call is
+/// not supported or failed: the fsync writes everything then.
+///
+/// Why not a thread that fdatasyncs every few megabytes (as before): each of those
+/// also commits the journal and flushes the disk's cache, and it takes a core the
+/// transfer needs. Writing 64 MiB in 1 MiB writes here, write-back started every
+/// 8 MiB and one fdatasync at the end took 33-41 ms, against 38-47 ms with such a
+/// thread and 49-53 ms with neither.
+#[cfg(target_os = "linux")]
+fn start_write_back(file: &File) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the descriptor is `file`'s, open for the whole call, and the other
+    // arguments are integers (offset 0, length 0: to the end of the file). The call
+    // reads and writes no memory of ours.
+    #[allow(unsafe_code)]
+    let started =
+        unsafe { libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
+    started == 0
 }
 
-impl Flusher {
-    /// A thread that calls `fdatasync` on `file` each time it is woken, until the
-    /// sender is dropped. Its errors are not kept: the fsync at the end reports.
-    fn start(file: &File) -> Option<Flusher> {
-        let file = file.try_clone().ok()?;
-        let (wake, woken) = std::sync::mpsc::channel::<()>();
-        let thread = std::thread::Builder::new()
-            .name("blob-flush".into())
-            .spawn(move || {
-                while woken.recv().is_ok() {
-                    while woken.try_recv().is_ok() {}
-                    let _ = file.sync_data();
-                }
-            })
-            .ok()?;
-        Some(Flusher { wake, thread })
-    }
-
-    fn stop(self) {
-        drop(self.wake);
-        let _ = self.thread.join();
-    }
+#[cfg(not(target_os = "linux"))]
+fn start_write_back(_: &File) -> bool {
+    false
 }
 
 impl Incoming {
@@ -458,14 +457,9 @@ impl Incoming {
         file.write_all_at(&data, offset)
             .map_err(|e| NodeError::io(&self.tmp, e))?;
         self.unflushed += data.len() as u64;
-        if self.unflushed >= FLUSH_EVERY && self.total > FLUSH_EVERY {
+        if self.unflushed >= WRITE_BACK_EVERY && self.total > WRITE_BACK_EVERY {
             self.unflushed = 0;
-            if self.flusher.is_none() {
-                self.flusher = Flusher::start(file);
-            }
-            if let Some(f) = &self.flusher {
-                let _ = f.wake.send(());
-            }
+            self.write_backs += u32::from(start_write_back(file));
         }
         self.hash_in(offset, data)
     }
@@ -488,9 +482,6 @@ impl Incoming {
     /// Checks that every byte came and that they hash to the blob's id, then makes
     /// the blob durable (one fsync of the file, the rename, the directory's fsync).
     pub fn finish(mut self) -> Result<()> {
-        if let Some(f) = self.flusher.take() {
-            f.stop();
-        }
         if self.hashed != self.total || !self.early.is_empty() {
             return Err(NodeError::BlobMismatch {
                 id: self.id,
@@ -521,9 +512,6 @@ impl Incoming {
 
 impl Drop for Incoming {
     fn drop(&mut self) {
-        if let Some(f) = self.flusher.take() {
-            f.stop();
-        }
         if !self.done && matches!(self.sink, Sink::File(_)) {
             let _ = fs::remove_file(&self.tmp);
         }
@@ -672,9 +660,10 @@ mod tests {
 
     #[test]
     fn a_blob_written_back_while_it_arrives_is_kept_whole_or_not_at_all() {
-        // Over FLUSH_EVERY several times, so the flusher runs while pieces come.
+        // Over WRITE_BACK_EVERY several times, so write-back starts while pieces
+        // come.
         let dir = tempfile::tempdir().unwrap();
-        let total = 3 * FLUSH_EVERY as usize + 12_345;
+        let total = 3 * WRITE_BACK_EVERY as usize + 12_345;
         let store = BlobStore::open(dir.path(), total as u64).unwrap();
         let bytes: Vec<u8> = (0..total).map(|i| (i * 31 % 253) as u8).collect();
         let id = BlobId::of(&bytes);
@@ -687,7 +676,9 @@ mod tests {
                 .write_at(at as u64, bytes[at..(at + piece).min(total)].to_vec())
                 .unwrap();
         }
-        assert!(halfway.flusher.is_some());
+        if cfg!(target_os = "linux") {
+            assert!(halfway.write_backs > 0);
+        }
         drop(halfway);
         assert!(!store.has(&id));
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
