@@ -214,8 +214,9 @@ pub(super) struct Holder {
 /// Buffers of records already sent, kept for the next ones (at most [`SPARE`]).
 ///
 /// Why: a record is a megabyte, and a fresh one is fresh memory: the kernel zeroes
-/// its pages as the file's bytes are first copied in (about a tenth of the holder's
-/// time per transfer, measured). A few buffers going round do not pay that again.
+/// its pages as the file's bytes are first copied in (6.7% of the CPU samples of a
+/// 64 MiB fetch, both ends together, under perf). A few buffers going round do not
+/// pay that again.
 #[derive(Clone, Default)]
 struct Spare(Arc<Mutex<Vec<Vec<u8>>>>);
 
