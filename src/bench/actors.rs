@@ -1,11 +1,14 @@
-//! `gpumesh bench actors`: a counter actor on a 3-node loopback mesh in this
-//! process — call latency one at a time, calls/s with many in flight through every
-//! node, and the time from killing the host to the next acknowledged call.
+//! `gpumesh bench actors`: a counter actor on a 3-node loopback mesh — call latency
+//! one at a time, calls/s with many in flight through every node, and the time from
+//! killing the host to the next acknowledged call. The nodes run in this process, or
+//! with `--processes` each as a `gpumesh node` process, as a user starts them (and as
+//! a local Ray cluster runs its nodes), the host then killed with SIGKILL.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use gpumesh::node::api::StateInit;
+use gpumesh::process::NodeProcess;
 use gpumesh::Client;
 use gpumesh_protocol::{ActorCall, Grid, ShaderSource};
 
@@ -27,12 +30,100 @@ pub struct ActorsBenchArgs {
     /// after the throughput run each of them gets one call.
     #[arg(long, default_value_t = 0)]
     pub idle_actors: usize,
+    /// Run each node as a `gpumesh node` process of its own (started the way the
+    /// README starts three: one with `--init`, two joining through it), instead of
+    /// all three in this process on one runtime.
+    #[arg(long)]
+    pub processes: bool,
     /// Print one JSON object as the last line (`call_p50_ms`, `call_p99_ms`,
     /// `call_at_host_p50_ms`, `call_at_host_p99_ms`, `calls_per_s`, `failover_ms`,
-    /// `calls_host_led`, `warm_up_calls`, and with `--idle-actors`, `idle_actors`,
-    /// `creates_per_s` and `spread_calls_per_s`: one call to each of them).
+    /// `calls_host_led`, `warm_up_calls`, `processes`, and with `--idle-actors`,
+    /// `idle_actors`, `creates_per_s` and `spread_calls_per_s`: one call to each of
+    /// them).
     #[arg(long)]
     pub json: bool,
+}
+
+/// The bench's three nodes, wherever they run.
+enum Mesh {
+    /// In this process, sharing its runtime.
+    Here(Vec<gpumesh::node::MeshNode>),
+    /// Each a `gpumesh node` process.
+    Processes(Vec<NodeProcess>),
+}
+
+impl Mesh {
+    async fn start(root: &std::path::Path, processes: bool) -> anyhow::Result<Mesh> {
+        if !processes {
+            return Ok(Mesh::Here(
+                super::local_mesh(root, &Default::default()).await?,
+            ));
+        }
+        let bin = std::env::current_exe()?;
+        std::fs::create_dir_all(root)?;
+        let mut procs = Vec::new();
+        for name in ["a", "b", "c"] {
+            let mut p = NodeProcess::new(&bin, root, name)?;
+            p.log_filter = "warn,wgpu_hal=error,wgpu_core=error,naga=error".into();
+            procs.push(p);
+        }
+        procs[0].start(&["--init"])?;
+        let ticket = procs[0].ticket()?;
+        for p in &mut procs[1..] {
+            p.start(&["--join", &ticket])?;
+        }
+        Ok(Mesh::Processes(procs))
+    }
+
+    fn clients(&self) -> anyhow::Result<Vec<Client>> {
+        Ok(match self {
+            Mesh::Here(nodes) => nodes
+                .iter()
+                .map(|n| Client::new(n.api_addr.to_string()))
+                .collect(),
+            Mesh::Processes(procs) => procs
+                .iter()
+                .map(NodeProcess::client)
+                .collect::<Result<_, _>>()?,
+        })
+    }
+
+    /// Each node's peer id and raft id, in the order of [`Mesh::clients`].
+    fn ids(&self) -> Vec<(String, u64)> {
+        match self {
+            Mesh::Here(nodes) => nodes
+                .iter()
+                .map(|n| (n.peer_id.to_string(), n.raft_id))
+                .collect(),
+            Mesh::Processes(procs) => procs
+                .iter()
+                .map(|p| {
+                    let peer = p.seed.rsplit("/p2p/").next().unwrap_or_default();
+                    (peer.to_string(), p.raft_id)
+                })
+                .collect(),
+        }
+    }
+
+    /// Kills node `i` at once (SIGKILL for a process).
+    async fn kill(&mut self, i: usize) {
+        match self {
+            Mesh::Here(nodes) => nodes.remove(i).kill().await,
+            Mesh::Processes(procs) => procs[i].kill9(),
+        }
+    }
+
+    async fn stop(self) {
+        match self {
+            // Joiners first: a joiner left running would keep dialling its seed.
+            Mesh::Here(nodes) => {
+                for n in nodes.into_iter().rev() {
+                    n.stop().await;
+                }
+            }
+            Mesh::Processes(procs) => drop(procs),
+        }
+    }
 }
 
 /// Calls made through each of the two nodes before the latency is timed.
@@ -157,11 +248,9 @@ pub fn actors(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
 
 async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
     let root = std::env::temp_dir().join(format!("gpumesh-bench-actors-{}", std::process::id()));
-    let mut nodes = super::local_mesh(&root, &Default::default()).await?;
-    let clients: Vec<Client> = nodes
-        .iter()
-        .map(|n| Client::new(n.api_addr.to_string()))
-        .collect();
+    let mut mesh = Mesh::start(&root, args.processes).await?;
+    let clients = mesh.clients()?;
+    let ids = mesh.ids();
     // Three voters with adapters before anything is measured.
     let settle = Instant::now() + Duration::from_secs(60);
     loop {
@@ -181,13 +270,17 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
         .create_actor("bench", counter_state(), None)
         .await?;
     let host = clients[0].actor("bench").await?;
-    let host_index = nodes
+    let host_index = ids
         .iter()
-        .position(|n| n.peer_id.to_string() == host.node)
+        .position(|(peer, _)| *peer == host.node)
         .unwrap_or(0);
     // Calls through a node that is not the host: the path a caller elsewhere takes.
-    let via = &clients[(host_index + 1) % nodes.len()];
-    println!("gpumesh bench actors — a counter actor on 3 nodes on loopback in one process");
+    let via = &clients[(host_index + 1) % ids.len()];
+    if args.processes {
+        println!("gpumesh bench actors — a counter actor on 3 node processes on loopback");
+    } else {
+        println!("gpumesh bench actors — a counter actor on 3 nodes on loopback in one process");
+    }
 
     // Warmed up first, as the Ray script warms up its actor: the first calls
     // compile the kernel on the host and open the connections.
@@ -202,7 +295,7 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
     // is where a steady caller's calls stand. Before it, each call's entry goes to
     // the leader and its commit back to the host: two hops more.
     let mut warm = 2 * WARM_UP;
-    let host_raft_id = nodes[host_index].raft_id;
+    let host_raft_id = ids[host_index].1;
     let settle = Instant::now() + Duration::from_secs(2);
     while via.status().await?.leader != host_raft_id && Instant::now() < settle {
         for _ in 0..WARM_UP {
@@ -263,11 +356,10 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
     };
 
     // (3) The host dies: time to the next acknowledged call.
-    let survivor = clients[(host_index + 1) % nodes.len()].clone();
-    let host_led = survivor.status().await?.leader == nodes[host_index].raft_id;
-    let host_node = nodes.remove(host_index);
+    let survivor = clients[(host_index + 1) % ids.len()].clone();
+    let host_led = survivor.status().await?.leader == host_raft_id;
     let killed = Instant::now();
-    host_node.kill().await;
+    mesh.kill(host_index).await;
     survivor.call_actor("bench", call(), None).await?;
     let failover = killed.elapsed();
     let moved = survivor.actor("bench").await?;
@@ -358,12 +450,11 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
                 "idle_actors": args.idle_actors,
                 "creates_per_s": created,
                 "spread_calls_per_s": spread,
+                "processes": args.processes,
             })
         );
     }
-    for n in nodes {
-        n.stop().await;
-    }
+    mesh.stop().await;
     let _ = std::fs::remove_dir_all(&root);
     Ok(ExitCode::SUCCESS)
 }
