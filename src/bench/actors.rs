@@ -59,20 +59,8 @@ impl Mesh {
                 super::local_mesh(root, &Default::default()).await?,
             ));
         }
-        let bin = std::env::current_exe()?;
         std::fs::create_dir_all(root)?;
-        let mut procs = Vec::new();
-        for name in ["a", "b", "c"] {
-            let mut p = NodeProcess::new(&bin, root, name)?;
-            p.log_filter = "warn,wgpu_hal=error,wgpu_core=error,naga=error".into();
-            procs.push(p);
-        }
-        procs[0].start(&["--init"])?;
-        let ticket = procs[0].ticket()?;
-        for p in &mut procs[1..] {
-            p.start(&["--join", &ticket])?;
-        }
-        Ok(Mesh::Processes(procs))
+        Ok(Mesh::Processes(super::process_mesh(root)?))
     }
 
     fn clients(&self) -> anyhow::Result<Vec<Client>> {

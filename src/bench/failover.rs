@@ -85,18 +85,7 @@ pub async fn run(rounds: usize) -> anyhow::Result<Vec<Round>> {
 }
 
 async fn rounds_on(root: &std::path::Path, rounds: usize) -> anyhow::Result<Vec<Round>> {
-    let bin = std::env::current_exe().context("where is the gpumesh binary?")?;
-    let mut procs = Vec::new();
-    for name in ["a", "b", "c"] {
-        let mut p = NodeProcess::new(&bin, root, name)?;
-        p.log_filter = "warn,wgpu_hal=error,wgpu_core=error,naga=error".into();
-        procs.push(p);
-    }
-    procs[0].start(&["--init"])?;
-    let ticket = procs[0].ticket()?;
-    for p in &mut procs[1..] {
-        p.start(&["--join", &ticket])?;
-    }
+    let mut procs = super::process_mesh(root)?;
     let mut out = Vec::new();
     for round in 0..rounds {
         let leader = settle(&procs).await?;

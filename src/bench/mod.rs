@@ -103,6 +103,26 @@ fn mesh_key() -> gpumesh::node::ClusterKey {
 
 /// Three nodes on loopback in this process, data under `root`: `a` forms the mesh,
 /// `b` and `c` join it.
+/// Three `gpumesh node` processes on loopback, keeping their data under `root`,
+/// started as the README starts them: `a` with `--init`, `b` and `c` joining
+/// through it with its ticket.
+fn process_mesh(root: &std::path::Path) -> anyhow::Result<Vec<gpumesh::process::NodeProcess>> {
+    use anyhow::Context;
+    let bin = std::env::current_exe().context("where is the gpumesh binary?")?;
+    let mut procs = Vec::new();
+    for name in ["a", "b", "c"] {
+        let mut p = gpumesh::process::NodeProcess::new(&bin, root, name)?;
+        p.log_filter = "warn,wgpu_hal=error,wgpu_core=error,naga=error".into();
+        procs.push(p);
+    }
+    procs[0].start(&["--init"])?;
+    let ticket = procs[0].ticket()?;
+    for p in &mut procs[1..] {
+        p.start(&["--join", &ticket])?;
+    }
+    Ok(procs)
+}
+
 async fn local_mesh(
     root: &std::path::Path,
     timeline: &gpumesh::node::timeline::Timeline,
