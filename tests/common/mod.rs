@@ -58,22 +58,36 @@ pub fn skipped(what: &str) {
     let _ = writeln!(std::io::stderr(), "\n!!!!! SKIPPED: {what} !!!!!\n");
 }
 
-/// Whether a backend is present; a missing required one fails, others are reported.
+/// Whether a backend is present and runs a dispatch (probed once per test process);
+/// a missing required one fails, others are reported. An adapter that is listed but
+/// cannot run (OpenGL through EGL with no display on NVIDIA's driver) counts as
+/// missing: a node would refuse it when it starts.
 pub fn have(backend: BackendKind) -> bool {
-    let found = !gpumesh::shaders::adapter::adapters(BackendChoice::Only(backend)).is_empty();
+    static PROBED: std::sync::Mutex<BTreeMap<&'static str, Result<(), String>>> =
+        std::sync::Mutex::new(BTreeMap::new());
+    let probed = PROBED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(backend.name())
+        .or_insert_with(|| {
+            gpumesh::shaders::Executor::new(BackendChoice::Only(backend))
+                .map(drop)
+                .map_err(|e| e.to_string())
+        })
+        .clone();
     let required = std::env::var("GPUMESH_REQUIRE_BACKENDS").unwrap_or_default();
-    if !found {
+    if let Err(e) = &probed {
         assert!(
             !required.split(',').any(|r| r.trim() == backend.name()),
-            "GPUMESH_REQUIRE_BACKENDS names {} but it is unavailable",
+            "GPUMESH_REQUIRE_BACKENDS names {} but it is unavailable: {e}",
             backend.name()
         );
         skipped(&format!(
-            "NO {} ADAPTER, so the mesh cases needing it are skipped",
+            "NO {} ADAPTER, so the mesh cases needing it are skipped ({e})",
             backend.name().to_uppercase()
         ));
     }
-    found
+    probed.is_ok()
 }
 
 pub fn have_any() -> bool {
