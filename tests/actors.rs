@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::{have_any, mesh, metric, stop, words, LIMIT, RUNAWAY, STEP};
-use gpumesh::consensus::{ActorState, CallResult, Command, Outcome};
+use gpumesh::consensus::{Actor, ActorState, CallResult, Command, Outcome};
 use gpumesh::node::MeshNode;
 use gpumesh::protocol::{
     ActorCall, BindingRole, BindingSpec, BlobId, Grid, ShaderSource, StateBuffer,
@@ -82,6 +82,49 @@ fn blob(nodes: &[MeshNode], id: BlobId) -> Vec<u8> {
         .iter()
         .find_map(|n| n.blobs.get(&id).ok().flatten())
         .unwrap_or_else(|| panic!("no node holds blob {id}"))
+}
+
+/// Proposes `calls` to actor `name` all at once, call `i` through node `i % 3`, so
+/// that they wait together on its host; returns each call's place in the actor's
+/// order.
+async fn call_all_at_once(nodes: &[MeshNode], name: &str, calls: Vec<ActorCall>) -> Vec<u64> {
+    let mut pending = Vec::new();
+    for (i, call) in calls.into_iter().enumerate() {
+        let via = &nodes[i % nodes.len()];
+        let (consensus, caller) = (via.consensus.clone(), via.peer_id.to_string());
+        let name = name.to_string();
+        pending.push(tokio::spawn(async move {
+            let c = consensus
+                .propose(Command::CallActor { name, call, caller })
+                .await
+                .unwrap();
+            match c.outcome {
+                Outcome::CallQueued { seq } => seq,
+                other => panic!("{other:?}"),
+            }
+        }));
+    }
+    let mut seqs = Vec::new();
+    for p in pending {
+        seqs.push(p.await.unwrap());
+    }
+    seqs
+}
+
+/// Actor `name` as `reader` has it once `n` of its calls have results.
+async fn with_results(reader: &MeshNode, name: &str, n: usize) -> Actor {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        // A follower may not have applied the actor's creation yet.
+        match reader.consensus.read_local(|s| s.actor(name).cloned()) {
+            Some(a) if a.results.len() == n => return a,
+            a => assert!(
+                tokio::time::Instant::now() < deadline,
+                "not all done: {a:#?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -621,49 +664,21 @@ async fn calls_waiting_together_run_back_to_back_and_a_failure_among_them_change
             grid: Grid([64, 1, 1]),
             deadline_ms: Some(100),
         };
-        let mut calls = Vec::new();
-        for i in 0..24u32 {
-            let via = &nodes[i as usize % 3];
-            let (consensus, caller) = (via.consensus.clone(), via.peer_id.to_string());
-            let call = if i % 6 == 5 {
-                runaway.clone()
-            } else {
-                step_call(i * 13 + 1)
-            };
-            let add = (i % 6 != 5).then_some(i * 13 + 1);
-            calls.push(tokio::spawn(async move {
-                let c = consensus
-                    .propose(Command::CallActor {
-                        name: "batched".into(),
-                        call,
-                        caller,
-                    })
-                    .await
-                    .unwrap();
-                match c.outcome {
-                    Outcome::CallQueued { seq } => (seq, add),
-                    other => panic!("{other:?}"),
+        let calls: Vec<ActorCall> = (0..24u32)
+            .map(|i| {
+                if i % 6 == 5 {
+                    runaway.clone()
+                } else {
+                    step_call(i * 13 + 1)
                 }
-            }));
-        }
-        let mut by_seq = BTreeMap::new();
-        for c in calls {
-            let (seq, add) = c.await.unwrap();
-            by_seq.insert(seq, add);
-        }
-        let reader = &nodes[1].consensus;
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
-        let actor = loop {
-            // A follower may not have applied the actor's creation yet.
-            match reader.read_local(|s| s.actor("batched").cloned()) {
-                Some(a) if a.results.len() == 24 => break a,
-                a => assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "not all done: {a:#?}"
-                ),
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+            })
+            .collect();
+        let seqs = call_all_at_once(&nodes, "batched", calls).await;
+        let by_seq: BTreeMap<u64, Option<u32>> = seqs
+            .into_iter()
+            .zip((0..24u32).map(|i| (i % 6 != 5).then_some(i * 13 + 1)))
+            .collect();
+        let actor = with_results(&nodes[1], "batched", 24).await;
         // Replayed on the CPU in sequence order; a failed call changes nothing.
         let mut cpu = vec![0u32; WORDS as usize];
         let mut version = 0;
@@ -724,6 +739,121 @@ async fn calls_waiting_together_run_back_to_back_and_a_failure_among_them_change
                 .any(|b| b.contains(&true) && b.contains(&false)),
             "no failure recorded beside successes: {by_entry:?}"
         );
+        stop(nodes).await;
+    })
+    .await
+    .expect("test exceeded its time limit");
+}
+
+/// A loop-free kernel (so it runs as written on every adapter, chained with other
+/// calls too) that takes over 100 ms on lavapipe: it reads the state and changes
+/// none of it; its 16-byte output keeps the work from being dropped.
+fn slow_call(deadline_ms: u64) -> ActorCall {
+    let mut src = String::from(
+        "@group(0) @binding(0) var<storage, read_write> state: array<u32>;\n\
+         @group(0) @binding(2) var<storage, read_write> out: array<u32>;\n\
+         @compute @workgroup_size(64)\n\
+         fn main(@builtin(global_invocation_id) gid: vec3<u32>) {\n\
+         var x = gid.x ^ state[0];\n",
+    );
+    for _ in 0..1000 {
+        src.push_str("x = (x ^ (x >> 13u)) * 1664525u + 1013904223u;\n");
+    }
+    src.push_str("out[gid.x % 4u] = x;\n}\n");
+    ActorCall {
+        shader: ShaderSource::Wgsl(src),
+        entry_point: "main".into(),
+        bindings: vec![BindingSpec {
+            binding: 2,
+            role: BindingRole::Output { size: 16 },
+        }],
+        grid: Grid([16_384, 1, 1]),
+        deadline_ms: Some(deadline_ms),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_call_waiting_with_others_is_held_to_its_own_deadline() {
+    if !have_any() {
+        return;
+    }
+    const DEADLINE_MS: u64 = 5;
+    // How long the slow call takes alone on this machine's adapter: where that is
+    // well past its deadline (software adapters), it must fail, chained or alone.
+    let alone = {
+        use gpumesh::protocol::{MergeRule, TaskSpec};
+        use gpumesh::shaders::{BackendChoice, Executor, Job, Kernel};
+        let call = slow_call(DEADLINE_MS);
+        let ShaderSource::Wgsl(src) = &call.shader else {
+            unreachable!()
+        };
+        let kernel = std::sync::Arc::new(Kernel::compile(src, "main").unwrap());
+        let mut bindings = call.bindings.clone();
+        bindings.push(BindingSpec {
+            binding: 0,
+            role: BindingRole::Output {
+                size: u64::from(WORDS) * 4,
+            },
+        });
+        let spec = TaskSpec {
+            shader: call.shader.clone(),
+            entry_point: "main".into(),
+            bindings,
+            grid: call.grid,
+            shards: 1,
+            merge: MergeRule::Changes,
+            merges: Default::default(),
+            options: Default::default(),
+        };
+        let job = Job::new(spec, kernel, |_| None).unwrap();
+        let mut executor = Executor::new(BackendChoice::Auto).unwrap();
+        executor.run(&job, None).unwrap();
+        executor.run(&job, None).unwrap().elapsed
+    };
+    let must_fail = alone > Duration::from_millis(DEADLINE_MS * 5);
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = mesh(dir.path(), 3).await;
+        create_stepper(&nodes[0], "held").await;
+        // Twelve calls at once: every sixth the slow one with a 5 ms deadline, the
+        // rest steps with the default deadline (minutes).
+        let adds: Vec<Option<u32>> = (0..12u32)
+            .map(|i| (i % 6 != 5).then_some(i * 7 + 1))
+            .collect();
+        let calls = adds
+            .iter()
+            .map(|a| a.map_or_else(|| slow_call(DEADLINE_MS), step_call))
+            .collect();
+        let seqs = call_all_at_once(&nodes, "held", calls).await;
+        let actor = with_results(&nodes[2], "held", 12).await;
+        let by_seq: BTreeMap<u64, Option<u32>> = seqs.into_iter().zip(adds).collect();
+        let mut cpu = vec![0u32; WORDS as usize];
+        let mut version = 0;
+        for (seq, add) in &by_seq {
+            match (&actor.results[seq], add) {
+                (CallResult::Done { version: v, .. }, Some(add)) => {
+                    for (i, w) in cpu.iter_mut().enumerate() {
+                        *w = w.wrapping_mul(3).wrapping_add(*add).wrapping_add(i as u32);
+                    }
+                    version += 1;
+                    assert_eq!(*v, version, "call {seq}");
+                }
+                (CallResult::Failed { reason, .. }, None) => {
+                    assert!(reason.contains("deadline"), "call {seq}: {reason}");
+                }
+                // Only where the adapter runs it within its deadline.
+                (CallResult::Done { version: v, .. }, None) if !must_fail => {
+                    version += 1;
+                    assert_eq!(*v, version, "call {seq}");
+                }
+                (result, add) => panic!(
+                    "call {seq} (adds {add:?}; the slow call alone took {alone:?} \
+                     against its {DEADLINE_MS} ms): {result:?}"
+                ),
+            }
+        }
+        assert_eq!(actor.version, version);
+        assert_eq!(words(actor.inline_state(0).expect("inline")), cpu);
         stop(nodes).await;
     })
     .await

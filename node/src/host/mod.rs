@@ -774,12 +774,15 @@ impl ActorHost {
     ) -> Option<Chained> {
         let state_bindings: Vec<u32> = now.iter().map(|(s, _)| s.binding).collect();
         let mut jobs = Vec::with_capacity(calls.len());
-        let mut deadline = Duration::ZERO;
+        let mut deadline = Duration::MAX;
         for (call, _) in calls {
             jobs.push(self.call_job(call, now, latest).ok()?);
-            // The longest a call may run: a runaway among them costs that, and
-            // then its own deadline again run alone.
-            deadline = deadline.max(self.deadline_of(call));
+            // The shortest: no call is let go on past its own deadline in the chain
+            // (one that takes longer fails the chain, and each then runs alone under
+            // its own), as the tasks' batches do. With the longest, a runaway with a
+            // short deadline among calls with the default ran on for the default
+            // (minutes) on GPUs that run loops as written.
+            deadline = deadline.min(self.deadline_of(call));
         }
         let chain = match self
             .gpu
