@@ -1,11 +1,12 @@
-//! Where a task's time goes: the moment each task passes each stage of its path,
-//! recorded only when a node is given a recording [`Timeline`] (`gpumesh bench
-//! mesh` gives its three in-process nodes one between them); otherwise a no-op.
+//! Where a task's or an actor call's time goes: the moment each passes each stage
+//! of its path, recorded only when a node is given a recording [`Timeline`]
+//! (`gpumesh bench mesh` and `bench actors` give their three in-process nodes one
+//! between them); otherwise a no-op.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use gpumesh_consensus::TaskId;
+use gpumesh_consensus::{RequestId, TaskId};
 
 /// The stages of a task's path, in order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -59,12 +60,61 @@ impl Stage {
     }
 }
 
+/// The stages of an actor call sent to its host, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum CallStage {
+    /// The API the client called has the request.
+    Received,
+    /// The actor's host has the call in its mailbox.
+    AtHost,
+    /// The host takes it into a batch (the state on the GPU or fetched).
+    Taken,
+    /// The batch has run on the GPU and its state and outputs are read back.
+    Ran,
+    /// The host's `ActorCallsRan` is applied there: the call is recorded.
+    Recorded,
+    /// The API the client called has the answer.
+    Answered,
+}
+
+impl CallStage {
+    pub const ALL: [CallStage; 6] = [
+        CallStage::Received,
+        CallStage::AtHost,
+        CallStage::Taken,
+        CallStage::Ran,
+        CallStage::Recorded,
+        CallStage::Answered,
+    ];
+
+    /// What happens between the previous stage and this one.
+    pub fn what(self) -> &'static str {
+        match self {
+            CallStage::Received => "request received",
+            CallStage::AtHost => "to the actor's host",
+            CallStage::Taken => "waiting in the host's mailbox",
+            CallStage::Ran => "GPU run and readback",
+            CallStage::Recorded => "calls and state committed and applied (host)",
+            CallStage::Answered => "answer to the node called",
+        }
+    }
+}
+
 /// One mark: a task passed a stage at an instant.
 pub type Mark = (TaskId, Stage, Instant);
 
+/// One mark of an actor call, by its request id.
+pub type CallMark = (RequestId, CallStage, Instant);
+
+#[derive(Default)]
+struct Marks {
+    tasks: Mutex<Vec<Mark>>,
+    calls: Mutex<Vec<CallMark>>,
+}
+
 /// Marks shared by every node given a clone; `Timeline::default()` records nothing.
 #[derive(Clone, Default)]
-pub struct Timeline(Option<Arc<Mutex<Vec<Mark>>>>);
+pub struct Timeline(Option<Arc<Marks>>);
 
 impl Timeline {
     pub fn recording() -> Self {
@@ -77,20 +127,44 @@ impl Timeline {
 
     pub fn mark_at(&self, task: TaskId, stage: Stage, at: Instant) {
         if let Some(marks) = &self.0 {
-            marks
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push((task, stage, at));
+            lock(&marks.tasks).push((task, stage, at));
         }
     }
 
-    /// Every mark so far, and none kept.
+    pub fn mark_call(&self, request: RequestId, stage: CallStage) {
+        self.mark_call_at(request, stage, Instant::now());
+    }
+
+    pub fn mark_call_at(&self, request: RequestId, stage: CallStage, at: Instant) {
+        if let Some(marks) = &self.0 {
+            lock(&marks.calls).push((request, stage, at));
+        }
+    }
+
+    /// Whether marks are kept (callers skip work that only feeds them).
+    pub fn is_recording(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// Every task mark so far, and none kept.
     pub fn take(&self) -> Vec<Mark> {
         match &self.0 {
-            Some(marks) => std::mem::take(&mut *marks.lock().unwrap_or_else(|e| e.into_inner())),
+            Some(marks) => std::mem::take(&mut *lock(&marks.tasks)),
             None => Vec::new(),
         }
     }
+
+    /// Every call mark so far, and none kept.
+    pub fn take_calls(&self) -> Vec<CallMark> {
+        match &self.0 {
+            Some(marks) => std::mem::take(&mut *lock(&marks.calls)),
+            None => Vec::new(),
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl std::fmt::Debug for Timeline {

@@ -7,7 +7,9 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use gpumesh::consensus::{RequestId, RequestIds};
 use gpumesh::node::api::StateInit;
+use gpumesh::node::timeline::{CallStage, Timeline};
 use gpumesh::process::NodeProcess;
 use gpumesh::Client;
 use gpumesh_protocol::{ActorCall, Grid, ShaderSource};
@@ -53,11 +55,14 @@ enum Mesh {
 }
 
 impl Mesh {
-    async fn start(root: &std::path::Path, processes: bool) -> anyhow::Result<Mesh> {
+    /// The nodes; in this process they mark each call's path on `timeline`.
+    async fn start(
+        root: &std::path::Path,
+        processes: bool,
+        timeline: &Timeline,
+    ) -> anyhow::Result<Mesh> {
         if !processes {
-            return Ok(Mesh::Here(
-                super::local_mesh(root, &Default::default()).await?,
-            ));
+            return Ok(Mesh::Here(super::local_mesh(root, timeline).await?));
         }
         std::fs::create_dir_all(root)?;
         Ok(Mesh::Processes(super::process_mesh(root)?))
@@ -236,7 +241,8 @@ pub fn actors(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
 
 async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
     let root = std::env::temp_dir().join(format!("gpumesh-bench-actors-{}", std::process::id()));
-    let mut mesh = Mesh::start(&root, args.processes).await?;
+    let timeline = Timeline::recording();
+    let mut mesh = Mesh::start(&root, args.processes, &timeline).await?;
     let clients = mesh.clients()?;
     let ids = mesh.ids();
     // Three voters with adapters before anything is measured.
@@ -294,12 +300,22 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
     let host_leads = via.status().await?.leader == host_raft_id;
 
     // (1) One call at a time, through a node that is not the host.
+    let request_ids = RequestIds::new(u64::from(std::process::id()));
     let mut lat = Vec::new();
+    let mut ends: Vec<(RequestId, Instant, Instant)> = Vec::new();
+    timeline.take_calls();
     for _ in 0..args.latency_calls.max(1) {
+        let id = request_ids.next_id();
         let t = Instant::now();
-        via.call_actor("bench", call(), None).await?;
+        via.call_actor("bench", call(), Some(id)).await?;
+        ends.push((id, t, Instant::now()));
         lat.push(t.elapsed());
     }
+    let path = super::breakdown(
+        &timeline.take_calls(),
+        &ends,
+        &CallStage::ALL.map(|s| (s, s.what())),
+    );
     lat.sort();
     let (p50, p99) = (percentile(&lat, 0.5), percentile(&lat, 0.99));
     // The same through the host's own API: no hop between nodes before the run.
@@ -422,6 +438,13 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
         "host leading the record when the calls were timed (warm-up)",
         format!("{} ({warm})", if host_leads { "yes" } else { "no" })
     );
+    // Marked by nodes in this process only.
+    if !timeline_empty(&path) {
+        println!("\nwhere a call through another node goes (medians over the calls one at a time)");
+        for (what, d) in &path {
+            println!("  {what:<58} {:>9.2} ms", ms(*d));
+        }
+    }
     if args.json {
         println!(
             "{}",
@@ -445,4 +468,10 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
     mesh.stop().await;
     let _ = std::fs::remove_dir_all(&root);
     Ok(ExitCode::SUCCESS)
+}
+
+/// Whether a breakdown holds nothing the nodes marked (only the client's total).
+fn timeline_empty(path: &[(String, Duration)]) -> bool {
+    path.iter()
+        .all(|(what, _)| what == "answer back to the client")
 }

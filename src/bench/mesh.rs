@@ -211,54 +211,9 @@ pub(super) fn spec(source: &str, groups: u32, shards: u32) -> TaskSpec {
     }
 }
 
-/// The median time between consecutive stages of the tasks in `ends` (task, when
-/// the client began, when it had the outputs), from the nodes' marks: the client's
-/// request to the API first, the answer back to the client last.
+/// [`super::breakdown`] of tasks over the task stages.
 fn breakdown(marks: &[Mark], ends: &[(TaskId, Instant, Instant)]) -> Vec<(String, Duration)> {
-    let mut rows: Vec<(String, Vec<Duration>)> = Vec::new();
-    let mut push = |what: &str, d: Duration| match rows.iter_mut().find(|(w, _)| w == what) {
-        Some((_, v)) => v.push(d),
-        None => rows.push((what.to_string(), vec![d])),
-    };
-    let mut by_task: std::collections::HashMap<TaskId, Vec<(Stage, Instant)>> =
-        std::collections::HashMap::new();
-    for &(id, stage, t) in marks {
-        by_task.entry(id).or_default().push((stage, t));
-    }
-    for &(task, began, ended) in ends {
-        let mut at = began;
-        let mut what_next = "client to the API";
-        let mine = by_task.get(&task).map_or(&[][..], |v| &v[..]);
-        for stage in Stage::ALL {
-            // A stage marked twice (a wait answered twice) counts from its first.
-            let Some(t) = mine
-                .iter()
-                .filter(|(s, _)| *s == stage)
-                .map(|(_, t)| *t)
-                .min()
-            else {
-                continue;
-            };
-            let what = if stage == Stage::Received {
-                what_next
-            } else {
-                stage.what()
-            };
-            push(what, t.saturating_duration_since(at));
-            at = t.max(at);
-            what_next = "";
-        }
-        push(
-            "answer back to the client",
-            ended.saturating_duration_since(at),
-        );
-    }
-    rows.into_iter()
-        .map(|(what, mut v)| {
-            v.sort();
-            (what, v[v.len() / 2])
-        })
-        .collect()
+    super::breakdown(marks, ends, &Stage::ALL.map(|s| (s, s.what())))
 }
 
 /// Medians of a 300-byte write and `fdatasync` into a file under `root`: back to

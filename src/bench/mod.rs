@@ -17,7 +17,7 @@ pub use executor::{executor, ExecutorBenchArgs};
 pub use faults::{faults, FaultsBenchArgs};
 pub use mesh::{mesh, MeshBenchArgs};
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Median of `runs` timings of `f`, after one warm-up call.
 pub fn median_of<E>(
@@ -149,6 +149,60 @@ async fn local_mesh(
     Ok(nodes)
 }
 
+/// The median time between consecutive stages of the runs in `ends` (id, when the
+/// client began, when it had its answer), from the nodes' `marks`: the client's
+/// request to the API first ("client to the API", up to the first of `stages`),
+/// then each stage (in path order, with what happens before it), the answer back
+/// to the client last. A stage marked twice counts from its first mark; a stage
+/// not marked for a run is left out of that run's rows.
+pub(crate) fn breakdown<K, S>(
+    marks: &[(K, S, Instant)],
+    ends: &[(K, Instant, Instant)],
+    stages: &[(S, &str)],
+) -> Vec<(String, Duration)>
+where
+    K: Copy + Eq + std::hash::Hash,
+    S: Copy + PartialEq,
+{
+    let mut rows: Vec<(String, Vec<Duration>)> = Vec::new();
+    let mut push = |what: &str, d: Duration| match rows.iter_mut().find(|(w, _)| w == what) {
+        Some((_, v)) => v.push(d),
+        None => rows.push((what.to_string(), vec![d])),
+    };
+    let mut by_run: std::collections::HashMap<K, Vec<(S, Instant)>> =
+        std::collections::HashMap::new();
+    for &(id, stage, t) in marks {
+        by_run.entry(id).or_default().push((stage, t));
+    }
+    for &(id, began, ended) in ends {
+        let mut at = began;
+        let mine = by_run.get(&id).map_or(&[][..], |v| &v[..]);
+        for (i, &(stage, what)) in stages.iter().enumerate() {
+            let Some(t) = mine
+                .iter()
+                .filter(|(s, _)| *s == stage)
+                .map(|(_, t)| *t)
+                .min()
+            else {
+                continue;
+            };
+            let what = if i == 0 { "client to the API" } else { what };
+            push(what, t.saturating_duration_since(at));
+            at = t.max(at);
+        }
+        push(
+            "answer back to the client",
+            ended.saturating_duration_since(at),
+        );
+    }
+    rows.into_iter()
+        .map(|(what, mut v)| {
+            v.sort();
+            (what, v[v.len() / 2])
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,5 +233,36 @@ mod tests {
             workgroups_for(Duration::from_millis(120), flat).unwrap(),
             65_535
         );
+    }
+
+    #[test]
+    fn a_breakdown_takes_each_stage_from_the_one_before_and_the_median_of_runs() {
+        let t0 = Instant::now();
+        let at = |us: u64| t0 + Duration::from_micros(us);
+        // Two stages, three runs; run 2 marks its second stage twice (the first
+        // counts), run 3 never reaches the first.
+        let marks = [
+            (1, 'a', at(10)),
+            (1, 'b', at(30)),
+            (2, 'a', at(120)),
+            (2, 'b', at(170)),
+            (2, 'b', at(190)),
+            (3, 'b', at(260)),
+        ];
+        let ends = [
+            (1, at(0), at(40)),
+            (2, at(100), at(200)),
+            (3, at(200), at(300)),
+        ];
+        let rows = breakdown(&marks, &ends, &[('a', "to a"), ('b', "a to b")]);
+        let row = |w: &str| rows.iter().find(|(x, _)| x == w).map(|(_, d)| *d);
+        assert_eq!(row("client to the API"), Some(Duration::from_micros(20)));
+        // Runs 1 and 2 (20, 50 us) and run 3 from its start (60 us): the median.
+        assert_eq!(row("a to b"), Some(Duration::from_micros(50)));
+        assert_eq!(
+            row("answer back to the client"),
+            Some(Duration::from_micros(30))
+        );
+        assert_eq!(row("to a"), None);
     }
 }

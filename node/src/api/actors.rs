@@ -20,6 +20,7 @@ use super::read_current;
 use super::state::ApiState;
 use super::views::{ActorView, CallReply, CallRequest, CreateActorRequest, OutputView};
 use crate::host::CallAnswer;
+use crate::timeline::CallStage;
 
 fn no_actor(name: &str) -> ApiError {
     ApiError(
@@ -239,6 +240,7 @@ pub(crate) async fn call(
     Query(q): Query<CallQuery>,
     body: std::result::Result<Bytes, BytesRejection>,
 ) -> ApiResult<Json<CallReply>> {
+    let received = std::time::Instant::now();
     let body = BodyCaps::of(&api.limits).request.within(body)?;
     let req: CallRequest =
         serde_json::from_slice(&body).map_err(|e| bad(format!("malformed call: {e}")))?;
@@ -293,7 +295,11 @@ pub(crate) async fn call(
         .consensus
         .read_local(move |s| s.prior(&request_id).is_some());
     if let (Some(host), Some(sender), false) = (host, &api.calls, known) {
-        match sender.send(host, &name, req.call.clone(), request_id).await {
+        api.timeline
+            .mark_call_at(request_id, CallStage::Received, received);
+        let answer = sender.send(host, &name, req.call.clone(), request_id).await;
+        api.timeline.mark_call(request_id, CallStage::Answered);
+        match answer {
             CallAnswer::Done {
                 seq,
                 version,

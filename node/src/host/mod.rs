@@ -48,6 +48,7 @@ use tokio_util::sync::CancellationToken;
 use crate::blobs::BlobsHandle;
 use crate::identity;
 use crate::peers::PeersHandle;
+use crate::timeline::{CallStage, Timeline};
 use crate::wire::{Changes, NextState};
 use crate::worker::GpuHandle;
 
@@ -71,6 +72,8 @@ pub(crate) struct ActorHost {
     pub calls: prometheus_client::metrics::counter::Counter,
     /// Calls sent to this node as their actor's host.
     pub inbox: mpsc::Receiver<SentCall>,
+    /// Where each sent call's time goes (`gpumesh bench actors`).
+    pub timeline: Timeline,
 }
 
 /// The calls waiting for one actor hosted here (the oldest, at most [`MAX_BATCH`]),
@@ -264,9 +267,11 @@ impl ActorHost {
                     }
                 }
                 Some(call) = inbox.recv() => {
+                    host.timeline.mark_call(call.request, CallStage::AtHost);
                     post(&mut mailbox, call);
                     // Whatever else arrived meanwhile joins the same batch.
                     while let Ok(call) = inbox.try_recv() {
+                        host.timeline.mark_call(call.request, CallStage::AtHost);
                         post(&mut mailbox, call);
                     }
                 }
@@ -291,7 +296,19 @@ impl ActorHost {
 
     /// Runs one batch and records it; see [`TurnEnd`] for what comes back.
     async fn turn(&self, turn: Turn) -> TurnEnd {
+        let sent: Vec<RequestId> = match &turn.source {
+            Source::Sent { replies } if self.timeline.is_recording() => {
+                replies.iter().map(|w| w.request).collect()
+            }
+            _ => Vec::new(),
+        };
+        for id in &sent {
+            self.timeline.mark_call(*id, CallStage::Taken);
+        }
         let batch = self.take(&turn).await;
+        for id in &sent {
+            self.timeline.mark_call(*id, CallStage::Ran);
+        }
         let Turn {
             name,
             source,
@@ -392,6 +409,7 @@ impl ActorHost {
             Ok(c) if c.outcome == Outcome::Applied => {
                 self.calls.inc_by(done);
                 for w in replies {
+                    self.timeline.mark_call(w.request, CallStage::Recorded);
                     let answer = CallAnswer::recorded(&self.consensus, &name, w.request);
                     let _ = w.reply.send(answer);
                 }

@@ -290,6 +290,7 @@ impl MeshNode {
                     default_deadline: config.default_deadline,
                     calls: metrics.actor_calls.clone(),
                     inbox: calls_rx,
+                    timeline: config.timeline.clone(),
                 }
                 .run(cancel.clone()),
             ));
