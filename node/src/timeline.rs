@@ -67,9 +67,10 @@ pub enum CallStage {
     Received,
     /// The actor's host has the call in its mailbox.
     AtHost,
-    /// The host takes it into a batch (the state on the GPU or fetched).
+    /// The host starts a batch with it.
     Taken,
-    /// The batch has run on the GPU and its state and outputs are read back.
+    /// The batch has run on the GPU (its state fetched first if it was not there)
+    /// and its state and outputs are read back.
     Ran,
     /// The host's `ActorCallsRan` is applied there: the call is recorded.
     Recorded,
