@@ -439,7 +439,7 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
         format!("{} ({warm})", if host_leads { "yes" } else { "no" })
     );
     // Marked by nodes in this process only.
-    if !timeline_empty(&path) {
+    if !args.processes {
         println!("\nwhere a call through another node goes (medians over the calls one at a time)");
         for (what, d) in &path {
             println!("  {what:<58} {:>9.2} ms", ms(*d));
@@ -468,10 +468,4 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
     mesh.stop().await;
     let _ = std::fs::remove_dir_all(&root);
     Ok(ExitCode::SUCCESS)
-}
-
-/// Whether a breakdown holds nothing the nodes marked (only the client's total).
-fn timeline_empty(path: &[(String, Duration)]) -> bool {
-    path.iter()
-        .all(|(what, _)| what == "answer back to the client")
 }

@@ -101,8 +101,6 @@ fn mesh_key() -> gpumesh::node::ClusterKey {
     *KEY.get_or_init(gpumesh::node::ClusterKey::generate)
 }
 
-/// Three nodes on loopback in this process, data under `root`: `a` forms the mesh,
-/// `b` and `c` join it.
 /// Three `gpumesh node` processes on loopback, keeping their data under `root`,
 /// started as the README starts them: `a` with `--init`, `b` and `c` joining
 /// through it with its ticket.
@@ -123,6 +121,8 @@ fn process_mesh(root: &std::path::Path) -> anyhow::Result<Vec<gpumesh::process::
     Ok(procs)
 }
 
+/// Three nodes on loopback in this process, data under `root`: `a` forms the mesh,
+/// `b` and `c` join it.
 async fn local_mesh(
     root: &std::path::Path,
     timeline: &gpumesh::node::timeline::Timeline,
