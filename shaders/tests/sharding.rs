@@ -320,11 +320,11 @@ fn the_executor_counts_dispatches_and_bytes_and_uploads_resident_inputs_once() {
         // Each shard reads its writable buffers back whole to find what it changed.
         assert_eq!(first.bytes_from_device, 3 * outputs, "{name}");
         assert_eq!(second.bytes_from_device, 3 * outputs, "{name}");
-        // The inputs went up the first time only; both runs wrote the shard info.
+        // The inputs went up the first time only (the shard info is kept on the
+        // device too, unless other tests' infos filled its cache meanwhile).
         assert!(
             first.bytes_to_device >= second.bytes_to_device + inputs,
             "{name}: {first:?} then {second:?}, inputs {inputs} bytes"
         );
-        assert!(second.bytes_to_device > 0, "{name}");
     }
 }
