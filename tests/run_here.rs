@@ -291,6 +291,19 @@ async fn a_run_goes_on_the_node_it_is_sent_to_and_is_recorded_with_its_result() 
         }
         let (task, out) = via.run(collatz_spec(blob, 300, 7)).await.unwrap();
         assert!(out[&0] == collatz(&input, 7), "t{task} after the runaway");
+        // The node says it replaced its device, and drops the old one once the
+        // runaway's dispatch ends (Mesa's adapters cap its loops; GL ran it to its
+        // end at submit): until then it counts as abandoned.
+        let addr = nodes[0].api_addr;
+        assert!(metric(addr, "gpumesh_gpu_device_rebuilds_total").await >= 1.0);
+        let given = Instant::now();
+        while metric(addr, "gpumesh_gpu_devices_abandoned").await > 0.0 {
+            assert!(
+                given.elapsed() < Duration::from_secs(120),
+                "the abandoned device is still held"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         for n in &nodes {
             client(n).status().await.unwrap();
         }
@@ -298,6 +311,19 @@ async fn a_run_goes_on_the_node_it_is_sent_to_and_is_recorded_with_its_result() 
     })
     .await
     .expect("bounded");
+}
+
+/// The value of the sample `name` (no labels) on the node's /metrics.
+async fn metric(addr: std::net::SocketAddr, name: &str) -> f64 {
+    let text = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
 }
 
 /// `POST /v1/tasks/run` with `Accept: RUN_BINARY` to the API at `addr`: the

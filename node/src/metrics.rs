@@ -30,6 +30,8 @@
 //! | `gpumesh_gpu_batched_runs_total` | counter | one-shard runs that shared a submission with other runs waiting for the GPU |
 //! | `gpumesh_gpu_bytes_total{direction}` | counter | bytes written to the device (`to_gpu`: inputs not already resident, output fill, shard info) and read back (`from_gpu`) |
 //! | `gpumesh_gpu_resident_bytes` | gauge | bytes of GPU buffers kept on the device between runs: actors' state, inputs reused by later tasks |
+//! | `gpumesh_gpu_device_rebuilds_total` | counter | times the GPU device was replaced: lost, or left to a dispatch past its deadline |
+//! | `gpumesh_gpu_devices_abandoned` | gauge | replaced devices not yet dropped, each waiting for its work to end; one that stays is a dispatch the driver could not stop |
 //! | `gpumesh_net_sent_bytes_total{lane}` | counter | bytes of gpumesh frames written to libp2p streams (and sealed records on direct connections: blobs in the `blob` lane, Raft frames in the `raft` lane) |
 //! | `gpumesh_net_received_bytes_total{lane}` | counter | bytes of gpumesh frames read from libp2p streams (and direct blob and Raft connections) |
 //! | `gpumesh_net_connected_peers` | gauge | peers with at least one open connection |
@@ -52,12 +54,13 @@
 
 use std::fmt;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, OnceLock};
 
 use std::time::Duration;
 
 use gpumesh_consensus::{ConsensusHandle, RaftRole};
 use gpumesh_protocol::TaskState;
-use gpumesh_shaders::{ExecutorCounters, KernelCache};
+use gpumesh_shaders::{DeviceCounts, ExecutorCounters, KernelCache};
 use libp2p::PeerId;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -181,6 +184,7 @@ impl Metrics {
             Unit::Bytes,
             gpu.resident.clone(),
         );
+        registry.register_collector(Box::new(DeviceCollector(gpu.devices.clone())));
 
         // Every label value from the start, so a rate over a lane that has been quiet
         // so far starts at zero instead of at nothing.
@@ -377,6 +381,8 @@ pub struct GpuMetrics {
     bytes: Family<Label, Counter>,
     /// Bytes of buffers kept on the device between runs (actor state, reused inputs).
     resident: Gauge,
+    /// The executor's device counts, once it has opened (read on every scrape).
+    devices: Arc<OnceLock<Arc<DeviceCounts>>>,
 }
 
 impl GpuMetrics {
@@ -399,6 +405,11 @@ impl GpuMetrics {
 
     pub fn set_resident(&self, bytes: u64) {
         self.resident.set(saturating_i64(bytes));
+    }
+
+    /// Reads the executor's device counts on every scrape from now on.
+    pub fn watch_devices(&self, devices: Arc<DeviceCounts>) {
+        let _ = self.devices.set(devices);
     }
 }
 
@@ -457,6 +468,36 @@ impl NetMetrics {
             self.sent.get_or_create(&lane.label()).get(),
             self.received.get_or_create(&lane.label()).get(),
         )
+    }
+}
+
+/// Reads the GPU device counts from the executor on every scrape (zeros before it
+/// opens, and on a node without one).
+#[derive(Debug)]
+struct DeviceCollector(Arc<OnceLock<Arc<DeviceCounts>>>);
+
+impl Collector for DeviceCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), fmt::Error> {
+        let (rebuilt, abandoned) = self
+            .0
+            .get()
+            .map_or((0, 0), |d| (d.rebuilt(), d.abandoned()));
+        let rebuilds = ConstCounter::new(rebuilt);
+        rebuilds.encode(encoder.encode_descriptor(
+            "gpu_device_rebuilds",
+            "Times the GPU device was replaced: lost, or left to a dispatch past its deadline.",
+            None,
+            rebuilds.metric_type(),
+        )?)?;
+        let left = ConstGauge::new(saturating_i64(abandoned));
+        left.encode(encoder.encode_descriptor(
+            "gpu_devices_abandoned",
+            "Replaced GPU devices not yet dropped, each waiting for its work to end: one that \
+             stays is a dispatch the driver could not stop, still holding the GPU.",
+            None,
+            left.metric_type(),
+        )?)?;
+        Ok(())
     }
 }
 

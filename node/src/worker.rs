@@ -94,6 +94,7 @@ impl GpuHandle {
                         tracing::warn!(error = %e, "calibration failed");
                     }
                 }
+                metrics.watch_devices(executor.device_counts());
                 let shared = Arc::new(Mutex::new(executor));
                 let _ = ready_tx.send(Some((
                     Arc::downgrade(&shared),

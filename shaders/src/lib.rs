@@ -28,7 +28,9 @@ mod turns;
 
 pub use adapter::BackendChoice;
 pub use error::{ExecError, Result};
-pub use executor::{ChainOutput, Executor, ExecutorCounters, ExecutorLimits, TaskOutput};
+pub use executor::{
+    ChainOutput, DeviceCounts, Executor, ExecutorCounters, ExecutorLimits, TaskOutput,
+};
 pub use job::{Job, ShardOutput};
 pub use kernel::Kernel;
 pub use kernel_cache::KernelCache;

@@ -405,6 +405,21 @@ fn a_task_past_its_deadline_fails_and_the_next_task_runs() {
         );
         assert!(matches!(err, ExecError::Deadline { .. }), "{err}");
         assert_eq!(executor.rebuilds(), before + 1, "the device is rebuilt");
+        // The old device is dropped once the dispatch ends (here it does: the
+        // software adapters cap its loops, GL ran it to its end at submit); until
+        // then it counts as abandoned.
+        let devices = executor.device_counts();
+        let given = std::time::Instant::now();
+        while devices.abandoned() > 0 && given.elapsed() < Duration::from_secs(120) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!(
+            "{}: the abandoned device was dropped {:?} after the deadline",
+            adapter.backend.name(),
+            given.elapsed()
+        );
+        assert_eq!(devices.abandoned(), 0, "the old device is dropped");
+        assert_eq!(devices.rebuilt(), executor.rebuilds());
         let data: Vec<u8> = (0..64u32).flat_map(|v| v.to_le_bytes()).collect();
         let j = copy_job(
             vec![input(0, &data), output(1, 256)],

@@ -163,6 +163,27 @@ struct Buffers<'a> {
     starts: &'a BTreeMap<u32, wgpu::Buffer>,
 }
 
+/// How an executor's devices have fared (see [`Executor::device_counts`]).
+#[derive(Debug, Default)]
+pub struct DeviceCounts {
+    rebuilt: AtomicU64,
+    abandoned: AtomicU64,
+}
+
+impl DeviceCounts {
+    /// Devices replaced so far (lost, or left behind by a dispatch past its deadline).
+    pub fn rebuilt(&self) -> u64 {
+        self.rebuilt.load(Ordering::Acquire)
+    }
+
+    /// Replaced devices not yet dropped: each waits for the work submitted to it to
+    /// end. One that stays is a dispatch the driver could not stop (a runaway on an
+    /// adapter that runs loops as written), still holding the GPU.
+    pub fn abandoned(&self) -> u64 {
+        self.abandoned.load(Ordering::Acquire)
+    }
+}
+
 /// Runs jobs on one adapter.
 pub struct Executor {
     adapter: wgpu::Adapter,
@@ -174,7 +195,7 @@ pub struct Executor {
     resident_bytes: u64,
     capability: NodeCapability,
     limits: ExecutorLimits,
-    rebuilds: u64,
+    devices: Arc<DeviceCounts>,
     tally: Tally,
     /// Loop turns per invocation after which this adapter ends loops on its own
     /// (Mesa's software adapters), found when it is opened; `None` where loops run
@@ -206,7 +227,7 @@ impl Executor {
             resident_bytes: 0,
             capability,
             limits,
-            rebuilds: 0,
+            devices: Arc::default(),
             tally: Tally::default(),
             loop_cap: None,
         };
@@ -291,7 +312,13 @@ impl Executor {
 
     /// How many times the device has been rebuilt after a loss or a deadline.
     pub fn rebuilds(&self) -> u64 {
-        self.rebuilds
+        self.devices.rebuilt()
+    }
+
+    /// This executor's device counts, live: they move as devices are rebuilt and as
+    /// abandoned ones are finally dropped, between runs too.
+    pub fn device_counts(&self) -> Arc<DeviceCounts> {
+        self.devices.clone()
     }
 
     /// Dispatches and bytes moved to and from the device so far.
@@ -957,18 +984,25 @@ impl Executor {
         match open_device(&self.adapter) {
             Ok(gpu) => {
                 let old = std::mem::replace(&mut self.gpu, gpu);
-                let _ = std::thread::Builder::new()
+                let devices = self.devices.clone();
+                devices.abandoned.fetch_add(1, Ordering::AcqRel);
+                let dropping = std::thread::Builder::new()
                     .name("gpumesh-device-drop".into())
                     .spawn(move || {
                         let _ = old.device.poll(wgpu::PollType::wait_indefinitely());
-                        drop(old)
+                        drop(old);
+                        devices.abandoned.fetch_sub(1, Ordering::AcqRel);
                     });
+                if dropping.is_err() {
+                    // Dropped here instead, with the closure that held it.
+                    self.devices.abandoned.fetch_sub(1, Ordering::AcqRel);
+                }
                 self.pipelines.clear();
                 self.resident.clear();
                 self.resident_order.clear();
                 self.resident_bytes = 0;
-                self.rebuilds += 1;
-                tracing::warn!(rebuilds = self.rebuilds, "GPU device rebuilt");
+                let rebuilds = self.devices.rebuilt.fetch_add(1, Ordering::AcqRel) + 1;
+                tracing::warn!(rebuilds, "GPU device rebuilt");
             }
             Err(e) => tracing::error!(error = %e, "could not rebuild the GPU device"),
         }
