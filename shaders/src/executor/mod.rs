@@ -922,9 +922,9 @@ impl Executor {
         started: Instant,
         deadline: Duration,
     ) -> Result<()> {
-        // Polled first on a GPU (see POLL_BEFORE_BLOCKING). This executor is the
-        // device's only submitter, so an empty queue means this submission is done
-        // (and the poll has run its map callbacks).
+        // Polled first on a GPU (see POLL_BEFORE_BLOCKING). An empty queue means
+        // every submission so far, this one included, is done (and the poll has run
+        // its map callbacks); otherwise the blocking wait below takes over.
         if self.capability.device_kind != DeviceKind::Cpu {
             let until = Instant::now() + POLL_BEFORE_BLOCKING;
             while Instant::now() < until && started.elapsed() <= deadline {
