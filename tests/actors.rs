@@ -25,6 +25,13 @@ fn step_call(add: u32) -> ActorCall {
     step_call_over(add, WORDS)
 }
 
+/// What [`step_call`]'s kernel does to the state, on the CPU.
+fn cpu_step(state: &mut [u32], add: u32) {
+    for (i, w) in state.iter_mut().enumerate() {
+        *w = w.wrapping_mul(3).wrapping_add(add).wrapping_add(i as u32);
+    }
+}
+
 /// A step of every word of a state of `words` words.
 fn step_call_over(add: u32, words: u32) -> ActorCall {
     ActorCall {
@@ -190,9 +197,7 @@ async fn calls_from_two_nodes_run_in_log_order_on_the_host_and_match_the_cpu() {
         let mut cpu = vec![0u32; BIG_WORDS as usize];
         for (seq, add) in &by_seq {
             let before: Vec<u32> = cpu[..4].to_vec();
-            for (i, v) in cpu.iter_mut().enumerate() {
-                *v = v.wrapping_mul(3).wrapping_add(*add).wrapping_add(i as u32);
-            }
+            cpu_step(&mut cpu, *add);
             match &actor.results[seq] {
                 CallResult::Done {
                     version, outputs, ..
@@ -248,11 +253,6 @@ async fn the_api_creates_calls_reads_lists_and_deletes_actors_and_refuses_what_i
 
         // A call through another node, and the same call retried with its id.
         let mut cpu = start.clone();
-        let step = |cpu: &mut Vec<u32>, add: u32| {
-            for (i, v) in cpu.iter_mut().enumerate() {
-                *v = v.wrapping_mul(3).wrapping_add(add).wrapping_add(i as u32);
-            }
-        };
         let first = b.call_actor("acc", step_call(5), None).await.unwrap();
         assert_eq!((first.seq, first.version), (1, 1));
         let before: BlobId = first.outputs[0].blake3.parse().unwrap();
@@ -260,12 +260,12 @@ async fn the_api_creates_calls_reads_lists_and_deletes_actors_and_refuses_what_i
             words(&b.outputs_of_blob(before).await.unwrap()),
             start[..4].to_vec()
         );
-        step(&mut cpu, 5);
+        cpu_step(&mut cpu, 5);
         let id = gpumesh::consensus::RequestId::new(0xacc, 1);
         let once = b.call_actor("acc", step_call(2), Some(id)).await.unwrap();
         let again = a.call_actor("acc", step_call(2), Some(id)).await.unwrap();
         assert_eq!((once.seq, once.version), (again.seq, again.version));
-        step(&mut cpu, 2);
+        cpu_step(&mut cpu, 2);
         assert_eq!(
             a.actor("acc").await.unwrap().version,
             2,
@@ -309,7 +309,7 @@ async fn the_api_creates_calls_reads_lists_and_deletes_actors_and_refuses_what_i
 
         // It still works after the failure, on the same host.
         b.call_actor("acc", step_call(9), None).await.unwrap();
-        step(&mut cpu, 9);
+        cpu_step(&mut cpu, 9);
         assert_eq!(words(&a.actor_state("acc", 0).await.unwrap()), cpu);
 
         let list = b.actors().await.unwrap();
@@ -613,9 +613,7 @@ async fn calls_to_many_actors_at_once_keep_each_actors_own_order() {
             );
             let mut cpu = vec![0u32; WORDS as usize];
             for add in calls.values() {
-                for (i, v) in cpu.iter_mut().enumerate() {
-                    *v = v.wrapping_mul(3).wrapping_add(*add).wrapping_add(i as u32);
-                }
+                cpu_step(&mut cpu, *add);
             }
             let state = words(&clients[2].actor_state(name, 0).await.unwrap());
             assert_eq!(state, cpu, "{name}: its calls replayed in their order");
@@ -693,9 +691,7 @@ async fn calls_waiting_together_run_back_to_back_and_a_failure_among_them_change
                     Some(add),
                 ) => {
                     let before: Vec<u32> = cpu[..4].to_vec();
-                    for (i, w) in cpu.iter_mut().enumerate() {
-                        *w = w.wrapping_mul(3).wrapping_add(*add).wrapping_add(i as u32);
-                    }
+                    cpu_step(&mut cpu, *add);
                     version += 1;
                     assert_eq!(*v, version, "call {seq}");
                     assert_eq!(words(&blob(&nodes, outputs[0].blob)), before, "call {seq}");
@@ -832,9 +828,7 @@ async fn a_call_waiting_with_others_is_held_to_its_own_deadline() {
         for (seq, add) in &by_seq {
             match (&actor.results[seq], add) {
                 (CallResult::Done { version: v, .. }, Some(add)) => {
-                    for (i, w) in cpu.iter_mut().enumerate() {
-                        *w = w.wrapping_mul(3).wrapping_add(*add).wrapping_add(i as u32);
-                    }
+                    cpu_step(&mut cpu, *add);
                     version += 1;
                     assert_eq!(*v, version, "call {seq}");
                 }

@@ -55,7 +55,6 @@
 use std::fmt;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock};
-
 use std::time::Duration;
 
 use gpumesh_consensus::{ConsensusHandle, RaftRole};
