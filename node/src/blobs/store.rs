@@ -166,7 +166,14 @@ impl BlobStore {
                 pack: self.pack.clone(),
             }
         } else {
-            Sink::File(File::create(&tmp).map_err(|e| NodeError::io(&tmp, e))?)
+            Sink::File(FileWriter {
+                id,
+                file: Arc::new(File::create(&tmp).map_err(|e| NodeError::io(&tmp, e))?),
+                tmp: tmp.clone(),
+                total,
+                unflushed: 0,
+                write_backs: 0,
+            })
         };
         Ok(Incoming {
             id,
@@ -179,8 +186,6 @@ impl BlobStore {
             hashed: 0,
             early: std::collections::BTreeMap::new(),
             done: false,
-            unflushed: 0,
-            write_backs: 0,
         })
     }
 
@@ -386,10 +391,47 @@ pub struct Incoming {
     /// Pieces that came before the bytes ahead of them, by offset.
     early: std::collections::BTreeMap<u64, Vec<u8>>,
     done: bool,
+}
+
+/// Writes the pieces of an incoming blob that has a file of its own: inside
+/// [`Incoming`], or on a thread of its own ([`Incoming::file_writer`]).
+pub struct FileWriter {
+    id: BlobId,
+    file: Arc<File>,
+    tmp: PathBuf,
+    total: u64,
     /// Bytes written since write-back was last started.
     unflushed: u64,
     /// Times write-back was started while the blob arrived (see [`start_write_back`]).
     write_backs: u32,
+}
+
+/// Refuses a piece of blob `id` (`total` bytes) at `offset` that reaches past its end.
+fn beyond(id: BlobId, total: u64, offset: u64, data: &[u8]) -> Result<()> {
+    if offset.saturating_add(data.len() as u64) > total {
+        return Err(NodeError::BlobMismatch {
+            id,
+            got: BlobId::of(data),
+        });
+    }
+    Ok(())
+}
+
+impl FileWriter {
+    /// Writes `data` at `offset`; refuses a piece that reaches past the blob's end.
+    pub fn write_at(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        beyond(self.id, self.total, offset, data)?;
+        self.file
+            .write_all_at(data, offset)
+            .map_err(|e| NodeError::io(&self.tmp, e))?;
+        self.unflushed += data.len() as u64;
+        if self.unflushed >= WRITE_BACK_EVERY && self.total > WRITE_BACK_EVERY {
+            self.unflushed = 0;
+            self.write_backs += u32::from(start_write_back(&self.file));
+        }
+        Ok(())
+    }
 }
 
 /// Bytes written to an incoming blob between two starts of its write-back.
@@ -400,7 +442,7 @@ const PACK_FILE: &str = "small.pack";
 
 /// Where an incoming blob's pieces go.
 enum Sink {
-    File(File),
+    File(FileWriter),
     /// Its bytes, for the pack once whole.
     Packed {
         bytes: Vec<u8>,
@@ -440,27 +482,39 @@ fn start_write_back(_: &File) -> bool {
 impl Incoming {
     /// Writes `data` at `offset`, and hashes what is now in one run from the start.
     pub fn write_at(&mut self, offset: u64, data: Vec<u8>) -> Result<()> {
-        use std::os::unix::fs::FileExt;
-        if offset + data.len() as u64 > self.total {
-            return Err(NodeError::BlobMismatch {
-                id: self.id,
-                got: BlobId::of(&data),
-            });
-        }
-        let file = match &mut self.sink {
-            Sink::File(file) => file,
+        beyond(self.id, self.total, offset, &data)?;
+        match &mut self.sink {
+            Sink::File(writer) => writer.write_at(offset, &data)?,
             Sink::Packed { bytes, .. } => {
-                bytes[offset as usize..][..data.len()].copy_from_slice(&data);
-                return self.hash_in(offset, data);
+                bytes[offset as usize..][..data.len()].copy_from_slice(&data)
             }
-        };
-        file.write_all_at(&data, offset)
-            .map_err(|e| NodeError::io(&self.tmp, e))?;
-        self.unflushed += data.len() as u64;
-        if self.unflushed >= WRITE_BACK_EVERY && self.total > WRITE_BACK_EVERY {
-            self.unflushed = 0;
-            self.write_backs += u32::from(start_write_back(file));
         }
+        self.hash_in(offset, data)
+    }
+
+    /// For a blob with a file of its own: a writer of that file for another
+    /// thread, so that writing a piece and hashing the one before (each a pass over
+    /// every byte) run side by side. Each piece it wrote then comes to
+    /// [`Self::written_at`] instead of [`Self::write_at`]. `None` for a blob that
+    /// goes in the pack.
+    pub fn file_writer(&self) -> Option<FileWriter> {
+        match &self.sink {
+            Sink::File(writer) => Some(FileWriter {
+                id: self.id,
+                file: writer.file.clone(),
+                tmp: writer.tmp.clone(),
+                total: self.total,
+                unflushed: 0,
+                write_backs: 0,
+            }),
+            Sink::Packed { .. } => None,
+        }
+    }
+
+    /// Hashes `data`, which a [`Self::file_writer`] wrote at `offset`, with what is
+    /// now in one run from the start.
+    pub fn written_at(&mut self, offset: u64, data: Vec<u8>) -> Result<()> {
+        beyond(self.id, self.total, offset, &data)?;
         self.hash_in(offset, data)
     }
 
@@ -493,9 +547,9 @@ impl Incoming {
             return Err(NodeError::BlobMismatch { id: self.id, got });
         }
         match &self.sink {
-            Sink::File(file) => {
+            Sink::File(writer) => {
                 let durable = || -> std::io::Result<()> {
-                    file.sync_all()?;
+                    writer.file.sync_all()?;
                     fs::rename(&self.tmp, &self.path)?;
                     File::open(&self.root)?.sync_all()
                 };
@@ -677,7 +731,7 @@ mod tests {
                 .unwrap();
         }
         if cfg!(target_os = "linux") {
-            assert!(halfway.write_backs > 0);
+            assert!(matches!(&halfway.sink, Sink::File(w) if w.write_backs > 0));
         }
         drop(halfway);
         assert!(!store.has(&id));

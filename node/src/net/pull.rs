@@ -10,9 +10,9 @@ use super::NetHandle;
 
 impl NetHandle {
     /// Pulls blob `id` from peer `from` into the blob store, checking it against its
-    /// id. A no-op if the blob is already here. Each chunk is written and hashed on
-    /// the blocking pool as it arrives, while the next ones are on their way; the
-    /// blob is fsync'd once, at the end.
+    /// id. A no-op if the blob is already here. Each chunk is written and hashed off
+    /// the async runtime as it arrives (on two threads, see [`write_all`]), while
+    /// the next ones are on their way; the blob is fsync'd once, at the end.
     pub async fn fetch_blob(&self, from: PeerId, id: BlobId) -> Result<()> {
         if self.blobs.has(&id) {
             return Ok(());
@@ -186,13 +186,125 @@ fn check(
 }
 
 /// Writes the pieces `rx` brings into `incoming` until the sender is gone, then
-/// finishes the blob.
+/// finishes the blob. A blob with a file of its own is written on this thread and
+/// hashed on a second one, so a piece is hashed while the next is written (either
+/// pass alone takes about as long as the network brings the bytes); a packed one,
+/// a few hundred KiB at most, on this thread alone.
 fn write_all(
     mut incoming: crate::blobs::store::Incoming,
     rx: std::sync::mpsc::Receiver<(u64, Vec<u8>)>,
 ) -> Result<()> {
-    for (offset, data) in rx {
-        incoming.write_at(offset, data)?;
+    let Some(mut writer) = incoming.file_writer() else {
+        for (offset, data) in rx {
+            incoming.write_at(offset, data)?;
+        }
+        return incoming.finish();
+    };
+    let (to_hash, written) = std::sync::mpsc::channel::<(u64, Vec<u8>)>();
+    let (wrote, hashed) = std::thread::scope(|scope| {
+        let hashing = scope.spawn(move || {
+            for (offset, data) in written {
+                incoming.written_at(offset, data)?;
+            }
+            Ok(incoming)
+        });
+        let wrote = (|| -> Result<()> {
+            for (offset, data) in rx {
+                writer.write_at(offset, &data)?;
+                if to_hash.send((offset, data)).is_err() {
+                    break; // the hashing thread's error says why
+                }
+            }
+            Ok(())
+        })();
+        drop(to_hash);
+        let hashed = hashing.join().unwrap_or_else(|_| {
+            Err(NodeError::NetSetup(
+                "the blob's hashing thread panicked".into(),
+            ))
+        });
+        (wrote, hashed)
+    });
+    // A write that failed leaves the blob unfinished (and its file removed) even
+    // if every byte was hashed.
+    wrote?;
+    hashed?.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::blobs::store::{BlobStore, PACK_MAX};
+
+    /// Sends `pieces` to `write_all` for blob `id` of `total` bytes, as a pull does.
+    fn write(store: &BlobStore, id: BlobId, total: u64, pieces: Vec<(u64, Vec<u8>)>) -> Result<()> {
+        let incoming = store.incoming(id, total)?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        for piece in pieces {
+            tx.send(piece).unwrap();
+        }
+        drop(tx);
+        write_all(incoming, rx)
     }
-    incoming.finish()
+
+    #[test]
+    fn a_pulled_blob_written_and_hashed_on_two_threads_is_kept_only_if_whole_and_right() {
+        let dir = tempfile::tempdir().unwrap();
+        let total = 3 * PACK_MAX as usize + 777; // a file of its own: two threads
+        let store = BlobStore::open(dir.path(), total as u64).unwrap();
+        let bytes: Vec<u8> = (0..total).map(|i| (i * 13 % 241) as u8).collect();
+        let id = BlobId::of(&bytes);
+        let piece = 100_000;
+        let pieces = |order: &mut dyn Iterator<Item = usize>| -> Vec<(u64, Vec<u8>)> {
+            order
+                .map(|at| (at as u64, bytes[at..(at + piece).min(total)].to_vec()))
+                .collect()
+        };
+        let starts: Vec<usize> = (0..total).step_by(piece).collect();
+        let leftovers = || {
+            std::fs::read_dir(dir.path())
+                .unwrap()
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+                .count()
+        };
+
+        // A byte changed: refused, nothing kept, no temporary file left.
+        let mut wrong = pieces(&mut starts.iter().copied());
+        wrong[2].1[5] ^= 0x40;
+        let err = write(&store, id, total as u64, wrong).unwrap_err();
+        assert!(matches!(err, NodeError::BlobMismatch { .. }), "{err}");
+        // A piece missing: refused.
+        let short = pieces(&mut starts.iter().copied().skip(1));
+        assert!(write(&store, id, total as u64, short).is_err());
+        // A piece past the end: refused by the writer before it is written.
+        let mut past = pieces(&mut starts.iter().copied());
+        past.push((total as u64 - 10, vec![0; 20]));
+        assert!(write(&store, id, total as u64, past).is_err());
+        assert!(!store.has(&id));
+        assert_eq!(leftovers(), 0);
+
+        // Whole, in reverse order: kept, read back as sent.
+        write(
+            &store,
+            id,
+            total as u64,
+            pieces(&mut starts.iter().rev().copied()),
+        )
+        .unwrap();
+        assert_eq!(store.get(&id).unwrap().unwrap(), bytes);
+        assert_eq!(leftovers(), 0);
+
+        // A packed blob (one thread) too.
+        let small = bytes[..1000].to_vec();
+        let small_id = BlobId::of(&small);
+        write(
+            &store,
+            small_id,
+            1000,
+            vec![(500, small[500..].to_vec()), (0, small[..500].to_vec())],
+        )
+        .unwrap();
+        assert_eq!(store.get(&small_id).unwrap().unwrap(), small);
+    }
 }
