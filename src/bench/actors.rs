@@ -297,7 +297,8 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
             warm += 1;
         }
     }
-    let host_leads = via.status().await?.leader == host_raft_id;
+    let before = via.status().await?;
+    let host_leads = before.leader == host_raft_id;
 
     // (1) One call at a time, through a node that is not the host.
     let request_ids = RequestIds::new(u64::from(std::process::id()));
@@ -311,11 +312,13 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
         ends.push((id, t, Instant::now()));
         lat.push(t.elapsed());
     }
-    let path = super::breakdown(
-        &timeline.take_calls(),
-        &ends,
-        &CallStage::ALL.map(|s| (s, s.what())),
-    );
+    let marks = timeline.take_calls();
+    let stages = CallStage::ALL.map(|s| (s, s.what()));
+    let path = super::breakdown(&marks, &ends, &stages);
+    let slow = super::slowest(&marks, &ends, &stages, super::above_p99(ends.len()));
+    // An election or a handover inside the timed calls sets the tail: said, not hidden.
+    let after = via.status().await?;
+    let leader_changed = (after.leader, after.term) != (before.leader, before.term);
     lat.sort();
     let (p50, p99) = (percentile(&lat, 0.5), percentile(&lat, 0.99));
     // The same through the host's own API: no hop between nodes before the run.
@@ -444,6 +447,20 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
         for (what, d) in &path {
             println!("  {what:<58} {:>9.2} ms", ms(*d));
         }
+        super::print_slowest(
+            &format!(
+                "the slowest calls ({} of {}; ms){}",
+                slow.len(),
+                ends.len(),
+                if leader_changed {
+                    ", the leader changed while they ran"
+                } else {
+                    ""
+                }
+            ),
+            &path,
+            &slow,
+        );
     }
     if args.json {
         println!(
@@ -457,11 +474,17 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
                 "failover_ms": ms(failover),
                 "failover_host_led": host_led,
                 "calls_host_led": host_leads,
+                "leader_changed_while_timed": leader_changed,
                 "warm_up_calls": warm,
                 "idle_actors": args.idle_actors,
                 "creates_per_s": created,
                 "spread_calls_per_s": spread,
                 "processes": args.processes,
+                "slowest": if args.processes {
+                    serde_json::Value::Null
+                } else {
+                    super::slowest_json(&slow)
+                },
             })
         );
     }

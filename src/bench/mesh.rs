@@ -216,6 +216,12 @@ fn breakdown(marks: &[Mark], ends: &[(TaskId, Instant, Instant)]) -> Vec<(String
     super::breakdown(marks, ends, &Stage::ALL.map(|s| (s, s.what())))
 }
 
+/// [`super::slowest`] of tasks over the task stages: those above the 99th percentile.
+fn slowest(marks: &[Mark], ends: &[(TaskId, Instant, Instant)]) -> Vec<super::Slow> {
+    let stages = Stage::ALL.map(|s| (s, s.what()));
+    super::slowest(marks, ends, &stages, super::above_p99(ends.len()))
+}
+
 /// Medians of a 300-byte write and `fdatasync` into a file under `root`: back to
 /// back, and after `idle` without a write (the mesh idle meanwhile).
 fn disk_wake(root: &std::path::Path, idle: Duration) -> anyhow::Result<(Duration, Duration)> {
@@ -295,7 +301,8 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
             warm += 1;
         }
     }
-    let submitter_leads = client.status().await?.leader == submitter;
+    let before = client.status().await?;
+    let submitter_leads = before.leader == submitter;
     timeline.take();
     let mut lat = Vec::new();
     let mut ends = Vec::new();
@@ -306,7 +313,12 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         ends.push((task, t, Instant::now()));
     }
     lat.sort();
-    let alone = breakdown(&timeline.take(), &ends);
+    let marks = timeline.take();
+    let alone = breakdown(&marks, &ends);
+    let slow = slowest(&marks, &ends);
+    // An election or a handover inside the timed tasks sets the tail: said, not hidden.
+    let after = client.status().await?;
+    let leader_changed = (after.leader, after.term) != (before.leader, before.term);
 
     // (1b) A task with an input, as most are: a new 16 KiB blob uploaded, then the
     // task submitted on it, waited for and its output fetched, four requests (the
@@ -525,6 +537,20 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     for (what, d) in &alone {
         println!("  {what:<56} {:>11.2} ms", ms(*d));
     }
+    super::print_slowest(
+        &format!(
+            "the slowest latency tasks ({} of {}; ms){}",
+            slow.len(),
+            ends.len(),
+            if leader_changed {
+                ", the leader changed while they ran"
+            } else {
+                ""
+            }
+        ),
+        &alone,
+        &slow,
+    );
     println!(
         "\nthe same with {} in flight (medians over the throughput tasks)",
         args.in_flight
@@ -573,6 +599,8 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
                 "big_result_ms": ms(big_m),
                 "big_result_direct_ms": ms(big_d),
                 "submitter_led": submitter_leads,
+                "leader_changed_while_timed": leader_changed,
+                "slowest": super::slowest_json(&slow),
                 "warm_up_tasks": warm,
             })
         );

@@ -165,35 +165,14 @@ where
     S: Copy + PartialEq,
 {
     let mut rows: Vec<(String, Vec<Duration>)> = Vec::new();
-    let mut push = |what: &str, d: Duration| match rows.iter_mut().find(|(w, _)| w == what) {
-        Some((_, v)) => v.push(d),
-        None => rows.push((what.to_string(), vec![d])),
-    };
-    let mut by_run: std::collections::HashMap<K, Vec<(S, Instant)>> =
-        std::collections::HashMap::new();
-    for &(id, stage, t) in marks {
-        by_run.entry(id).or_default().push((stage, t));
-    }
+    let by_run = by_run(marks);
     for &(id, began, ended) in ends {
-        let mut at = began;
-        let mine = by_run.get(&id).map_or(&[][..], |v| &v[..]);
-        for (i, &(stage, what)) in stages.iter().enumerate() {
-            let Some(t) = mine
-                .iter()
-                .filter(|(s, _)| *s == stage)
-                .map(|(_, t)| *t)
-                .min()
-            else {
-                continue;
-            };
-            let what = if i == 0 { "client to the API" } else { what };
-            push(what, t.saturating_duration_since(at));
-            at = t.max(at);
+        for (what, d) in run_stages(&by_run, id, began, ended, stages) {
+            match rows.iter_mut().find(|(w, _)| *w == what) {
+                Some((_, v)) => v.push(d),
+                None => rows.push((what.to_string(), vec![d])),
+            }
         }
-        push(
-            "answer back to the client",
-            ended.saturating_duration_since(at),
-        );
     }
     rows.into_iter()
         .map(|(what, mut v)| {
@@ -201,6 +180,141 @@ where
             (what, v[v.len() / 2])
         })
         .collect()
+}
+
+/// One of the slowest runs: where it was among the runs, how long it took, and its
+/// stages as [`breakdown`] counts them.
+pub(crate) struct Slow {
+    pub place: usize,
+    pub took: Duration,
+    pub stages: Vec<(String, Duration)>,
+}
+
+/// The `count` slowest runs of `ends`, slowest first, each with its own stages (see
+/// [`breakdown`]): a tail's stage is there to read instead of lost in the medians.
+pub(crate) fn slowest<K, S>(
+    marks: &[(K, S, Instant)],
+    ends: &[(K, Instant, Instant)],
+    stages: &[(S, &str)],
+    count: usize,
+) -> Vec<Slow>
+where
+    K: Copy + Eq + std::hash::Hash,
+    S: Copy + PartialEq,
+{
+    let by_run = by_run(marks);
+    let mut places: Vec<usize> = (0..ends.len()).collect();
+    places.sort_by_key(|&i| std::cmp::Reverse(ends[i].2 - ends[i].1));
+    places
+        .into_iter()
+        .take(count)
+        .map(|place| {
+            let (id, began, ended) = ends[place];
+            Slow {
+                place,
+                took: ended - began,
+                stages: run_stages(&by_run, id, began, ended, stages)
+                    .into_iter()
+                    .map(|(what, d)| (what.to_string(), d))
+                    .collect(),
+            }
+        })
+        .collect()
+}
+
+/// How many runs of `runs` lie above the 99th percentile's place (at least one).
+pub(crate) fn above_p99(runs: usize) -> usize {
+    (runs - ((runs.max(1) - 1) as f64 * 0.99).round() as usize).max(1)
+}
+
+/// Prints the `slow` runs beside the `median` stages, a column each.
+pub(crate) fn print_slowest(what: &str, median: &[(String, Duration)], slow: &[Slow]) {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    print!("\n{what:<50} {:>8}", "median");
+    for s in slow {
+        print!(" {:>8}", format!("#{}", s.place + 1));
+    }
+    println!();
+    for (stage, d) in median {
+        print!("  {stage:<48} {:>8.2}", ms(*d));
+        for s in slow {
+            let own = s.stages.iter().find(|(w, _)| w == stage).map(|(_, d)| *d);
+            match own {
+                Some(d) => print!(" {:>8.2}", ms(d)),
+                None => print!(" {:>8}", "-"),
+            }
+        }
+        println!();
+    }
+    print!("  {:<48} {:>8}", "whole run", "");
+    for s in slow {
+        print!(" {:>8.2}", ms(s.took));
+    }
+    println!();
+}
+
+/// The slowest runs as JSON: place (from 1), ms, and ms by stage.
+pub(crate) fn slowest_json(slow: &[Slow]) -> serde_json::Value {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    slow.iter()
+        .map(|s| {
+            let stages: serde_json::Map<String, serde_json::Value> = s
+                .stages
+                .iter()
+                .map(|(w, d)| (w.clone(), ms(*d).into()))
+                .collect();
+            serde_json::json!({ "place": s.place + 1, "ms": ms(s.took), "stages": stages })
+        })
+        .collect()
+}
+
+/// The marks of each run, by its id.
+fn by_run<K, S>(marks: &[(K, S, Instant)]) -> std::collections::HashMap<K, Vec<(S, Instant)>>
+where
+    K: Copy + Eq + std::hash::Hash,
+    S: Copy,
+{
+    let mut by_run: std::collections::HashMap<K, Vec<(S, Instant)>> =
+        std::collections::HashMap::new();
+    for &(id, stage, t) in marks {
+        by_run.entry(id).or_default().push((stage, t));
+    }
+    by_run
+}
+
+/// One run's stages (see [`breakdown`]).
+fn run_stages<'a, K, S>(
+    by_run: &std::collections::HashMap<K, Vec<(S, Instant)>>,
+    id: K,
+    began: Instant,
+    ended: Instant,
+    stages: &[(S, &'a str)],
+) -> Vec<(&'a str, Duration)>
+where
+    K: Copy + Eq + std::hash::Hash,
+    S: Copy + PartialEq,
+{
+    let mut out = Vec::new();
+    let mut at = began;
+    let mine = by_run.get(&id).map_or(&[][..], |v| &v[..]);
+    for (i, &(stage, what)) in stages.iter().enumerate() {
+        let Some(t) = mine
+            .iter()
+            .filter(|(s, _)| *s == stage)
+            .map(|(_, t)| *t)
+            .min()
+        else {
+            continue;
+        };
+        let what = if i == 0 { "client to the API" } else { what };
+        out.push((what, t.saturating_duration_since(at)));
+        at = t.max(at);
+    }
+    out.push((
+        "answer back to the client",
+        ended.saturating_duration_since(at),
+    ));
+    out
 }
 
 #[cfg(test)]
@@ -264,5 +378,24 @@ mod tests {
             Some(Duration::from_micros(30))
         );
         assert_eq!(row("to a"), None);
+
+        // The slowest two: run 2 (100 us), then run 3 (100 us too, later: either
+        // order), never run 1 (40 us); each with its own stages.
+        let slow = slowest(&marks, &ends, &[('a', "to a"), ('b', "a to b")], 2);
+        assert_eq!(slow.len(), 2);
+        let mut places: Vec<usize> = slow.iter().map(|s| s.place).collect();
+        places.sort();
+        assert_eq!(places, [1, 2]);
+        let two = slow.iter().find(|s| s.place == 1).unwrap();
+        assert_eq!(two.took, Duration::from_micros(100));
+        let stage = |w: &str| two.stages.iter().find(|(x, _)| x == w).map(|(_, d)| *d);
+        assert_eq!(stage("client to the API"), Some(Duration::from_micros(20)));
+        assert_eq!(stage("a to b"), Some(Duration::from_micros(50)));
+        assert_eq!(
+            stage("answer back to the client"),
+            Some(Duration::from_micros(30))
+        );
+        assert_eq!(above_p99(200), 3);
+        assert_eq!(above_p99(1), 1);
     }
 }
