@@ -55,9 +55,10 @@ pub struct BlobTransferReport {
     /// [`NetHandle::fetch_blob`] end to end: the pull, the blake3 check, and the
     /// fsync'd write into the blob store.
     pub fetch_blob: Duration,
-    /// The same bytes written from memory to a new file beside the store's, in
-    /// megabyte writes, and fdatasync'd: what the disk alone takes to make them
-    /// durable, a floor under `fetch_blob` that no transfer removes.
+    /// The same bytes written from memory to a new file beside the store's (allocated
+    /// ahead, as the store's), in megabyte writes, and fdatasync'd: what the disk
+    /// alone takes to make them durable, a floor under `fetch_blob` that no transfer
+    /// removes.
     pub disk: Duration,
 }
 
@@ -294,12 +295,12 @@ async fn raw_tcp_transfer(data: Arc<Vec<u8>>) -> std::io::Result<Duration> {
     Ok(elapsed)
 }
 
-/// Writes `bytes` to a new file at `path` a megabyte at a time and fdatasyncs it:
-/// how long that took.
+/// Writes `bytes` to a new file at `path` (allocated ahead, as the store makes a
+/// received blob's) a megabyte at a time and fdatasyncs it: how long that took.
 fn durable_write(path: &Path, bytes: &[u8]) -> std::io::Result<Duration> {
     use std::io::Write;
     let start = Instant::now();
-    let mut file = std::fs::File::create(path)?;
+    let mut file = crate::blobs::store::create_sized(path, bytes.len() as u64)?;
     for piece in bytes.chunks(1 << 20) {
         file.write_all(piece)?;
     }
