@@ -123,6 +123,45 @@ async fn every_shard_output_is_on_two_nodes_so_losing_its_worker_loses_nothing()
     .expect("bounded");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_task_is_acknowledged_with_each_input_on_two_nodes_and_survives_losing_its_submitter() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let mut nodes = mesh(dir.path(), 3).await;
+        let b = builtins::get("vector_add").unwrap();
+        // Inputs of 64 KiB (sent to the other member in the request) and of 512 KiB
+        // (pulled by it), uploaded to node 0 alone and submitted there.
+        let mut tasks = Vec::new();
+        for size in [b.test_size, 1 << 17] {
+            let problem = b.problem(size).unwrap();
+            let task = submit(&client(&nodes[0]), &problem, 2).await;
+            for id in problem.blobs.keys() {
+                let copies = nodes.iter().filter(|n| n.blobs.has(id)).count();
+                assert!(
+                    copies >= 2,
+                    "an input of {size} elements is on {copies} node(s) once acknowledged"
+                );
+            }
+            tasks.push((task, problem));
+        }
+        // The submitting node gone without a word: the tasks finish from the copies.
+        nodes.remove(0).kill().await;
+        for (task, problem) in &tasks {
+            let view = client(&nodes[0]).wait(*task, |_, _| {}).await.unwrap();
+            assert_eq!(view.status, TaskState::Completed, "{view:?}");
+            problem
+                .verify(&client(&nodes[0]).results(*task).await.unwrap())
+                .unwrap();
+        }
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
 /// Flips a byte of the copy of `blob` in the store at `dir` (a file of its own, or
 /// its record in the pack), under the node that holds it.
 fn damage(dir: &std::path::Path, blob: &gpumesh::protocol::BlobId) {

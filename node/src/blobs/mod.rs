@@ -172,7 +172,7 @@ impl BlobsHandle {
         here.map_err(|_| NodeError::Stopping)??;
         if let Err(reason) = there {
             tracing::debug!(%id, %reason, "no member kept the blob from the request; one pulls it");
-            self.replicate(id, prefer).await?;
+            self.copy_by_pull(id, prefer).await?;
         }
         Ok(id)
     }
@@ -193,7 +193,38 @@ impl BlobsHandle {
     /// when no other member can be reached or every one refused, and then says how
     /// many were reachable.
     /// Returns the member that kept the copy (`None` in a one-node mesh).
+    ///
+    /// A small blob (at most [`store::PACK_MAX`] bytes) goes to the member in the
+    /// request ([`NodeRequest::Keep`]), as [`Self::put_and_copy`] sends one: one
+    /// round trip, where a pull is the request, a stream opened back, the bytes and
+    /// the answer. A task's 16 KiB input, already kept on another member, took 0.59
+    /// ms to copy at its submit (median of 58) by pull.
     pub async fn replicate(&self, blob: BlobId, prefer: Option<PeerId>) -> Result<Option<PeerId>> {
+        let size = self.store.size(&blob).unwrap_or(u64::MAX);
+        if size <= store::PACK_MAX {
+            let store = self.store.clone();
+            let read = if size <= READ_IN_PLACE_BYTES {
+                store.get(&blob)
+            } else {
+                tokio::task::spawn_blocking(move || store.get(&blob))
+                    .await
+                    .map_err(|_| NodeError::Stopping)?
+            };
+            if let Ok(Some(bytes)) = read {
+                let keep = NodeRequest::Keep { blob, bytes };
+                match self.mover.copy_to_one(&keep, prefer).await {
+                    Ok(kept) => return Ok(kept),
+                    Err(reason) => {
+                        tracing::debug!(%blob, %reason, "no member kept the blob from the request; one pulls it");
+                    }
+                }
+            }
+        }
+        self.copy_by_pull(blob, prefer).await
+    }
+
+    /// Has one other member pull a copy of `blob` from here (see [`Self::replicate`]).
+    async fn copy_by_pull(&self, blob: BlobId, prefer: Option<PeerId>) -> Result<Option<PeerId>> {
         self.mover
             .copy_to_one(&NodeRequest::Replicate { blob }, prefer)
             .await
