@@ -675,3 +675,44 @@ fn a_new_generation_left_half_made_by_a_crash_is_ignored_and_removed() {
     assert_eq!((s.first(), s.last()), (2, 9));
     assert_eq!(log_files(dir.path()), [name]);
 }
+
+#[test]
+fn appends_across_many_stretches_of_zeros_written_ahead_survive_reopening_at_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("raft.redb");
+    let big = |index: u64| Entry {
+        index,
+        term: 2,
+        data: vec![index as u8; 48 << 10].into(),
+        ..Default::default()
+    };
+    let mut next = 2;
+    for round in 0..3 {
+        let mut s = if round == 0 {
+            initialized(&path)
+        } else {
+            RedbStorage::open(&path, CLUSTER).expect("reopen")
+        };
+        assert_eq!(s.last(), next - 1, "round {round}");
+        // 6 MiB a round, an append at a time: the zeros ahead of the log are begun
+        // on their own thread and taken over again and again.
+        for _ in 0..128 {
+            s.persist(None, &[big(next)], None).expect("append");
+            next += 1;
+        }
+        // Reopened at once: zeros still being written must not land on appends.
+    }
+    let s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+    assert_eq!((s.first(), s.last()), (2, next - 1));
+    let got = s
+        .entries(2, next, None, GetEntriesContext::empty(false))
+        .expect("entries");
+    let want: Vec<Entry> = (2..next).map(big).collect();
+    assert!(got == want, "the entries read back differ");
+    // The file: the records, then zeros to its end, a whole number of stretches.
+    let len = std::fs::metadata(the_log_file(dir.path()))
+        .expect("log")
+        .len();
+    assert_eq!(len % (4 << 20), 0, "{len}");
+    assert!(len >= 18 << 20, "{len}");
+}
