@@ -80,6 +80,7 @@ mod tracing_drain;
 pub mod transport;
 pub mod wal;
 pub mod wire;
+pub mod zeros;
 
 pub use carried::CarriedStore;
 pub use cluster::ClusterId;
@@ -102,3 +103,4 @@ pub use storage::RedbStorage;
 pub use tracing_drain::{raft_logger, TracingDrain};
 pub use transport::{Transport, Unreachable};
 pub use wire::{Frame, FrameBody};
+pub use zeros::ZerosAhead;

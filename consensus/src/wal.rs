@@ -34,6 +34,7 @@ use raft::eraftpb::{Entry, HardState};
 
 use crate::cluster::ClusterId;
 use crate::error::{ConsensusError, Result};
+use crate::zeros::ZerosAhead;
 
 const MAGIC: &[u8; 16] = b"gpumesh-raftlog1";
 const HEADER: u64 = 32;
@@ -41,12 +42,9 @@ const HEADER: u64 = 32;
 const RECORD_HEAD: usize = 8;
 /// The one kind of record: `[u32 length][hard state][u32 length][entry]...`.
 const KIND_APPEND: u8 = 1;
-/// Zeros are written ahead of the log's end this much at a time.
+/// Zeros are written ahead of the log's end this much at a time (see
+/// [`crate::zeros`]).
 const ZERO_AHEAD: u64 = 4 << 20;
-/// The next stretch of zeros is begun once less than this is left of the last.
-const ZERO_AGAIN_BELOW: u64 = ZERO_AHEAD / 2;
-/// A stretch of zeros is written out this much at a time (see [`zero_ahead`]).
-const ZERO_PIECE: u64 = 256 << 10;
 /// A record longer than this is damage, not a record (a Raft append is bounded far
 /// below it by the replica's message size).
 const MAX_RECORD: u64 = 1 << 30;
@@ -73,20 +71,8 @@ pub struct Wal {
     generation: u64,
     /// Where the next record goes.
     end: u64,
-    /// The file's length: zeros from `end` up to here.
-    zeroed: u64,
-    /// The next stretch of zeros being written on a thread of its own (see
-    /// [`zero_ahead`]): the file's length once it is done.
-    ahead: Option<std::thread::JoinHandle<io::Result<u64>>>,
-}
-
-impl Drop for Wal {
-    /// Waits for a stretch of zeros still being written (a few milliseconds at
-    /// most): the file may be opened again at once, and appends there must not meet
-    /// zeros landing late.
-    fn drop(&mut self) {
-        self.collect_ahead(true);
-    }
+    /// How far the file is zeroed, ahead of `end`.
+    zeros: ZerosAhead,
 }
 
 impl std::fmt::Debug for Wal {
@@ -97,52 +83,6 @@ impl std::fmt::Debug for Wal {
             .field("end", &self.end)
             .finish()
     }
-}
-
-/// Writes `len` zeros at `from` (the file's end) and syncs them: the log's next
-/// stretch, written while appends go on below `from`. A piece at a time, each
-/// written out before the next ([`write_out`]), so an append's `fdatasync`, which
-/// flushes every dirty page of the file, finds at most one piece of these. Returns
-/// the file's new length.
-fn zero_ahead(file: &File, from: u64, len: u64) -> io::Result<u64> {
-    let zeros = vec![0u8; ZERO_PIECE as usize];
-    let mut at = from;
-    while at < from + len {
-        let n = ZERO_PIECE.min(from + len - at);
-        file.write_all_at(&zeros[..n as usize], at)?;
-        write_out(file, at, n)?;
-        at += n;
-    }
-    file.sync_data()?;
-    Ok(from + len)
-}
-
-/// Writes bytes `at..at + len` of `file` to the disk and waits for them (Linux's
-/// `sync_file_range`; no journal commit, no cache flush: the `fdatasync` after
-/// does those). Elsewhere a no-op.
-#[cfg(target_os = "linux")]
-fn write_out(file: &File, at: u64, len: u64) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let (Ok(at), Ok(len)) = (libc::off64_t::try_from(at), libc::off64_t::try_from(len)) else {
-        return Ok(());
-    };
-    let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
-        | libc::SYNC_FILE_RANGE_WRITE
-        | libc::SYNC_FILE_RANGE_WAIT_AFTER;
-    // SAFETY: the descriptor is `file`'s, open for the whole call, and the other
-    // arguments are integers. The call reads and writes no memory of ours.
-    #[allow(unsafe_code)]
-    let done = unsafe { libc::sync_file_range(file.as_raw_fd(), at, len, flags) };
-    if done == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
-#[cfg(not(target_os = "linux"))]
-fn write_out(_: &File, _: u64, _: u64) -> io::Result<()> {
-    Ok(())
 }
 
 /// The file of generation `generation` of the log of the store at `store`.
@@ -173,8 +113,7 @@ impl Wal {
                 path: "<memory>".into(),
                 generation,
                 end,
-                zeroed: end,
-                ahead: None,
+                zeros: ZerosAhead::new(end, "<memory>".into()),
             });
         };
         let path = file_of(store, generation);
@@ -199,11 +138,10 @@ impl Wal {
             .map_err(io_err)?;
         Ok(Self {
             backing: Backing::File(std::sync::Arc::new(file)),
+            zeros: ZerosAhead::new(zeroed, text.clone()),
             path: text,
             generation,
             end,
-            zeroed,
-            ahead: None,
         })
     }
 
@@ -280,11 +218,10 @@ impl Wal {
         Ok((
             Self {
                 backing: Backing::File(std::sync::Arc::new(file)),
+                zeros: ZerosAhead::new(len, text.clone()),
                 path: text,
                 generation,
                 end: end as u64,
-                zeroed: len,
-                ahead: None,
             },
             records,
         ))
@@ -295,82 +232,28 @@ impl Wal {
     }
 
     /// Appends one record of `hard_state` and `entries` with one write and, for a
-    /// file, one `fdatasync`.
-    ///
-    /// The record goes into zeros written ahead, so the sync flushes its own pages
-    /// and no file metadata. The next stretch of zeros is written on a thread of
-    /// its own while the last still has room ([`zero_ahead`]); only a record that
-    /// finds no room (one larger than what is left, or written faster than the
-    /// zeros) has them written with it, as part of its own write and sync.
-    /// Written with the record, a stretch cost that append 3.3-4.5 ms here, on
-    /// every replica at about the same entry: a commit every 4 MiB of log.
+    /// file, one `fdatasync`, into zeros written ahead (see [`crate::zeros`]).
     pub fn append(&mut self, hard_state: &HardState, entries: &[Entry]) -> Result<()> {
         let mut bytes = Vec::new();
         encode(hard_state, entries, &mut bytes)?;
         let len = bytes.len() as u64;
-        match &self.backing {
-            Backing::Memory(_) => {}
-            Backing::File(_) => {
-                self.collect_ahead(false);
-                if self.end + len > self.zeroed {
-                    // The stretch being zeroed is where this record goes: it must
-                    // be done before the record is written, or its zeros could
-                    // land on the record.
-                    self.collect_ahead(true);
-                }
-            }
-        }
         match &mut self.backing {
             Backing::Memory(buf) => buf.extend_from_slice(&bytes),
             Backing::File(file) => {
                 let io_err = |e: io::Error| storage_err(&self.path, e);
-                if self.end + len > self.zeroed {
-                    // Zero the next stretch in the same write, so later appends find
-                    // their blocks allocated; the sync below covers the new length.
-                    let zeroed = (self.end + len).div_ceil(ZERO_AHEAD) * ZERO_AHEAD;
+                let zeroed = self.zeros.room_for(self.end + len, ZERO_AHEAD);
+                if let Some(zeroed) = zeroed {
+                    // No room: the next stretch goes in the same write, and the
+                    // sync below covers the new length.
                     bytes.resize((zeroed - self.end) as usize, 0);
-                    self.zeroed = zeroed;
                 }
                 file.write_all_at(&bytes, self.end).map_err(io_err)?;
                 file.sync_data().map_err(io_err)?;
-                if self.ahead.is_none() && self.zeroed - (self.end + len) < ZERO_AGAIN_BELOW {
-                    let (file, from) = (file.clone(), self.zeroed);
-                    let spawned = std::thread::Builder::new()
-                        .name("gpumesh-wal-zeros".into())
-                        .spawn(move || zero_ahead(&file, from, ZERO_AHEAD));
-                    match spawned {
-                        Ok(handle) => self.ahead = Some(handle),
-                        // The next append that needs them writes them.
-                        Err(e) => {
-                            tracing::warn!(path = %self.path, error = %e, "cannot start a thread to zero the log ahead")
-                        }
-                    }
-                }
+                self.zeros.wrote(file, self.end + len, zeroed, ZERO_AHEAD);
             }
         }
         self.end += len;
         Ok(())
-    }
-
-    /// Takes the outcome of the stretch of zeros being written, if it is done (or,
-    /// with `wait`, once it is). One that failed is only reported: the append that
-    /// needs the room writes the zeros itself, and meets the failure there.
-    fn collect_ahead(&mut self, wait: bool) {
-        if !wait && !self.ahead.as_ref().is_some_and(|h| h.is_finished()) {
-            return;
-        }
-        let Some(handle) = self.ahead.take() else {
-            return;
-        };
-        match handle.join() {
-            Ok(Ok(zeroed)) => self.zeroed = self.zeroed.max(zeroed),
-            Ok(Err(e)) => {
-                tracing::warn!(path = %self.path, error = %e, "could not zero the log ahead; appends will")
-            }
-            Err(_) => {
-                tracing::warn!(path = %self.path, "the thread zeroing the log ahead panicked")
-            }
-        }
     }
 
     /// Removes the files of every other generation of the store's log, and any

@@ -9,9 +9,10 @@
 //!
 //! The file (`small.pack`) is a header (magic) then records `[u64 length][32-byte
 //! id][bytes]`, then zeros: a length of 0 ends it. Zeros are written ahead of the
-//! end in growing stretches (to [`ZERO_AHEAD`]), in the same write as the record
-//! that needs them, so an append's sync never has new blocks or a new length to
-//! record. Appends are written one at a time, in order; each then syncs on its own
+//! end in growing stretches (to [`ZERO_AHEAD`]), on a thread of their own while the
+//! last stretch has room (only a record that finds none has them written with it,
+//! see [`gpumesh_consensus::zeros`]), so an append's sync never has new blocks or a
+//! new length to record. Appends are written one at a time, in order; each then syncs on its own
 //! (syncs of appends made at once overlap), and a blob is found here only once its
 //! sync is done. So an append acknowledged (its sync returned) had every earlier
 //! record synced with it, and a crash can only cut records that nobody was told are
@@ -28,8 +29,9 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
+use gpumesh_consensus::ZerosAhead;
 use gpumesh_protocol::BlobId;
 
 const MAGIC: &[u8; 16] = b"gpumesh-blobpak1";
@@ -55,7 +57,7 @@ pub struct Slot {
 pub struct Pack {
     path: PathBuf,
     /// `None` until the first append makes the file.
-    file: RwLock<Option<File>>,
+    file: RwLock<Option<Arc<File>>>,
     /// Where the next record goes, and how far the file is zeroed; held while a
     /// record is written, so records are written one at a time and in order.
     tail: Mutex<Tail>,
@@ -65,7 +67,7 @@ pub struct Pack {
 #[derive(Debug)]
 struct Tail {
     end: u64,
-    zeroed: u64,
+    zeros: ZerosAhead,
 }
 
 impl Pack {
@@ -88,10 +90,11 @@ impl Pack {
             Err(e) if e.kind() == io::ErrorKind::NotFound => (None, HEADER, 0),
             Err(e) => return Err(e),
         };
+        let zeros = ZerosAhead::new(zeroed, path.display().to_string());
         Ok(Pack {
             path,
-            file: RwLock::new(file),
-            tail: Mutex::new(Tail { end, zeroed }),
+            file: RwLock::new(file.map(Arc::new)),
+            tail: Mutex::new(Tail { end, zeros }),
             index: RwLock::new(index),
         })
     }
@@ -160,17 +163,17 @@ impl Pack {
             record.extend_from_slice(&id.0);
             record.extend_from_slice(bytes);
             let after = tail.end + record.len() as u64;
-            let mut zeroed = tail.zeroed;
-            if after > zeroed {
-                // Zero the next stretch in the same write; the sync covers it.
-                let stretch = zeroed.clamp(FIRST_ZEROS, ZERO_AHEAD);
-                zeroed = after.div_ceil(stretch) * stretch;
+            let stretch = tail.zeros.zeroed().clamp(FIRST_ZEROS, ZERO_AHEAD);
+            let zeroed = tail.zeros.room_for(after, stretch);
+            if let Some(zeroed) = zeroed {
+                // No room: the next stretch goes in the same write; the sync covers it.
                 record.resize((zeroed - tail.end) as usize, 0);
             }
             let at = tail.end;
             // A write that fails (a full disk) moves nothing: the next one goes here.
-            self.with_file(|f| f.write_all_at(&record, at))?;
-            *tail = Tail { end: after, zeroed };
+            let file = self.with_file(|f| f.write_all_at(&record, at).map(|()| f.clone()))?;
+            tail.end = after;
+            tail.zeros.wrote(&file, after, zeroed, stretch);
             Slot {
                 at: at + RECORD_HEAD,
                 len,
@@ -200,7 +203,7 @@ impl Pack {
         })
     }
 
-    fn with_file<R>(&self, f: impl FnOnce(&File) -> io::Result<R>) -> io::Result<R> {
+    fn with_file<R>(&self, f: impl FnOnce(&Arc<File>) -> io::Result<R>) -> io::Result<R> {
         let file = self.file.read().map_err(|_| poisoned())?;
         match file.as_ref() {
             Some(file) => f(file),
@@ -231,9 +234,9 @@ impl Pack {
         }
         *tail = Tail {
             end: HEADER,
-            zeroed: FIRST_ZEROS,
+            zeros: ZerosAhead::new(FIRST_ZEROS, self.path.display().to_string()),
         };
-        *file = Some(made);
+        *file = Some(Arc::new(made));
         Ok(())
     }
 }
