@@ -12,17 +12,17 @@
 //! end in growing stretches (to [`ZERO_AHEAD`]), on a thread of their own while the
 //! last stretch has room (only a record that finds none has them written with it,
 //! see [`gpumesh_consensus::zeros`]), so an append's sync never has new blocks or a
-//! new length to record. Appends are written one at a time, in order; each then syncs on its own
-//! (syncs of appends made at once overlap), and a blob is found here only once its
-//! sync is done. So an append acknowledged (its sync returned) had every earlier
-//! record synced with it, and a crash can only cut records that nobody was told are
-//! kept. The one exception is a result carried in the Raft log
+//! new length to record. Appends are written one at a time, in order; each then
+//! syncs on its own (syncs of appends made at once overlap), and a blob is found
+//! here only once its sync is done. So an append acknowledged (its sync returned)
+//! had every earlier record synced with it, and a crash can only cut records that
+//! nobody was told are kept. The one exception is a result carried in the Raft log
 //! ([`Pack::append_unsynced`]): found at once, it is durable in the log until the
 //! replica syncs the pack, before the log may drop it. On opening, every record is
 //! checked against its id: one whose bytes do not (a write a crash cut short, or
-//! damage since) is skipped and not served, and the records after it are read on;
-//! a head that cannot be one (a length over [`PACK_MAX`] or past the file's end)
-//! ends the pack, and what follows is zeroed.
+//! damage since) is skipped and not served, and the records after it are read on; a
+//! head that cannot be one (a length over [`PACK_MAX`] or past the file's end) ends
+//! the pack, and what follows is zeroed.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
