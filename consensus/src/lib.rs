@@ -74,6 +74,7 @@ pub mod command;
 mod error;
 pub mod replica;
 pub mod sim;
+pub mod snapfile;
 pub mod state;
 pub mod storage;
 mod tracing_drain;

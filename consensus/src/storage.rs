@@ -52,6 +52,9 @@ const KEY_SNAPSHOT: &str = "snapshot";
 const KEY_TRUNCATED: &str = "truncated";
 /// The generation of the log file that holds the log (absent in stores from before).
 const KEY_LOG_GENERATION: &str = "log_generation";
+/// The generation of the snapshot's own file ([`crate::snapfile`]); absent while the
+/// snapshot is in the snapshot table (stores from before, the in-memory backend).
+const KEY_SNAPSHOT_FILE: &str = "snapshot_file";
 
 /// Log entries per segment table, in stores from before the log file.
 pub const SEGMENT: u64 = 1024;
@@ -241,15 +244,28 @@ impl RedbStorage {
             }
             None => HardState::default(),
         };
-        let stored = snapshots
-            .get(KEY_SNAPSHOT)
-            .map_err(|e| err(e.into()))?
-            .map(|v| v.value().to_vec());
-        let snapshot = match stored {
-            Some(b) => {
-                Snapshot::parse_from_bytes(&b).map_err(|e| corrupt(format!("snapshot: {e}")))?
+        let snapshot_file = match get(KEY_SNAPSHOT_FILE)? {
+            Some(b) => Some(u64::from_le_bytes(b.as_slice().try_into().map_err(
+                |_| corrupt(format!("snapshot generation of {} bytes", b.len())),
+            )?)),
+            None => None,
+        };
+        let snapshot = match (snapshot_file, store.as_deref()) {
+            (Some(generation), Some(file)) => crate::snapfile::read(file, generation, cluster)?,
+            (Some(_), None) => {
+                return Err(corrupt("an in-memory store with a snapshot file".into()))
             }
-            None => Snapshot::default(),
+            (None, _) => {
+                let stored = snapshots
+                    .get(KEY_SNAPSHOT)
+                    .map_err(|e| err(e.into()))?
+                    .map(|v| v.value().to_vec());
+                match stored {
+                    Some(b) => Snapshot::parse_from_bytes(&b)
+                        .map_err(|e| corrupt(format!("snapshot: {e}")))?,
+                    None => Snapshot::default(),
+                }
+            }
         };
         let truncated = match get(KEY_TRUNCATED)? {
             Some(b) if b.len() == 16 => {
@@ -355,6 +371,7 @@ impl RedbStorage {
         };
         if let Some(file) = &store {
             wal.remove_others(file);
+            crate::snapfile::remove_others(file, snapshot_file);
         }
         hard_state.commit = hard_state.commit.max(truncated.0);
 
@@ -573,9 +590,10 @@ impl RedbStorage {
     }
 
     /// Starts the next generation of the log file holding `kept` (the entries after
-    /// the truncation point) and `hard_state`, then names it in the store with the
-    /// snapshot (if a new one) and the truncation point, in one commit; the old file
-    /// goes after. A crash before the commit leaves the old generation named, whole.
+    /// the truncation point) and `hard_state`, and of the snapshot's file (if a new
+    /// one), then names them in the store with the truncation point, in one commit;
+    /// the old files go after. A crash before the commit leaves the old generation
+    /// named, whole.
     fn start_generation(
         &mut self,
         snapshot: Option<&Snapshot>,
@@ -591,14 +609,31 @@ impl RedbStorage {
             hard_state,
             kept,
         )?;
+        let in_file = match (snapshot, self.store.as_deref()) {
+            (Some(snap), Some(file)) => {
+                crate::snapfile::write(file, generation, self.cluster, snap)?;
+                Some(generation)
+            }
+            _ => None,
+        };
         let txn = self.db.begin_write().map_err(|e| self.err(e))?;
         {
             let mut meta = txn.open_table(META).map_err(|e| self.err(e))?;
             if let Some(snap) = snapshot {
-                txn.open_table(SNAPSHOT)
-                    .map_err(|e| self.err(e))?
-                    .insert(KEY_SNAPSHOT, snap.write_to_bytes()?.as_slice())
-                    .map_err(|e| self.err(e))?;
+                let mut table = txn.open_table(SNAPSHOT).map_err(|e| self.err(e))?;
+                match in_file {
+                    Some(generation) => {
+                        meta.insert(KEY_SNAPSHOT_FILE, generation.to_le_bytes().as_slice())
+                            .map_err(|e| self.err(e))?;
+                        // One from before the snapshot had a file of its own.
+                        table.remove(KEY_SNAPSHOT).map_err(|e| self.err(e))?;
+                    }
+                    None => {
+                        table
+                            .insert(KEY_SNAPSHOT, snap.write_to_bytes()?.as_slice())
+                            .map_err(|e| self.err(e))?;
+                    }
+                }
             }
             meta.insert(KEY_HARD_STATE, hard_state.write_to_bytes()?.as_slice())
                 .map_err(|e| self.err(e))?;
@@ -610,6 +645,9 @@ impl RedbStorage {
         txn.commit().map_err(|e| self.err(e))?;
         if let Some(file) = &self.store {
             wal.remove_others(file);
+            if in_file.is_some() {
+                crate::snapfile::remove_others(file, in_file);
+            }
         }
         self.wal = wal;
         Ok(())

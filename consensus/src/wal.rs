@@ -259,25 +259,31 @@ impl Wal {
     /// Removes the files of every other generation of the store's log, and any
     /// half-written one; a file that cannot be removed is only reported.
     pub fn remove_others(&self, store: &Path) {
-        let (Some(dir), Some(name)) = (store.parent(), store.file_name()) else {
-            return;
-        };
-        let prefix = format!("{}.log-", name.to_string_lossy());
-        let keep = file_of(store, self.generation);
-        let Ok(listing) = std::fs::read_dir(if dir.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            dir
-        }) else {
-            return;
-        };
-        for item in listing.flatten() {
-            let path = item.path();
-            let ours = item.file_name().to_string_lossy().starts_with(&prefix);
-            if ours && path.file_name() != keep.file_name() {
-                if let Err(e) = std::fs::remove_file(&path) {
-                    tracing::warn!(path = %path.display(), error = %e, "could not remove an old Raft log file");
-                }
+        remove_generations(store, ".log-", &file_of(store, self.generation), "Raft log");
+    }
+}
+
+/// Removes the files beside the store at `store` whose names are the store's and
+/// `infix` then a generation (`raft.redb.log-…`), but for `keep`; a file that cannot
+/// be removed (a `what` file) is only reported.
+pub(crate) fn remove_generations(store: &Path, infix: &str, keep: &Path, what: &str) {
+    let (Some(dir), Some(name)) = (store.parent(), store.file_name()) else {
+        return;
+    };
+    let prefix = format!("{}{infix}", name.to_string_lossy());
+    let Ok(listing) = std::fs::read_dir(if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    }) else {
+        return;
+    };
+    for item in listing.flatten() {
+        let path = item.path();
+        let ours = item.file_name().to_string_lossy().starts_with(&prefix);
+        if ours && path.file_name() != keep.file_name() {
+            if let Err(e) = std::fs::remove_file(&path) {
+                tracing::warn!(path = %path.display(), error = %e, "could not remove an old {what} file");
             }
         }
     }
@@ -389,14 +395,14 @@ fn take<'a>(bytes: &'a [u8], what: &str) -> std::result::Result<(&'a [u8], &'a [
     Ok(tail.split_at(len))
 }
 
-fn sync_dir(path: &Path) -> io::Result<()> {
+pub(crate) fn sync_dir(path: &Path) -> io::Result<()> {
     match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => File::open(dir)?.sync_all(),
         _ => File::open(".")?.sync_all(),
     }
 }
 
-fn storage_err(path: &str, e: io::Error) -> ConsensusError {
+pub(crate) fn storage_err(path: &str, e: io::Error) -> ConsensusError {
     ConsensusError::Storage {
         path: path.to_owned(),
         reason: e.to_string(),

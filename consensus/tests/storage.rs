@@ -311,6 +311,34 @@ fn a_commit_index_alone_is_not_written_until_the_next_append() {
     assert_eq!((st.term, st.vote), (3, 2));
 }
 
+/// The snapshot the store at `path` names in a file of its own (read with redb
+/// closed).
+fn snapshot_in_file(path: &std::path::Path) -> Snapshot {
+    const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
+    let generation = {
+        let db = redb::Database::create(path).expect("raw open");
+        let txn = db.begin_read().expect("txn");
+        let meta = txn.open_table(META).expect("meta");
+        let bytes = meta
+            .get("snapshot_file")
+            .expect("get")
+            .expect("a snapshot file");
+        u64::from_le_bytes(bytes.value().try_into().expect("8 bytes"))
+    };
+    gpumesh_consensus::snapfile::read(path, generation, CLUSTER).expect("the snapshot file")
+}
+
+/// The snapshot files of the store in `dir`, by name.
+fn snapshot_files(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .expect("list")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".snap-"))
+        .collect();
+    names.sort();
+    names
+}
+
 /// The files of the store's log in `dir`, by name.
 fn log_files(dir: &std::path::Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
@@ -334,7 +362,12 @@ fn stores_from_before_the_log_file_move_their_log_into_one() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("raft.redb");
         drop(initialized(&path));
-        for f in log_files(dir.path()) {
+        // The snapshot, which has a file of its own now, goes back into redb.
+        let snapshot = snapshot_in_file(&path).write_to_bytes().expect("snapshot");
+        for f in log_files(dir.path())
+            .into_iter()
+            .chain(snapshot_files(dir.path()))
+        {
             std::fs::remove_file(dir.path().join(f)).expect("remove");
         }
         {
@@ -343,6 +376,7 @@ fn stores_from_before_the_log_file_move_their_log_into_one() {
             {
                 let mut meta = txn.open_table(META).expect("meta");
                 meta.remove("log_generation").expect("remove");
+                meta.remove("snapshot_file").expect("remove");
                 let hs = HardState {
                     term: 1,
                     vote: 2,
@@ -352,15 +386,13 @@ fn stores_from_before_the_log_file_move_their_log_into_one() {
                 meta.insert("hard_state", hs.write_to_bytes().expect("hs").as_slice())
                     .expect("insert");
                 if layout == "one table" {
-                    let bytes = txn
-                        .open_table(SNAPSHOT)
+                    meta.insert("snapshot", snapshot.as_slice())
+                        .expect("insert");
+                } else {
+                    txn.open_table(SNAPSHOT)
                         .expect("snapshot")
-                        .remove("snapshot")
-                        .expect("remove")
-                        .expect("a snapshot")
-                        .value()
-                        .to_vec();
-                    meta.insert("snapshot", bytes.as_slice()).expect("insert");
+                        .insert("snapshot", snapshot.as_slice())
+                        .expect("insert");
                 }
             }
             if layout == "one table" {
@@ -715,4 +747,90 @@ fn appends_across_many_stretches_of_zeros_written_ahead_survive_reopening_at_onc
         .len();
     assert_eq!(len % (4 << 20), 0, "{len}");
     assert!(len >= 18 << 20, "{len}");
+}
+
+#[test]
+fn the_snapshot_has_a_file_of_its_own_checked_when_read_and_old_ones_go() {
+    const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
+    const SNAPSHOT: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("snapshot");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("raft.redb");
+    let compact_at = |s: &mut RedbStorage, index: u64| {
+        let state = s.snapshot_state().expect("sm");
+        let mut snap = Snapshot {
+            data: state.to_bytes().expect("bytes").into(),
+            ..Default::default()
+        };
+        snap.mut_metadata().index = index;
+        snap.mut_metadata().term = 2;
+        snap.mut_metadata().mut_conf_state().voters = vec![1, 2, 3];
+        s.compact(snap, index).expect("compact");
+    };
+    {
+        let mut s = initialized(&path);
+        let ents: Vec<Entry> = (2..=300).map(|i| entry(i, 2)).collect();
+        s.persist(None, &ents, None).expect("persist");
+        compact_at(&mut s, 200);
+    }
+    // One file, the newest; read back on opening.
+    let files = snapshot_files(dir.path());
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert_eq!(snapshot_in_file(&path).get_metadata().index, 200);
+    let s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+    assert_eq!(s.snapshot_metadata().index, 200);
+    assert_eq!((s.first(), s.last()), (200, 300));
+    drop(s);
+    // A file of another generation (a crash before the store named it) goes.
+    let stray = dir.path().join("raft.redb.snap-0000000099");
+    std::fs::write(&stray, b"left by a crash").expect("stray");
+    drop(RedbStorage::open(&path, CLUSTER).expect("reopen"));
+    assert!(!stray.exists(), "the stray snapshot file is removed");
+    // A damaged file is refused, not read as an empty snapshot.
+    let named = dir.path().join(&files[0]);
+    let good = std::fs::read(&named).expect("read");
+    let mut bad = good.clone();
+    let last = bad.len() - 1;
+    bad[last] ^= 0x20;
+    std::fs::write(&named, &bad).expect("damage");
+    let err = RedbStorage::open(&path, CLUSTER).expect_err("damaged");
+    assert!(
+        matches!(err, ConsensusError::CorruptStorage { .. }),
+        "{err}"
+    );
+    std::fs::remove_file(&named).expect("remove");
+    let err = RedbStorage::open(&path, CLUSTER).expect_err("missing");
+    assert!(
+        matches!(err, ConsensusError::CorruptStorage { .. }),
+        "{err}"
+    );
+    std::fs::write(&named, &good).expect("restore");
+    // A store from before (its snapshot in redb) reads it there, and the next
+    // compaction moves it to a file and out of redb.
+    {
+        let snapshot = snapshot_in_file(&path).write_to_bytes().expect("snapshot");
+        let db = redb::Database::create(&path).expect("raw open");
+        let txn = db.begin_write().expect("txn");
+        {
+            txn.open_table(META)
+                .expect("meta")
+                .remove("snapshot_file")
+                .expect("remove");
+            txn.open_table(SNAPSHOT)
+                .expect("snapshot")
+                .insert("snapshot", snapshot.as_slice())
+                .expect("insert");
+        }
+        txn.commit().expect("commit");
+    }
+    std::fs::remove_file(&named).expect("remove");
+    let mut s = RedbStorage::open(&path, CLUSTER).expect("the old layout");
+    assert_eq!(s.snapshot_metadata().index, 200);
+    compact_at(&mut s, 250);
+    drop(s);
+    assert_eq!(snapshot_in_file(&path).get_metadata().index, 250);
+    assert_eq!(snapshot_files(dir.path()).len(), 1);
+    let db = redb::Database::create(&path).expect("raw open");
+    let txn = db.begin_read().expect("txn");
+    let table = txn.open_table(SNAPSHOT).expect("snapshot");
+    assert!(table.get("snapshot").expect("get").is_none(), "out of redb");
 }
