@@ -330,21 +330,20 @@ fn snapshot_in_file(path: &std::path::Path) -> Snapshot {
 
 /// The snapshot files of the store in `dir`, by name.
 fn snapshot_files(dir: &std::path::Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .expect("list")
-        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .filter(|n| n.contains(".snap-"))
-        .collect();
-    names.sort();
-    names
+    files_named(dir, ".snap-")
 }
 
 /// The files of the store's log in `dir`, by name.
 fn log_files(dir: &std::path::Path) -> Vec<String> {
+    files_named(dir, ".log-")
+}
+
+/// The files in `dir` whose names hold `infix`, sorted.
+fn files_named(dir: &std::path::Path, infix: &str) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .expect("list")
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .filter(|n| n.contains(".log-"))
+        .filter(|n| n.contains(infix))
         .collect();
     names.sort();
     names
