@@ -222,17 +222,13 @@ async fn tasks_move_each_nodes_own_counters_and_one_leader_is_reported() {
         );
         // The node GPUs did the shards' work between them.
         assert!(sum(&scrapes, "gpumesh_gpu_dispatches_total") >= shards);
-        // Every input went to a second node before its task was committed: those bytes
-        // crossed the blob lane at least once.
-        let inputs: usize = a
-            .blobs
-            .values()
-            .chain(b.blobs.values())
-            .map(|b| b.len())
-            .sum();
-        let inputs = inputs as f64;
-        assert!(sum(&scrapes, "gpumesh_net_sent_bytes_total{lane=\"blob\"}") >= inputs);
-        assert!(sum(&scrapes, "gpumesh_net_received_bytes_total{lane=\"blob\"}") >= inputs);
+        // Every input went to a second node before its task was committed (a small
+        // one inside the request, not on the blob lane, so the lane's counters
+        // need not show it): it is on two nodes.
+        for id in a.blobs.keys().chain(b.blobs.keys()) {
+            let copies = nodes.iter().filter(|n| n.blobs.has(id)).count();
+            assert!(copies >= 2, "input {id} is on {copies} node(s)");
+        }
         stop(nodes).await;
     })
     .await
