@@ -833,3 +833,104 @@ fn the_snapshot_has_a_file_of_its_own_checked_when_read_and_old_ones_go() {
     let table = txn.open_table(SNAPSHOT).expect("snapshot");
     assert!(table.get("snapshot").expect("get").is_none(), "out of redb");
 }
+
+#[test]
+fn a_snapshot_stored_while_the_log_goes_on_keeps_what_the_log_took_meanwhile() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("raft.redb");
+    let snapshot_at = |s: &RedbStorage, index: u64, term: u64| {
+        let state = s.snapshot_state().expect("sm");
+        let mut snap = Snapshot {
+            data: state.to_bytes().expect("bytes").into(),
+            ..Default::default()
+        };
+        snap.mut_metadata().index = index;
+        snap.mut_metadata().term = term;
+        snap.mut_metadata().mut_conf_state().voters = vec![1, 2, 3];
+        snap
+    };
+    let mut s = initialized(&path);
+    let ents: Vec<Entry> = (2..=300).map(|i| entry(i, 2)).collect();
+    s.persist(None, &ents, None).expect("persist");
+    let wait = s
+        .begin_compaction(snapshot_at(&s, 200, 2), 150)
+        .expect("begin")
+        .expect("a store on disk writes the files on a thread");
+    assert!(s.compacting());
+    // Meanwhile: appends, a new leader's suffix replacing some of them, a new term.
+    let ents: Vec<Entry> = (301..=320).map(|i| entry(i, 2)).collect();
+    s.persist(None, &ents, None).expect("append");
+    let ents: Vec<Entry> = (310..=312).map(|i| entry(i, 3)).collect();
+    let hs = HardState {
+        term: 3,
+        vote: 2,
+        commit: 250,
+        ..Default::default()
+    };
+    s.persist(None, &ents, Some(&hs)).expect("overwrite");
+    // Nothing is compacted until the files are named.
+    assert_eq!((s.first(), s.last()), (2, 312));
+    assert_eq!(s.snapshot_metadata().index, 1);
+    wait.blocking_recv().expect("the writer says it is done");
+    s.finish_compaction().expect("finish");
+    assert!(!s.compacting());
+    let want: Vec<Entry> = (150..=312)
+        .map(|i| entry(i, if i >= 310 { 3 } else { 2 }))
+        .collect();
+    let check = |s: &RedbStorage| {
+        assert_eq!((s.first(), s.last()), (150, 312));
+        assert_eq!(s.snapshot_metadata().index, 200);
+        let got = s
+            .entries(150, 313, None, GetEntriesContext::empty(false))
+            .expect("entries");
+        assert_eq!(got, want);
+        assert_eq!((s.hard_state().term, s.hard_state().vote), (3, 2));
+    };
+    check(&s);
+    drop(s);
+    let mut s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+    check(&s);
+    assert_eq!(log_files(dir.path()).len(), 1);
+    assert_eq!(snapshot_files(dir.path()).len(), 1);
+
+    // A snapshot from the leader arriving while ours is written replaces it.
+    let _wait = s
+        .begin_compaction(snapshot_at(&s, 300, 3), 300)
+        .expect("begin")
+        .expect("on a thread");
+    s.persist(Some(&snapshot_at(&s, 400, 4)), &[], None)
+        .expect("the leader's snapshot");
+    assert!(!s.compacting());
+    s.finish_compaction().expect("nothing left to finish");
+    assert_eq!((s.first(), s.last()), (401, 400));
+    drop(s);
+    let mut s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+    assert_eq!((s.snapshot_metadata().index, s.first()), (400, 401));
+    assert_eq!(log_files(dir.path()).len(), 1);
+    assert_eq!(snapshot_files(dir.path()).len(), 1);
+
+    // A store closed with its files half named (a crash, in effect) opens with
+    // the generation before, whole; the unnamed files go with the next one.
+    let ents: Vec<Entry> = (401..=450).map(|i| entry(i, 4)).collect();
+    s.persist(None, &ents, None).expect("append");
+    let _wait = s
+        .begin_compaction(snapshot_at(&s, 420, 4), 420)
+        .expect("begin")
+        .expect("on a thread");
+    drop(s);
+    let mut s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+    assert_eq!(
+        (s.snapshot_metadata().index, s.first(), s.last()),
+        (400, 401, 450)
+    );
+    let snap = snapshot_at(&s, 430, 4);
+    s.compact(snap, 430).expect("compact");
+    drop(s);
+    let s = RedbStorage::open(&path, CLUSTER).expect("reopen");
+    assert_eq!(
+        (s.snapshot_metadata().index, s.first(), s.last()),
+        (430, 430, 450)
+    );
+    assert_eq!(log_files(dir.path()).len(), 1);
+    assert_eq!(snapshot_files(dir.path()).len(), 1);
+}

@@ -76,6 +76,7 @@ impl ConsensusHandle {
             leader_changes: 0,
             told_commit: 0,
             quiet: VecDeque::new(),
+            compacting: None,
             cfg: config.clone(),
         };
         let (status_tx, status) = watch::channel(actor.status());

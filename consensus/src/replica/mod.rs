@@ -410,6 +410,9 @@ struct Actor {
     /// Leader-side: indices of this leader's own entries whose commit only it acts
     /// on ([`Command::only_proposer_acts`]), oldest first.
     quiet: VecDeque<u64>,
+    /// Fires once the file of the snapshot being stored is written (see
+    /// [`RedbStorage::begin_compaction`]).
+    compacting: Option<oneshot::Receiver<()>>,
 }
 
 /// Messages handled per round before the Ready is processed: large enough to batch
@@ -471,6 +474,16 @@ const FOLLOW_LAG: u64 = 256;
 /// Unanswered ReadIndex requests remembered per replica (each retry adds one).
 const MAX_READ_REQUESTS: usize = 16;
 
+/// Waits for the snapshot file being written, if any (else forever).
+async fn written(compacting: &mut Option<oneshot::Receiver<()>>) {
+    match compacting {
+        Some(done) => {
+            let _ = done.await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
 impl Actor {
     async fn run(mut self) {
         let mut ticker = time::interval(self.cfg.tick_interval);
@@ -486,6 +499,12 @@ impl Actor {
             tokio::select! {
                 biased;
                 _ = ticker.tick() => self.on_tick(),
+                () = written(&mut self.compacting) => {
+                    if let Err(e) = self.snapshot_stored() {
+                        error!(raft_id = self.cfg.id, "consensus stopped: {e}");
+                        break;
+                    }
+                }
                 msg = self.inbox.recv() => {
                     let Some(msg) = msg else { break };
                     if let Some(done) = self.handle(msg) {

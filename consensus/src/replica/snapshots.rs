@@ -47,6 +47,10 @@ impl Actor {
     }
 
     pub(super) fn maybe_snapshot(&mut self) -> Result<()> {
+        if self.compacting.is_some() {
+            // One at a time; a request from Raft waits for the one in flight.
+            return Ok(());
+        }
         let applied = self.state.get().applied_index();
         let snap_index = self.raw.store().snapshot_metadata().index;
         let requested = self.raw.store().take_snapshot_request();
@@ -62,8 +66,9 @@ impl Actor {
         blocking(|| self.take_snapshot(applied))
     }
 
-    /// Encodes the state applied up to `applied` as a snapshot and compacts the log
-    /// behind it.
+    /// Encodes the state applied up to `applied` as a snapshot and starts storing
+    /// it (its file written on a thread of its own); [`Self::snapshot_stored`]
+    /// compacts the log behind it once the file is written.
     fn take_snapshot(&mut self, applied: u64) -> Result<()> {
         let began = std::time::Instant::now();
         self.keep_carried_upto(applied)?;
@@ -82,14 +87,32 @@ impl Actor {
             self.cfg.log_retain_bytes,
         );
         let bytes = snapshot.data.len();
-        self.raw.mut_store().compact(snapshot, compact_to)?;
+        self.compacting = self
+            .raw
+            .mut_store()
+            .begin_compaction(snapshot, compact_to)?;
         debug!(
             raft_id = self.cfg.id,
             index = applied,
             bytes,
             encode_ms = encoded.as_secs_f64() * 1e3,
             total_ms = began.elapsed().as_secs_f64() * 1e3,
-            "snapshot taken, log compacted"
+            "snapshot taken"
+        );
+        Ok(())
+    }
+
+    /// The snapshot's file is written: the store names it and the log behind it is
+    /// compacted (its next generation started).
+    pub(super) fn snapshot_stored(&mut self) -> Result<()> {
+        self.compacting = None;
+        let began = std::time::Instant::now();
+        blocking(|| self.raw.mut_store().finish_compaction())?;
+        debug!(
+            raft_id = self.cfg.id,
+            snapshot = self.raw.store().snapshot_metadata().index,
+            ms = began.elapsed().as_secs_f64() * 1e3,
+            "snapshot stored, log compacted"
         );
         Ok(())
     }
