@@ -29,7 +29,7 @@ async fn single_node_commits_and_restarts_intact() {
     c.leader().await;
     let tasks = c
         .node(1)
-        .read_linearizable(|s| s.tasks().keys().copied().collect::<Vec<_>>())
+        .read_linearizable(|s| s.tasks().map(|t| t.id).collect::<Vec<_>>())
         .await
         .expect("read");
     assert_eq!(tasks.len(), 2);
@@ -493,7 +493,7 @@ async fn a_proposal_lost_in_a_leader_change_is_reported_dropped_and_retried_once
     c.wait_applied(&all, retry.index, 10 * SEC).await;
     let count = c
         .node(new)
-        .read_linearizable(move |s| s.tasks().values().filter(|t| t.request_id == rid).count())
+        .read_linearizable(move |s| s.tasks().filter(|t| t.request_id == rid).count())
         .await
         .expect("read");
     assert_eq!(count, 1);

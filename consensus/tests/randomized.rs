@@ -258,7 +258,12 @@ async fn run_seed(seed: u64) {
             move |s| {
                 let outcomes: Vec<(RequestId, Option<Committed>)> =
                     ids.iter().map(|r| (*r, s.outcome_of(r))).collect();
-                (s.tasks().clone(), outcomes)
+                (
+                    s.tasks()
+                        .map(|t| (t.id, t.clone()))
+                        .collect::<BTreeMap<_, _>>(),
+                    outcomes,
+                )
             }
         });
         for (rid, got) in outcomes {

@@ -849,13 +849,18 @@ fn a_snapshot_stored_while_the_log_goes_on_keeps_what_the_log_took_meanwhile() {
         snap.mut_metadata().mut_conf_state().voters = vec![1, 2, 3];
         snap
     };
+    // As a replica does: the state encoded on the writer's thread.
+    let begin = |s: &mut RedbStorage, index: u64, term: u64, compact_to: u64| {
+        let meta = snapshot_at(s, index, term).get_metadata().clone();
+        let state = s.snapshot_state().expect("sm");
+        s.begin_compaction(meta, move || state.to_bytes(), compact_to)
+            .expect("begin")
+            .expect("a store on disk writes the files on a thread")
+    };
     let mut s = initialized(&path);
     let ents: Vec<Entry> = (2..=300).map(|i| entry(i, 2)).collect();
     s.persist(None, &ents, None).expect("persist");
-    let wait = s
-        .begin_compaction(snapshot_at(&s, 200, 2), 150)
-        .expect("begin")
-        .expect("a store on disk writes the files on a thread");
+    let wait = begin(&mut s, 200, 2, 150);
     assert!(s.compacting());
     // Meanwhile: appends, a new leader's suffix replacing some of them, a new term.
     let ents: Vec<Entry> = (301..=320).map(|i| entry(i, 2)).collect();
@@ -894,10 +899,7 @@ fn a_snapshot_stored_while_the_log_goes_on_keeps_what_the_log_took_meanwhile() {
     assert_eq!(snapshot_files(dir.path()).len(), 1);
 
     // A snapshot from the leader arriving while ours is written replaces it.
-    let _wait = s
-        .begin_compaction(snapshot_at(&s, 300, 3), 300)
-        .expect("begin")
-        .expect("on a thread");
+    let _wait = begin(&mut s, 300, 3, 300);
     s.persist(Some(&snapshot_at(&s, 400, 4)), &[], None)
         .expect("the leader's snapshot");
     assert!(!s.compacting());
@@ -913,10 +915,7 @@ fn a_snapshot_stored_while_the_log_goes_on_keeps_what_the_log_took_meanwhile() {
     // the generation before, whole; the unnamed files go with the next one.
     let ents: Vec<Entry> = (401..=450).map(|i| entry(i, 4)).collect();
     s.persist(None, &ents, None).expect("append");
-    let _wait = s
-        .begin_compaction(snapshot_at(&s, 420, 4), 420)
-        .expect("begin")
-        .expect("on a thread");
+    let _wait = begin(&mut s, 420, 4, 420);
     drop(s);
     let mut s = RedbStorage::open(&path, CLUSTER).expect("reopen");
     assert_eq!(

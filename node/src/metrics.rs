@@ -297,7 +297,7 @@ impl Metrics {
         }
         let by_status = consensus.read_local(|s| {
             let mut by_status = [0u64; TaskState::ALL.len()];
-            for task in s.tasks().values() {
+            for task in s.tasks() {
                 let state = task.status.state();
                 if let Some(i) = TaskState::ALL.iter().position(|s| *s == state) {
                     by_status[i] += 1;

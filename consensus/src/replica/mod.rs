@@ -36,7 +36,7 @@ use gpumesh_protocol::{codec, NodeCapability};
 use protobuf::Message as _;
 use raft::eraftpb::{
     ConfChange, ConfChangeType, ConfState, Entry, EntryType, Message as RaftMessage, MessageType,
-    Snapshot,
+    Snapshot, SnapshotMetadata,
 };
 use raft::{RawNode, StateRole};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};

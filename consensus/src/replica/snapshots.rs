@@ -66,38 +66,35 @@ impl Actor {
         blocking(|| self.take_snapshot(applied))
     }
 
-    /// Encodes the state applied up to `applied` as a snapshot and starts storing
-    /// it (its file written on a thread of its own); [`Self::snapshot_stored`]
-    /// compacts the log behind it once the file is written.
+    /// Starts storing the state applied up to `applied` as a snapshot: a copy of
+    /// the record (0.4-1.5 ms: it shares every task) is encoded, and the files
+    /// written, off this task; [`Self::snapshot_stored`] compacts the log behind it
+    /// once they are.
     fn take_snapshot(&mut self, applied: u64) -> Result<()> {
         let began = std::time::Instant::now();
         self.keep_carried_upto(applied)?;
-        let mut snapshot = Snapshot {
-            data: self.state.get().to_bytes()?.into(),
+        let state = self.state.get().clone();
+        let mut meta = SnapshotMetadata {
+            index: applied,
+            term: state.applied_term(),
             ..Default::default()
         };
-        let encoded = began.elapsed();
-        let meta = snapshot.mut_metadata();
-        meta.index = applied;
-        meta.term = self.state.get().applied_term();
         meta.set_conf_state(self.conf_state.clone());
         let compact_to = self.raw.store().keep_from(
             (applied + 1).saturating_sub(self.cfg.log_retain),
             applied,
             self.cfg.log_retain_bytes,
         );
-        let bytes = snapshot.data.len();
+        let encode = move || state.to_bytes();
         self.compacting = self
             .raw
             .mut_store()
-            .begin_compaction(snapshot, compact_to)?;
+            .begin_compaction(meta, encode, compact_to)?;
         debug!(
             raft_id = self.cfg.id,
             index = applied,
-            bytes,
-            encode_ms = encoded.as_secs_f64() * 1e3,
-            total_ms = began.elapsed().as_secs_f64() * 1e3,
-            "snapshot taken"
+            ms = began.elapsed().as_secs_f64() * 1e3,
+            "snapshot begun"
         );
         Ok(())
     }

@@ -167,7 +167,7 @@ impl StateMachine {
                 node,
                 reason,
             } => self.task_failed(index, *task, *shard, *epoch, *node, reason),
-            Command::TaskCancelled { task, reason } => match self.tasks.get_mut(task) {
+            Command::TaskCancelled { task, reason } => match self.task_mut(*task) {
                 None => Outcome::Rejected(format!("no task {task}")),
                 Some(t) if t.status.is_terminal() => {
                     Outcome::Ignored(format!("task {task} already finished: {:?}", t.status))
@@ -293,7 +293,7 @@ impl StateMachine {
         let Outcome::TaskSubmitted { task } = outcome else {
             return outcome;
         };
-        let Some(t) = self.tasks.get_mut(&task) else {
+        let Some(t) = self.task_mut(task) else {
             return outcome;
         };
         let epoch = t.shards[0].start_attempt(node, false);
@@ -414,7 +414,7 @@ impl StateMachine {
         };
         self.tasks.insert(
             id,
-            Task {
+            Arc::new(Task {
                 id,
                 spec: spec.clone(),
                 spec_hash,
@@ -426,7 +426,7 @@ impl StateMachine {
                 mismatches: 0,
                 outputs: Vec::new(),
                 inline: BTreeMap::new(),
-            },
+            }),
         );
         self.task_by_request.insert(request_id, id);
         Outcome::TaskSubmitted { task: id }
@@ -488,7 +488,7 @@ impl StateMachine {
         shard: u32,
         f: impl FnOnce(&mut Task, &mut Shard) -> Outcome,
     ) -> Outcome {
-        let Some(t) = self.tasks.get_mut(&task) else {
+        let Some(t) = self.task_mut(task) else {
             return Outcome::Rejected(format!("no task {task}"));
         };
         if t.status.is_terminal() {
@@ -533,7 +533,7 @@ impl StateMachine {
 
     /// Runs `f` on a task that awaits its merge.
     pub(super) fn with_merging(&mut self, task: TaskId, f: impl FnOnce(&mut Task)) -> Outcome {
-        match self.tasks.get_mut(&task) {
+        match self.task_mut(task) {
             None => Outcome::Rejected(format!("no task {task}")),
             Some(t) if t.status != TaskStatus::Merging => Outcome::Ignored(format!(
                 "task {task} is not awaiting a merge ({})",
@@ -547,7 +547,7 @@ impl StateMachine {
     }
 
     pub(super) fn refresh_status(&mut self, task: TaskId) {
-        if let Some(t) = self.tasks.get_mut(&task) {
+        if let Some(t) = self.task_mut(task) {
             if matches!(t.status, TaskStatus::Pending | TaskStatus::Running)
                 && t.shards.iter().all(|s| s.state == ShardState::Done)
             {

@@ -5,6 +5,7 @@
 //! state, and a replica restored from a snapshot equals one that replayed the log.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
 
 use gpumesh_protocol::{codec, BlobId, NodeCapability, TaskSpec};
 use serde::{Deserialize, Serialize};
@@ -29,7 +30,10 @@ pub struct StateMachine {
     applied_term: u64,
     settings: ClusterSettings,
     members: BTreeMap<u64, Member>,
-    tasks: BTreeMap<TaskId, Task>,
+    /// Each task behind its own `Arc`, so a copy of the record (a snapshot being
+    /// encoded off the replica's task) shares every task and a change copies only
+    /// the task it changes. Encoded as the task itself.
+    tasks: BTreeMap<TaskId, Arc<Task>>,
     task_by_request: BTreeMap<RequestId, TaskId>,
     requests: BTreeMap<RequestId, Committed>,
     /// Insertion order of `requests`, oldest first, to forget deterministically.
@@ -119,8 +123,11 @@ impl StateMachine {
 
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let mut state: StateMachine = codec::from_bytes(bytes)?;
-        let (active, finished): (Vec<&Task>, Vec<&Task>) =
-            state.tasks.values().partition(|t| !t.status.is_terminal());
+        let (active, finished): (Vec<&Task>, Vec<&Task>) = state
+            .tasks
+            .values()
+            .map(|t| &**t)
+            .partition(|t| !t.status.is_terminal());
         state.active = active.iter().map(|t| t.id).collect();
         state.finished = finished.iter().map(|t| t.id).collect();
         let active: Vec<TaskId> = state.active.iter().copied().collect();
@@ -161,17 +168,23 @@ impl StateMachine {
             .count()
     }
 
-    pub fn tasks(&self) -> &BTreeMap<TaskId, Task> {
-        &self.tasks
+    /// Every task in the record, by id.
+    pub fn tasks(&self) -> impl DoubleEndedIterator<Item = &Task> + ExactSizeIterator {
+        self.tasks.values().map(|t| &**t)
+    }
+
+    /// A task to change; copied first if a copy of the record shares it.
+    pub(super) fn task_mut(&mut self, id: TaskId) -> Option<&mut Task> {
+        self.tasks.get_mut(&id).map(Arc::make_mut)
     }
 
     pub fn task(&self, id: TaskId) -> Option<&Task> {
-        self.tasks.get(&id)
+        self.tasks.get(&id).map(|t| &**t)
     }
 
     /// Tasks still pending or running, oldest first.
     pub fn active_tasks(&self) -> impl Iterator<Item = &Task> {
-        self.active.iter().filter_map(|id| self.tasks.get(id))
+        self.active.iter().filter_map(|id| self.task(*id))
     }
 
     /// Attempts running or queued on each node: the one measure of a node's load,

@@ -90,7 +90,7 @@ impl StateMachine {
             return; // the scheduler places it once a member with an adapter joins
         }
         let mut load = self.queue_by_node();
-        let Some(t) = self.tasks.get_mut(&id) else {
+        let Some(t) = self.task_mut(id) else {
             return;
         };
         let need = largest_binding(&t.spec);

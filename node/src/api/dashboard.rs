@@ -82,15 +82,9 @@ type Summary = (Vec<MemberView>, HashMap<TaskState, usize>, Vec<TaskView>);
 
 fn summarize(s: &StateMachine, liveness: &LivenessView) -> Summary {
     let mut counts: HashMap<TaskState, usize> = HashMap::new();
-    for t in s.tasks().values() {
+    for t in s.tasks() {
         *counts.entry(t.status.state()).or_default() += 1;
     }
-    let tasks = s
-        .tasks()
-        .values()
-        .rev()
-        .take(OVERVIEW_TASKS)
-        .map(view)
-        .collect();
+    let tasks = s.tasks().rev().take(OVERVIEW_TASKS).map(view).collect();
     (members(s, liveness), counts, tasks)
 }

@@ -254,7 +254,7 @@ async fn submit_or_run_here(
 
 pub(crate) async fn list_tasks(State(api): State<Arc<ApiState>>) -> ApiResult<Json<Vec<TaskView>>> {
     let c = &api.consensus;
-    let tasks = c.read_local(|s| s.tasks().values().map(view).collect::<Vec<_>>());
+    let tasks = c.read_local(|s| s.tasks().map(view).collect::<Vec<_>>());
     Ok(Json(tasks))
 }
 

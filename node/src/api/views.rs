@@ -427,7 +427,7 @@ pub(crate) fn hex(id: u64) -> String {
 pub(crate) fn members(s: &StateMachine, liveness: &LivenessView) -> Vec<MemberView> {
     let queue = s.queue_by_node();
     let mut done: HashMap<u64, u64> = HashMap::new();
-    for t in s.tasks().values() {
+    for t in s.tasks() {
         for sh in &t.shards {
             if let Some(out) = &sh.output {
                 *done.entry(out.node).or_default() += 1;

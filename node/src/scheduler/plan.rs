@@ -435,7 +435,7 @@ mod tests {
                 submitter: "peer-1".into(),
             },
         );
-        let placed = s.tasks().values().last().unwrap();
+        let placed = s.tasks().last().unwrap();
         let mut per_node: BTreeMap<u64, usize> = BTreeMap::new();
         for sh in &placed.shards {
             assert_eq!(sh.attempts.len(), 1, "each shard placed once");
@@ -488,7 +488,7 @@ mod tests {
             ],
             4,
         );
-        let task = *s.tasks().keys().next().unwrap();
+        let task = s.tasks().next().unwrap().id;
         for shard in 0..4 {
             apply(
                 &mut s,
@@ -535,7 +535,7 @@ mod tests {
             ],
             1,
         );
-        let task = *s.tasks().keys().next().unwrap();
+        let task = s.tasks().next().unwrap().id;
         apply(
             &mut s,
             Command::AssignShard {
@@ -588,7 +588,7 @@ mod tests {
             },
         );
         // Placed as the submit is applied, by the same rule the scheduler uses.
-        let t = s.tasks().values().last().unwrap();
+        let t = s.tasks().last().unwrap();
         let nodes: BTreeSet<u64> = t.shards[0].attempts.iter().map(|a| a.node).collect();
         assert_eq!(nodes.len(), 2, "{:?}", t.shards[0]);
         assert!(
@@ -600,7 +600,7 @@ mod tests {
     #[test]
     fn a_shard_that_keeps_failing_fails_its_task_and_is_not_placed_again() {
         let mut s = state(&[Some(capability(10.0, 1 << 27))], 2);
-        let task = *s.tasks().keys().next().unwrap();
+        let task = s.tasks().next().unwrap().id;
         for _ in 0..gpumesh_consensus::state::MAX_SHARD_ATTEMPTS {
             for command in [
                 Command::AssignShard {
