@@ -216,10 +216,10 @@ fn breakdown(marks: &[Mark], ends: &[(TaskId, Instant, Instant)]) -> Vec<(String
     super::breakdown(marks, ends, &Stage::ALL.map(|s| (s, s.what())))
 }
 
-/// [`super::slowest`] of tasks over the task stages: those above the 99th percentile.
-fn slowest(marks: &[Mark], ends: &[(TaskId, Instant, Instant)]) -> Vec<super::Slow> {
+/// [`super::slowest`] of tasks over the task stages: the `count` slowest.
+fn slowest(marks: &[Mark], ends: &[(TaskId, Instant, Instant)], count: usize) -> Vec<super::Slow> {
     let stages = Stage::ALL.map(|s| (s, s.what()));
-    super::slowest(marks, ends, &stages, super::above_p99(ends.len()))
+    super::slowest(marks, ends, &stages, count)
 }
 
 /// Medians of a 300-byte write and `fdatasync` into a file under `root`: back to
@@ -253,7 +253,8 @@ fn disk_wake(root: &std::path::Path, idle: Duration) -> anyhow::Result<(Duration
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+    let at = (sorted.len().saturating_sub(1) as f64 * p).round() as usize;
+    sorted.get(at).copied().unwrap_or_default()
 }
 
 pub fn mesh(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
@@ -315,7 +316,7 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     lat.sort();
     let marks = timeline.take();
     let alone = breakdown(&marks, &ends);
-    let slow = slowest(&marks, &ends);
+    let slow = slowest(&marks, &ends, super::above_p99(ends.len()));
     // An election or a handover inside the timed tasks sets the tail: said, not hidden.
     let after = client.status().await?;
     let leader_changed = (after.leader, after.term) != (before.leader, before.term);
@@ -372,7 +373,14 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         done += 1;
     }
     let rate = done as f64 / started.elapsed().as_secs_f64();
-    let loaded = breakdown(&timeline.take(), &loaded_ends);
+    let marks = timeline.take();
+    let loaded = breakdown(&marks, &loaded_ends);
+    let loaded_slow = slowest(&marks, &loaded_ends, 3);
+    drop(marks);
+    // Each task's own time under that load: its tail shows a stall of the record
+    // (a snapshot, a compaction) that the rate averages away.
+    let mut under_load: Vec<Duration> = loaded_ends.iter().map(|(_, b, e)| *e - *b).collect();
+    under_load.sort();
 
     // (3) A ~100 ms kernel: directly on this machine's adapter, then through the mesh.
     let mut direct = Executor::new(BackendChoice::Auto)?;
@@ -494,6 +502,17 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
         rate
     );
     println!(
+        "{:<58} {:>14}",
+        "  each task submit→result then: p50 / p99 / p99.9 / max (ms)",
+        format!(
+            "{:.1} / {:.1} / {:.1} / {:.1}",
+            ms(percentile(&under_load, 0.5)),
+            ms(percentile(&under_load, 0.99)),
+            ms(percentile(&under_load, 0.999)),
+            ms(under_load.last().copied().unwrap_or_default())
+        )
+    );
+    println!(
         "{:<58} {:>11.1} ms",
         format!("spin kernel ({groups} workgroups) run directly"),
         ms(d)
@@ -558,6 +577,15 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
     for (what, d) in &loaded {
         println!("  {what:<56} {:>11.2} ms", ms(*d));
     }
+    super::print_slowest(
+        &format!(
+            "the slowest with {} in flight (3 of {}; ms)",
+            args.in_flight,
+            loaded_ends.len()
+        ),
+        &loaded,
+        &loaded_slow,
+    );
     println!(
         "\nthe spin kernel through the mesh (medians over its {} runs)",
         ratios.len()
@@ -588,6 +616,10 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
                 "p50_ms": ms(percentile(&lat, 0.5)),
                 "p99_ms": ms(percentile(&lat, 0.99)),
                 "tasks_per_s": rate,
+                "loaded_p50_ms": ms(percentile(&under_load, 0.5)),
+                "loaded_p99_ms": ms(percentile(&under_load, 0.99)),
+                "loaded_p999_ms": ms(percentile(&under_load, 0.999)),
+                "loaded_max_ms": ms(under_load.last().copied().unwrap_or_default()),
                 "result_kib": args.result_kib,
                 "mesh_vs_direct": ratio,
                 "blob_vs_tcp": transfer.pull_ratio(),
@@ -601,6 +633,7 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
                 "submitter_led": submitter_leads,
                 "leader_changed_while_timed": leader_changed,
                 "slowest": super::slowest_json(&slow),
+                "loaded_slowest": super::slowest_json(&loaded_slow),
                 "warm_up_tasks": warm,
             })
         );
