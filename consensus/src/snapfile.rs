@@ -15,7 +15,7 @@
 //! match is refused, as damage.
 
 use std::fs::File;
-use std::io::Write as _;
+use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
 
 use protobuf::Message as _;
@@ -46,9 +46,10 @@ pub fn write(store: &Path, generation: u64, cluster: ClusterId, snapshot: &Snaps
     tmp.push(".new");
     let tmp = PathBuf::from(tmp);
     {
-        let mut file = File::create(&tmp).map_err(io_err)?;
-        file.write_all(&header(generation, cluster, &payload))
-            .and_then(|()| file.write_all(&payload))
+        let file = File::create(&tmp).map_err(io_err)?;
+        let head = header(generation, cluster, &payload);
+        file.write_all_at(&head, 0)
+            .and_then(|()| crate::zeros::write_paced(&file, head.len() as u64, &payload))
             .and_then(|()| file.sync_all())
             .map_err(io_err)?;
     }

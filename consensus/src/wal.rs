@@ -126,7 +126,7 @@ impl Wal {
         let tmp = PathBuf::from(tmp);
         {
             let file = File::create(&tmp).map_err(io_err)?;
-            file.write_all_at(&bytes, 0).map_err(io_err)?;
+            crate::zeros::write_paced(&file, 0, &bytes).map_err(io_err)?;
             file.sync_all().map_err(io_err)?;
         }
         std::fs::rename(&tmp, &path).map_err(io_err)?;

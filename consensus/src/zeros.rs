@@ -131,6 +131,19 @@ fn zero(file: &File, from: u64, len: u64) -> io::Result<u64> {
     Ok(from + len)
 }
 
+/// Writes `bytes` at `at` a piece at a time, each written to disk before the next
+/// (no sync: the caller's follows), so a file of megabytes written beside the Raft
+/// log (a snapshot, the log's next generation) never queues more than a piece ahead
+/// of the log's own appends on the disk.
+pub fn write_paced(file: &File, at: u64, bytes: &[u8]) -> io::Result<()> {
+    for (i, piece) in bytes.chunks(PIECE as usize).enumerate() {
+        let from = at + i as u64 * PIECE;
+        file.write_all_at(piece, from)?;
+        write_out(file, from, piece.len() as u64)?;
+    }
+    Ok(())
+}
+
 /// Writes bytes `at..at + len` of `file` to the disk and waits for them (Linux's
 /// `sync_file_range`; no journal commit, no cache flush: the `fdatasync` after
 /// does those). Elsewhere a no-op.
