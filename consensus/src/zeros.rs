@@ -14,6 +14,9 @@
 //! of them. A record that finds no room (one larger than what is left, or written
 //! faster than the zeros) waits for the stretch in flight, whose zeros must not land
 //! on it, and then has its zeros written with it, as before.
+//!
+//! The same pacing serves the files of megabytes written beside the log (a
+//! snapshot's, the log's next generation): [`write_paced`].
 
 use std::fs::File;
 use std::io;
