@@ -152,17 +152,18 @@ impl SnapshotWrite {
     }
 }
 
-/// Runs `write` off the caller's thread: on the runtime's blocking pool inside one
-/// (where a test's paused clock waits for it), else on a thread of its own.
-fn spawn_writer(write: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
+/// Runs `work` (writing a snapshot's files, freeing what a compaction dropped) off
+/// the replica's task: on the runtime's blocking pool inside one (where a test's
+/// paused clock waits for it), else on a thread of its own.
+fn off_task(work: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
-            drop(runtime.spawn_blocking(write));
+            drop(runtime.spawn_blocking(work));
             Ok(())
         }
         Err(_) => std::thread::Builder::new()
-            .name("gpumesh-snapshot".into())
-            .spawn(write)
+            .name("gpumesh-storage".into())
+            .spawn(work)
             .map(drop),
     }
 }
@@ -732,7 +733,7 @@ impl RedbStorage {
         let old = std::mem::replace(&mut self.wal, wal);
         // Closing the old file frees its blocks (8-10 ms for a log of ~45k entries
         // here), and its zeros may still be in flight: neither on this thread.
-        let _ = spawn_writer(move || drop(old));
+        let _ = off_task(move || drop(old));
         Ok(())
     }
 
@@ -804,7 +805,7 @@ impl RedbStorage {
         let (generation, cluster) = (self.wal.generation() + 1, self.cluster);
         let (done, wait) = tokio::sync::oneshot::channel();
         let (tx, written) = std::sync::mpsc::sync_channel(1);
-        spawn_writer(move || {
+        off_task(move || {
             let made = snapshot().and_then(|snap| {
                 crate::snapfile::write(&store, generation, cluster, &snap)?;
                 let wal = Wal::create(Some(&store), generation, cluster, &hard_state, &kept)?;
@@ -871,7 +872,7 @@ impl RedbStorage {
         let gone = std::mem::replace(&mut self.entries, kept);
         let old = std::mem::replace(&mut self.snapshot, snapshot);
         if gone.len() > 1024 {
-            let _ = spawn_writer(move || drop((gone, old)));
+            let _ = off_task(move || drop((gone, old)));
         }
         self.truncated = truncated;
         self.hard_state = hard_state;
