@@ -594,24 +594,9 @@ fn random_command(rng: &mut SplitMix64, tasks: &[TaskId]) -> Command {
         _ => Command::NodeCapabilities {
             raft_id: rng.range(1, 3),
             capability: gpumesh_protocol::NodeCapability {
-                adapter_name: "llvmpipe".into(),
-                vendor: 0,
-                backend: gpumesh_protocol::BackendKind::Vulkan,
-                device_kind: gpumesh_protocol::DeviceKind::Cpu,
-                driver: "mesa".into(),
-                limits: gpumesh_protocol::AdapterLimits {
-                    max_buffer_size: 1 << 28,
-                    max_storage_buffer_binding_size: 1 << 27,
-                    max_uniform_buffer_binding_size: 1 << 16,
-                    max_storage_buffers_per_shader_stage: 8,
-                    max_compute_workgroups_per_dimension: 65535,
-                    max_compute_invocations_per_workgroup: 256,
-                    max_compute_workgroup_size: [256, 256, 64],
-                    max_compute_workgroup_storage_size: 16384,
-                },
                 gflops: rng.next_f64() * 100.0,
                 gbps: rng.next_f64() * 10.0,
-                memory: 512 << 20,
+                ..common::capability()
             },
         },
     }
@@ -891,4 +876,55 @@ fn the_record_forgets_the_oldest_finished_tasks_beyond_its_bound_and_never_a_liv
     restored.apply(log.index, 1, &entry);
     assert_eq!(restored, log.sm);
     assert!(log.sm.task(finished[3].1).is_none());
+}
+
+#[test]
+fn a_task_with_inputs_leans_to_the_node_it_was_submitted_through_but_not_against_an_idler_one() {
+    let mut log = Log::new();
+    // Three like adapters whose measured speeds differ a little, as measurements do.
+    for (node, gflops) in [(1, 10.2), (2, 10.0), (3, 9.9)] {
+        let mut capability = common::capability();
+        capability.gflops = gflops;
+        log.apply(Command::NodeCapabilities {
+            raft_id: node,
+            capability,
+        });
+    }
+    let with_input = || {
+        let mut one = spec(4);
+        one.shards = 1;
+        one.bindings.push(gpumesh_protocol::BindingSpec {
+            binding: 1,
+            role: gpumesh_protocol::BindingRole::Input {
+                blob: BlobId::of(b"uploaded through node 3"),
+                size: 23,
+            },
+        });
+        one
+    };
+    let mut seq = 100;
+    let mut submit_through = |log: &mut Log, spec: gpumesh_protocol::TaskSpec| {
+        seq += 1;
+        let command = Command::SubmitTask {
+            spec,
+            submitter: "p3".into(),
+        };
+        let Outcome::TaskSubmitted { task } = log.apply_from(3, RequestId::new(3, seq), command)
+        else {
+            panic!("not submitted")
+        };
+        let attempts = &log.sm.task(task).unwrap().shards[0].attempts;
+        assert_eq!(attempts.len(), 1);
+        attempts[0].node
+    };
+    // Idle: the inputs' node, though another measured faster.
+    assert_eq!(submit_through(&mut log, with_input()), 3);
+    // Without inputs the fastest idle node, wherever it was submitted.
+    let mut plain = spec(4);
+    plain.shards = 1;
+    assert_eq!(submit_through(&mut log, plain), 1);
+    // Nodes 1 and 3 busy with one each: node 2, idle, is clearly less busy.
+    assert_eq!(submit_through(&mut log, with_input()), 2);
+    // One each everywhere: a near tie, which the inputs' node wins.
+    assert_eq!(submit_through(&mut log, with_input()), 3);
 }

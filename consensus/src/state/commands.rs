@@ -6,9 +6,7 @@ use super::*;
 impl StateMachine {
     pub(super) fn run(&mut self, index: u64, entry: &LogEntry) -> Outcome {
         match &entry.command {
-            Command::SubmitTask { spec, submitter } => {
-                self.submit(index, entry.request_id, spec, submitter)
-            }
+            Command::SubmitTask { spec, submitter } => self.submit(index, entry, spec, submitter),
             Command::TaskRan {
                 spec,
                 submitter,
@@ -250,13 +248,13 @@ impl StateMachine {
     pub(super) fn submit(
         &mut self,
         index: u64,
-        request_id: RequestId,
+        entry: &LogEntry,
         spec: &TaskSpec,
         submitter: &str,
     ) -> Outcome {
-        let outcome = self.create_task(index, request_id, spec, submitter);
+        let outcome = self.create_task(index, entry.request_id, spec, submitter);
         if let Outcome::TaskSubmitted { task } = outcome {
-            self.place_new_task(index, task);
+            self.place_new_task(index, task, entry.origin);
         }
         outcome
     }

@@ -54,6 +54,30 @@ pub fn spec(n: u32) -> TaskSpec {
     }
 }
 
+/// A lavapipe-like adapter's capability (10 GFLOP/s).
+pub fn capability() -> gpumesh_protocol::NodeCapability {
+    gpumesh_protocol::NodeCapability {
+        adapter_name: "llvmpipe".into(),
+        vendor: 0,
+        backend: gpumesh_protocol::BackendKind::Vulkan,
+        device_kind: gpumesh_protocol::DeviceKind::Cpu,
+        driver: "mesa".into(),
+        limits: gpumesh_protocol::AdapterLimits {
+            max_buffer_size: 1 << 28,
+            max_storage_buffer_binding_size: 1 << 27,
+            max_uniform_buffer_binding_size: 1 << 16,
+            max_storage_buffers_per_shader_stage: 8,
+            max_compute_workgroups_per_dimension: 65535,
+            max_compute_invocations_per_workgroup: 256,
+            max_compute_workgroup_size: [256, 256, 64],
+            max_compute_workgroup_storage_size: 16384,
+        },
+        gflops: 10.0,
+        gbps: 5.0,
+        memory: 512 << 20,
+    }
+}
+
 pub fn submit(n: u32) -> Command {
     Command::SubmitTask {
         spec: spec(n),
@@ -271,9 +295,14 @@ impl Log {
     }
 
     pub fn apply_as(&mut self, request_id: RequestId, command: Command) -> Outcome {
+        self.apply_from(1, request_id, command)
+    }
+
+    /// Applies `command` as proposed through node `origin`.
+    pub fn apply_from(&mut self, origin: u64, request_id: RequestId, command: Command) -> Outcome {
         self.index += 1;
         let entry = LogEntry {
-            origin: 1,
+            origin,
             request_id,
             command,
         };

@@ -102,7 +102,7 @@ pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
             let load = load.get_or_insert_with(|| s.queue_by_node());
             let (mut holders, mut kinds) = taken(s, sh);
             let mut choose = |holders: &BTreeSet<u64>, kinds: &[(String, String)]| {
-                pick(&workers, load, need, holders, kinds)
+                pick(&workers, load, need, holders, kinds, None)
             };
             for (epoch, why) in lost {
                 if let Some((node, kind)) = choose(&holders, &kinds) {
