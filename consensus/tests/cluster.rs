@@ -173,10 +173,18 @@ async fn lagging_follower_catches_up_through_a_snapshot() {
     let mut events = c.node(lagger).subscribe();
     c.net.isolate(lagger, &c.ids());
     let last = submit_60(&c, leader).await;
-    let st = c.status(leader).await;
+    // The snapshot's files are written off the replica's task: the log is
+    // compacted once they are.
+    let lagging = c.status(lagger).await.last_index;
+    let compacted = eventually(10 * SEC, || async {
+        let st = c.status(leader).await;
+        (st.first_index > lagging).then_some(())
+    })
+    .await;
     assert!(
-        st.first_index > c.status(lagger).await.last_index,
-        "log was compacted: {st:?}"
+        compacted.is_some(),
+        "log was compacted: {:?}",
+        c.status(leader).await
     );
     c.net.heal();
     let all = c.ids();
@@ -211,6 +219,12 @@ async fn the_log_is_compacted_once_it_holds_snapshot_bytes() {
         let last = submit_60(&c, leader).await;
         let all = c.ids();
         c.wait_applied(&all, last, 10 * SEC).await;
+        // A snapshot's files are written off the replica's task: give one begun
+        // by the last entries the time to be named.
+        let _ = eventually(SEC, || async {
+            (c.status(leader).await.first_index > 10).then_some(())
+        })
+        .await;
         let first = c.status(leader).await.first_index;
         c.shutdown().await;
         (first, last)
@@ -860,6 +874,11 @@ async fn a_carried_result_is_stored_on_apply_and_synced_before_the_log_drops_it(
     let last = submit_60(&c, leader).await;
     c.wait_applied(&all, last, 10 * SEC).await;
     for id in &all {
+        // Compacted once the snapshot's files, written off its task, are named.
+        let _ = eventually(10 * SEC, || async {
+            (c.status(*id).await.first_index > result.index).then_some(())
+        })
+        .await;
         let first = c.status(*id).await.first_index;
         assert!(first > result.index, "replica {id} compacted to {first}");
         let s = &stores[*id as usize - 1];
