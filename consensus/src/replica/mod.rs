@@ -5,9 +5,12 @@
 //! One loop: tick on a timer, step messages from peers, collect proposals, then
 //! handle every Ready in the order raft-rs documents — send the leader's messages
 //! at once (a leader may replicate before its own fsync, Raft thesis §10.2.1),
-//! persist snapshot + entries + hard state in one durable redb transaction, apply
-//! committed entries, and only then send the messages that depend on the persisted
-//! state (votes, append responses). Then `advance`, and the same for the LightReady.
+//! persist a received snapshot, entries and hard state (one append and `fdatasync`
+//! of the log file, [`RedbStorage::persist`]), apply committed entries, and only
+//! then send the messages that depend on the persisted state (votes, append
+//! responses). Then `advance`, and the same for the LightReady. A snapshot of its
+//! own the replica encodes and writes off its task, and compacts the log when the
+//! files are written ([`RedbStorage::begin_compaction`]).
 //!
 //! Proposals are idempotent by request id. A proposal made on a follower is
 //! forwarded to the leader; the proposer learns the outcome when its own replica

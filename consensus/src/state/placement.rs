@@ -63,7 +63,7 @@ const NEAR_INPUTS: f64 = 0.95;
 
 /// The best candidate for one more attempt at a shard that `holders` already hold
 /// (on hardware `kinds`), counting it in `load`; `near`, a node that holds the
-/// task's inputs, is preferred by [`NEAR_INPUTS`].
+/// task's inputs, is preferred by a twentieth (`NEAR_INPUTS`).
 pub fn pick(
     candidates: &[Candidate],
     load: &mut BTreeMap<u64, u32>,
