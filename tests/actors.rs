@@ -560,7 +560,7 @@ async fn calls_to_many_actors_at_once_keep_each_actors_own_order() {
         loop {
             let placed = nodes.iter().all(|n| {
                 n.consensus
-                    .read_local(|s| s.actors().values().filter(|a| a.host.is_some()).count())
+                    .read_local(|s| s.actors().filter(|a| a.host.is_some()).count())
                     == names.len()
             });
             let mut connected = true;
@@ -909,7 +909,7 @@ async fn many_actors_created_at_once_are_placed_once_each_and_a_retried_create_i
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         while nodes[0]
             .consensus
-            .read_local(|s| s.actors().values().filter(|a| a.host.is_some()).count())
+            .read_local(|s| s.actors().filter(|a| a.host.is_some()).count())
             < ACTORS
         {
             assert!(tokio::time::Instant::now() < deadline, "not all placed");

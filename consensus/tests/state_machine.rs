@@ -628,7 +628,7 @@ fn a_state_restored_from_a_snapshot_equals_one_that_replayed_the_log() {
                 // its task while it applies on): the record's changes since must not
                 // reach it through the tasks it shares.
                 let bytes = log.sm.to_bytes().expect("snapshot");
-                snapshots.push((log.index, bytes, log.sm.clone()));
+                snapshots.push((log.index, bytes, log.sm.for_encoding()));
             }
             // The index of live tasks the scheduler uses agrees with a full scan.
             let live: Vec<TaskId> = log.sm.active_tasks().map(|t| t.id).collect();

@@ -307,11 +307,10 @@ impl Metrics {
         });
         let me = consensus.id();
         let (actors, hosted, moves) = consensus.read_local(|s| {
-            let a = s.actors().values();
             (
-                a.len() as u64,
-                s.actors().values().filter(|a| a.host == Some(me)).count() as u64,
-                s.actors().values().map(|a| u64::from(a.moves)).sum::<u64>(),
+                s.actors().len() as u64,
+                s.actors().filter(|a| a.host == Some(me)).count() as u64,
+                s.actors().map(|a| u64::from(a.moves)).sum::<u64>(),
             )
         });
         self.actors.set(saturating_i64(actors));

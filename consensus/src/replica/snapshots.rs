@@ -67,13 +67,13 @@ impl Actor {
     }
 
     /// Starts storing the state applied up to `applied` as a snapshot: a copy of
-    /// the record (0.4-1.5 ms: it shares every task) is encoded, and the files
-    /// written, off this task; [`Self::snapshot_stored`] compacts the log behind it
+    /// the record (a few ms: it shares every task and actor) is encoded, and the
+    /// files written, off this task; [`Self::snapshot_stored`] compacts the log behind it
     /// once they are.
     fn take_snapshot(&mut self, applied: u64) -> Result<()> {
         let began = std::time::Instant::now();
         self.keep_carried_upto(applied)?;
-        let state = self.state.get().clone();
+        let state = self.state.get().for_encoding();
         let mut meta = SnapshotMetadata {
             index: applied,
             term: state.applied_term(),

@@ -221,12 +221,18 @@ impl Actor {
 }
 
 impl StateMachine {
-    pub fn actors(&self) -> &BTreeMap<String, Actor> {
-        &self.actors
+    /// Every actor in the record, by name.
+    pub fn actors(&self) -> impl DoubleEndedIterator<Item = &Actor> + ExactSizeIterator {
+        self.actors.values().map(|a| &**a)
     }
 
     pub fn actor(&self, name: &str) -> Option<&Actor> {
-        self.actors.get(name)
+        self.actors.get(name).map(|a| &**a)
+    }
+
+    /// An actor to change; copied first if a copy of the record shares it.
+    fn actor_mut(&mut self, name: &str) -> Option<&mut Actor> {
+        self.actors.get_mut(name).map(Arc::make_mut)
     }
 
     /// The actors `node` hosts (`None`: those not placed yet).
@@ -235,7 +241,7 @@ impl StateMachine {
             .get(&node)
             .into_iter()
             .flatten()
-            .filter_map(|name| self.actors.get(name))
+            .filter_map(|name| self.actor(name))
     }
 
     /// Each host named by an actor (`None` for actors not placed yet) and how many
@@ -248,7 +254,7 @@ impl StateMachine {
 
     /// The actors with calls waiting in the record's queue.
     pub fn actors_with_queued_calls(&self) -> impl Iterator<Item = &Actor> {
-        self.queued.iter().filter_map(|name| self.actors.get(name))
+        self.queued.iter().filter_map(|name| self.actor(name))
     }
 
     /// Brings the derived indexes up to date for actor `name`, which had host
@@ -308,7 +314,7 @@ impl StateMachine {
         }
         self.actors.insert(
             name.to_string(),
-            Actor {
+            Arc::new(Actor {
                 name: name.to_string(),
                 created: index,
                 creator: creator.to_string(),
@@ -323,7 +329,7 @@ impl StateMachine {
                 next_seq: 1,
                 pending: BTreeMap::new(),
                 results: BTreeMap::new(),
-            },
+            }),
         );
         Outcome::Applied
     }
@@ -332,7 +338,7 @@ impl StateMachine {
         if !self.members.contains_key(&node) {
             return Outcome::Rejected(format!("node {node:x} is not a member"));
         }
-        let Some(a) = self.actors.get_mut(name) else {
+        let Some(a) = self.actor_mut(name) else {
             return Outcome::Rejected(format!("no actor named {name}"));
         };
         if epoch != a.epoch {
@@ -356,7 +362,7 @@ impl StateMachine {
         call: &ActorCall,
         caller: &str,
     ) -> Outcome {
-        let Some(a) = self.actors.get_mut(name) else {
+        let Some(a) = self.actor_mut(name) else {
             return Outcome::Rejected(format!("no actor named {name}"));
         };
         if let Err(e) = call.check_shape(&a.layout()) {
@@ -394,7 +400,7 @@ impl StateMachine {
         backup: u64,
         outputs: &[MergedOutput],
     ) -> Outcome {
-        let Some(a) = self.actors.get_mut(name) else {
+        let Some(a) = self.actor_mut(name) else {
             return Outcome::Ignored(format!("no actor named {name} (deleted?)"));
         };
         if let Some(why) = a.stale(seq, epoch, node) {
@@ -438,7 +444,7 @@ impl StateMachine {
         node: u64,
         reason: &str,
     ) -> Outcome {
-        let Some(a) = self.actors.get_mut(name) else {
+        let Some(a) = self.actor_mut(name) else {
             return Outcome::Ignored(format!("no actor named {name} (deleted?)"));
         };
         if let Some(why) = a.stale(seq, epoch, node) {
@@ -464,7 +470,7 @@ impl StateMachine {
         ran: &[CallRan],
         after: After,
     ) -> Outcome {
-        let Some(a) = self.actors.get_mut(name) else {
+        let Some(a) = self.actor_mut(name) else {
             return Outcome::Ignored(format!("no actor named {name} (deleted?)"));
         };
         if let Some(why) = a.stale(first, epoch, node) {
@@ -521,7 +527,7 @@ impl StateMachine {
                 "actor {name}: request {id} was recorded already; the batch would run it twice"
             ));
         }
-        let Some(a) = self.actors.get_mut(name) else {
+        let Some(a) = self.actor_mut(name) else {
             return Outcome::Ignored(format!("no actor named {name} (deleted?)"));
         };
         if epoch != a.epoch || a.host != Some(node) {

@@ -53,8 +53,8 @@ pub struct StateMachine {
     /// Active tasks by submitter, derived like `active`.
     #[serde(skip)]
     active_by_submitter: BTreeMap<String, usize>,
-    /// GPU actors by name.
-    actors: BTreeMap<String, Actor>,
+    /// GPU actors by name, each behind its own `Arc` as the tasks are.
+    actors: BTreeMap<String, Arc<Actor>>,
     /// Actor names by host (`None`: not placed yet), derived from `actors` like
     /// `active`: a host's pass and the leader's placement cost the actors they
     /// concern, not every actor in the record.
@@ -119,6 +119,33 @@ impl StateMachine {
 
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         Ok(codec::to_bytes(self)?)
+    }
+
+    /// A copy of what [`Self::to_bytes`] encodes, for encoding elsewhere (a
+    /// snapshot, off the replica's task) while this one goes on: it shares every
+    /// task and actor, and leaves out the indexes derived from them (rebuilt on
+    /// restore), so with 10,000 tasks and 20,000 actors it costs a few
+    /// milliseconds where a whole clone cost 8-18. Only for encoding: it is not a
+    /// state to apply entries to.
+    pub fn for_encoding(&self) -> Self {
+        Self {
+            applied_index: self.applied_index,
+            applied_term: self.applied_term,
+            settings: self.settings.clone(),
+            members: self.members.clone(),
+            tasks: self.tasks.clone(),
+            task_by_request: self.task_by_request.clone(),
+            requests: self.requests.clone(),
+            request_order: self.request_order.clone(),
+            actors: self.actors.clone(),
+            down: self.down.clone(),
+            active: BTreeSet::new(),
+            finished: BTreeSet::new(),
+            queue: BTreeMap::new(),
+            active_by_submitter: BTreeMap::new(),
+            by_host: BTreeMap::new(),
+            queued: BTreeSet::new(),
+        }
     }
 
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
@@ -392,7 +419,7 @@ impl StateMachine {
         let actor = entry
             .command
             .actor()
-            .map(|name| (name, self.actors.get(name).map(|a| a.host)));
+            .map(|name| (name, self.actor(name).map(|a| a.host)));
         // A task's counts come out before the entry and go back after it.
         let counted = entry.command.task().filter(|t| self.active.contains(t));
         if let Some(task) = counted {

@@ -170,7 +170,7 @@ pub(crate) async fn create(
 pub(crate) async fn list(State(api): State<Arc<ApiState>>) -> ApiResult<Json<Vec<ActorView>>> {
     let names = peer_names(&api);
     read_current(&api.consensus, move |s| {
-        s.actors().values().map(|a| actor_view(a, &names)).collect()
+        s.actors().map(|a| actor_view(a, &names)).collect()
     })
     .await
     .map(Json)
@@ -180,7 +180,7 @@ pub(crate) async fn list(State(api): State<Arc<ApiState>>) -> ApiResult<Json<Vec
 pub(crate) fn all(api: &ApiState) -> Vec<ActorView> {
     let names = peer_names(api);
     api.consensus
-        .read_local(move |s| s.actors().values().map(|a| actor_view(a, &names)).collect())
+        .read_local(move |s| s.actors().map(|a| actor_view(a, &names)).collect())
 }
 
 pub(crate) async fn one(

@@ -151,13 +151,13 @@ fn place_actors(
     let mut load = load.unwrap_or_else(|| s.queue_by_node());
     let bytes = |a: &gpumesh_consensus::Actor| a.state.iter().map(|st| st.buffer.size).sum::<u64>();
     let mut used: BTreeMap<u64, u64> = BTreeMap::new();
-    for a in s.actors().values() {
+    for a in s.actors() {
         if let Some(host) = a.host {
             *load.entry(host).or_default() += 1;
             *used.entry(host).or_default() += bytes(a);
         }
     }
-    for a in s.actors().values() {
+    for a in s.actors() {
         let why = match a.host {
             None => "placed",
             Some(h) if s.member(h).is_none() => "the host left the mesh",
