@@ -14,8 +14,6 @@
 //! then the snapshot's protobuf bytes. A file whose header or checksum does not
 //! match is refused, as damage.
 
-use std::fs::File;
-use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
 
 use protobuf::Message as _;
@@ -23,7 +21,7 @@ use raft::eraftpb::Snapshot;
 
 use crate::cluster::ClusterId;
 use crate::error::{ConsensusError, Result};
-use crate::wal::{storage_err, sync_dir};
+use crate::wal::storage_err;
 
 const MAGIC: &[u8; 16] = b"gpumesh-raftsnp1";
 /// Magic, generation, cluster, length, crc32 (and four bytes of padding).
@@ -42,19 +40,8 @@ pub fn write(store: &Path, generation: u64, cluster: ClusterId, snapshot: &Snaps
     let text = path.display().to_string();
     let io_err = |e: std::io::Error| storage_err(&text, e);
     let payload = snapshot.write_to_bytes()?;
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".new");
-    let tmp = PathBuf::from(tmp);
-    {
-        let file = File::create(&tmp).map_err(io_err)?;
-        let head = header(generation, cluster, &payload);
-        file.write_all_at(&head, 0)
-            .and_then(|()| crate::zeros::write_paced(&file, head.len() as u64, &payload))
-            .and_then(|()| file.sync_all())
-            .map_err(io_err)?;
-    }
-    std::fs::rename(&tmp, &path).map_err(io_err)?;
-    sync_dir(&path).map_err(io_err)
+    let head = header(generation, cluster, &payload);
+    crate::wal::write_whole(&path, &[&head, &payload]).map_err(io_err)
 }
 
 /// Reads generation `generation`'s snapshot back, checking it is whole and this

@@ -121,16 +121,7 @@ impl Wal {
         let io_err = |e: io::Error| storage_err(&text, e);
         let zeroed = end.div_ceil(ZERO_AHEAD).max(1) * ZERO_AHEAD;
         bytes.resize(zeroed as usize, 0);
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(".new");
-        let tmp = PathBuf::from(tmp);
-        {
-            let file = File::create(&tmp).map_err(io_err)?;
-            crate::zeros::write_paced(&file, 0, &bytes).map_err(io_err)?;
-            file.sync_all().map_err(io_err)?;
-        }
-        std::fs::rename(&tmp, &path).map_err(io_err)?;
-        sync_dir(&path).map_err(io_err)?;
+        write_whole(&path, &[&bytes]).map_err(io_err)?;
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -261,6 +252,27 @@ impl Wal {
     pub fn remove_others(&self, store: &Path) {
         remove_generations(store, ".log-", &file_of(store, self.generation), "Raft log");
     }
+}
+
+/// Writes `parts`, one after another, as the whole of a new file at `path`: into
+/// `<path>.new` a piece at a time ([`crate::zeros::write_paced`]), synced, then
+/// renamed over `path` and the directory synced, so whatever instant a crash hits,
+/// `path` is absent, the old file, or the whole new one.
+pub(crate) fn write_whole(path: &Path, parts: &[&[u8]]) -> io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".new");
+    let tmp = PathBuf::from(tmp);
+    {
+        let file = File::create(&tmp)?;
+        let mut at = 0;
+        for part in parts {
+            crate::zeros::write_paced(&file, at, part)?;
+            at += part.len() as u64;
+        }
+        file.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    sync_dir(path)
 }
 
 /// Removes the files beside the store at `store` whose names are the store's and
