@@ -235,6 +235,67 @@ async fn replicas_on_vulkan_and_gl_outvote_a_faulty_node() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_loop_past_the_nodes_bound_is_stopped_and_its_task_refused_long_before_its_deadline() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        // Under Mesa's own cap (65,535), so the node's bound is what stops loops here.
+        let nodes = mesh_with(dir.path(), 1, |_, config| {
+            config.limits.max_loop_turns = 30_000;
+        })
+        .await;
+        let c = client(&nodes[0]);
+        let groups = 4_000u32;
+        let runaway = TaskSpec {
+            shader: ShaderSource::Wgsl(RUNAWAY.into()),
+            entry_point: "main".into(),
+            bindings: vec![
+                BindingSpec {
+                    binding: 0,
+                    role: BindingRole::Output {
+                        size: u64::from(groups) * 256,
+                    },
+                },
+                BindingSpec {
+                    binding: 1,
+                    role: BindingRole::Param {
+                        data: vec![0u8; 16],
+                    },
+                },
+            ],
+            grid: Grid([groups, 1, 1]),
+            shards: 1,
+            merge: MergeRule::Changes,
+            merges: Default::default(),
+            // A deadline it never comes near: the bound ends it first.
+            options: gpumesh::protocol::TaskOptions {
+                deadline_ms: Some(600_000),
+                ..Default::default()
+            },
+        };
+        // The never-ending kernel, and one that would end but only past the bound
+        // (60,000 steps): each refused, naming the flag, and not retried.
+        for spec in [runaway, lcg_spec(64, 1)] {
+            let task = c.submit(spec, None).await.unwrap();
+            let err = c.wait(task, |_, _| {}).await.unwrap_err().to_string();
+            assert!(err.contains("--max-loop-turns"), "{err}");
+            let view = c.task(task).await.unwrap();
+            assert_eq!(view.shards[0].failures, 0, "not retried: {view:#?}");
+        }
+        // Under the bound, the same loop answers as the CPU does, on the same node.
+        let mut spec = lcg_spec(64, 1);
+        spec.shader = ShaderSource::Wgsl(LCG.replace("60000u", "20000u"));
+        let (_, out) = c.run(spec).await.unwrap();
+        assert_eq!(out[&0], lcg_after(20_000, 64 * 64));
+        stop(nodes).await;
+    })
+    .await
+    .expect("test exceeded its time limit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_shader_that_never_ends_fails_its_task_and_the_node_keeps_serving() {
     if !have_any() {
         return;

@@ -30,6 +30,10 @@ pub struct Limits {
     /// by later tasks (`--gpu-memory`). The node reports it; the leader places actors
     /// where their state fits in what is left of it.
     pub gpu_memory: u64,
+    /// Loop turns one invocation of a kernel may run in all before its loops are
+    /// stopped and the run refused, on a GPU that does not stop them sooner itself
+    /// (`--max-loop-turns`): a loop that never ends then ends, and the GPU is freed.
+    pub max_loop_turns: u32,
 }
 
 impl Default for Limits {
@@ -41,6 +45,7 @@ impl Default for Limits {
             max_queued_per_submitter: 1024,
             max_request_bytes: 8 << 20,
             gpu_memory: 512 << 20,
+            max_loop_turns: gpumesh_shaders::DEFAULT_LOOP_BOUND,
         }
     }
 }
@@ -58,6 +63,7 @@ impl Limits {
             ),
             ("--max-request-bytes", self.max_request_bytes == 0),
             ("--gpu-memory", self.gpu_memory == 0),
+            ("--max-loop-turns", self.max_loop_turns == 0),
         ];
         match zero.iter().find(|(_, is_zero)| *is_zero) {
             Some((flag, _)) => Err(NodeError::Config(format!(

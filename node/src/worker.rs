@@ -70,7 +70,7 @@ impl GpuHandle {
     pub fn start(
         choice: BackendChoice,
         calibrate_speed: bool,
-        memory: u64,
+        limits: ExecutorLimits,
         metrics: GpuMetrics,
     ) -> Option<(GpuHandle, NodeCapability, std::thread::JoinHandle<()>)> {
         let (tx, mut rx) = mpsc::channel::<GpuRequest>(16);
@@ -80,10 +80,6 @@ impl GpuHandle {
         let spawned = std::thread::Builder::new()
             .name("gpumesh-gpu".into())
             .spawn(move || {
-                let limits = ExecutorLimits {
-                    resident_input_bytes: memory,
-                    ..ExecutorLimits::default()
-                };
                 let mut executor = match Executor::with_limits(choice, limits) {
                     Ok(e) => e,
                     Err(e) => {
@@ -693,6 +689,9 @@ impl ShardRunner {
                 ExecError::Deadline { .. } => ShardError::Fatal(format!(
                     "{e} (does the shader ever finish? the GPU was recovered)"
                 )),
+                // Every node stops its loops at a bound (the same one unless set
+                // otherwise): another try would run up to it again.
+                ExecError::LoopBound { .. } => ShardError::Fatal(e.to_string()),
                 other => ShardError::Retry(other.to_string()),
             })?;
         mark(Stage::GpuDone);

@@ -48,6 +48,13 @@ pub enum ExecError {
          on another adapter, or spread the loop's work over more invocations"
     )]
     LoopCap { cap: u32, adapter: String },
+    #[error(
+        "an invocation's loops turned {bound} times in all, the most this node lets one \
+         invocation run (its --max-loop-turns): every loop was stopped there and the result \
+         was not kept; does a loop ever end? if it should run longer, spread its work over \
+         more invocations or raise the nodes' bound"
+    )]
+    LoopBound { bound: u32 },
     #[error("task exceeded its deadline of {deadline:?}; the device was rebuilt")]
     Deadline { deadline: Duration },
     #[error("GPU device lost ({0}); it was rebuilt, retry the task")]

@@ -151,7 +151,7 @@ impl Kernel {
             ))
         })?;
         let counted = if crate::turns::has_loops(&module) {
-            let counted = crate::turns::count(&instrumented, SHARD_INFO_GROUP);
+            let counted = crate::turns::count(&instrumented, SHARD_INFO_GROUP, None);
             validate(&counted).map_err(|e| {
                 ExecError::Unsupported(format!(
                     "the shader's loops could not be counted: {}",
@@ -172,6 +172,23 @@ impl Kernel {
             instrumented,
             counted,
         })
+    }
+
+    /// The module counting loop turns and breaking every loop once an invocation's
+    /// turns reach `bound` (see [`crate::turns`]): what runs where a bound applies.
+    /// `Ok(None)` when the shader has no loops.
+    pub(crate) fn bounded(&self, bound: u32) -> Result<Option<naga::Module>> {
+        if self.counted.is_none() {
+            return Ok(None);
+        }
+        let bounded = crate::turns::count(&self.instrumented, SHARD_INFO_GROUP, Some(bound));
+        validate(&bounded).map_err(|e| {
+            ExecError::Unsupported(format!(
+                "the shader's loops could not be bounded: {}",
+                error_chain(e.as_inner())
+            ))
+        })?;
+        Ok(Some(bounded))
     }
 
     /// Compiles a task's shader, inline or built-in.

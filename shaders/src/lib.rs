@@ -30,6 +30,7 @@ pub use adapter::BackendChoice;
 pub use error::{ExecError, Result};
 pub use executor::{
     ChainOutput, DeviceCounts, Executor, ExecutorCounters, ExecutorLimits, TaskOutput,
+    DEFAULT_LOOP_BOUND,
 };
 pub use job::{Job, ShardOutput};
 pub use kernel::Kernel;

@@ -8,6 +8,14 @@
 //! counter, and the entry point, after the user's code returns, raises an atomic
 //! maximum at `@group(1) @binding(1)`. The executor reads it back and refuses the
 //! result of a run whose count reached the adapter's cap.
+//!
+//! Everywhere else loops run as written, and a loop that never ends holds the GPU
+//! past any deadline: the node abandons the device, but the dispatch runs on until
+//! the process ends. There [`count`] is given a bound: each loop body also breaks
+//! out once the counter reaches it, so every loop of a runaway invocation ends
+//! within a turn of the bound, and the executor refuses the run. The entry point
+//! reports only a count that reached the bound, so a run that stays under it adds
+//! no atomic.
 
 use naga::{
     AddressSpace, AtomicFunction, BinaryOperator, Block, Expression, Function, GlobalVariable,
@@ -35,8 +43,10 @@ pub(crate) fn has_loops(module: &Module) -> bool {
 
 /// Rewrites `module` (already instrumented for sharding, its one entry point a
 /// wrapper calling the user's code) to count loop turns and report the largest
-/// count of any invocation at `@group(group) @binding(TURNS_BINDING)`.
-pub(crate) fn count(module: &Module, group: u32) -> Module {
+/// count of any invocation at `@group(group) @binding(TURNS_BINDING)`. With
+/// `bound`, every loop also breaks once the count reaches it, and only a count
+/// that did is reported.
+pub(crate) fn count(module: &Module, group: u32, bound: Option<u32>) -> Module {
     let mut m = module.clone();
     let u32_ty = m.types.insert(
         Type {
@@ -82,7 +92,7 @@ pub(crate) fn count(module: &Module, group: u32) -> Module {
             .expressions
             .append(Expression::GlobalVariable(turns), Span::UNDEFINED);
         let mut body = std::mem::take(&mut f.body);
-        count_in(&mut body, f, counter);
+        count_in(&mut body, f, counter, bound);
         f.body = body;
     }
     for ep in &mut m.entry_points {
@@ -93,11 +103,14 @@ pub(crate) fn count(module: &Module, group: u32) -> Module {
         let target = f
             .expressions
             .append(Expression::GlobalVariable(most), Span::UNDEFINED);
-        let (emit, value, any) = load_then(f, counter, BinaryOperator::Greater, 0);
+        let (emit, value, report_it) = match bound {
+            Some(bound) => load_then(f, counter, BinaryOperator::GreaterEqual, bound),
+            None => load_then(f, counter, BinaryOperator::Greater, 0),
+        };
         let report = [
             emit,
             Statement::If {
-                condition: any,
+                condition: report_it,
                 accept: Block::from_vec(vec![Statement::Atomic {
                     pointer: target,
                     fun: AtomicFunction::Max,
@@ -146,35 +159,54 @@ fn load_then(
     )
 }
 
-/// Puts `counter += 1` first in the body of every loop in `block`.
-fn count_in(block: &mut Block, f: &mut Function, counter: Handle<Expression>) {
+/// Puts `counter += 1` first in the body of every loop in `block`, and with
+/// `bound`, `if counter >= bound { break; }` after it.
+fn count_in(block: &mut Block, f: &mut Function, counter: Handle<Expression>, bound: Option<u32>) {
     for (s, _) in block.span_iter_mut() {
         match s {
             Statement::Loop {
                 body, continuing, ..
             } => {
-                count_in(body, f, counter);
-                count_in(continuing, f, counter);
+                count_in(body, f, counter, bound);
+                count_in(continuing, f, counter, bound);
                 let (emit, _, new) = load_then(f, counter, BinaryOperator::Add, 1);
-                body.splice(
-                    0..0,
-                    Block::from_vec(vec![
-                        emit,
-                        Statement::Store {
-                            pointer: counter,
-                            value: new,
+                let mut first = vec![
+                    emit,
+                    Statement::Store {
+                        pointer: counter,
+                        value: new,
+                    },
+                ];
+                if let Some(bound) = bound {
+                    let limit = f
+                        .expressions
+                        .append(Expression::Literal(Literal::U32(bound)), Span::UNDEFINED);
+                    let at = f.expressions.len();
+                    let reached = f.expressions.append(
+                        Expression::Binary {
+                            op: BinaryOperator::GreaterEqual,
+                            left: new,
+                            right: limit,
                         },
-                    ]),
-                );
+                        Span::UNDEFINED,
+                    );
+                    first.push(Statement::Emit(f.expressions.range_from(at)));
+                    first.push(Statement::If {
+                        condition: reached,
+                        accept: Block::from_vec(vec![Statement::Break]),
+                        reject: Block::new(),
+                    });
+                }
+                body.splice(0..0, Block::from_vec(first));
             }
-            Statement::Block(b) => count_in(b, f, counter),
+            Statement::Block(b) => count_in(b, f, counter, bound),
             Statement::If { accept, reject, .. } => {
-                count_in(accept, f, counter);
-                count_in(reject, f, counter);
+                count_in(accept, f, counter, bound);
+                count_in(reject, f, counter, bound);
             }
             Statement::Switch { cases, .. } => {
                 for c in cases {
-                    count_in(&mut c.body, f, counter);
+                    count_in(&mut c.body, f, counter, bound);
                 }
             }
             _ => {}

@@ -10,7 +10,7 @@ use std::time::Duration;
 use gpumesh_protocol::{
     BindingRole, BindingSpec, BlobId, ElemType, Grid, MergeRule, ShaderSource, TaskSpec,
 };
-use gpumesh_shaders::{builtins, ExecError, Job, Kernel};
+use gpumesh_shaders::{builtins, BackendChoice, ExecError, Executor, ExecutorLimits, Job, Kernel};
 
 const COPY: &str = r#"
 @group(0) @binding(0) var<storage, read> src: array<u32>;
@@ -533,5 +533,177 @@ fn loops_an_adapter_cuts_short_are_refused_not_answered_wrong() {
                 (Err(e), cap) => panic!("{name}: {outer} × {inner} under {cap:?}: {e}"),
             }
         }
+    }
+}
+
+/// Sums each workgroup's 64 words by halving, a barrier after every step: the
+/// reduction WebGPU tutorials write, its loop uniform across the workgroup.
+const WORKGROUP_SUM: &str = r#"
+@group(0) @binding(0) var<storage, read> src: array<u32>;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+var<workgroup> part: array<u32, 64>;
+
+@compute @workgroup_size(64)
+fn main(
+    @builtin(global_invocation_id) gid: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+    @builtin(workgroup_id) wid: vec3<u32>,
+) {
+    part[lid] = src[gid.x];
+    workgroupBarrier();
+    for (var half = 32u; half > 0u; half = half >> 1u) {
+        if (lid < half) {
+            part[lid] = part[lid] + part[lid + half];
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) {
+        out[wid.x] = part[0];
+    }
+}
+"#;
+
+/// A loop with a barrier in it that never ends (`stop` is never set).
+const BARRIER_SPIN: &str = r#"
+struct Params { stop: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+var<workgroup> shared_word: u32;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    var x = gid.x;
+    loop {
+        if (lid == 0u) { shared_word = x; }
+        workgroupBarrier();
+        x = (shared_word ^ (x >> 13u)) * 1664525u + 1u;
+        workgroupBarrier();
+        if (params.stop != 0u) {
+            break;
+        }
+    }
+    out[gid.x] = x;
+}
+"#;
+
+#[test]
+fn loops_past_the_executors_bound_are_stopped_and_refused_and_the_next_task_runs() {
+    const BOUND: u32 = 10_000;
+    for adapter in common::adapters() {
+        let name = adapter.backend.name();
+        // A bound under Mesa's own cap, so it is the bound that stops them here too.
+        let limits = ExecutorLimits {
+            loop_bound: Some(BOUND),
+            ..ExecutorLimits::default()
+        };
+        let mut executor =
+            Executor::with_limits(BackendChoice::Only(adapter.backend), limits).unwrap();
+        // 3 × 2,000 turns (and the outer loop's 3) is under the bound: answered as the
+        // CPU answers; 3 × 4,000 is over it: refused.
+        for (outer, inner) in [(3u32, 2_000u32), (3, 4_000)] {
+            let params: Vec<u8> = [outer, inner, 0, 0]
+                .iter()
+                .flat_map(|w| w.to_le_bytes())
+                .collect();
+            let s = spec(
+                NESTED_SUM,
+                vec![
+                    BindingSpec {
+                        binding: 0,
+                        role: BindingRole::Param { data: params },
+                    },
+                    output(1, 100 * 4),
+                ],
+                [2, 1, 1],
+                MergeRule::Changes,
+            );
+            let j = job(NESTED_SUM, s, &[]).unwrap();
+            let n = u64::from(outer) * u64::from(inner);
+            let turns = n + u64::from(outer);
+            match executor.run(&j, None) {
+                Ok(out) => {
+                    assert!(turns < u64::from(BOUND), "{name}: {turns} turns answered");
+                    let cpu: Vec<u8> = (0..100u32)
+                        .flat_map(|x| ((n * (n + 1) / 2) as u32).wrapping_add(x).to_le_bytes())
+                        .collect();
+                    assert_eq!(out.outputs[&1], cpu, "{name}: {outer} × {inner}");
+                }
+                Err(e) => {
+                    assert!(
+                        turns >= u64::from(BOUND),
+                        "{name}: {turns} turns refused: {e}"
+                    );
+                    assert!(
+                        matches!(e, ExecError::LoopBound { bound: BOUND }),
+                        "{name}: {e}"
+                    );
+                    assert!(e.to_string().contains("--max-loop-turns"), "{e}");
+                }
+            }
+        }
+
+        // Loops that never end, one with barriers in it: each stops at the bound,
+        // long before the deadline, and the device is not rebuilt.
+        for source in [SPIN, BARRIER_SPIN] {
+            let s = spec(
+                source,
+                vec![
+                    BindingSpec {
+                        binding: 0,
+                        role: BindingRole::Param {
+                            data: vec![0u8; 16],
+                        },
+                    },
+                    output(1, 2048 * 64 * 4),
+                ],
+                [2048, 1, 1],
+                MergeRule::Changes,
+            );
+            let runaway = job(source, s, &[]).unwrap();
+            let rebuilds = executor.rebuilds();
+            let t = std::time::Instant::now();
+            let err = executor
+                .run(&runaway, Some(Duration::from_secs(120)))
+                .unwrap_err();
+            eprintln!("{name}: a runaway loop stopped after {:?}", t.elapsed());
+            assert!(
+                matches!(err, ExecError::LoopBound { bound: BOUND }),
+                "{name}: {err}"
+            );
+            assert_eq!(executor.rebuilds(), rebuilds, "{name}: no device rebuilt");
+        }
+
+        // A loop with barriers under the bound answers as the CPU does.
+        let src: Vec<u32> = (0..4 * 64u32)
+            .map(|v| v.wrapping_mul(2_654_435_761))
+            .collect();
+        let data: Vec<u8> = src.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let s = spec(
+            WORKGROUP_SUM,
+            vec![input(0, &data), output(1, 4 * 4)],
+            [4, 1, 1],
+            MergeRule::Changes,
+        );
+        let out = executor
+            .run(&job(WORKGROUP_SUM, s, &data).unwrap(), None)
+            .unwrap();
+        let cpu: Vec<u8> = src
+            .chunks(64)
+            .flat_map(|c| c.iter().fold(0u32, |a, v| a.wrapping_add(*v)).to_le_bytes())
+            .collect();
+        assert_eq!(out.outputs[&1], cpu, "{name}: the workgroup sums");
+
+        // And a loop-free task after it all.
+        let data: Vec<u8> = (0..64u32).flat_map(|v| v.to_le_bytes()).collect();
+        let j = copy_job(
+            vec![input(0, &data), output(1, 256)],
+            [1, 1, 1],
+            MergeRule::Changes,
+            &data,
+        )
+        .unwrap();
+        let out = executor.run(&j, None).unwrap();
+        let want: Vec<u8> = (0..64u32).flat_map(|v| (v * 2).to_le_bytes()).collect();
+        assert_eq!(out.outputs[&1], want, "on {name}");
     }
 }

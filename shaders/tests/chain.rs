@@ -10,7 +10,7 @@ mod common;
 use std::sync::Arc;
 
 use gpumesh_protocol::{BindingRole, BindingSpec, BlobId, Grid, MergeRule, ShaderSource, TaskSpec};
-use gpumesh_shaders::{Job, Kernel};
+use gpumesh_shaders::{BackendChoice, ExecError, Executor, ExecutorLimits, Job, Kernel};
 
 /// The way a tutorial writes a stateful step: a uniform, a bounds check, an output
 /// of what the first words were before the step.
@@ -164,8 +164,9 @@ fn a_chain_of_steps_matches_the_cpu_and_each_step_keeps_its_own_output() {
 }
 
 #[test]
-fn a_chain_whose_loops_this_adapter_caps_is_left_to_run_one_at_a_time() {
+fn a_chain_with_loops_runs_counted_and_one_past_its_bound_fails_the_chain() {
     let kernel = Arc::new(Kernel::compile(LOOPED, "main").unwrap());
+    let plain = Arc::new(Kernel::compile(STEP, "main").unwrap());
     for adapter in common::adapters() {
         let mut executor = common::lock(adapter);
         let name = adapter.backend.name();
@@ -173,16 +174,34 @@ fn a_chain_whose_loops_this_adapter_caps_is_left_to_run_one_at_a_time() {
             .iter()
             .map(|add| step_job(LOOPED, &kernel, None, *add))
             .collect();
-        let out = executor.run_chain(&jobs, &[0], None).unwrap();
-        match (executor.loop_cap(), out) {
-            (Some(_), None) => {}
-            (None, Some(out)) => {
-                // From zeros, step 1 then step 2, as the CPU steps them.
-                let cpu: Vec<u32> = (0..WORDS).map(|i| ((1 + i) * 3) + 2 + i).collect();
-                assert_eq!(words(&out.carried[&0]), cpu, "{name}");
-            }
-            (cap, out) => panic!("{name}: cap {cap:?}, chained: {}", out.is_some()),
-        }
+        let out = executor
+            .run_chain(&jobs, &[0], None)
+            .unwrap()
+            .expect("a chain with loops runs as one");
+        // From zeros, step 1 then step 2, as the CPU steps them.
+        let cpu: Vec<u32> = (0..WORDS).map(|i| ((1 + i) * 3) + 2 + i).collect();
+        assert_eq!(words(&out.carried[&0]), cpu, "{name}");
+        drop(executor);
+
+        // Under a bound of one turn every invocation's loop is stopped at once.
+        let limits = ExecutorLimits {
+            loop_bound: Some(1),
+            ..ExecutorLimits::default()
+        };
+        let mut bounded =
+            Executor::with_limits(BackendChoice::Only(adapter.backend), limits).unwrap();
+        let err = bounded.run_chain(&jobs, &[0], None).unwrap_err();
+        assert!(
+            matches!(err, ExecError::LoopBound { bound: 1 }),
+            "{name}: {err}"
+        );
+        // And the executor goes on: a chain without loops runs, as the CPU steps it.
+        let steps: Vec<Job> = [1u32, 2]
+            .iter()
+            .map(|add| step_job(STEP, &plain, None, *add))
+            .collect();
+        let out = bounded.run_chain(&steps, &[0], None).unwrap().unwrap();
+        assert_eq!(words(&out.carried[&0]), cpu, "{name}: after the refusal");
     }
 }
 
@@ -238,7 +257,7 @@ fn a_batch_of_independent_tasks_gives_each_what_it_gets_alone() {
             assert_eq!(alone[0].changes, shard.changes, "{name}: task {k}");
         }
         // What cannot share a submission is left to run alone: a job that keeps a
-        // buffer on the device, and (where the adapter caps loops) a counted loop.
+        // buffer on the device. A job with loops shares it, its turns counted.
         let kept = vec![
             loose_step(STEP, &kernel, None, 1),
             step_job(STEP, &kernel, None, 2),
@@ -248,7 +267,17 @@ fn a_batch_of_independent_tasks_gives_each_what_it_gets_alone() {
             loose_step(LOOPED, &looped, None, 1),
             loose_step(STEP, &kernel, None, 2),
         ];
-        let out = executor.run_batch(&loops, None).unwrap();
-        assert_eq!(out.is_none(), executor.loop_cap().is_some(), "{name}");
+        let out = executor
+            .run_batch(&loops, None)
+            .unwrap()
+            .expect("jobs with loops batch too");
+        for (job, shard) in loops.iter().zip(&out) {
+            let alone = executor.run_shards(job, &job.plan, None).unwrap();
+            assert_eq!(alone[0].changes, shard.changes, "{name}: with loops");
+        }
+        // From zeros: v * 3 (once, in the loop) + add + i, and the step's the same.
+        let merged = loops[0].merge(&[&out[0].changes]).unwrap();
+        let cpu: Vec<u32> = (0..WORDS).map(|i| 1 + i).collect();
+        assert_eq!(words(&merged[&0]), cpu, "{name}: the looped task's state");
     }
 }

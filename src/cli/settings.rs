@@ -161,6 +161,13 @@ pub struct NodeArgs {
     #[arg(long, env = "GPUMESH_GPU_MEMORY", value_name = "BYTES",
           default_value_t = Limits::default().gpu_memory)]
     pub gpu_memory: u64,
+    /// Loop turns one invocation of a kernel may run in all, on a GPU that runs loops
+    /// as written (Mesa's software adapters stop them at 65,535 themselves): past it
+    /// every loop of the invocation is stopped and the task refused, so a loop that
+    /// never ends frees the GPU. Each turn counted costs a few instructions.
+    #[arg(long, env = "GPUMESH_MAX_LOOP_TURNS", value_name = "N",
+          default_value_t = Limits::default().max_loop_turns)]
+    pub max_loop_turns: u32,
     /// Seconds a member may go without an entry of its own being applied before it
     /// counts as down: the leader moves its unfinished shards elsewhere and status
     /// shows it silent.
@@ -430,6 +437,7 @@ impl NodeArgs {
             ),
             ("max_request_bytes", self.max_request_bytes),
             ("gpu_memory", self.gpu_memory),
+            ("max_loop_turns", u64::from(self.max_loop_turns)),
         ] {
             if value == 0 {
                 bail!(
@@ -450,6 +458,7 @@ impl NodeArgs {
             max_queued_per_submitter: self.max_queued_per_submitter,
             max_request_bytes: self.max_request_bytes,
             gpu_memory: self.gpu_memory,
+            max_loop_turns: self.max_loop_turns,
         }
     }
 

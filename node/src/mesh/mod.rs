@@ -135,9 +135,13 @@ impl MeshNode {
         let calibrate = config.calibrate;
         let gpu_metrics = GpuMetrics::default();
         let counted = gpu_metrics.clone();
-        let memory = config.limits.gpu_memory;
+        let limits = gpumesh_shaders::ExecutorLimits {
+            resident_input_bytes: config.limits.gpu_memory,
+            loop_bound: Some(config.limits.max_loop_turns),
+            ..Default::default()
+        };
         let gpu = tokio::task::spawn_blocking(move || {
-            GpuHandle::start(backend, calibrate, memory, counted)
+            GpuHandle::start(backend, calibrate, limits, counted)
         })
         .await
         .map_err(|e| NodeError::Config(format!("GPU start-up panicked: {e}")))?;

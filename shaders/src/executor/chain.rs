@@ -25,10 +25,11 @@ impl Executor {
     /// used) and each job sees what the one before left. A carried buffer the first
     /// job keeps resident stays on the device under its final contents' address.
     ///
-    /// `Ok(None)` when the jobs cannot run as one chain here (a kernel whose loop
-    /// turns this adapter caps, which must be counted dispatch by dispatch): run
-    /// them one at a time. An error fails the whole chain, and says nothing of which
-    /// job caused it; running them one at a time finds it.
+    /// A job whose loop turns are limited (see [`crate::turns`]) has its own
+    /// counter, read back with the outputs; one that reached its limit fails the
+    /// chain. An error fails the whole chain, and says nothing of which job caused
+    /// it; running them one at a time finds it. `Ok(Some)` always today: `None`
+    /// would ask for them to be run one at a time.
     pub fn run_chain(
         &mut self,
         jobs: &[Job],
@@ -72,9 +73,6 @@ impl Executor {
             .iter()
             .map(|j| self.pipeline(&j.kernel))
             .collect::<Result<Vec<_>>>()?;
-        if pipelines.iter().any(|p| p.counts_turns) {
-            return Ok(None);
-        }
         let deadline = deadline.unwrap_or(self.limits.default_deadline);
         let started = Instant::now();
         self.guarded(first, "device lost during the chain", |me| {
@@ -156,6 +154,7 @@ impl Executor {
             carried.insert(*b, buffer);
         }
         let mut own: Vec<BTreeMap<u32, (wgpu::Buffer, Readback)>> = Vec::new();
+        let mut counted: Vec<(Readback, TurnLimit)> = Vec::new();
         let mut dispatches = 0;
         for (job, pipeline) in jobs.iter().zip(pipelines) {
             let inputs = self.upload(&job.inputs);
@@ -177,9 +176,12 @@ impl Executor {
                 let staging = self.staging(writable.size);
                 mine.insert(binding, (buffer, staging));
             }
-            let (_, tiles) =
+            let (turns, tiles) =
                 self.encode_pass(&mut encoder, job, pipeline, &inputs, &bound, &job.plan[0])?;
             dispatches += tiles;
+            if let (Some((_, staging)), Some(limit)) = (turns, pipeline.turn_limit) {
+                counted.push((staging, limit));
+            }
             for (buffer, staging) in mine.values() {
                 encoder.copy_buffer_to_buffer(buffer, 0, staging.buffer(), 0, buffer.size());
             }
@@ -199,7 +201,8 @@ impl Executor {
         let stagings = own
             .iter()
             .flat_map(|m| m.values().map(|(_, s)| s))
-            .chain(finals.values());
+            .chain(finals.values())
+            .chain(counted.iter().map(|(s, _)| s));
         let mut mapped = 0;
         for staging in stagings {
             let tx = tx.clone();
@@ -216,6 +219,9 @@ impl Executor {
                 Ok(Err(e)) => return Err(ExecError::Gpu(format!("reading back a chain: {e}"))),
                 Err(_) => return Err(self.lost_or("readback did not complete")),
             }
+        }
+        for (staging, limit) in &mut counted {
+            limit.check(read_turns(staging), &self.capability.adapter_name)?;
         }
         let read = |staging: &mut Readback| {
             let bytes = staging.slice().get_mapped_range().to_vec();

@@ -48,7 +48,16 @@ pub struct ExecutorLimits {
     pub pipeline_cache_entries: usize,
     /// Bytes of input buffers kept on the device for reuse by later tasks.
     pub resident_input_bytes: u64,
+    /// Loop turns one invocation may run in all before every loop of it breaks and
+    /// the run is refused ([`ExecError::LoopBound`]), on an adapter that does not
+    /// end loops sooner itself; `None` lets loops run as written there.
+    pub loop_bound: Option<u32>,
 }
+
+/// [`ExecutorLimits::loop_bound`] unless set: 2^30 turns, a second or more of one
+/// invocation's time on any GPU, so only a loop that was never going to end in
+/// reasonable time meets it.
+pub const DEFAULT_LOOP_BOUND: u32 = 1 << 30;
 
 impl Default for ExecutorLimits {
     fn default() -> Self {
@@ -57,6 +66,7 @@ impl Default for ExecutorLimits {
             default_deadline: Duration::from_secs(300),
             pipeline_cache_entries: 64,
             resident_input_bytes: 512 << 20,
+            loop_bound: Some(DEFAULT_LOOP_BOUND),
         }
     }
 }
@@ -126,8 +136,32 @@ struct Pipeline {
     user_layout: wgpu::BindGroupLayout,
     info_layout: wgpu::BindGroupLayout,
     /// Built from the kernel's loop-counting module: each dispatch binds a counter
-    /// and its run is refused when the count reached the adapter's cap.
-    counts_turns: bool,
+    /// and its run is refused when the count reached this.
+    turn_limit: Option<TurnLimit>,
+}
+
+/// Where a pipeline's loop turns stop.
+#[derive(Clone, Copy, Debug)]
+enum TurnLimit {
+    /// The adapter ends loops there by itself (Mesa's software adapters).
+    Adapter(u32),
+    /// The rewritten kernel breaks its loops there ([`ExecutorLimits::loop_bound`]).
+    Bound(u32),
+}
+
+impl TurnLimit {
+    /// The error for a run whose most loop turns of any invocation were `most`,
+    /// if they reached the limit.
+    fn check(self, most: u32, adapter: &str) -> Result<()> {
+        match self {
+            TurnLimit::Adapter(cap) if most >= cap => Err(ExecError::LoopCap {
+                cap,
+                adapter: adapter.to_string(),
+            }),
+            TurnLimit::Bound(bound) if most >= bound => Err(ExecError::LoopBound { bound }),
+            _ => Ok(()),
+        }
+    }
 }
 
 struct Gpu {
@@ -281,13 +315,15 @@ impl Executor {
             merges: Default::default(),
             options: Default::default(),
         };
-        let job = Job::new(
-            spec,
-            Arc::new(Kernel::compile(turns::PROBE, "main")?),
-            |_| None,
-        )?;
-        let out = self.run(&job, Some(Duration::from_secs(30)))?;
-        let ran = out
+        let kernel = Arc::new(Kernel::compile(turns::PROBE, "main")?);
+        let job = Job::new(spec, kernel.clone(), |_| None)?;
+        // As written: the probe must meet the adapter's cap, not the executor's
+        // bound, and its unbounded pipeline is not kept for a task to find.
+        let bound = self.limits.loop_bound.take();
+        let out = self.run(&job, Some(Duration::from_secs(30)));
+        self.limits.loop_bound = bound;
+        self.pipelines.remove(&kernel.hash);
+        let ran = out?
             .outputs
             .get(&1)
             .and_then(|b| b.get(..4))
@@ -706,23 +742,13 @@ impl Executor {
                 Err(_) => return Err(self.lost_or("readback did not complete")),
             }
         }
-        if let (Some((_, staging)), Some(cap)) = (&mut turns, self.loop_cap) {
+        if let (Some((_, staging)), Some(limit)) = (&mut turns, pipeline.turn_limit) {
             match turns_rx.try_recv() {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => return Err(ExecError::Gpu(format!("reading back loop turns: {e}"))),
                 Err(_) => return Err(self.lost_or("readback did not complete")),
             }
-            let most = {
-                let w = staging.slice().get_mapped_range();
-                u32::from_le_bytes([w[0], w[1], w[2], w[3]])
-            };
-            staging.unmap();
-            if most >= cap {
-                return Err(ExecError::LoopCap {
-                    cap,
-                    adapter: self.capability.adapter_name.clone(),
-                });
-            }
+            limit.check(read_turns(staging), &self.capability.adapter_name)?;
         }
         let mut result = BTreeMap::new();
         let mut kept = Vec::new();
@@ -866,8 +892,8 @@ impl Executor {
             layout: &pipeline.user_layout,
             entries: &entries,
         });
-        // The most loop turns of any invocation, where the adapter caps them.
-        let turns = pipeline.counts_turns.then(|| {
+        // The most loop turns of any invocation, where they are limited.
+        let turns = pipeline.turn_limit.is_some().then(|| {
             (
                 device.create_buffer(&wgpu::BufferDescriptor {
                     label: Some("gpumesh loop turns"),
@@ -1008,6 +1034,31 @@ impl Executor {
         }
     }
 
+    /// The module `kernel` runs as here, and where its loop turns stop: bounded
+    /// where the bound applies (no cap of the adapter's own comes first), counted
+    /// where only the adapter's cap does, as written where neither does or it has
+    /// no loops.
+    fn module_for(&self, kernel: &Kernel) -> (naga::Module, Option<TurnLimit>) {
+        let bound = self
+            .limits
+            .loop_bound
+            .filter(|b| self.loop_cap.is_none_or(|cap| *b < cap));
+        if let Some(bound) = bound {
+            match kernel.bounded(bound) {
+                Ok(Some(module)) => return (module, Some(TurnLimit::Bound(bound))),
+                Ok(None) => {}
+                Err(e) => tracing::warn!(
+                    error = %e,
+                    "this kernel runs with its loops unbounded"
+                ),
+            }
+        }
+        match (&kernel.counted, self.loop_cap) {
+            (Some(counted), Some(cap)) => (counted.clone(), Some(TurnLimit::Adapter(cap))),
+            _ => (kernel.instrumented.clone(), None),
+        }
+    }
+
     fn pipeline(&mut self, kernel: &Kernel) -> Result<Arc<Pipeline>> {
         if let Some(p) = self.pipelines.get(&kernel.hash) {
             return Ok(p.clone());
@@ -1017,12 +1068,10 @@ impl Executor {
         }
         let device = &self.gpu.device;
         device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let counted = kernel.counted.as_ref().filter(|_| self.loop_cap.is_some());
+        let (naga_module, turn_limit) = self.module_for(kernel);
         let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
             label: Some(&kernel.interface.entry_point),
-            source: wgpu::ShaderSource::Naga(std::borrow::Cow::Owned(
-                counted.unwrap_or(&kernel.instrumented).clone(),
-            )),
+            source: wgpu::ShaderSource::Naga(std::borrow::Cow::Owned(naga_module)),
         });
         let user_entries: Vec<wgpu::BindGroupLayoutEntry> = kernel
             .interface
@@ -1057,7 +1106,7 @@ impl Executor {
             },
             count: None,
         }];
-        if counted.is_some() {
+        if turn_limit.is_some() {
             info_entries.push(wgpu::BindGroupLayoutEntry {
                 binding: turns::TURNS_BINDING,
                 visibility: wgpu::ShaderStages::COMPUTE,
@@ -1093,11 +1142,21 @@ impl Executor {
             pipeline,
             user_layout,
             info_layout,
-            counts_turns: counted.is_some(),
+            turn_limit,
         });
         self.pipelines.insert(kernel.hash, p.clone());
         Ok(p)
     }
+}
+
+/// The most loop turns of any invocation, from a mapped counter's read-back.
+fn read_turns(staging: &mut Readback) -> u32 {
+    let most = {
+        let w = staging.slice().get_mapped_range();
+        u32::from_le_bytes([w[0], w[1], w[2], w[3]])
+    };
+    staging.unmap();
+    most
 }
 
 fn open_device(adapter: &wgpu::Adapter) -> Result<Gpu> {
