@@ -275,20 +275,30 @@ async fn a_loop_past_the_nodes_bound_is_stopped_and_its_task_refused_long_before
                 ..Default::default()
             },
         };
+        // The LCG stepped in a `while` (open-ended, as far as a node can see).
+        let open_lcg = |steps: u32| {
+            let mut spec = lcg_spec(64, 1);
+            spec.shader = ShaderSource::Wgsl(LCG.replace(
+                "for (var i = 0u; i < 60000u; i++) {",
+                &format!("var i = 0u;\n    while (i < {steps}u) {{\n        i = i + 1u;"),
+            ));
+            spec
+        };
         // The never-ending kernel, and one that would end but only past the bound
         // (60,000 steps): each refused, naming the flag, and not retried.
-        for spec in [runaway, lcg_spec(64, 1)] {
+        for spec in [runaway, open_lcg(60_000)] {
             let task = c.submit(spec, None).await.unwrap();
             let err = c.wait(task, |_, _| {}).await.unwrap_err().to_string();
             assert!(err.contains("--max-loop-turns"), "{err}");
             let view = c.task(task).await.unwrap();
             assert_eq!(view.shards[0].failures, 0, "not retried: {view:#?}");
         }
-        // Under the bound, the same loop answers as the CPU does, on the same node.
-        let mut spec = lcg_spec(64, 1);
-        spec.shader = ShaderSource::Wgsl(LCG.replace("60000u", "20000u"));
-        let (_, out) = c.run(spec).await.unwrap();
+        // Under the bound, the same loop answers as the CPU does, on the same node;
+        // and a counted `for` loop past it, which ends by itself, is let be.
+        let (_, out) = c.run(open_lcg(20_000)).await.unwrap();
         assert_eq!(out[&0], lcg_after(20_000, 64 * 64));
+        let (_, out) = c.run(lcg_spec(64, 1)).await.unwrap();
+        assert_eq!(out[&0], lcg_after(LCG_STEPS, 64 * 64));
         stop(nodes).await;
     })
     .await

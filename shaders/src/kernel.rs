@@ -151,7 +151,14 @@ impl Kernel {
             ))
         })?;
         let counted = if crate::turns::has_loops(&module) {
-            let counted = crate::turns::count(&instrumented, SHARD_INFO_GROUP, None);
+            let counted = crate::turns::count(
+                &instrumented,
+                SHARD_INFO_GROUP,
+                crate::turns::Counting {
+                    all: true,
+                    bound: None,
+                },
+            );
             validate(&counted).map_err(|e| {
                 ExecError::Unsupported(format!(
                     "the shader's loops could not be counted: {}",
@@ -174,14 +181,20 @@ impl Kernel {
         })
     }
 
-    /// The module counting loop turns and breaking every loop once an invocation's
-    /// turns reach `bound` (see [`crate::turns`]): what runs where a bound applies.
-    /// `Ok(None)` when the shader has no loops.
-    pub(crate) fn bounded(&self, bound: u32) -> Result<Option<naga::Module>> {
-        if self.counted.is_none() {
+    /// The module breaking every loop not seen to end by itself once an
+    /// invocation's turns of such loops reach `bound`, counting every loop's turns
+    /// too with `all` (see [`crate::turns`]): what runs where a bound applies.
+    /// `Ok(None)` when there is nothing to count: no loops, or (without `all`)
+    /// none that is open-ended.
+    pub(crate) fn bounded(&self, bound: u32, all: bool) -> Result<Option<naga::Module>> {
+        if self.counted.is_none() || (!all && crate::turns::open_loops(&self.instrumented) == 0) {
             return Ok(None);
         }
-        let bounded = crate::turns::count(&self.instrumented, SHARD_INFO_GROUP, Some(bound));
+        let counting = crate::turns::Counting {
+            all,
+            bound: Some(bound),
+        };
+        let bounded = crate::turns::count(&self.instrumented, SHARD_INFO_GROUP, counting);
         validate(&bounded).map_err(|e| {
             ExecError::Unsupported(format!(
                 "the shader's loops could not be bounded: {}",

@@ -1,52 +1,382 @@
-//! Counting loop turns, for adapters that end loops early.
+//! Counting loop turns, for adapters that end loops early, and bounding the loops
+//! that might never end, for adapters that do not.
 //!
 //! Mesa's software adapters (llvmpipe behind GL, lavapipe behind Vulkan) stop every
 //! loop of an invocation once 65,535 turns have run in all, and the shader goes on
 //! as if the loop had ended: the result is wrong and nothing says so. On such an
-//! adapter (found by [`probe_kernel`] when the executor opens it) a kernel with
-//! loops runs rewritten by [`count`]: each loop body first adds one to a private
-//! counter, and the entry point, after the user's code returns, raises an atomic
-//! maximum at `@group(1) @binding(1)`. The executor reads it back and refuses the
-//! result of a run whose count reached the adapter's cap.
+//! adapter (found by probing when the executor opens it) a kernel with loops runs
+//! rewritten by [`count`]: each loop body first adds one to a private counter, and
+//! the entry point, after the user's code returns, raises an atomic maximum in word
+//! 0 at `@group(1) @binding(1)`. The executor reads it back and refuses the result
+//! of a run whose count reached the adapter's cap.
 //!
 //! Everywhere else loops run as written, and a loop that never ends holds the GPU
 //! past any deadline: the node abandons the device, but the dispatch runs on until
-//! the process ends. There [`count`] is given a bound: each loop body also breaks
-//! out once the counter reaches it, so every loop of a runaway invocation ends
-//! within a turn of the bound, and the executor refuses the run. The entry point
-//! reports only a count that reached the bound, so a run that stays under it adds
-//! no atomic.
+//! the process ends. There [`count`] is given a bound for the loops that are not
+//! seen to end by themselves ([`ends_by_itself`]: a loop whose first act is to
+//! leave once a local counter, stepped by one only at its back edge, reaches a
+//! value the loop cannot change, as `for (var i = 0u; i < n; i++)` is): each such
+//! loop counts its turns in a second counter and breaks once it reaches the bound,
+//! and the entry point reports that count in word 1 when it did. A counted `for`
+//! loop is left as written, so the bound costs the loops a compiler unrolls nothing;
+//! an open-ended one (`loop`, a `while` on data) pays a count and a test a turn.
+
+use std::collections::HashSet;
+use std::num::NonZeroU32;
 
 use naga::{
-    AddressSpace, AtomicFunction, BinaryOperator, Block, Expression, Function, GlobalVariable,
-    Handle, Literal, Module, ResourceBinding, Scalar, Span, Statement, StorageAccess, Type,
-    TypeInner,
+    AddressSpace, Arena, ArraySize, AtomicFunction, BinaryOperator, Block, Expression, Function,
+    GlobalVariable, Handle, Literal, LocalVariable, Module, ResourceBinding, Scalar, Span,
+    Statement, StorageAccess, Type, TypeInner,
 };
 
-/// The binding, in the shard-info group, of the counter the executor reads back.
+/// The binding, in the shard-info group, of the counters the executor reads back.
 pub(crate) const TURNS_BINDING: u32 = 1;
+/// Bytes of those counters: word 0 the most turns of all loops, word 1 the most
+/// turns of the open-ended loops, where it reached the bound.
+pub(crate) const TURNS_BYTES: u64 = 8;
+
+/// What [`count`] counts.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Counting {
+    /// Every loop's turns, in word 0 (for an adapter that caps them).
+    pub all: bool,
+    /// The open-ended loops' turns, in word 1, each such loop breaking once they
+    /// reach this.
+    pub bound: Option<u32>,
+}
 
 /// Whether any function of `module` has a loop.
 pub(crate) fn has_loops(module: &Module) -> bool {
-    fn any(block: &Block) -> bool {
-        block.iter().any(|s| match s {
-            Statement::Loop { .. } => true,
-            Statement::Block(b) => any(b),
-            Statement::If { accept, reject, .. } => any(accept) || any(reject),
-            Statement::Switch { cases, .. } => cases.iter().any(|c| any(&c.body)),
-            _ => false,
-        })
+    loops(module, |_, _, _| true) > 0
+}
+
+/// How many loops of `module` are not seen to end by themselves.
+pub(crate) fn open_loops(module: &Module) -> usize {
+    let globals = &module.global_variables;
+    loops(module, |body, continuing, f| {
+        !ends_by_itself(body, continuing, f, globals)
+    })
+}
+
+/// The loops of `module` for which `which(body, continuing, function)` holds.
+fn loops(module: &Module, which: impl Fn(&Block, &Block, &Function) -> bool + Copy) -> usize {
+    fn walk(
+        block: &Block,
+        f: &Function,
+        which: impl Fn(&Block, &Block, &Function) -> bool + Copy,
+    ) -> usize {
+        block
+            .iter()
+            .map(|s| match s {
+                Statement::Loop {
+                    body, continuing, ..
+                } => {
+                    usize::from(which(body, continuing, f))
+                        + walk(body, f, which)
+                        + walk(continuing, f, which)
+                }
+                Statement::Block(b) => walk(b, f, which),
+                Statement::If { accept, reject, .. } => {
+                    walk(accept, f, which) + walk(reject, f, which)
+                }
+                Statement::Switch { cases, .. } => {
+                    cases.iter().map(|c| walk(&c.body, f, which)).sum()
+                }
+                _ => 0,
+            })
+            .sum()
     }
-    module.functions.iter().any(|(_, f)| any(&f.body))
-        || module.entry_points.iter().any(|e| any(&e.function.body))
+    module
+        .functions
+        .iter()
+        .map(|(_, f)| walk(&f.body, f, which))
+        .chain(
+            module
+                .entry_points
+                .iter()
+                .map(|e| walk(&e.function.body, &e.function, which)),
+        )
+        .sum()
+}
+
+/// Whether the loop of `body` and `continuing` in `f` ends by itself: its first
+/// statement (emits aside) leaves it unless `i < n` (or leaves it once `i >= n`,
+/// either possibly joined to other conditions that can only end it sooner), where
+/// `i` is a local variable stored in the loop once, as `i = i + 1` at the top of
+/// `continuing`, and handed to no call, and `n` is a value the loop cannot change.
+/// Then `i` rises by one a turn and cannot pass `n` without wrapping, so the loop
+/// turns at most 2^32 times. (A loop this does not see ending may still end; it is
+/// only counted.)
+pub(crate) fn ends_by_itself(
+    body: &Block,
+    continuing: &Block,
+    f: &Function,
+    globals: &Arena<GlobalVariable>,
+) -> bool {
+    let Some(first) = body.iter().find(|s| !matches!(s, Statement::Emit(_))) else {
+        return false;
+    };
+    let Statement::If {
+        condition,
+        accept,
+        reject,
+    } = first
+    else {
+        return false;
+    };
+    let is_break = |b: &Block| b.len() == 1 && matches!(b.iter().next(), Some(Statement::Break));
+    let leave_when_false = accept.is_empty() && is_break(reject);
+    let leave_when_true = reject.is_empty() && is_break(accept);
+    if !leave_when_false && !leave_when_true {
+        return false;
+    }
+    let mut emitted = HashSet::new();
+    emitted_in(body, &mut emitted);
+    emitted_in(continuing, &mut emitted);
+    let looked = Looked {
+        f,
+        globals,
+        emitted: &emitted,
+    };
+    let mut counters = Vec::new();
+    looked.counters(*condition, leave_when_true, &mut counters);
+    counters
+        .into_iter()
+        .any(|var| looked.stepped_once(var, body, continuing))
+}
+
+/// What [`ends_by_itself`] looks at: the function and the expressions evaluated
+/// inside the loop.
+struct Looked<'a> {
+    f: &'a Function,
+    globals: &'a Arena<GlobalVariable>,
+    emitted: &'a HashSet<Handle<Expression>>,
+}
+
+impl Looked<'_> {
+    /// The local variables `i` for which `condition` (the loop left when it is
+    /// `leave_when`) bounds the loop as `i < n` with `n` fixed.
+    fn counters(
+        &self,
+        condition: Handle<Expression>,
+        leave_when: bool,
+        out: &mut Vec<Handle<LocalVariable>>,
+    ) {
+        let Expression::Binary { op, left, right } = self.f.expressions[condition] else {
+            return;
+        };
+        use BinaryOperator as B;
+        match (op, leave_when) {
+            // Stays while both hold: either one bounds it.
+            (B::LogicalAnd, false) | (B::LogicalOr, true) => {
+                self.counters(left, leave_when, out);
+                self.counters(right, leave_when, out);
+            }
+            (B::Less, false) | (B::GreaterEqual, true) => {
+                if let (Some(var), true) = (self.local_load(left), self.fixed(right)) {
+                    out.push(var);
+                }
+            }
+            (B::Greater, false) | (B::LessEqual, true) => {
+                if let (Some(var), true) = (self.local_load(right), self.fixed(left)) {
+                    out.push(var);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The local variable `e` loads, if it loads one whole.
+    fn local_load(&self, e: Handle<Expression>) -> Option<Handle<LocalVariable>> {
+        match self.f.expressions[e] {
+            Expression::Load { pointer } => match self.f.expressions[pointer] {
+                Expression::LocalVariable(var) => Some(var),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// Whether `e` has one value through the whole loop: evaluated before it, or
+    /// made only of constants, arguments and loads of memory no invocation writes.
+    fn fixed(&self, e: Handle<Expression>) -> bool {
+        use Expression as E;
+        match &self.f.expressions[e] {
+            E::Literal(_)
+            | E::Constant(_)
+            | E::Override(_)
+            | E::ZeroValue(_)
+            | E::FunctionArgument(_)
+            | E::GlobalVariable(_)
+            | E::LocalVariable(_) => true,
+            E::CallResult(_)
+            | E::AtomicResult { .. }
+            | E::WorkGroupUniformLoadResult { .. }
+            | E::SubgroupBallotResult
+            | E::SubgroupOperationResult { .. }
+            | E::RayQueryProceedResult => false,
+            _ if !self.emitted.contains(&e) => true,
+            E::Load { pointer } => self.read_only(*pointer),
+            E::AccessIndex { base, .. } => self.fixed(*base),
+            E::Access { base, index } => self.fixed(*base) && self.fixed(*index),
+            E::Splat { value, .. } => self.fixed(*value),
+            E::Swizzle { vector, .. } => self.fixed(*vector),
+            E::Unary { expr, .. } | E::As { expr, .. } => self.fixed(*expr),
+            E::Binary { left, right, .. } => self.fixed(*left) && self.fixed(*right),
+            E::Select {
+                condition,
+                accept,
+                reject,
+            } => self.fixed(*condition) && self.fixed(*accept) && self.fixed(*reject),
+            E::Compose { components, .. } => components.iter().all(|c| self.fixed(*c)),
+            E::Math {
+                arg,
+                arg1,
+                arg2,
+                arg3,
+                ..
+            } => [Some(*arg), *arg1, *arg2, *arg3]
+                .into_iter()
+                .flatten()
+                .all(|a| self.fixed(a)),
+            E::ArrayLength(_) => true,
+            _ => false,
+        }
+    }
+
+    /// Whether `pointer` reaches memory no invocation writes (a uniform, a
+    /// read-only storage buffer), at fixed indices.
+    fn read_only(&self, pointer: Handle<Expression>) -> bool {
+        match &self.f.expressions[pointer] {
+            Expression::AccessIndex { base, .. } => self.read_only(*base),
+            Expression::Access { base, index } => self.read_only(*base) && self.fixed(*index),
+            Expression::GlobalVariable(var) => match self.globals[*var].space {
+                AddressSpace::Uniform | AddressSpace::PushConstant | AddressSpace::Handle => true,
+                AddressSpace::Storage { access } => !access.contains(StorageAccess::STORE),
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+
+    /// Whether `var` is stored in the loop only as `var = var + 1` at the top of
+    /// `continuing`, and handed to no call.
+    fn stepped_once(&self, var: Handle<LocalVariable>, body: &Block, continuing: &Block) -> bool {
+        let mut stores = 0;
+        let mut passed = false;
+        self.uses(var, body, &mut stores, &mut passed);
+        self.uses(var, continuing, &mut stores, &mut passed);
+        let stepped = continuing.iter().any(|s| match s {
+            Statement::Store { pointer, value } => {
+                self.is_var(*pointer, var) && self.plus_one(*value, var)
+            }
+            _ => false,
+        });
+        stores == 1 && !passed && stepped
+    }
+
+    /// Counts the stores to `var` in `block` and notes whether a call is handed it.
+    fn uses(
+        &self,
+        var: Handle<LocalVariable>,
+        block: &Block,
+        stores: &mut usize,
+        passed: &mut bool,
+    ) {
+        for s in block.iter() {
+            match s {
+                Statement::Store { pointer, .. } if self.roots_at(*pointer, var) => *stores += 1,
+                Statement::Call { arguments, .. } => {
+                    *passed |= arguments.iter().any(|a| self.roots_at(*a, var));
+                }
+                Statement::Block(b) => self.uses(var, b, stores, passed),
+                Statement::If { accept, reject, .. } => {
+                    self.uses(var, accept, stores, passed);
+                    self.uses(var, reject, stores, passed);
+                }
+                Statement::Switch { cases, .. } => {
+                    for c in cases {
+                        self.uses(var, &c.body, stores, passed);
+                    }
+                }
+                Statement::Loop {
+                    body, continuing, ..
+                } => {
+                    self.uses(var, body, stores, passed);
+                    self.uses(var, continuing, stores, passed);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn is_var(&self, pointer: Handle<Expression>, var: Handle<LocalVariable>) -> bool {
+        matches!(self.f.expressions[pointer], Expression::LocalVariable(v) if v == var)
+    }
+
+    /// Whether `pointer` is `var` or a part of it.
+    fn roots_at(&self, pointer: Handle<Expression>, var: Handle<LocalVariable>) -> bool {
+        match &self.f.expressions[pointer] {
+            Expression::LocalVariable(v) => *v == var,
+            Expression::AccessIndex { base, .. } | Expression::Access { base, .. } => {
+                self.roots_at(*base, var)
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether `value` is `var + 1` (or `1 + var`), an integer's.
+    fn plus_one(&self, value: Handle<Expression>, var: Handle<LocalVariable>) -> bool {
+        let Expression::Binary {
+            op: BinaryOperator::Add,
+            left,
+            right,
+        } = self.f.expressions[value]
+        else {
+            return false;
+        };
+        let one = |e: Handle<Expression>| {
+            matches!(
+                self.f.expressions[e],
+                Expression::Literal(Literal::U32(1) | Literal::I32(1))
+            )
+        };
+        (self.local_load(left) == Some(var) && one(right))
+            || (self.local_load(right) == Some(var) && one(left))
+    }
+}
+
+/// The expressions `block` evaluates (its emits, nested blocks' included).
+fn emitted_in(block: &Block, out: &mut HashSet<Handle<Expression>>) {
+    for s in block.iter() {
+        match s {
+            Statement::Emit(range) => out.extend(range.clone()),
+            Statement::Block(b) => emitted_in(b, out),
+            Statement::If { accept, reject, .. } => {
+                emitted_in(accept, out);
+                emitted_in(reject, out);
+            }
+            Statement::Switch { cases, .. } => {
+                for c in cases {
+                    emitted_in(&c.body, out);
+                }
+            }
+            Statement::Loop {
+                body, continuing, ..
+            } => {
+                emitted_in(body, out);
+                emitted_in(continuing, out);
+            }
+            _ => {}
+        }
+    }
 }
 
 /// Rewrites `module` (already instrumented for sharding, its one entry point a
-/// wrapper calling the user's code) to count loop turns and report the largest
-/// count of any invocation at `@group(group) @binding(TURNS_BINDING)`. With
-/// `bound`, every loop also breaks once the count reaches it, and only a count
-/// that did is reported.
-pub(crate) fn count(module: &Module, group: u32, bound: Option<u32>) -> Module {
+/// wrapper calling the user's code) to count loop turns as `counting` says and
+/// report them at `@group(group) @binding(TURNS_BINDING)`.
+pub(crate) fn count(module: &Module, group: u32, counting: Counting) -> Module {
     let mut m = module.clone();
     let u32_ty = m.types.insert(
         Type {
@@ -62,16 +392,33 @@ pub(crate) fn count(module: &Module, group: u32, bound: Option<u32>) -> Module {
         },
         Span::UNDEFINED,
     );
-    let turns = m.global_variables.append(
-        GlobalVariable {
-            name: Some("gpumesh_turns".into()),
-            space: AddressSpace::Private,
-            binding: None,
-            ty: u32_ty,
-            init: None,
+    let words_ty = m.types.insert(
+        Type {
+            name: None,
+            inner: TypeInner::Array {
+                base: atomic_ty,
+                size: ArraySize::Constant(NonZeroU32::MIN.saturating_add(1)),
+                stride: 4,
+            },
         },
         Span::UNDEFINED,
     );
+    let mut private = |name: &str| {
+        m.global_variables.append(
+            GlobalVariable {
+                name: Some(name.into()),
+                space: AddressSpace::Private,
+                binding: None,
+                ty: u32_ty,
+                init: None,
+            },
+            Span::UNDEFINED,
+        )
+    };
+    let all = counting.all.then(|| private("gpumesh_turns"));
+    let open = counting
+        .bound
+        .map(|bound| (private("gpumesh_open_turns"), bound));
     let most = m.global_variables.append(
         GlobalVariable {
             name: Some("gpumesh_most_turns".into()),
@@ -82,44 +429,75 @@ pub(crate) fn count(module: &Module, group: u32, bound: Option<u32>) -> Module {
                 group,
                 binding: TURNS_BINDING,
             }),
-            ty: atomic_ty,
+            ty: words_ty,
             init: None,
         },
         Span::UNDEFINED,
     );
-    for (_, f) in m.functions.iter_mut() {
-        let counter = f
-            .expressions
-            .append(Expression::GlobalVariable(turns), Span::UNDEFINED);
+    let globals = &m.global_variables;
+    let functions = m
+        .functions
+        .iter_mut()
+        .map(|(_, f)| f)
+        .chain(m.entry_points.iter_mut().map(|e| &mut e.function));
+    for f in functions {
+        let counters = Counters {
+            all: all.map(|g| {
+                f.expressions
+                    .append(Expression::GlobalVariable(g), Span::UNDEFINED)
+            }),
+            open: open.map(|(g, bound)| {
+                (
+                    f.expressions
+                        .append(Expression::GlobalVariable(g), Span::UNDEFINED),
+                    bound,
+                )
+            }),
+        };
         let mut body = std::mem::take(&mut f.body);
-        count_in(&mut body, f, counter, bound);
+        count_in(&mut body, f, globals, counters);
         f.body = body;
     }
     for ep in &mut m.entry_points {
         let f = &mut ep.function;
-        let counter = f
-            .expressions
-            .append(Expression::GlobalVariable(turns), Span::UNDEFINED);
         let target = f
             .expressions
             .append(Expression::GlobalVariable(most), Span::UNDEFINED);
-        let (emit, value, report_it) = match bound {
-            Some(bound) => load_then(f, counter, BinaryOperator::GreaterEqual, bound),
-            None => load_then(f, counter, BinaryOperator::Greater, 0),
-        };
-        let report = [
-            emit,
-            Statement::If {
-                condition: report_it,
-                accept: Block::from_vec(vec![Statement::Atomic {
-                    pointer: target,
-                    fun: AtomicFunction::Max,
-                    value,
-                    result: None,
-                }]),
-                reject: Block::new(),
-            },
+        let mut report = Vec::new();
+        // Word 0: the most turns of all loops; word 1: the most of the open-ended
+        // ones, only where they reached the bound.
+        let words = [
+            all.map(|g| (0, g, BinaryOperator::Greater, 0)),
+            open.map(|(g, bound)| (1, g, BinaryOperator::GreaterEqual, bound)),
         ];
+        for (index, counter, op, rhs) in words.into_iter().flatten() {
+            let counter = f
+                .expressions
+                .append(Expression::GlobalVariable(counter), Span::UNDEFINED);
+            let (emit, value, reached) = load_then(f, counter, op, rhs);
+            let at = f.expressions.len();
+            let word = f.expressions.append(
+                Expression::AccessIndex {
+                    base: target,
+                    index,
+                },
+                Span::UNDEFINED,
+            );
+            report.push(emit);
+            report.push(Statement::If {
+                condition: reached,
+                accept: Block::from_vec(vec![
+                    Statement::Emit(f.expressions.range_from(at)),
+                    Statement::Atomic {
+                        pointer: word,
+                        fun: AtomicFunction::Max,
+                        value,
+                        result: None,
+                    },
+                ]),
+                reject: Block::new(),
+            });
+        }
         // Before every return of the wrapper (it has one, at its end).
         let mut body = Vec::new();
         for s in std::mem::take(&mut f.body).span_into_iter().map(|(s, _)| s) {
@@ -131,6 +509,15 @@ pub(crate) fn count(module: &Module, group: u32, bound: Option<u32>) -> Module {
         f.body = Block::from_vec(body);
     }
     m
+}
+
+/// A function's pointers to the counters [`count`] adds.
+#[derive(Clone, Copy)]
+struct Counters {
+    /// Every loop's turns.
+    all: Option<Handle<Expression>>,
+    /// The open-ended loops' turns, and where they break.
+    open: Option<(Handle<Expression>, u32)>,
 }
 
 /// In `f`: loads the `u32` at `pointer` and applies `op` with the literal `rhs`;
@@ -159,25 +546,47 @@ fn load_then(
     )
 }
 
-/// Puts `counter += 1` first in the body of every loop in `block`, and with
-/// `bound`, `if counter >= bound { break; }` after it.
-fn count_in(block: &mut Block, f: &mut Function, counter: Handle<Expression>, bound: Option<u32>) {
+/// `counter += 1`, as the statements that do it, and the new count.
+fn step(f: &mut Function, counter: Handle<Expression>) -> (Vec<Statement>, Handle<Expression>) {
+    let (emit, _, new) = load_then(f, counter, BinaryOperator::Add, 1);
+    (
+        vec![
+            emit,
+            Statement::Store {
+                pointer: counter,
+                value: new,
+            },
+        ],
+        new,
+    )
+}
+
+/// Puts the counting first in the body of every loop in `block`: `all += 1`
+/// where every loop is counted, and in a loop not seen to end by itself
+/// `open += 1; if open >= bound { break; }`.
+fn count_in(
+    block: &mut Block,
+    f: &mut Function,
+    globals: &Arena<GlobalVariable>,
+    counters: Counters,
+) {
     for (s, _) in block.span_iter_mut() {
         match s {
             Statement::Loop {
                 body, continuing, ..
             } => {
-                count_in(body, f, counter, bound);
-                count_in(continuing, f, counter, bound);
-                let (emit, _, new) = load_then(f, counter, BinaryOperator::Add, 1);
-                let mut first = vec![
-                    emit,
-                    Statement::Store {
-                        pointer: counter,
-                        value: new,
-                    },
-                ];
-                if let Some(bound) = bound {
+                let open = counters
+                    .open
+                    .filter(|_| !ends_by_itself(body, continuing, f, globals));
+                count_in(body, f, globals, counters);
+                count_in(continuing, f, globals, counters);
+                let mut first = Vec::new();
+                if let Some(all) = counters.all {
+                    first.extend(step(f, all).0);
+                }
+                if let Some((counter, bound)) = open {
+                    let (stepped, new) = step(f, counter);
+                    first.extend(stepped);
                     let limit = f
                         .expressions
                         .append(Expression::Literal(Literal::U32(bound)), Span::UNDEFINED);
@@ -199,14 +608,14 @@ fn count_in(block: &mut Block, f: &mut Function, counter: Handle<Expression>, bo
                 }
                 body.splice(0..0, Block::from_vec(first));
             }
-            Statement::Block(b) => count_in(b, f, counter, bound),
+            Statement::Block(b) => count_in(b, f, globals, counters),
             Statement::If { accept, reject, .. } => {
-                count_in(accept, f, counter, bound);
-                count_in(reject, f, counter, bound);
+                count_in(accept, f, globals, counters);
+                count_in(reject, f, globals, counters);
             }
             Statement::Switch { cases, .. } => {
                 for c in cases {
-                    count_in(&mut c.body, f, counter, bound);
+                    count_in(&mut c.body, f, globals, counters);
                 }
             }
             _ => {}
@@ -232,3 +641,75 @@ fn main() {
 
 /// Turns the probe asks for: more than any known cap.
 pub(crate) const PROBE_TURNS: u32 = 200_000;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether the one loop of a kernel whose body is `body` is open-ended.
+    fn open(body: &str) -> bool {
+        let source = format!(
+            "@group(0) @binding(0) var<storage, read_write> out: array<u32>;
+@group(0) @binding(1) var<uniform> n: vec4<u32>;
+@group(0) @binding(2) var<storage, read> table: array<u32>;
+fn bump(p: ptr<function, u32>) {{ *p = *p + 1u; }}
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
+    var x = gid.x;
+    {body}
+    out[gid.x] = x;
+}}"
+        );
+        let module =
+            naga::front::wgsl::parse_str(&source).unwrap_or_else(|e| panic!("{body}: {e}"));
+        match open_loops(&module) {
+            0 => false,
+            1 => true,
+            n => panic!("{body}: {n} open loops"),
+        }
+    }
+
+    #[test]
+    fn counted_loops_that_cannot_pass_their_end_are_seen_to_end() {
+        for body in [
+            "for (var i = 0u; i < n.x; i++) { x = x * 3u; }",
+            "for (var i = 0; i < 10; i++) { x = x + 1u; }",
+            "for (var i = 0u; i < arrayLength(&out); i++) { x = x + out[i]; }",
+            "for (var i = 0u; i < table[0]; i++) { x = x + 1u; }",
+            "for (var i = 0u; n.y > i; i++) { x = x + 1u; }",
+            "for (var i = 0u; i < n.x && x != 7u; i++) { x = x * 3u; }",
+            "for (var i = 0u; x != 7u && i < n.x; i++) { x = x * 3u; }",
+            "let m = x; for (var i = 0u; i < m; i++) { x = x + 1u; }",
+            "var i = 0u; loop { if (i >= n.x) { break; } x = x + i; continuing { i = i + 1u; } }",
+            "for (var i = 0u; i < n.x; i++) { if (x == 5u) { continue; } x = x * 3u; }",
+        ] {
+            assert!(!open(body), "seen open: {body}");
+        }
+    }
+
+    #[test]
+    fn loops_that_might_not_end_are_open_ended() {
+        for body in [
+            "loop { x = x * 3u; if (x == 1u) { break; } }",
+            "while (x != 1u) { x = select(x / 2u, 3u * x + 1u, (x & 1u) == 1u); }",
+            // It can stay at the end: i <= 0xffffffff always holds.
+            "for (var i = 0u; i <= n.x; i++) { x = x + 1u; }",
+            // The end is in memory the loop may write.
+            "for (var i = 0u; i < out[0]; i++) { out[0] = out[0] + 1u; }",
+            // The end moves as the loop turns.
+            "for (var i = 0u; i < x; i++) { x = x + 1u; }",
+            // Two steps at a time can pass the end by wrapping.
+            "for (var i = 0u; i < n.x; i += 2u) { x = x + 1u; }",
+            // Stored in the body too.
+            "for (var i = 0u; i < n.x; i++) { i = i - 1u; }",
+            // Stepped in the body, where a continue would skip it.
+            "var i = 0u; while (i < n.x) { x = x + 1u; i++; }",
+            // Handed to a function that may store to it.
+            "for (var i = 0u; i < n.x; i++) { bump(&i); }",
+            // Only one of the conditions needs to fail to stay.
+            "for (var i = 0u; i < n.x || x != 0u; i++) { x = x + 1u; }",
+        ] {
+            assert!(open(body), "seen to end: {body}");
+        }
+    }
+}

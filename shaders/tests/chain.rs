@@ -46,6 +46,25 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
+/// [`LOOPED`] with its loop a `while` stepped in its body: open-ended as far as the
+/// executor can see, so bounded where a bound applies.
+const OPEN_LOOPED: &str = r#"
+struct Params { add: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<storage, read_write> state: array<u32>;
+@group(0) @binding(1) var<uniform> params: Params;
+@group(0) @binding(2) var<storage, read_write> before: array<u32, 4>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x >= arrayLength(&state)) { return; }
+    if (gid.x < 4u) { before[gid.x] = state[gid.x]; }
+    var v = state[gid.x];
+    var k = 0u;
+    while (k < 1u) { v = v * 3u; k = k + 1u; }
+    state[gid.x] = v + params.add + gid.x;
+}
+"#;
+
 /// Words of state: not a whole number of workgroups, so the last one is ragged.
 const WORDS: u32 = 1000;
 
@@ -183,7 +202,13 @@ fn a_chain_with_loops_runs_counted_and_one_past_its_bound_fails_the_chain() {
         assert_eq!(words(&out.carried[&0]), cpu, "{name}");
         drop(executor);
 
-        // Under a bound of one turn every invocation's loop is stopped at once.
+        // Under a bound of one turn every invocation's open-ended loop is stopped
+        // at once.
+        let open = Arc::new(Kernel::compile(OPEN_LOOPED, "main").unwrap());
+        let jobs: Vec<Job> = [1u32, 2]
+            .iter()
+            .map(|add| step_job(OPEN_LOOPED, &open, None, *add))
+            .collect();
         let limits = ExecutorLimits {
             loop_bound: Some(1),
             ..ExecutorLimits::default()

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpumesh_protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
-use gpumesh_shaders::{builtins, BackendChoice, Executor, Job, Kernel};
+use gpumesh_shaders::{
+    builtins, BackendChoice, Executor, ExecutorLimits, Job, Kernel, DEFAULT_LOOP_BOUND,
+};
 
 use super::direct::Direct;
 use super::{median_of, ms};
@@ -47,9 +49,32 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 "#;
 const SPIN_ROUNDS: u32 = 60_000;
 
+/// [`SPIN`] with its loop a `while` stepped in its body: the same work, in a loop
+/// the executor does not see end by itself, so bounded where a bound applies.
+const SPIN_WHILE: &str = r#"
+struct Params { rounds: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var x = gid.x;
+    var i = 0u;
+    while (i < params.rounds) {
+        x = (x ^ (x >> 13u)) * 1664525u + i;
+        i = i + 1u;
+    }
+    out[gid.x] = x;
+}
+"#;
+
 fn spin_job(groups: u32, shards: u32) -> anyhow::Result<Job> {
+    spin_job_of(SPIN, groups, shards)
+}
+
+fn spin_job_of(source: &str, groups: u32, shards: u32) -> anyhow::Result<Job> {
     let spec = TaskSpec {
-        shader: ShaderSource::Wgsl(SPIN.into()),
+        shader: ShaderSource::Wgsl(source.into()),
         entry_point: "main".into(),
         bindings: vec![
             BindingSpec {
@@ -73,7 +98,7 @@ fn spin_job(groups: u32, shards: u32) -> anyhow::Result<Job> {
     };
     Ok(Job::new(
         spec,
-        Arc::new(Kernel::compile(SPIN, "main")?),
+        Arc::new(Kernel::compile(source, "main")?),
         |_| None,
     )?)
 }
@@ -153,7 +178,7 @@ pub fn executor(args: ExecutorBenchArgs) -> anyhow::Result<ExitCode> {
     for (label, job, uniform, groups) in [
         (
             "trivial (1 workgroup)".to_string(),
-            trivial,
+            trivial.clone(),
             &trivial_uniform,
             1u32,
         ),
@@ -192,6 +217,8 @@ pub fn executor(args: ExecutorBenchArgs) -> anyhow::Result<ExitCode> {
         );
     }
 
+    loop_bound_cost(&ex, &args, groups, &trivial_uniform)?;
+
     let runs = args.runs.max(3) * 10;
     println!("\n(b') one trivial direct dispatch, step by step, median of {runs} runs");
     for (what, d) in super::direct::steps(&direct, runs)? {
@@ -217,6 +244,77 @@ pub fn executor(args: ExecutorBenchArgs) -> anyhow::Result<ExitCode> {
     }
     super::sharding::sections(&mut ex, args.runs, &args.shards, spin_job, groups)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// (b2) The spin kernel through an executor whose open-ended loops are bounded
+/// (`--max-loop-turns`) against one running them as the adapter does, interleaved:
+/// as a `for` loop (seen to end: nothing added) and as a `while` stepped in its
+/// body (counted and tested each turn). Where the adapter caps loops itself
+/// (Mesa's) both sides count every turn, and the bound, just under that cap, adds
+/// the second count and the test.
+fn loop_bound_cost(
+    ex: &Executor,
+    args: &ExecutorBenchArgs,
+    groups: u32,
+    trivial_uniform: &[u8],
+) -> anyhow::Result<()> {
+    let bound = ex.loop_cap().map_or(DEFAULT_LOOP_BOUND, |cap| cap - 1);
+    let with = |loop_bound| {
+        Executor::with_limits(
+            args.backend,
+            ExecutorLimits {
+                loop_bound,
+                ..ExecutorLimits::default()
+            },
+        )
+    };
+    let (mut plain, mut bounded) = (with(None)?, with(Some(bound))?);
+    println!(
+        "\n(b2) open-ended loops bounded at {bound} turns vs loops as the adapter runs them, median of {} interleaved runs",
+        args.runs.max(3)
+    );
+    println!(
+        "{:>26} {:>12} {:>12} {:>12} {:>8}",
+        "kernel", "as run ms", "bounded ms", "added ms", "ratio"
+    );
+    let mut trivial = spin_job(1, 1)?;
+    trivial.spec.bindings[0].role = BindingRole::Param {
+        data: trivial_uniform.to_vec(),
+    };
+    let trivial = Job::new(trivial.spec, trivial.kernel, |_| None)?;
+    for (label, job) in [
+        ("trivial (1 workgroup)".to_string(), trivial),
+        (format!("~100 ms, for ({groups} wg)"), spin_job(groups, 1)?),
+        (
+            format!("~100 ms, while ({groups} wg)"),
+            spin_job_of(SPIN_WHILE, groups, 1)?,
+        ),
+    ] {
+        plain.run(&job, None)?;
+        bounded.run(&job, None)?;
+        let (mut p_times, mut b_times) = (Vec::new(), Vec::new());
+        for _ in 0..args.runs.max(3) {
+            let p = plain.run(&job, None)?;
+            let b = bounded.run(&job, None)?;
+            anyhow::ensure!(
+                p.outputs == b.outputs,
+                "the bounded run's output differs from the unbounded one's"
+            );
+            p_times.push(p.elapsed);
+            b_times.push(b.elapsed);
+        }
+        p_times.sort();
+        b_times.sort();
+        let (p, b) = (p_times[p_times.len() / 2], b_times[b_times.len() / 2]);
+        println!(
+            "{label:>26} {:>12.3} {:>12.3} {:>12.3} {:>8.3}",
+            ms(p),
+            ms(b),
+            ms(b) - ms(p),
+            b.as_secs_f64() / p.as_secs_f64()
+        );
+    }
+    Ok(())
 }
 
 fn matmul_inputs(problem: &builtins::Problem) -> (Vec<f32>, Vec<f32>) {

@@ -140,27 +140,31 @@ struct Pipeline {
     turn_limit: Option<TurnLimit>,
 }
 
-/// Where a pipeline's loop turns stop.
+/// Where a pipeline's loop turns stop (see [`crate::turns`]).
 #[derive(Clone, Copy, Debug)]
-enum TurnLimit {
-    /// The adapter ends loops there by itself (Mesa's software adapters).
-    Adapter(u32),
-    /// The rewritten kernel breaks its loops there ([`ExecutorLimits::loop_bound`]).
-    Bound(u32),
+struct TurnLimit {
+    /// The adapter ends loops once an invocation's turns reach this (Mesa's
+    /// software adapters): every loop is counted, in word 0.
+    cap: Option<u32>,
+    /// The open-ended loops break once an invocation's turns of them reach this
+    /// ([`ExecutorLimits::loop_bound`]): counted in word 1.
+    bound: Option<u32>,
 }
 
 impl TurnLimit {
-    /// The error for a run whose most loop turns of any invocation were `most`,
-    /// if they reached the limit.
-    fn check(self, most: u32, adapter: &str) -> Result<()> {
-        match self {
-            TurnLimit::Adapter(cap) if most >= cap => Err(ExecError::LoopCap {
+    /// The error for a run whose counters read `words`, if a limit was reached:
+    /// the bound first, which every node would meet again.
+    fn check(self, words: [u32; 2], adapter: &str) -> Result<()> {
+        if let Some(bound) = self.bound.filter(|b| words[1] >= *b) {
+            return Err(ExecError::LoopBound { bound });
+        }
+        if let Some(cap) = self.cap.filter(|c| words[0] >= *c) {
+            return Err(ExecError::LoopCap {
                 cap,
                 adapter: adapter.to_string(),
-            }),
-            TurnLimit::Bound(bound) if most >= bound => Err(ExecError::LoopBound { bound }),
-            _ => Ok(()),
+            });
         }
+        Ok(())
     }
 }
 
@@ -897,11 +901,11 @@ impl Executor {
             (
                 device.create_buffer(&wgpu::BufferDescriptor {
                     label: Some("gpumesh loop turns"),
-                    size: 4,
+                    size: turns::TURNS_BYTES,
                     usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
                     mapped_at_creation: false,
                 }),
-                self.staging(4),
+                self.staging(turns::TURNS_BYTES),
             )
         });
         let mut info_entries = vec![wgpu::BindGroupEntry {
@@ -937,7 +941,7 @@ impl Executor {
             }
         }
         if let Some((counter, staging)) = &turns {
-            encoder.copy_buffer_to_buffer(counter, 0, staging.buffer(), 0, 4);
+            encoder.copy_buffer_to_buffer(counter, 0, staging.buffer(), 0, turns::TURNS_BYTES);
         }
         Ok((turns, tiles.len()))
     }
@@ -1034,18 +1038,25 @@ impl Executor {
         }
     }
 
-    /// The module `kernel` runs as here, and where its loop turns stop: bounded
-    /// where the bound applies (no cap of the adapter's own comes first), counted
-    /// where only the adapter's cap does, as written where neither does or it has
-    /// no loops.
+    /// The module `kernel` runs as here, and where its loop turns stop: its
+    /// open-ended loops bounded where the bound applies (no cap of the adapter's own
+    /// comes first), every loop counted where the adapter caps them, as written
+    /// where neither applies or there is nothing to count.
     fn module_for(&self, kernel: &Kernel) -> (naga::Module, Option<TurnLimit>) {
+        let cap = self.loop_cap;
         let bound = self
             .limits
             .loop_bound
-            .filter(|b| self.loop_cap.is_none_or(|cap| *b < cap));
+            .filter(|b| cap.is_none_or(|cap| *b < cap));
         if let Some(bound) = bound {
-            match kernel.bounded(bound) {
-                Ok(Some(module)) => return (module, Some(TurnLimit::Bound(bound))),
+            match kernel.bounded(bound, cap.is_some()) {
+                Ok(Some(module)) => {
+                    let limit = TurnLimit {
+                        cap,
+                        bound: Some(bound),
+                    };
+                    return (module, Some(limit));
+                }
                 Ok(None) => {}
                 Err(e) => tracing::warn!(
                     error = %e,
@@ -1053,8 +1064,8 @@ impl Executor {
                 ),
             }
         }
-        match (&kernel.counted, self.loop_cap) {
-            (Some(counted), Some(cap)) => (counted.clone(), Some(TurnLimit::Adapter(cap))),
+        match (&kernel.counted, cap) {
+            (Some(counted), Some(_)) => (counted.clone(), Some(TurnLimit { cap, bound: None })),
             _ => (kernel.instrumented.clone(), None),
         }
     }
@@ -1113,7 +1124,7 @@ impl Executor {
                 ty: wgpu::BindingType::Buffer {
                     ty: wgpu::BufferBindingType::Storage { read_only: false },
                     has_dynamic_offset: false,
-                    min_binding_size: NonZeroU64::new(4),
+                    min_binding_size: NonZeroU64::new(turns::TURNS_BYTES),
                 },
                 count: None,
             });
@@ -1149,14 +1160,17 @@ impl Executor {
     }
 }
 
-/// The most loop turns of any invocation, from a mapped counter's read-back.
-fn read_turns(staging: &mut Readback) -> u32 {
-    let most = {
+/// The loop-turn counters' words (see [`crate::turns`]), from their read-back.
+fn read_turns(staging: &mut Readback) -> [u32; 2] {
+    let words = {
         let w = staging.slice().get_mapped_range();
-        u32::from_le_bytes([w[0], w[1], w[2], w[3]])
+        [
+            u32::from_le_bytes([w[0], w[1], w[2], w[3]]),
+            u32::from_le_bytes([w[4], w[5], w[6], w[7]]),
+        ]
     };
     staging.unmap();
-    most
+    words
 }
 
 fn open_device(adapter: &wgpu::Adapter) -> Result<Gpu> {
