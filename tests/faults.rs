@@ -275,12 +275,13 @@ async fn a_loop_past_the_nodes_bound_is_stopped_and_its_task_refused_long_before
                 ..Default::default()
             },
         };
-        // The LCG stepped in a `while` (open-ended, as far as a node can see).
+        // The LCG in a loop left at an exact count (open-ended, as far as a node
+        // can see).
         let open_lcg = |steps: u32| {
             let mut spec = lcg_spec(64, 1);
             spec.shader = ShaderSource::Wgsl(LCG.replace(
                 "for (var i = 0u; i < 60000u; i++) {",
-                &format!("var i = 0u;\n    while (i < {steps}u) {{\n        i = i + 1u;"),
+                &format!("var i = 0u;\n    loop {{\n        if (i == {steps}u) {{ break; }}\n        i = i + 1u;"),
             ));
             spec
         };

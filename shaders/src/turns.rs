@@ -104,7 +104,8 @@ fn loops(module: &Module, which: impl Fn(&Block, &Block, &Function) -> bool + Co
 /// statement (emits aside) leaves it unless `i < n` (or leaves it once `i >= n`,
 /// either possibly joined to other conditions that can only end it sooner), where
 /// `i` is a local variable stored in the loop once, as `i = i + 1` at the top of
-/// `continuing`, and handed to no call, and `n` is a value the loop cannot change.
+/// `continuing` or last in a body with no `continue`, and handed to no call, and
+/// `n` is a value the loop cannot change.
 /// Then `i` rises by one a turn and cannot pass `n` without wrapping, so the loop
 /// turns at most 2^32 times. (A loop this does not see ending may still end; it is
 /// only counted.)
@@ -260,19 +261,23 @@ impl Looked<'_> {
         }
     }
 
-    /// Whether `var` is stored in the loop only as `var = var + 1` at the top of
-    /// `continuing`, and handed to no call.
+    /// Whether `var` is stored in the loop only as `var = var + 1`, at the top of
+    /// `continuing` or last in a body no `continue` cuts short, and handed to no
+    /// call.
     fn stepped_once(&self, var: Handle<LocalVariable>, body: &Block, continuing: &Block) -> bool {
         let mut stores = 0;
         let mut passed = false;
         self.uses(var, body, &mut stores, &mut passed);
         self.uses(var, continuing, &mut stores, &mut passed);
-        let stepped = continuing.iter().any(|s| match s {
+        let step = |s: &Statement| match s {
             Statement::Store { pointer, value } => {
                 self.is_var(*pointer, var) && self.plus_one(*value, var)
             }
             _ => false,
-        });
+        };
+        // At the back edge, or last in the body where no `continue` can skip it.
+        let stepped =
+            continuing.iter().any(step) || (last_of(body).is_some_and(step) && !continues(body));
         stores == 1 && !passed && stepped
     }
 
@@ -345,6 +350,25 @@ impl Looked<'_> {
         (self.local_load(left) == Some(var) && one(right))
             || (self.local_load(right) == Some(var) && one(left))
     }
+}
+
+/// The last statement `block` runs, inside a nested block that ends it.
+fn last_of(block: &Block) -> Option<&Statement> {
+    match block.last() {
+        Some(Statement::Block(b)) => last_of(b),
+        last => last,
+    }
+}
+
+/// Whether `block` has a `continue` of its own loop (not of a loop inside it).
+fn continues(block: &Block) -> bool {
+    block.iter().any(|s| match s {
+        Statement::Continue => true,
+        Statement::Block(b) => continues(b),
+        Statement::If { accept, reject, .. } => continues(accept) || continues(reject),
+        Statement::Switch { cases, .. } => cases.iter().any(|c| continues(&c.body)),
+        _ => false,
+    })
 }
 
 /// The expressions `block` evaluates (its emits, nested blocks' included).
@@ -682,6 +706,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
             "let m = x; for (var i = 0u; i < m; i++) { x = x + 1u; }",
             "var i = 0u; loop { if (i >= n.x) { break; } x = x + i; continuing { i = i + 1u; } }",
             "for (var i = 0u; i < n.x; i++) { if (x == 5u) { continue; } x = x * 3u; }",
+            "var i = 0u; while (i < n.x) { x = x + 1u; i++; }",
+            "var i = 0u; loop { if (i >= n.x || x > 9u) { break; } x = x * 3u; i++; }",
+            "var i = 0u; while (i < n.x) { for (var j = 0u; j < 4u; j++) { if (j == x) { continue; } } i++; }",
         ] {
             assert!(!open(body), "seen open: {body}");
         }
@@ -703,13 +730,35 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
             // Stored in the body too.
             "for (var i = 0u; i < n.x; i++) { i = i - 1u; }",
             // Stepped in the body, where a continue would skip it.
-            "var i = 0u; while (i < n.x) { x = x + 1u; i++; }",
+            "var i = 0u; while (i < n.x) { if (x == 5u) { continue; } i++; }",
+            // Stepped in the body, not last.
+            "var i = 0u; while (i < n.x) { i++; if (x == 5u) { x = 0u; } }",
+            // Left only at an exact value.
+            "var i = 0u; loop { if (i == n.x) { break; } x = x + 1u; i++; }",
             // Handed to a function that may store to it.
             "for (var i = 0u; i < n.x; i++) { bump(&i); }",
             // Only one of the conditions needs to fail to stay.
             "for (var i = 0u; i < n.x || x != 0u; i++) { x = x + 1u; }",
         ] {
             assert!(open(body), "seen to end: {body}");
+        }
+    }
+
+    #[test]
+    fn the_built_in_kernels_loops_end_by_themselves_but_two_of_one() {
+        use crate::builtins::sources as k;
+        for (name, source, want) in [
+            ("blur", k::BLUR, 0),
+            ("histogram", k::HISTOGRAM, 0),
+            ("jacobi", k::JACOBI, 0),
+            ("mandelbrot", k::MANDELBROT, 0),
+            ("matmul", k::MATMUL, 0),
+            ("montecarlo_pi", k::MONTECARLO_PI, 0),
+            // A compare-exchange retry loop and a halving reduction.
+            ("linreg_grad", k::LINREG_GRAD, 2),
+        ] {
+            let module = naga::front::wgsl::parse_str(source).unwrap();
+            assert_eq!(open_loops(&module), want, "{name}");
         }
     }
 }

@@ -46,7 +46,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
-/// [`LOOPED`] with its loop a `while` stepped in its body: open-ended as far as the
+/// [`LOOPED`] with its loop left at an exact count: open-ended as far as the
 /// executor can see, so bounded where a bound applies.
 const OPEN_LOOPED: &str = r#"
 struct Params { add: u32, _a: u32, _b: u32, _c: u32 }
@@ -60,7 +60,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     if (gid.x < 4u) { before[gid.x] = state[gid.x]; }
     var v = state[gid.x];
     var k = 0u;
-    while (k < 1u) { v = v * 3u; k = k + 1u; }
+    loop { v = v * 3u; k = k + 1u; if (k == 1u) { break; } }
     state[gid.x] = v + params.add + gid.x;
 }
 "#;

@@ -49,8 +49,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 "#;
 const SPIN_ROUNDS: u32 = 60_000;
 
-/// [`SPIN`] with its loop a `while` stepped in its body: the same work, in a loop
-/// the executor does not see end by itself, so bounded where a bound applies.
+/// [`SPIN`] with its loop left at an exact count: the same work, in a loop the
+/// executor does not see end by itself, so bounded where a bound applies.
 const SPIN_WHILE: &str = r#"
 struct Params { rounds: u32, _a: u32, _b: u32, _c: u32 }
 @group(0) @binding(0) var<uniform> params: Params;
@@ -60,7 +60,8 @@ struct Params { rounds: u32, _a: u32, _b: u32, _c: u32 }
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     var x = gid.x;
     var i = 0u;
-    while (i < params.rounds) {
+    loop {
+        if (i == params.rounds) { break; }
         x = (x ^ (x >> 13u)) * 1664525u + i;
         i = i + 1u;
     }
@@ -248,8 +249,8 @@ pub fn executor(args: ExecutorBenchArgs) -> anyhow::Result<ExitCode> {
 
 /// (b2) The spin kernel through an executor whose open-ended loops are bounded
 /// (`--max-loop-turns`) against one running them as the adapter does, interleaved:
-/// as a `for` loop (seen to end: nothing added) and as a `while` stepped in its
-/// body (counted and tested each turn). Where the adapter caps loops itself
+/// as a `for` loop (seen to end: nothing added) and as a loop left at an exact
+/// count (counted and tested each turn). Where the adapter caps loops itself
 /// (Mesa's) both sides count every turn, and the bound, just under that cap, adds
 /// the second count and the test.
 fn loop_bound_cost(
@@ -286,7 +287,7 @@ fn loop_bound_cost(
         ("trivial (1 workgroup)".to_string(), trivial),
         (format!("~100 ms, for ({groups} wg)"), spin_job(groups, 1)?),
         (
-            format!("~100 ms, while ({groups} wg)"),
+            format!("~100 ms, open ({groups} wg)"),
             spin_job_of(SPIN_WHILE, groups, 1)?,
         ),
     ] {
