@@ -54,10 +54,14 @@ pub struct ExecutorLimits {
     pub loop_bound: Option<u32>,
 }
 
-/// [`ExecutorLimits::loop_bound`] unless set: 2^30 turns, a second or more of one
-/// invocation's time on any GPU, so only a loop that was never going to end in
-/// reasonable time meets it.
-pub const DEFAULT_LOOP_BOUND: u32 = 1 << 30;
+/// [`ExecutorLimits::loop_bound`] unless set: 2^24 turns of one invocation's
+/// open-ended loops, tens of milliseconds of that one invocation's own time on a
+/// GPU (a few nanoseconds a dependent turn), far past what a kernel spread over
+/// invocations asks of one. It has to be small enough that a never-ending loop
+/// in every invocation of a wide dispatch frees the GPU soon: 256k invocations
+/// (4,000 workgroups of 64) of a four-instruction loop at 2^24 turns each are
+/// about 2^46 instructions, about a second on an H100; at 2^30 it was a minute.
+pub const DEFAULT_LOOP_BOUND: u32 = 1 << 24;
 
 impl Default for ExecutorLimits {
     fn default() -> Self {
