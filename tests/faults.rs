@@ -285,21 +285,23 @@ async fn a_loop_past_the_nodes_bound_is_stopped_and_its_task_refused_long_before
             ));
             spec
         };
-        // The never-ending kernel, and one that would end but only past the bound
-        // (60,000 steps): each refused, naming the flag, and not retried.
-        for spec in [runaway, open_lcg(60_000)] {
+        // The never-ending kernel, and ones that would end but only past the bound
+        // (60,000 steps, open-ended or counted): each refused, naming the flag, and
+        // not retried.
+        for spec in [runaway, open_lcg(60_000), lcg_spec(64, 1)] {
             let task = c.submit(spec, None).await.unwrap();
             let err = c.wait(task, |_, _| {}).await.unwrap_err().to_string();
             assert!(err.contains("--max-loop-turns"), "{err}");
             let view = c.task(task).await.unwrap();
             assert_eq!(view.shards[0].failures, 0, "not retried: {view:#?}");
         }
-        // Under the bound, the same loop answers as the CPU does, on the same node;
-        // and a counted `for` loop past it, which ends by itself, is let be.
+        // Under the bound, both answer as the CPU does, on the same node.
         let (_, out) = c.run(open_lcg(20_000)).await.unwrap();
         assert_eq!(out[&0], lcg_after(20_000, 64 * 64));
-        let (_, out) = c.run(lcg_spec(64, 1)).await.unwrap();
-        assert_eq!(out[&0], lcg_after(LCG_STEPS, 64 * 64));
+        let mut counted = lcg_spec(64, 1);
+        counted.shader = ShaderSource::Wgsl(LCG.replace("60000u", "20000u"));
+        let (_, out) = c.run(counted).await.unwrap();
+        assert_eq!(out[&0], lcg_after(20_000, 64 * 64));
         stop(nodes).await;
     })
     .await

@@ -181,13 +181,13 @@ impl Kernel {
         })
     }
 
-    /// The module breaking every loop not seen to end by itself once an
-    /// invocation's turns of such loops reach `bound`, counting every loop's turns
+    /// The module whose loops stop once an invocation's turns reach `bound`
+    /// (counted whole as a loop starts where [`crate::turns::counted_loop`] knows
+    /// them then, one by one otherwise), counting every loop's turns one by one
     /// too with `all` (see [`crate::turns`]): what runs where a bound applies.
-    /// `Ok(None)` when there is nothing to count: no loops, or (without `all`)
-    /// none that is open-ended.
+    /// `Ok(None)` when the shader has no loops.
     pub(crate) fn bounded(&self, bound: u32, all: bool) -> Result<Option<naga::Module>> {
-        if self.counted.is_none() || (!all && crate::turns::open_loops(&self.instrumented) == 0) {
+        if self.counted.is_none() {
             return Ok(None);
         }
         let counting = crate::turns::Counting {

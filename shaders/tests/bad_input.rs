@@ -536,6 +536,24 @@ fn loops_an_adapter_cuts_short_are_refused_not_answered_wrong() {
     }
 }
 
+/// Counts from -5,000 up to `n` in an `i32` loop: `n` + 5,000 turns.
+const SIGNED_COUNT: &str = r#"
+struct Params { n: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var turns = 0u;
+    for (var i = -5000; i < i32(params.n); i++) {
+        turns = turns + 1u;
+    }
+    if (gid.x < arrayLength(&out)) {
+        out[gid.x] = turns + gid.x;
+    }
+}
+"#;
+
 /// 1 + 2 + … + `n` in a `while` loop stepped in its body: open-ended as far as
 /// the executor can see.
 const OPEN_SUM: &str = r#"
@@ -619,34 +637,87 @@ fn loops_past_the_executors_bound_are_stopped_and_refused_and_the_next_task_runs
         };
         let mut executor =
             Executor::with_limits(BackendChoice::Only(adapter.backend), limits).unwrap();
-        // A counted `for` loop ends by itself: the bound leaves it alone (3 × 4,000
-        // turns, under Mesa's cap, answered as the CPU answers).
-        let params: Vec<u8> = [3u32, 4_000, 0, 0]
-            .iter()
-            .flat_map(|w| w.to_le_bytes())
-            .collect();
-        let s = spec(
-            NESTED_SUM,
-            vec![
-                BindingSpec {
-                    binding: 0,
-                    role: BindingRole::Param { data: params },
-                },
-                output(1, 100 * 4),
-            ],
-            [2, 1, 1],
-            MergeRule::Changes,
-        );
-        let out = executor
-            .run(&job(NESTED_SUM, s, &[]).unwrap(), None)
-            .unwrap();
-        let n = 12_000u64;
-        let cpu: Vec<u8> = (0..100u32)
-            .flat_map(|x| ((n * (n + 1) / 2) as u32).wrapping_add(x).to_le_bytes())
-            .collect();
-        assert_eq!(out.outputs[&1], cpu, "{name}: for loops past the bound");
-        // The same sum as a `while` stepped in its body, open-ended: 5,000 turns
-        // answered, 20,000 refused.
+        // Counted `for` loops are counted whole as they start: 3 × 2,000 turns
+        // (and the outer loop's 3) is under the bound, answered as the CPU answers;
+        // 3 × 4,000 is over it, and 2^32 × 2^32 far over it: each refused before
+        // its inner loop runs past the bound.
+        for (outer, inner) in [(3u32, 2_000u32), (3, 4_000), (u32::MAX, u32::MAX)] {
+            let params: Vec<u8> = [outer, inner, 0, 0]
+                .iter()
+                .flat_map(|w| w.to_le_bytes())
+                .collect();
+            let s = spec(
+                NESTED_SUM,
+                vec![
+                    BindingSpec {
+                        binding: 0,
+                        role: BindingRole::Param { data: params },
+                    },
+                    output(1, 100 * 4),
+                ],
+                [2, 1, 1],
+                MergeRule::Changes,
+            );
+            let n = u64::from(outer) * u64::from(inner);
+            let turns = n + u64::from(outer);
+            let t = std::time::Instant::now();
+            match executor.run(&job(NESTED_SUM, s, &[]).unwrap(), None) {
+                Ok(out) => {
+                    assert!(turns < u64::from(BOUND), "{name}: {turns} turns answered");
+                    let cpu: Vec<u8> = (0..100u32)
+                        .flat_map(|x| ((n * (n + 1) / 2) as u32).wrapping_add(x).to_le_bytes())
+                        .collect();
+                    assert_eq!(out.outputs[&1], cpu, "{name}: {outer} × {inner}");
+                }
+                Err(e) => {
+                    assert!(
+                        turns >= u64::from(BOUND),
+                        "{name}: {turns} turns refused: {e}"
+                    );
+                    assert!(
+                        matches!(e, ExecError::LoopBound { bound: BOUND }),
+                        "{name}: {e}"
+                    );
+                    eprintln!("{name}: {outer} × {inner} refused after {:?}", t.elapsed());
+                }
+            }
+        }
+        // An i32 loop from below zero: 9,000 turns answered, 11,000 refused.
+        for n in [4_000u32, 6_000] {
+            let s = spec(
+                SIGNED_COUNT,
+                vec![
+                    BindingSpec {
+                        binding: 0,
+                        role: BindingRole::Param {
+                            data: [n, 0, 0, 0].iter().flat_map(|w| w.to_le_bytes()).collect(),
+                        },
+                    },
+                    output(1, 100 * 4),
+                ],
+                [2, 1, 1],
+                MergeRule::Changes,
+            );
+            let turns = n + 5_000;
+            match executor.run(&job(SIGNED_COUNT, s, &[]).unwrap(), None) {
+                Ok(out) => {
+                    assert!(turns < BOUND, "{name}: {turns} turns answered");
+                    let cpu: Vec<u8> = (0..100u32)
+                        .flat_map(|x| (turns + x).to_le_bytes())
+                        .collect();
+                    assert_eq!(out.outputs[&1], cpu, "{name}: i32 loop to {n}");
+                }
+                Err(e) => {
+                    assert!(turns >= BOUND, "{name}: {turns} turns refused: {e}");
+                    assert!(
+                        matches!(e, ExecError::LoopBound { bound: BOUND }),
+                        "{name}: {e}"
+                    );
+                }
+            }
+        }
+        // The same sum as a `while (k <= n)` (it may never end: n = u32::MAX),
+        // counted turn by turn: 5,000 turns answered, 20,000 refused.
         for turns in [5_000u32, 20_000] {
             let s = spec(
                 OPEN_SUM,
