@@ -49,10 +49,11 @@ pub enum ExecError {
     )]
     LoopCap { cap: u32, adapter: String },
     #[error(
-        "an invocation's loops turned {bound} times in all, the most this node lets one \
-         invocation run (its --max-loop-turns): every loop was stopped there and the result \
-         was not kept; does a loop ever end? if it should run longer, spread its work over \
-         more invocations or raise the nodes' bound"
+        "an invocation's loops reached {bound} turns in all (a loop whose turns are known \
+         as it starts counts them all then), the most this node lets one invocation run \
+         (its --max-loop-turns): its loops were stopped there and the result was not kept; \
+         does a loop ever end? if it should run longer, spread its work over more \
+         invocations or raise the nodes' bound"
     )]
     LoopBound { bound: u32 },
     #[error("task exceeded its deadline of {deadline:?}; the device was rebuilt")]

@@ -164,7 +164,9 @@ pub struct NodeArgs {
     /// Loop turns one invocation of a kernel may run in all, on a GPU that runs loops
     /// as written (Mesa's software adapters stop them at 65,535 themselves): past it
     /// every loop of the invocation is stopped and the task refused, so a loop that
-    /// never ends frees the GPU. Each turn counted costs a few instructions.
+    /// never ends frees the GPU. A loop whose turns are known as it starts (a `for`
+    /// over a fixed range) counts them then, at no cost a turn; any other counts and
+    /// tests each turn.
     #[arg(long, env = "GPUMESH_MAX_LOOP_TURNS", value_name = "N",
           default_value_t = Limits::default().max_loop_turns)]
     pub max_loop_turns: u32,
