@@ -348,7 +348,7 @@ async fn a_shader_that_never_ends_fails_its_task_and_the_node_keeps_serving() {
         let c = client(&nodes[0]);
         let task = c.submit(spec, None).await.unwrap();
         let err = c.wait(task, |_, _| {}).await.unwrap_err().to_string();
-        assert!(err.contains("failed") && err.contains("deadline"), "{err}");
+        assert!(err.contains("failed") && runaway_stopped(&err), "{err}");
         let view = c.task(task).await.unwrap();
         assert_eq!(view.shards[0].failures, 0, "not retried: {view:#?}");
         // The same node runs the next task.

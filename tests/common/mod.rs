@@ -287,6 +287,13 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
+/// Whether `why` a run of [`RUNAWAY`] failed is one of the two ways it is stopped:
+/// its deadline, or (on a GPU that runs loops as written) the node's loop bound,
+/// whichever comes first there.
+pub fn runaway_stopped(why: &str) -> bool {
+    why.contains("deadline") || why.contains("--max-loop-turns")
+}
+
 /// The CPU's answer for invocation indices 0..`invocations` each stepped `steps`
 /// times through the 32-bit LCG x ↦ 1664525·x + 1013904223: the map applied `steps`
 /// times is itself x ↦ A·x + C, found by composing it with itself (square and
