@@ -100,7 +100,7 @@ pub use state::{
     KEPT_FINISHED_TASKS, MAX_CARRIED_RESULT, MAX_HISTORY, MAX_INLINE_RESULT, MAX_WAITING_CALLS,
     REMEMBERED_CALLS,
 };
-pub use storage::RedbStorage;
+pub use storage::{Compaction, RedbStorage};
 pub use tracing_drain::{raft_logger, TracingDrain};
 pub use transport::{Transport, Unreachable};
 pub use wire::{Frame, FrameBody};

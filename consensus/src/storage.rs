@@ -114,9 +114,24 @@ pub struct RedbStorage {
     snapshot_wanted: AtomicBool,
     /// Test hook: writes left before every write fails (a simulated crash).
     fail_after: Option<u64>,
+    /// Test hook: snapshots of our own whose files fail to be written next (a
+    /// disk with no room for them).
+    fail_snapshots: u64,
     /// A snapshot of our own whose file is being written (see
     /// [`RedbStorage::begin_compaction`]).
     writing: Option<SnapshotWrite>,
+}
+
+/// What [`RedbStorage::finish_compaction`] did.
+#[derive(Debug)]
+pub enum Compaction {
+    /// Nothing was in flight, or the snapshot is named and the log compacted
+    /// behind it.
+    Done,
+    /// The snapshot's files could not be written (a full disk): what was written of
+    /// them is removed, and the store and the log are as they were. Another
+    /// snapshot may be tried later.
+    NotWritten(ConsensusError),
 }
 
 /// A snapshot of our own being stored: encoded, its file and the log's next
@@ -448,6 +463,7 @@ impl RedbStorage {
             entries,
             snapshot_wanted: AtomicBool::new(false),
             fail_after: None,
+            fail_snapshots: 0,
             writing: None,
         })
     }
@@ -751,7 +767,10 @@ impl RedbStorage {
     pub fn compact(&mut self, snapshot: Snapshot, compact_to: u64) -> Result<()> {
         let meta = snapshot.get_metadata().clone();
         self.begin_compaction(meta, move || Ok(snapshot.data.to_vec()), compact_to)?;
-        self.finish_compaction()
+        match self.finish_compaction()? {
+            Compaction::Done => Ok(()),
+            Compaction::NotWritten(e) => Err(e),
+        }
     }
 
     /// Starts [`Self::compact`] of the snapshot at `meta` whose state `encode`
@@ -805,8 +824,17 @@ impl RedbStorage {
         let (generation, cluster) = (self.wal.generation() + 1, self.cluster);
         let (done, wait) = tokio::sync::oneshot::channel();
         let (tx, written) = std::sync::mpsc::sync_channel(1);
+        let fail = self.fail_snapshots > 0;
+        self.fail_snapshots = self.fail_snapshots.saturating_sub(1);
+        let path = self.path.clone();
         off_task(move || {
             let made = snapshot().and_then(|snap| {
+                if fail {
+                    return Err(ConsensusError::Storage {
+                        path,
+                        reason: "no room for the snapshot's file (injected)".into(),
+                    });
+                }
                 crate::snapfile::write(&store, generation, cluster, &snap)?;
                 let wal = Wal::create(Some(&store), generation, cluster, &hard_state, &kept)?;
                 Ok((snap, wal))
@@ -834,11 +862,23 @@ impl RedbStorage {
     /// (one append and `fdatasync`, as any), names the generation and the snapshot in
     /// the store and drops the entries before it. Nothing to do if none is in
     /// flight, or a received snapshot replaced it.
-    pub fn finish_compaction(&mut self) -> Result<()> {
+    pub fn finish_compaction(&mut self) -> Result<Compaction> {
         let Some(mut write) = self.writing.take() else {
-            return Ok(());
+            return Ok(Compaction::Done);
         };
-        let (snapshot, mut wal) = write.join(&self.path)?;
+        let (snapshot, mut wal) = match write.join(&self.path) {
+            Ok(made) => made,
+            Err(e) => {
+                // Unnamed, the files are not read again: the store still names the
+                // generation before. Removed now rather than with the next one, to
+                // give back the room they took.
+                if let Some(store) = &self.store {
+                    let _ = std::fs::remove_file(crate::snapfile::file_of(store, write.generation));
+                    let _ = std::fs::remove_file(crate::wal::file_of(store, write.generation));
+                }
+                return Ok(Compaction::NotWritten(e));
+            }
+        };
         let truncated = write.truncated;
         let mut hard_state = self.hard_state.clone();
         hard_state.commit = hard_state.commit.max(write.index);
@@ -859,7 +899,7 @@ impl RedbStorage {
             self.name_generation(Some(&snapshot), truncated, &hard_state, wal, true)?;
         }
         self.compacted(snapshot, truncated, hard_state);
-        Ok(())
+        Ok(Compaction::Done)
     }
 
     /// After a compaction's generation is named: the entries up to `truncated` go
@@ -889,6 +929,14 @@ impl RedbStorage {
     #[doc(hidden)]
     pub fn fail_after_writes(&mut self, writes: u64) {
         self.fail_after = Some(writes);
+    }
+
+    /// Fault injection: the files of the next `snapshots` snapshots of our own
+    /// fail to be written, as on a disk with no room for them (the log's appends
+    /// still succeed).
+    #[doc(hidden)]
+    pub fn fail_snapshot_writes(&mut self, snapshots: u64) {
+        self.fail_snapshots = snapshots;
     }
 
     fn count_write(&mut self) -> Result<()> {

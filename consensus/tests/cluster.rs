@@ -202,6 +202,68 @@ async fn lagging_follower_catches_up_through_a_snapshot() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_snapshot_that_cannot_be_written_leaves_the_replica_serving_and_is_tried_again() {
+    fn small_snapshots(id: u64) -> gpumesh_consensus::ReplicaConfig {
+        let mut c = test_config(id);
+        c.snapshot_interval = 20;
+        c.log_retain = 5;
+        c
+    }
+    let mut c = Cluster::with(3, 11, small_snapshots, 5).await;
+    let leader = c.leader().await;
+    let follower = c
+        .ids()
+        .into_iter()
+        .find(|&i| i != leader)
+        .expect("follower");
+    // Its next two snapshots find no room for their files; its log appends do.
+    c.crash(follower).await;
+    c.start_with(follower, |s| s.fail_snapshot_writes(2));
+    let last = submit_60(&c, leader).await;
+    let all = c.ids();
+    // It applies everything, its log whole where the leader's is compacted.
+    c.wait_applied(&all, last, 10 * SEC).await;
+    let compacted = eventually(10 * SEC, || async {
+        (c.status(leader).await.first_index > 10).then_some(())
+    })
+    .await;
+    assert!(compacted.is_some(), "leader: {:?}", c.status(leader).await);
+    assert!(
+        c.status(follower).await.first_index <= 2,
+        "no snapshot of the follower's was named: {:?}",
+        c.status(follower).await
+    );
+    // Past its waits (1 s, then 2 s), more entries: its next snapshot is written.
+    tokio::time::sleep(5 * SEC).await;
+    let mut more = 0;
+    for i in 0..60 {
+        more = c
+            .node(leader)
+            .propose(submit(1000 + i))
+            .await
+            .expect("submit")
+            .index;
+    }
+    c.wait_applied(&all, more, 10 * SEC).await;
+    let caught_up = eventually(10 * SEC, || async {
+        (c.status(follower).await.first_index > 10).then_some(())
+    })
+    .await;
+    assert!(
+        caught_up.is_some(),
+        "the follower compacted on a later try: {:?}",
+        c.status(follower).await
+    );
+    c.converged(&all, 10 * SEC).await;
+    // And it comes back from what it stored.
+    c.crash(follower).await;
+    c.start(follower);
+    c.wait_applied(&all, more, 10 * SEC).await;
+    c.converged(&all, 10 * SEC).await;
+    c.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn the_log_is_compacted_once_it_holds_snapshot_bytes() {
     // Entries alone would never call for a snapshot here; only their bytes can.
     fn limited(id: u64, snapshot_bytes: u64) -> gpumesh_consensus::ReplicaConfig {

@@ -77,6 +77,8 @@ impl ConsensusHandle {
             told_commit: 0,
             quiet: VecDeque::new(),
             compacting: None,
+            snapshot_failures: 0,
+            snapshot_retry_at: None,
             cfg: config.clone(),
         };
         let (status_tx, status) = watch::channel(actor.status());

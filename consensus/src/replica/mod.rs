@@ -416,6 +416,10 @@ struct Actor {
     /// Fires once the file of the snapshot being stored is written (see
     /// [`RedbStorage::begin_compaction`]).
     compacting: Option<oneshot::Receiver<()>>,
+    /// Snapshots of our own whose files could not be written, in a row, and when
+    /// the next may be tried (see [`Actor::snapshot_stored`]).
+    snapshot_failures: u32,
+    snapshot_retry_at: Option<time::Instant>,
 }
 
 /// Messages handled per round before the Ready is processed: large enough to batch

@@ -2,6 +2,7 @@
 //! has grown past the compaction threshold.
 
 use super::*;
+use crate::Compaction;
 
 impl Actor {
     pub(super) fn restore(&mut self, snapshot: &Snapshot) -> Result<()> {
@@ -49,6 +50,13 @@ impl Actor {
     pub(super) fn maybe_snapshot(&mut self) -> Result<()> {
         if self.compacting.is_some() {
             // One at a time; a request from Raft waits for the one in flight.
+            return Ok(());
+        }
+        if self
+            .snapshot_retry_at
+            .is_some_and(|at| time::Instant::now() < at)
+        {
+            // The last could not be written: the log grows until the next try.
             return Ok(());
         }
         let applied = self.state.get().applied_index();
@@ -104,13 +112,38 @@ impl Actor {
     pub(super) fn snapshot_stored(&mut self) -> Result<()> {
         self.compacting = None;
         let began = std::time::Instant::now();
-        blocking(|| self.raw.mut_store().finish_compaction())?;
-        debug!(
-            raft_id = self.cfg.id,
-            snapshot = self.raw.store().snapshot_metadata().index,
-            ms = began.elapsed().as_secs_f64() * 1e3,
-            "snapshot stored, log compacted"
-        );
+        match blocking(|| self.raw.mut_store().finish_compaction())? {
+            Compaction::Done => {
+                self.snapshot_failures = 0;
+                self.snapshot_retry_at = None;
+                debug!(
+                    raft_id = self.cfg.id,
+                    snapshot = self.raw.store().snapshot_metadata().index,
+                    ms = began.elapsed().as_secs_f64() * 1e3,
+                    "snapshot stored, log compacted"
+                );
+            }
+            Compaction::NotWritten(e) => {
+                // The replica goes on with its log as it was (its appends are small
+                // next to a snapshot, and may still fit); the next snapshot waits,
+                // longer each time, up to a minute.
+                self.snapshot_failures += 1;
+                let wait = SNAPSHOT_RETRY * 2u32.pow(self.snapshot_failures.min(6) - 1);
+                let wait = wait.min(SNAPSHOT_RETRY_MAX);
+                self.snapshot_retry_at = Some(time::Instant::now() + wait);
+                warn!(
+                    raft_id = self.cfg.id,
+                    failures = self.snapshot_failures,
+                    retry_in_s = wait.as_secs_f64(),
+                    "a snapshot could not be written, the log is kept whole until the next try: {e}"
+                );
+            }
+        }
         Ok(())
     }
 }
+
+/// The wait before a snapshot is tried again after one could not be written,
+/// doubled with each failure in a row up to [`SNAPSHOT_RETRY_MAX`].
+const SNAPSHOT_RETRY: Duration = Duration::from_secs(1);
+const SNAPSHOT_RETRY_MAX: Duration = Duration::from_secs(60);

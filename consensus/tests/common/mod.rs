@@ -135,10 +135,21 @@ impl Cluster {
     /// Starts replica `id`; with `Some(n)`, its storage fails after `n` writes (a
     /// crash in the middle of a Ready).
     pub fn start_failing(&mut self, id: u64, fail_after: Option<u64>) -> ConsensusHandle {
+        self.start_with(id, |storage| {
+            if let Some(n) = fail_after {
+                storage.fail_after_writes(n);
+            }
+        })
+    }
+
+    /// Starts replica `id` on its storage as `prepare` leaves it (a fault injected).
+    pub fn start_with(
+        &mut self,
+        id: u64,
+        prepare: impl FnOnce(&mut RedbStorage),
+    ) -> ConsensusHandle {
         let mut storage = RedbStorage::open(self.path(id), CLUSTER).expect("reopen storage");
-        if let Some(n) = fail_after {
-            storage.fail_after_writes(n);
-        }
+        prepare(&mut storage);
         let h = ConsensusHandle::start((self.configure)(id), storage, self.net.transport(id))
             .expect("start replica");
         self.net.register(h.clone());
