@@ -347,6 +347,51 @@ async fn the_api_creates_calls_reads_lists_and_deletes_actors_and_refuses_what_i
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_call_whose_loops_pass_the_hosts_bound_is_refused_and_changes_nothing() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        // Under Mesa's own cap, so the bound is what stops loops here.
+        let nodes = common::mesh_with(dir.path(), 3, |_, config| {
+            config.limits.max_loop_turns = 30_000;
+        })
+        .await;
+        create_stepper(&nodes[0], "bounded").await;
+        let (a, b) = (common::client(&nodes[0]), common::client(&nodes[1]));
+        let mut cpu = vec![0u32; WORDS as usize];
+        a.call_actor("bounded", step_call(3), None).await.unwrap();
+        cpu_step(&mut cpu, 3);
+        // A loop that never ends, under a deadline it never comes near.
+        let runaway = ActorCall {
+            shader: ShaderSource::Wgsl(RUNAWAY.into()),
+            entry_point: "main".into(),
+            bindings: vec![BindingSpec {
+                binding: 1,
+                role: BindingRole::Param { data: vec![0; 16] },
+            }],
+            grid: Grid([4000, 1, 1]),
+            deadline_ms: Some(600_000),
+        };
+        let err = b
+            .call_actor("bounded", runaway, None)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--max-loop-turns"), "{err}");
+        assert_eq!(words(&a.actor_state("bounded", 0).await.unwrap()), cpu);
+        // The host goes on: the next call runs on the state as it was.
+        b.call_actor("bounded", step_call(4), None).await.unwrap();
+        cpu_step(&mut cpu, 4);
+        assert_eq!(words(&b.actor_state("bounded", 0).await.unwrap()), cpu);
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn actors_pinned_to_gl_and_to_vulkan_share_a_mesh_and_keep_state_past_a_blob_chunk() {
     use gpumesh::protocol::BackendKind;
     use gpumesh::shaders::BackendChoice;
