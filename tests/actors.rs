@@ -21,6 +21,21 @@ const WORDS: u32 = 256;
 /// A stepper's state over the record's inline bound: kept as blobs on two nodes.
 const BIG_WORDS: u32 = 8192;
 
+/// A call of [`RUNAWAY`] over `groups` workgroups under a deadline of
+/// `deadline_ms`: its stop flag (zero) at binding 1.
+fn runaway_call(groups: u32, deadline_ms: u64) -> ActorCall {
+    ActorCall {
+        shader: ShaderSource::Wgsl(RUNAWAY.into()),
+        entry_point: "main".into(),
+        bindings: vec![BindingSpec {
+            binding: 1,
+            role: BindingRole::Param { data: vec![0; 16] },
+        }],
+        grid: Grid([groups, 1, 1]),
+        deadline_ms: Some(deadline_ms),
+    }
+}
+
 fn step_call(add: u32) -> ActorCall {
     step_call_over(add, WORDS)
 }
@@ -289,16 +304,7 @@ async fn the_api_creates_calls_reads_lists_and_deletes_actors_and_refuses_what_i
             .unwrap_err()
             .to_string();
         assert!(err.contains("the actor's state"), "{err}");
-        let runaway = ActorCall {
-            shader: ShaderSource::Wgsl(RUNAWAY.into()),
-            entry_point: "main".into(),
-            bindings: vec![BindingSpec {
-                binding: 1,
-                role: BindingRole::Param { data: vec![0; 16] },
-            }],
-            grid: Grid([4000, 1, 1]),
-            deadline_ms: Some(500),
-        };
+        let runaway = runaway_call(4000, 500);
         let err = a
             .call_actor("acc", runaway, None)
             .await
@@ -364,16 +370,7 @@ async fn a_call_whose_loops_pass_the_hosts_bound_is_refused_and_changes_nothing(
         a.call_actor("bounded", step_call(3), None).await.unwrap();
         cpu_step(&mut cpu, 3);
         // A loop that never ends, under a deadline it never comes near.
-        let runaway = ActorCall {
-            shader: ShaderSource::Wgsl(RUNAWAY.into()),
-            entry_point: "main".into(),
-            bindings: vec![BindingSpec {
-                binding: 1,
-                role: BindingRole::Param { data: vec![0; 16] },
-            }],
-            grid: Grid([4000, 1, 1]),
-            deadline_ms: Some(600_000),
-        };
+        let runaway = runaway_call(4000, 600_000);
         let err = b
             .call_actor("bounded", runaway, None)
             .await
@@ -697,16 +694,7 @@ async fn calls_waiting_together_run_back_to_back_and_a_failure_among_them_change
         create_stepper(&nodes[0], "batched").await;
         // 24 calls through all three nodes at once; every sixth never ends (it is
         // stopped at its deadline, or on a software adapter when its loop is cut).
-        let runaway = ActorCall {
-            shader: ShaderSource::Wgsl(RUNAWAY.into()),
-            entry_point: "main".into(),
-            bindings: vec![BindingSpec {
-                binding: 1,
-                role: BindingRole::Param { data: vec![0; 16] },
-            }],
-            grid: Grid([64, 1, 1]),
-            deadline_ms: Some(100),
-        };
+        let runaway = runaway_call(64, 100);
         let calls: Vec<ActorCall> = (0..24u32)
             .map(|i| {
                 if i % 6 == 5 {

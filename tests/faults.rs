@@ -11,9 +11,7 @@ use std::time::Duration;
 use common::*;
 use gpumesh::node::api::TaskState;
 use gpumesh::node::{Faults, MeshNode};
-use gpumesh::protocol::{
-    BackendKind, BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec,
-};
+use gpumesh::protocol::{BackendKind, ShaderSource};
 use gpumesh::shaders::builtins;
 use gpumesh::shaders::BackendChoice;
 
@@ -247,34 +245,8 @@ async fn a_loop_past_the_nodes_bound_is_stopped_and_its_task_refused_long_before
         })
         .await;
         let c = client(&nodes[0]);
-        let groups = 4_000u32;
-        let runaway = TaskSpec {
-            shader: ShaderSource::Wgsl(RUNAWAY.into()),
-            entry_point: "main".into(),
-            bindings: vec![
-                BindingSpec {
-                    binding: 0,
-                    role: BindingRole::Output {
-                        size: u64::from(groups) * 256,
-                    },
-                },
-                BindingSpec {
-                    binding: 1,
-                    role: BindingRole::Param {
-                        data: vec![0u8; 16],
-                    },
-                },
-            ],
-            grid: Grid([groups, 1, 1]),
-            shards: 1,
-            merge: MergeRule::Changes,
-            merges: Default::default(),
-            // A deadline it never comes near: the bound ends it first.
-            options: gpumesh::protocol::TaskOptions {
-                deadline_ms: Some(600_000),
-                ..Default::default()
-            },
-        };
+        // A deadline it never comes near: the bound ends it first.
+        let runaway = runaway_spec(4_000, 600_000);
         // The LCG in a loop left at an exact count (open-ended, as far as a node
         // can see).
         let open_lcg = |steps: u32| {
@@ -316,35 +288,7 @@ async fn a_shader_that_never_ends_fails_its_task_and_the_node_keeps_serving() {
     let dir = tempfile::tempdir().unwrap();
     tokio::time::timeout(LIMIT, async {
         let nodes = mesh_with(dir.path(), 1, |_, _| {}).await;
-        let groups = 4_000u32;
-        let spec = TaskSpec {
-            shader: ShaderSource::Wgsl(RUNAWAY.into()),
-            entry_point: "main".into(),
-            // The shared never-ending kernel (common::RUNAWAY): its stop flag at
-            // binding 1, zero.
-            bindings: vec![
-                BindingSpec {
-                    binding: 0,
-                    role: BindingRole::Output {
-                        size: u64::from(groups) * 256,
-                    },
-                },
-                BindingSpec {
-                    binding: 1,
-                    role: BindingRole::Param {
-                        data: vec![0u8; 16],
-                    },
-                },
-            ],
-            grid: Grid([groups, 1, 1]),
-            shards: 1,
-            merge: MergeRule::Changes,
-            merges: Default::default(),
-            options: gpumesh::protocol::TaskOptions {
-                deadline_ms: Some(1000),
-                ..Default::default()
-            },
-        };
+        let spec = runaway_spec(4_000, 1000);
         let c = client(&nodes[0]);
         let task = c.submit(spec, None).await.unwrap();
         let err = c.wait(task, |_, _| {}).await.unwrap_err().to_string();

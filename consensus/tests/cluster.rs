@@ -141,6 +141,14 @@ async fn minority_partition_cannot_commit_and_heals() {
     c.shutdown().await;
 }
 
+/// A snapshot every 20 entries, 5 kept behind it.
+fn small_snapshots(id: u64) -> gpumesh_consensus::ReplicaConfig {
+    let mut c = test_config(id);
+    c.snapshot_interval = 20;
+    c.log_retain = 5;
+    c
+}
+
 /// Sixty submits through `leader`, one after another; the index of the last.
 async fn submit_60(c: &Cluster, leader: u64) -> u64 {
     let mut last = 0;
@@ -157,12 +165,6 @@ async fn submit_60(c: &Cluster, leader: u64) -> u64 {
 
 #[tokio::test(start_paused = true)]
 async fn lagging_follower_catches_up_through_a_snapshot() {
-    fn small_snapshots(id: u64) -> gpumesh_consensus::ReplicaConfig {
-        let mut c = test_config(id);
-        c.snapshot_interval = 20;
-        c.log_retain = 5;
-        c
-    }
     let c = Cluster::with(3, 3, small_snapshots, 5).await;
     let leader = c.leader().await;
     let lagger = c
@@ -203,12 +205,6 @@ async fn lagging_follower_catches_up_through_a_snapshot() {
 
 #[tokio::test(start_paused = true)]
 async fn a_snapshot_that_cannot_be_written_leaves_the_replica_serving_and_is_tried_again() {
-    fn small_snapshots(id: u64) -> gpumesh_consensus::ReplicaConfig {
-        let mut c = test_config(id);
-        c.snapshot_interval = 20;
-        c.log_retain = 5;
-        c
-    }
     let mut c = Cluster::with(3, 11, small_snapshots, 5).await;
     let leader = c.leader().await;
     let follower = c

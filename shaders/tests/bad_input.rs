@@ -58,6 +58,25 @@ fn job(source: &str, spec: TaskSpec, data: &[u8]) -> Result<Job, ExecError> {
     Job::new(spec, kernel, |id| id.matches(&blob).then(|| blob.clone()))
 }
 
+/// A one-shard job of `source` over `groups` workgroups: `params` as the uniform
+/// at binding 0, an output of `out_bytes` at binding 1.
+fn with_params(source: &str, params: [u32; 4], out_bytes: u64, groups: u32) -> Job {
+    let data = params.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let s = spec(
+        source,
+        vec![
+            BindingSpec {
+                binding: 0,
+                role: BindingRole::Param { data },
+            },
+            output(1, out_bytes),
+        ],
+        [groups, 1, 1],
+        MergeRule::Changes,
+    );
+    job(source, s, &[]).unwrap()
+}
+
 fn copy_job(
     bindings: Vec<BindingSpec>,
     grid: [u32; 3],
@@ -65,6 +84,22 @@ fn copy_job(
     data: &[u8],
 ) -> Result<Job, ExecError> {
     job(COPY, spec(COPY, bindings, grid, merge), data)
+}
+
+/// A loop-free task on `executor` answers as the CPU does: what every test of a
+/// refusal checks last.
+fn copies_as_the_cpu(executor: &mut Executor, name: &str) {
+    let data: Vec<u8> = (0..64u32).flat_map(|v| v.to_le_bytes()).collect();
+    let j = copy_job(
+        vec![input(0, &data), output(1, 256)],
+        [1, 1, 1],
+        MergeRule::Changes,
+        &data,
+    )
+    .unwrap();
+    let out = executor.run(&j, None).unwrap();
+    let want: Vec<u8> = (0..64u32).flat_map(|v| (v * 2).to_le_bytes()).collect();
+    assert_eq!(out.outputs[&1], want, "on {name}");
 }
 
 #[test]
@@ -339,17 +374,7 @@ fn buffer_over_the_adapter_maximum_is_refused_before_allocation() {
         assert!(matches!(err, ExecError::Limit { .. }), "{err}");
         assert!(err.to_string().contains("binding 1"), "{err}");
         // And the executor still runs good work.
-        let data: Vec<u8> = (0..64u32).flat_map(|v| v.to_le_bytes()).collect();
-        let j = copy_job(
-            vec![input(0, &data), output(1, 256)],
-            [1, 1, 1],
-            MergeRule::Changes,
-            &data,
-        )
-        .unwrap();
-        let out = executor.run(&j, None).unwrap();
-        let want: Vec<u8> = (0..64u32).flat_map(|v| (v * 2).to_le_bytes()).collect();
-        assert_eq!(out.outputs[&1], want);
+        copies_as_the_cpu(&mut executor, adapter.backend.name());
     }
 }
 
@@ -378,21 +403,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 fn a_task_past_its_deadline_fails_and_the_next_task_runs() {
     for adapter in common::adapters() {
         let mut executor = common::lock(adapter);
-        let s = spec(
-            SPIN,
-            vec![
-                BindingSpec {
-                    binding: 0,
-                    role: BindingRole::Param {
-                        data: vec![0u8; 16],
-                    },
-                },
-                output(1, 2048 * 64 * 4),
-            ],
-            [2048, 1, 1],
-            MergeRule::Changes,
-        );
-        let slow = job(SPIN, s, &[]).unwrap();
+        let slow = with_params(SPIN, [0; 4], 2048 * 64 * 4, 2048);
         let before = executor.rebuilds();
         let t = std::time::Instant::now();
         let err = executor
@@ -420,17 +431,7 @@ fn a_task_past_its_deadline_fails_and_the_next_task_runs() {
         );
         assert_eq!(devices.abandoned(), 0, "the old device is dropped");
         assert_eq!(devices.rebuilt(), executor.rebuilds());
-        let data: Vec<u8> = (0..64u32).flat_map(|v| v.to_le_bytes()).collect();
-        let j = copy_job(
-            vec![input(0, &data), output(1, 256)],
-            [1, 1, 1],
-            MergeRule::Changes,
-            &data,
-        )
-        .unwrap();
-        let out = executor.run(&j, None).unwrap();
-        let want: Vec<u8> = (0..64u32).flat_map(|v| (v * 2).to_le_bytes()).collect();
-        assert_eq!(out.outputs[&1], want, "on {}", adapter.backend.name());
+        copies_as_the_cpu(&mut executor, adapter.backend.name());
     }
 }
 
@@ -496,23 +497,7 @@ fn loops_an_adapter_cuts_short_are_refused_not_answered_wrong() {
         // (outer, inner): 3 × 20,000 turns is within any cap; 3 × 40,000 is not
         // within Mesa's, in all though each loop alone is.
         for (outer, inner) in [(3u32, 20_000u32), (3, 40_000)] {
-            let params: Vec<u8> = [outer, inner, 0, 0]
-                .iter()
-                .flat_map(|w| w.to_le_bytes())
-                .collect();
-            let s = spec(
-                NESTED_SUM,
-                vec![
-                    BindingSpec {
-                        binding: 0,
-                        role: BindingRole::Param { data: params },
-                    },
-                    output(1, 100 * 4),
-                ],
-                [2, 1, 1],
-                MergeRule::Changes,
-            );
-            let j = job(NESTED_SUM, s, &[]).unwrap();
+            let j = with_params(NESTED_SUM, [outer, inner, 0, 0], 100 * 4, 2);
             let n = u64::from(outer) * u64::from(inner);
             let cpu: Vec<u8> = (0..100u32)
                 .flat_map(|x| ((n * (n + 1) / 2) as u32).wrapping_add(x).to_le_bytes())
@@ -642,26 +627,11 @@ fn loops_past_the_executors_bound_are_stopped_and_refused_and_the_next_task_runs
         // 3 × 4,000 is over it, and 2^32 × 2^32 far over it: each refused before
         // its inner loop runs past the bound.
         for (outer, inner) in [(3u32, 2_000u32), (3, 4_000), (u32::MAX, u32::MAX)] {
-            let params: Vec<u8> = [outer, inner, 0, 0]
-                .iter()
-                .flat_map(|w| w.to_le_bytes())
-                .collect();
-            let s = spec(
-                NESTED_SUM,
-                vec![
-                    BindingSpec {
-                        binding: 0,
-                        role: BindingRole::Param { data: params },
-                    },
-                    output(1, 100 * 4),
-                ],
-                [2, 1, 1],
-                MergeRule::Changes,
-            );
+            let j = with_params(NESTED_SUM, [outer, inner, 0, 0], 100 * 4, 2);
             let n = u64::from(outer) * u64::from(inner);
             let turns = n + u64::from(outer);
             let t = std::time::Instant::now();
-            match executor.run(&job(NESTED_SUM, s, &[]).unwrap(), None) {
+            match executor.run(&j, None) {
                 Ok(out) => {
                     assert!(turns < u64::from(BOUND), "{name}: {turns} turns answered");
                     let cpu: Vec<u8> = (0..100u32)
@@ -684,22 +654,9 @@ fn loops_past_the_executors_bound_are_stopped_and_refused_and_the_next_task_runs
         }
         // An i32 loop from below zero: 9,000 turns answered, 11,000 refused.
         for n in [4_000u32, 6_000] {
-            let s = spec(
-                SIGNED_COUNT,
-                vec![
-                    BindingSpec {
-                        binding: 0,
-                        role: BindingRole::Param {
-                            data: [n, 0, 0, 0].iter().flat_map(|w| w.to_le_bytes()).collect(),
-                        },
-                    },
-                    output(1, 100 * 4),
-                ],
-                [2, 1, 1],
-                MergeRule::Changes,
-            );
+            let j = with_params(SIGNED_COUNT, [n, 0, 0, 0], 100 * 4, 2);
             let turns = n + 5_000;
-            match executor.run(&job(SIGNED_COUNT, s, &[]).unwrap(), None) {
+            match executor.run(&j, None) {
                 Ok(out) => {
                     assert!(turns < BOUND, "{name}: {turns} turns answered");
                     let cpu: Vec<u8> = (0..100u32)
@@ -719,25 +676,9 @@ fn loops_past_the_executors_bound_are_stopped_and_refused_and_the_next_task_runs
         // The same sum as a `while (k <= n)` (it may never end: n = u32::MAX),
         // counted turn by turn: 5,000 turns answered, 20,000 refused.
         for turns in [5_000u32, 20_000] {
-            let s = spec(
-                OPEN_SUM,
-                vec![
-                    BindingSpec {
-                        binding: 0,
-                        role: BindingRole::Param {
-                            data: [turns, 0, 0, 0]
-                                .iter()
-                                .flat_map(|w| w.to_le_bytes())
-                                .collect(),
-                        },
-                    },
-                    output(1, 100 * 4),
-                ],
-                [2, 1, 1],
-                MergeRule::Changes,
-            );
+            let j = with_params(OPEN_SUM, [turns, 0, 0, 0], 100 * 4, 2);
             let n = u64::from(turns);
-            match executor.run(&job(OPEN_SUM, s, &[]).unwrap(), None) {
+            match executor.run(&j, None) {
                 Ok(out) => {
                     assert!(turns < BOUND, "{name}: {turns} turns answered");
                     let cpu: Vec<u8> = (0..100u32)
@@ -759,21 +700,7 @@ fn loops_past_the_executors_bound_are_stopped_and_refused_and_the_next_task_runs
         // Loops that never end, one with barriers in it: each stops at the bound,
         // long before the deadline, and the device is not rebuilt.
         for source in [SPIN, BARRIER_SPIN] {
-            let s = spec(
-                source,
-                vec![
-                    BindingSpec {
-                        binding: 0,
-                        role: BindingRole::Param {
-                            data: vec![0u8; 16],
-                        },
-                    },
-                    output(1, 2048 * 64 * 4),
-                ],
-                [2048, 1, 1],
-                MergeRule::Changes,
-            );
-            let runaway = job(source, s, &[]).unwrap();
+            let runaway = with_params(source, [0; 4], 2048 * 64 * 4, 2048);
             let rebuilds = executor.rebuilds();
             let t = std::time::Instant::now();
             let err = executor
@@ -808,16 +735,6 @@ fn loops_past_the_executors_bound_are_stopped_and_refused_and_the_next_task_runs
         assert_eq!(out.outputs[&1], cpu, "{name}: the workgroup sums");
 
         // And a loop-free task after it all.
-        let data: Vec<u8> = (0..64u32).flat_map(|v| v.to_le_bytes()).collect();
-        let j = copy_job(
-            vec![input(0, &data), output(1, 256)],
-            [1, 1, 1],
-            MergeRule::Changes,
-            &data,
-        )
-        .unwrap();
-        let out = executor.run(&j, None).unwrap();
-        let want: Vec<u8> = (0..64u32).flat_map(|v| (v * 2).to_le_bytes()).collect();
-        assert_eq!(out.outputs[&1], want, "on {name}");
+        copies_as_the_cpu(&mut executor, name);
     }
 }

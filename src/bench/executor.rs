@@ -192,30 +192,18 @@ pub fn executor(args: ExecutorBenchArgs) -> anyhow::Result<ExitCode> {
     ] {
         let out_bytes = u64::from(groups) * 256;
         // Interleave so drift in machine load hits both sides alike.
-        let mut d_times = Vec::new();
-        let mut e_times = Vec::new();
         direct.run(uniform, out_bytes, groups)?;
         ex.run(&job, None)?;
-        for _ in 0..args.runs.max(3) {
-            let (d, direct_out) = direct.run(uniform, out_bytes, groups)?;
-            let e = ex.run(&job, None)?;
-            anyhow::ensure!(
-                e.outputs[&1] == direct_out,
-                "executor and direct outputs differ"
-            );
-            d_times.push(d);
-            e_times.push(e.elapsed);
-        }
-        d_times.sort();
-        e_times.sort();
-        let (d, e) = (d_times[d_times.len() / 2], e_times[e_times.len() / 2]);
-        println!(
-            "{label:>26} {:>12.3} {:>12.3} {:>12.3} {:>8.3}",
-            ms(d),
-            ms(e),
-            ms(e) - ms(d),
-            e.as_secs_f64() / d.as_secs_f64()
-        );
+        let (d, e) = interleaved(
+            args.runs.max(3),
+            || direct.run(uniform, out_bytes, groups),
+            || {
+                ex.run(&job, None)
+                    .map(|e| (e.elapsed, e.outputs[&1].clone()))
+            },
+            "executor and direct outputs differ",
+        )?;
+        pair_row(&label, d, e);
     }
 
     loop_bound_cost(&ex, &args, groups, &trivial_uniform)?;
@@ -247,12 +235,12 @@ pub fn executor(args: ExecutorBenchArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// (b2) The spin kernel through an executor whose open-ended loops are bounded
+/// (b2) The spin kernel through an executor whose loops are bounded
 /// (`--max-loop-turns`) against one running them as the adapter does, interleaved:
-/// as a `for` loop (seen to end: nothing added) and as a loop left at an exact
-/// count (counted and tested each turn). Where the adapter caps loops itself
-/// (Mesa's) both sides count every turn, and the bound, just under that cap, adds
-/// the second count and the test.
+/// as a `for` loop (its turns counted as it starts: nothing added a turn) and as a
+/// loop left at an exact count (counted and tested each turn). Where the adapter
+/// caps loops itself (Mesa's) both sides count every turn, and the bound, just
+/// under that cap, adds the second count.
 fn loop_bound_cost(
     ex: &Executor,
     args: &ExecutorBenchArgs,
@@ -271,7 +259,7 @@ fn loop_bound_cost(
     };
     let (mut plain, mut bounded) = (with(None)?, with(Some(bound))?);
     println!(
-        "\n(b2) open-ended loops bounded at {bound} turns vs loops as the adapter runs them, median of {} interleaved runs",
+        "\n(b2) loops bounded at {bound} turns (a for loop counted as it starts, an open one turn by turn) vs as the adapter runs them, median of {} interleaved runs",
         args.runs.max(3)
     );
     println!(
@@ -293,29 +281,51 @@ fn loop_bound_cost(
     ] {
         plain.run(&job, None)?;
         bounded.run(&job, None)?;
-        let (mut p_times, mut b_times) = (Vec::new(), Vec::new());
-        for _ in 0..args.runs.max(3) {
-            let p = plain.run(&job, None)?;
-            let b = bounded.run(&job, None)?;
-            anyhow::ensure!(
-                p.outputs == b.outputs,
-                "the bounded run's output differs from the unbounded one's"
-            );
-            p_times.push(p.elapsed);
-            b_times.push(b.elapsed);
-        }
-        p_times.sort();
-        b_times.sort();
-        let (p, b) = (p_times[p_times.len() / 2], b_times[b_times.len() / 2]);
-        println!(
-            "{label:>26} {:>12.3} {:>12.3} {:>12.3} {:>8.3}",
-            ms(p),
-            ms(b),
-            ms(b) - ms(p),
-            b.as_secs_f64() / p.as_secs_f64()
-        );
+        let run = |ex: &mut Executor| ex.run(&job, None).map(|o| (o.elapsed, o.outputs));
+        let (p, b) = interleaved(
+            args.runs.max(3),
+            || run(&mut plain),
+            || run(&mut bounded),
+            "the bounded run's output differs from the unbounded one's",
+        )?;
+        pair_row(&label, p, b);
     }
     Ok(())
+}
+
+/// `runs` of `a` and `b` in turn, each giving its time and output: the medians of
+/// their times, once every pair's outputs are the same (else `differ`).
+fn interleaved<T: PartialEq, E1, E2>(
+    runs: usize,
+    mut a: impl FnMut() -> Result<(Duration, T), E1>,
+    mut b: impl FnMut() -> Result<(Duration, T), E2>,
+    differ: &str,
+) -> anyhow::Result<(Duration, Duration)>
+where
+    anyhow::Error: From<E1> + From<E2>,
+{
+    let (mut a_times, mut b_times) = (Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let (ta, out_a) = a()?;
+        let (tb, out_b) = b()?;
+        anyhow::ensure!(out_a == out_b, "{differ}");
+        a_times.push(ta);
+        b_times.push(tb);
+    }
+    a_times.sort();
+    b_times.sort();
+    Ok((a_times[a_times.len() / 2], b_times[b_times.len() / 2]))
+}
+
+/// A row of (b) or (b2): the two medians, the time added and the ratio.
+fn pair_row(label: &str, a: Duration, b: Duration) {
+    println!(
+        "{label:>26} {:>12.3} {:>12.3} {:>12.3} {:>8.3}",
+        ms(a),
+        ms(b),
+        ms(b) - ms(a),
+        b.as_secs_f64() / a.as_secs_f64()
+    );
 }
 
 fn matmul_inputs(problem: &builtins::Problem) -> (Vec<f32>, Vec<f32>) {

@@ -287,6 +287,38 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
+/// A task of [`RUNAWAY`] over `groups` workgroups under a deadline of
+/// `deadline_ms`: its output at binding 0, its stop flag (zero) at binding 1.
+pub fn runaway_spec(groups: u32, deadline_ms: u64) -> gpumesh::protocol::TaskSpec {
+    use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource};
+    gpumesh::protocol::TaskSpec {
+        shader: ShaderSource::Wgsl(RUNAWAY.into()),
+        entry_point: "main".into(),
+        bindings: vec![
+            BindingSpec {
+                binding: 0,
+                role: BindingRole::Output {
+                    size: u64::from(groups) * 256,
+                },
+            },
+            BindingSpec {
+                binding: 1,
+                role: BindingRole::Param {
+                    data: vec![0u8; 16],
+                },
+            },
+        ],
+        grid: Grid([groups, 1, 1]),
+        shards: 1,
+        merge: MergeRule::Changes,
+        merges: Default::default(),
+        options: gpumesh::protocol::TaskOptions {
+            deadline_ms: Some(deadline_ms),
+            ..Default::default()
+        },
+    }
+}
+
 /// Whether `why` a run of [`RUNAWAY`] failed is one of the two ways it is stopped:
 /// its deadline, or (on a GPU that runs loops as written) the node's loop bound,
 /// whichever comes first there.
