@@ -497,6 +497,55 @@ async fn malformed_frames_are_dropped_without_harm() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_snapshot_whose_state_does_not_decode_is_dropped_and_the_log_kept() {
+    use protobuf::Message as _;
+    let c = Cluster::new(3, 7).await;
+    let leader = c.leader().await;
+    let done = c.node(leader).propose(submit(1)).await.expect("submit");
+    let ids = c.ids();
+    c.wait_applied(&ids, done.index, 5 * SEC).await;
+    let follower = ids
+        .iter()
+        .copied()
+        .find(|&i| i != leader)
+        .expect("follower");
+    let before = c.status(follower).await;
+    // From the leader, in its term, far past the follower's log: a snapshot
+    // raft-rs would adopt, its state bytes garbage.
+    let mut snapshot = raft::eraftpb::Snapshot::default();
+    snapshot.set_data(vec![0xa5; 4096].into());
+    let meta = snapshot.mut_metadata();
+    meta.index = before.last_index + 1000;
+    meta.term = before.term;
+    meta.mut_conf_state().voters = ids.clone();
+    let mut msg = raft::eraftpb::Message::default();
+    msg.set_msg_type(raft::eraftpb::MessageType::MsgSnapshot);
+    msg.from = leader;
+    msg.to = follower;
+    msg.term = before.term;
+    msg.set_snapshot(snapshot);
+    let frame = gpumesh_consensus::Frame {
+        cluster: CLUSTER,
+        from: leader,
+        body: gpumesh_consensus::FrameBody::Raft(msg.write_to_bytes().expect("encode")),
+    }
+    .encode()
+    .expect("encode");
+    c.node(follower)
+        .receive(leader, frame)
+        .await
+        .expect("receive");
+    // The follower keeps its log and goes on with the group.
+    let done = c.node(leader).propose(submit(2)).await.expect("submit");
+    c.wait_applied(&ids, done.index, 5 * SEC).await;
+    let after = c.status(follower).await;
+    assert_eq!(after.snapshot_index, before.snapshot_index, "{after:?}");
+    assert!(after.last_index < before.last_index + 1000, "{after:?}");
+    c.converged(&ids, 5 * SEC).await;
+    c.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn founders_must_agree_and_storage_refuses_reinit() {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut s = RedbStorage::open(dir.path().join("a.redb"), CLUSTER).expect("open");

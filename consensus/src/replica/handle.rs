@@ -79,6 +79,8 @@ impl ConsensusHandle {
             compacting: None,
             snapshot_failures: 0,
             snapshot_retry_at: None,
+            myself: tx.downgrade(),
+            received: None,
             cfg: config.clone(),
         };
         let (status_tx, status) = watch::channel(actor.status());

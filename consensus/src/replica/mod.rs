@@ -309,6 +309,13 @@ enum Msg {
     Shutdown {
         respond_to: oneshot::Sender<()>,
     },
+    /// A snapshot from `from`, its state decoded off the replica's task: stepped
+    /// now if it decoded (see [`Actor::on_raft_message`]).
+    SnapshotChecked {
+        from: u64,
+        msg: Box<raft::eraftpb::Message>,
+        state: Result<StateMachine>,
+    },
 }
 
 /// The state machine as this replica has applied it, published: the replica alone
@@ -420,6 +427,12 @@ struct Actor {
     /// the next may be tried (see [`Actor::snapshot_stored`]).
     snapshot_failures: u32,
     snapshot_retry_at: Option<time::Instant>,
+    /// The inbox, for what work done off the task hands back (weak: the replica
+    /// stops once every handle is gone).
+    myself: mpsc::WeakSender<Msg>,
+    /// The state of the snapshot last received and stepped, decoded off the task,
+    /// by its index and term: what [`Actor::restore`] installs.
+    received: Option<(u64, u64, StateMachine)>,
 }
 
 /// Messages handled per round before the Ready is processed: large enough to batch
@@ -597,6 +610,9 @@ impl Actor {
             Msg::TransferLeader { to } => self.raw.transfer_leader(to),
             Msg::PeerUnreachable { id } => self.on_peer_unreachable(id),
             Msg::Shutdown { respond_to } => return Some(respond_to),
+            Msg::SnapshotChecked { from, msg, state } => {
+                self.on_snapshot_checked(from, *msg, state)
+            }
         }
         None
     }

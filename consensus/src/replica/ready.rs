@@ -222,16 +222,48 @@ impl Actor {
             return;
         }
         if msg.get_msg_type() == MessageType::MsgSnapshot {
-            // Check the state inside before raft-rs adopts it: a snapshot we cannot
-            // restore must not replace our log.
-            if let Err(e) = StateMachine::from_bytes(&msg.get_snapshot().data) {
-                warn!(
-                    raft_id = self.cfg.id,
-                    from, "dropping snapshot with bad state: {e}"
-                );
-                return;
-            }
+            // Check the state inside before raft-rs adopts it (a snapshot we cannot
+            // restore must not replace our log), decoding it off this task (10,000
+            // finished tasks take tens of milliseconds): it is stepped when that is
+            // done, and the state decoded is the one restored.
+            let myself = self.myself.clone();
+            let decode = move || {
+                let state = StateMachine::from_bytes(&msg.get_snapshot().data);
+                if let Some(inbox) = myself.upgrade() {
+                    let _ = inbox.blocking_send(Msg::SnapshotChecked {
+                        from,
+                        msg: Box::new(msg),
+                        state,
+                    });
+                }
+            };
+            drop(tokio::task::spawn_blocking(decode));
+            return;
         }
+        self.step(from, msg);
+    }
+
+    /// A snapshot whose state was decoded off the task: stepped if it decoded.
+    pub(super) fn on_snapshot_checked(
+        &mut self,
+        from: u64,
+        msg: raft::eraftpb::Message,
+        state: Result<StateMachine>,
+    ) {
+        match state {
+            Ok(state) => {
+                let meta = msg.get_snapshot().get_metadata();
+                self.received = Some((meta.index, meta.term, state));
+                self.step(from, msg);
+            }
+            Err(e) => warn!(
+                raft_id = self.cfg.id,
+                from, "dropping snapshot with bad state: {e}"
+            ),
+        }
+    }
+
+    fn step(&mut self, from: u64, msg: raft::eraftpb::Message) {
         tracing::trace!(
             raft_id = self.cfg.id,
             from,

@@ -7,13 +7,18 @@ use crate::Compaction;
 impl Actor {
     pub(super) fn restore(&mut self, snapshot: &Snapshot) -> Result<()> {
         let meta = snapshot.get_metadata();
-        self.state
-            .replace(StateMachine::from_bytes(&snapshot.data)?);
+        // Decoded off the task when it was received, unless it is not that one.
+        let (state, decoded_on_receipt) = match self.received.take() {
+            Some((index, term, state)) if (index, term) == (meta.index, meta.term) => (state, true),
+            _ => (StateMachine::from_bytes(&snapshot.data)?, false),
+        };
+        self.state.replace(state);
         self.conf_state = meta.get_conf_state().clone();
         info!(
             raft_id = self.cfg.id,
             index = meta.index,
             term = meta.term,
+            decoded_on_receipt,
             "restored state from a snapshot"
         );
         let _ = self.events.send(AppliedEvent::Restored {
