@@ -574,11 +574,15 @@ impl Actor {
     /// Handles the Readies after a round of `handled` messages: inline when the
     /// round was quiet, else in [`blocking`].
     fn drive_round(&mut self, handled: usize) -> Result<()> {
-        if handled <= QUIET_ROUND {
+        let driven = if handled <= QUIET_ROUND {
             self.drive()
         } else {
             blocking(|| self.drive())
-        }
+        };
+        // A snapshot stepped this round was restored in it, if raft-rs took it;
+        // one it did not take is not held on to.
+        self.received = None;
+        driven
     }
 
     fn is_leader(&self) -> bool {
