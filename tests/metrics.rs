@@ -170,6 +170,11 @@ async fn tasks_move_each_nodes_own_counters_and_one_leader_is_reported() {
 
             assert!(s.get("gpumesh_raft_term") >= 1.0, "{s:#?}");
             assert!(s.get("gpumesh_raft_leader_changes_total") >= 1.0, "{s:#?}");
+            assert_eq!(
+                s.get("gpumesh_raft_snapshot_write_failures_total"),
+                0.0,
+                "{s:#?}"
+            );
             let (commit, applied) = (
                 s.get("gpumesh_raft_commit_index"),
                 s.get("gpumesh_raft_applied_index"),

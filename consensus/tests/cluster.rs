@@ -224,10 +224,10 @@ async fn a_snapshot_that_cannot_be_written_leaves_the_replica_serving_and_is_tri
     })
     .await;
     assert!(compacted.is_some(), "leader: {:?}", c.status(leader).await);
+    let st = c.status(follower).await;
     assert!(
-        c.status(follower).await.first_index <= 2,
-        "no snapshot of the follower's was named: {:?}",
-        c.status(follower).await
+        st.first_index <= 2 && st.snapshot_write_failures >= 1,
+        "no snapshot of the follower's was named: {st:?}"
     );
     // Past its waits (1 s, then 2 s), more entries: its next snapshot is written.
     tokio::time::sleep(5 * SEC).await;
@@ -245,10 +245,10 @@ async fn a_snapshot_that_cannot_be_written_leaves_the_replica_serving_and_is_tri
         (c.status(follower).await.first_index > 10).then_some(())
     })
     .await;
+    let st = c.status(follower).await;
     assert!(
-        caught_up.is_some(),
-        "the follower compacted on a later try: {:?}",
-        c.status(follower).await
+        caught_up.is_some() && st.snapshot_write_failures == 2,
+        "the follower compacted on a later try, after two failed: {st:?}"
     );
     c.converged(&all, 10 * SEC).await;
     // And it comes back from what it stored.

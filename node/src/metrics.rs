@@ -18,6 +18,7 @@
 //! | `gpumesh_raft_applied_index` | gauge | highest log index applied to the state machine |
 //! | `gpumesh_raft_is_leader` | gauge | 1 while this replica leads, else 0 |
 //! | `gpumesh_raft_leader_changes_total` | counter | times the known leader became another node (the first one counts) |
+//! | `gpumesh_raft_snapshot_write_failures_total` | counter | snapshots of this replica's whose files could not be written (a full disk); each left the log whole until a later one |
 //! | `gpumesh_raft_proposals_total{outcome}` | counter | proposals made through this node, by how they ended: `applied`, `ignored`, `rejected` (committed), `dropped` (certainly not committed), `unknown` |
 //! | `gpumesh_tasks_submitted_total` | counter | tasks submitted through this node's API and committed |
 //! | `gpumesh_tasks{status}` | gauge | tasks in this node's copy of the record: `pending`, `running`, `merging`, `completed`, `failed`, `cancelled` |
@@ -537,6 +538,14 @@ impl Collector for RaftCollector {
              first leader it learns of counts).",
             None,
             changes.metric_type(),
+        )?)?;
+        let failures = ConstCounter::new(status.snapshot_write_failures);
+        failures.encode(encoder.encode_descriptor(
+            "raft_snapshot_write_failures",
+            "Snapshots of this replica's own whose files could not be written (a full disk) \
+             since it started; each left the log whole until a later one.",
+            None,
+            failures.metric_type(),
         )?)?;
         let p = consensus.proposal_counts();
         let mut family = encoder.encode_descriptor(

@@ -79,6 +79,7 @@ impl ConsensusHandle {
             compacting: None,
             snapshot_failures: 0,
             snapshot_retry_at: None,
+            snapshot_failures_total: 0,
             myself: tx.downgrade(),
             received: None,
             cfg: config.clone(),

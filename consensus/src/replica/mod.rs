@@ -205,6 +205,9 @@ pub struct Status {
     /// different node (the first leader it learns of counts; "no leader" during an
     /// election does not).
     pub leader_changes: u64,
+    /// Snapshots of this replica's own whose files could not be written (a full
+    /// disk), since it started: each left the log whole until a later one.
+    pub snapshot_write_failures: u64,
 }
 
 /// How the proposals made through one replica's handles ended, counted as each
@@ -427,6 +430,8 @@ struct Actor {
     /// the next may be tried (see [`Actor::snapshot_stored`]).
     snapshot_failures: u32,
     snapshot_retry_at: Option<time::Instant>,
+    /// All such failures since the replica started ([`Status::snapshot_write_failures`]).
+    snapshot_failures_total: u64,
     /// The inbox, for what work done off the task hands back (weak: the replica
     /// stops once every handle is gone).
     myself: mpsc::WeakSender<Msg>,
@@ -643,6 +648,7 @@ impl Actor {
             learners,
             pending_proposals: self.pending.len(),
             leader_changes: self.leader_changes,
+            snapshot_write_failures: self.snapshot_failures_total,
         }
     }
 

@@ -133,6 +133,7 @@ impl Actor {
                 // next to a snapshot, and may still fit); the next snapshot waits,
                 // longer each time, up to a minute.
                 self.snapshot_failures += 1;
+                self.snapshot_failures_total += 1;
                 let wait = SNAPSHOT_RETRY * 2u32.pow(self.snapshot_failures.min(6) - 1);
                 let wait = wait.min(SNAPSHOT_RETRY_MAX);
                 self.snapshot_retry_at = Some(time::Instant::now() + wait);
