@@ -47,9 +47,9 @@ impl Build for Task {
 
 type Outputs = BTreeMap<u32, Vec<u8>>;
 
-/// Runs the task unsharded and in 2..=7 shards on every adapter: each sharded answer
-/// must equal the unsharded one byte for byte, and `check` must accept the
-/// unsharded one. Returns each adapter's unsharded outputs.
+/// Runs the task unsharded and in 2..=7 shards on every adapter, and unsharded with
+/// its loops bounded: each answer must equal the unsharded one byte for byte, and
+/// `check` must accept the unsharded one. Returns each adapter's unsharded outputs.
 fn split_1_to_7(
     name: &str,
     source: &str,
@@ -67,6 +67,22 @@ fn split_1_to_7(
             .unwrap_or_else(|e| panic!("{name} on {backend}, unsharded: {e}"))
             .outputs;
         check(&whole);
+        // The same with every loop counted against a bound, as on a GPU.
+        if let Some(b) = common::bounded()
+            .iter()
+            .find(|b| b.backend == adapter.backend)
+        {
+            let bounded = common::lock(b)
+                .run(&task.job(source, grid, 1, merge).unwrap(), None)
+                .unwrap_or_else(|e| panic!("{name} on {backend}, loops bounded: {e}"))
+                .outputs;
+            if bounded != whole {
+                let (b, at) = first_difference(&whole, &bounded);
+                panic!(
+                    "{name} on {backend}: with loops bounded it differs at binding {b}, byte {at}"
+                );
+            }
+        }
         for shards in 2..=7 {
             let job = task.job(source, grid, shards, merge).unwrap();
             assert_eq!(job.plan.len(), shards as usize);

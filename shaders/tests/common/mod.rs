@@ -9,7 +9,7 @@ pub mod task;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use gpumesh_protocol::BackendKind;
-use gpumesh_shaders::{BackendChoice, Executor};
+use gpumesh_shaders::{BackendChoice, Executor, ExecutorLimits};
 
 pub struct Adapter {
     pub backend: BackendKind,
@@ -18,11 +18,34 @@ pub struct Adapter {
 
 pub fn adapters() -> &'static [Adapter] {
     static ALL: OnceLock<Vec<Adapter>> = OnceLock::new();
+    ALL.get_or_init(|| open_all(ExecutorLimits::default()))
+}
+
+/// Loop turns [`bounded`]'s executors let an invocation run: under Mesa's own cap
+/// (65,535), so their kernels run with every loop counted against the bound (ahead,
+/// or turn by turn), as they do on a GPU.
+#[allow(dead_code)] // each test binary includes this module; only some bound loops
+pub const UNDER_THE_CAP: u32 = 65_000;
+
+/// A second executor for every local adapter, its loops bounded at
+/// [`UNDER_THE_CAP`].
+#[allow(dead_code)] // as above
+pub fn bounded() -> &'static [Adapter] {
+    static ALL: OnceLock<Vec<Adapter>> = OnceLock::new();
     ALL.get_or_init(|| {
+        open_all(ExecutorLimits {
+            loop_bound: Some(UNDER_THE_CAP),
+            ..ExecutorLimits::default()
+        })
+    })
+}
+
+fn open_all(limits: ExecutorLimits) -> Vec<Adapter> {
+    {
         let required = std::env::var("GPUMESH_REQUIRE_BACKENDS").unwrap_or_default();
         let mut found = Vec::new();
         for backend in [BackendKind::Vulkan, BackendKind::Gl] {
-            match Executor::new(BackendChoice::Only(backend)) {
+            match Executor::with_limits(BackendChoice::Only(backend), limits) {
                 Ok(executor) => {
                     eprintln!(
                         "testing on {} ({})",
@@ -52,7 +75,7 @@ pub fn adapters() -> &'static [Adapter] {
             }
         }
         found
-    })
+    }
 }
 
 /// The adapter's executor; a panic in another test does not poison it for this one.
