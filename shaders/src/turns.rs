@@ -18,17 +18,19 @@
 //! other way out) adds them when it starts and is skipped if they reach the bound:
 //! nothing is added to its turns, so the loops a compiler unrolls stay as they
 //! were, and nested ones with huge ends are refused before they run. Any other
-//! loop adds one a turn and breaks once the count reaches the bound. The entry
-//! point reports that count in word 1 only when it reached the bound, so a run
-//! under it adds no atomic.
+//! loop adds one a turn and breaks once the count reaches the bound. The count is
+//! held at the bound, never past it, so it cannot wrap back under it (a loop of
+//! 2^32 - 1 turns skipped, then a few turns of another, would otherwise read as
+//! a few). The entry point reports that count in word 1 only when it reached the
+//! bound, so a run under it adds no atomic.
 
 use std::collections::HashSet;
 use std::num::NonZeroU32;
 
 use naga::{
     AddressSpace, Arena, ArraySize, AtomicFunction, BinaryOperator, Block, Expression, Function,
-    GlobalVariable, Handle, Literal, LocalVariable, Module, ResourceBinding, Scalar, Span,
-    Statement, StorageAccess, Type, TypeInner,
+    GlobalVariable, Handle, Literal, LocalVariable, MathFunction, Module, ResourceBinding, Scalar,
+    Span, Statement, StorageAccess, Type, TypeInner,
 };
 
 /// The binding, in the shard-info group, of the counters the executor reads back.
@@ -621,19 +623,38 @@ fn load_then(
     )
 }
 
-/// `counter += 1`, as the statements that do it, and the new count.
-fn step(f: &mut Function, counter: Handle<Expression>) -> (Vec<Statement>, Handle<Expression>) {
-    let (emit, _, new) = load_then(f, counter, BinaryOperator::Add, 1);
-    (
-        vec![
-            emit,
-            Statement::Store {
-                pointer: counter,
-                value: new,
+/// `counter += 1` (held at `most`, if given), as the statements that do it, and
+/// the new count.
+fn step(
+    f: &mut Function,
+    counter: Handle<Expression>,
+    most: Option<u32>,
+) -> (Vec<Statement>, Handle<Expression>) {
+    let limit = most.map(|m| {
+        f.expressions
+            .append(Expression::Literal(Literal::U32(m)), Span::UNDEFINED)
+    });
+    let (emit, _, mut new) = load_then(f, counter, BinaryOperator::Add, 1);
+    let mut stmts = vec![emit];
+    if let Some(limit) = limit {
+        let at = f.expressions.len();
+        new = f.expressions.append(
+            Expression::Math {
+                fun: MathFunction::Min,
+                arg: new,
+                arg1: Some(limit),
+                arg2: None,
+                arg3: None,
             },
-        ],
-        new,
-    )
+            Span::UNDEFINED,
+        );
+        stmts.push(Statement::Emit(f.expressions.range_from(at)));
+    }
+    stmts.push(Statement::Store {
+        pointer: counter,
+        value: new,
+    });
+    (stmts, new)
 }
 
 /// Counts the turns of every loop in `block`: `all += 1` first in its body where
@@ -667,10 +688,12 @@ fn count_in(
                 count_in(continuing, f, globals, counters);
                 let mut first = Vec::new();
                 if let Some(all) = counters.all {
-                    first.extend(step(f, all).0);
+                    first.extend(step(f, all, None).0);
                 }
                 if let (Some((counter, bound)), None) = (counters.open, counted) {
-                    let (stepped, new) = step(f, counter);
+                    // Held at the bound: the count never wraps back under it, however
+                    // many loops start (and stop at once) once it is reached.
+                    let (stepped, new) = step(f, counter, Some(bound));
                     first.extend(stepped);
                     let limit = f
                         .expressions
@@ -787,10 +810,18 @@ fn count_ahead(
         left: before,
         right: turns,
     });
-    let total = add(Expression::Select {
+    let saturated = add(Expression::Select {
         condition: fits,
         accept: sum,
         reject: most,
+    });
+    // Held at the bound, as a turn-by-turn count is.
+    let total = add(Expression::Math {
+        fun: MathFunction::Min,
+        arg: saturated,
+        arg1: Some(limit),
+        arg2: None,
+        arg3: None,
     });
     let reached = add(Expression::Binary {
         op: BinaryOperator::GreaterEqual,

@@ -539,6 +539,31 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
+/// A counted loop of `n` turns, then a short open one: with `n` = 2^32 - 1 the
+/// first alone is past any bound, and what the second counts after it must not
+/// bring the count back under.
+const LONG_THEN_SHORT: &str = r#"
+struct Params { n: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var x = 0u;
+    for (var i = 0u; i < params.n; i++) {
+        x = x + 1u;
+    }
+    var k = 0u;
+    loop {
+        k = k + 1u;
+        if (k == 5u) { break; }
+    }
+    if (gid.x < arrayLength(&out)) {
+        out[gid.x] = x + k;
+    }
+}
+"#;
+
 /// 1 + 2 + … + `n` in a `while` loop stepped in its body: open-ended as far as
 /// the executor can see.
 const OPEN_SUM: &str = r#"
@@ -651,6 +676,13 @@ fn loops_past_the_executors_bound_are_stopped_and_refused_and_the_next_task_runs
                     eprintln!("{name}: {outer} × {inner} refused after {:?}", t.elapsed());
                 }
             }
+        }
+        // Past the bound at once, then a few turns more: refused, not answered
+        // with the first loop skipped.
+        let j = with_params(LONG_THEN_SHORT, [u32::MAX, 0, 0, 0], 100 * 4, 2);
+        match executor.run(&j, None) {
+            Err(ExecError::LoopBound { bound: BOUND }) => {}
+            other => panic!("{name}: a loop of 2^32 - 1 turns then one of 5: {other:?}"),
         }
         // An i32 loop from below zero: 9,000 turns answered, 11,000 refused.
         for n in [4_000u32, 6_000] {
