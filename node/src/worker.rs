@@ -39,7 +39,7 @@ enum GpuRequest {
         jobs: Vec<Job>,
         carry: Vec<u32>,
         deadline: Option<Duration>,
-        reply: oneshot::Sender<Result<Option<ChainOutput>, ExecError>>,
+        reply: oneshot::Sender<Result<ChainOutput, ExecError>>,
     },
     /// Free the buffers kept on the device for these contents.
     Forget(Vec<BlobId>),
@@ -247,14 +247,13 @@ impl GpuHandle {
 
 impl GpuHandle {
     /// Runs one-shard `jobs` one after another in one submission, the `carry`
-    /// bindings shared in place (see `Executor::run_chain`); `Ok(None)` when they
-    /// cannot run chained on this adapter.
+    /// bindings shared in place (see `Executor::run_chain`).
     pub async fn run_chain(
         &self,
         jobs: Vec<Job>,
         carry: Vec<u32>,
         deadline: Option<Duration>,
-    ) -> Result<Option<ChainOutput>, ExecError> {
+    ) -> Result<ChainOutput, ExecError> {
         let metrics = &self.metrics;
         if let Some(ran) = self.inline(|e| run_chain(e, &jobs, &carry, deadline, metrics)) {
             return ran;
@@ -382,7 +381,7 @@ fn run_chain(
     carry: &[u32],
     deadline: Option<Duration>,
     metrics: &GpuMetrics,
-) -> Result<Option<ChainOutput>, ExecError> {
+) -> Result<ChainOutput, ExecError> {
     let before = executor.counters();
     let started = Instant::now();
     let result = executor.run_chain(jobs, carry, deadline);

@@ -150,7 +150,7 @@ pub(crate) fn counted_loop(
         return None;
     }
     let rest = body.iter().skip(head + 1);
-    if rest.clone().any(leaves) || continuing.iter().any(leaves) {
+    if rest.chain(continuing.iter()).any(|s| leaves(s, true)) {
         return None;
     }
     let mut emitted = HashSet::new();
@@ -166,35 +166,27 @@ pub(crate) fn counted_loop(
     Some(Counted { var, end, signed })
 }
 
-/// Whether `s` may leave the loop it is in (other than by `continue`).
-fn leaves(s: &Statement) -> bool {
+/// Whether `s` may leave the loop it is in (other than by `continue`), with
+/// `breaks` whether a `break` in it is that loop's (not a switch's or an inner
+/// loop's).
+fn leaves(s: &Statement, breaks: bool) -> bool {
     match s {
-        Statement::Break | Statement::Return { .. } | Statement::Kill => true,
-        Statement::Block(b) => b.iter().any(leaves),
-        Statement::If { accept, reject, .. } => {
-            accept.iter().any(leaves) || reject.iter().any(leaves)
-        }
-        // A `break` there leaves only the switch or the inner loop.
-        Statement::Switch { cases, .. } => cases.iter().any(|c| c.body.iter().any(returns)),
-        Statement::Loop {
-            body, continuing, ..
-        } => body.iter().any(returns) || continuing.iter().any(returns),
-        _ => false,
-    }
-}
-
-/// Whether `s` may leave the function.
-fn returns(s: &Statement) -> bool {
-    match s {
+        Statement::Break => breaks,
         Statement::Return { .. } | Statement::Kill => true,
-        Statement::Block(b) => b.iter().any(returns),
-        Statement::If { accept, reject, .. } => {
-            accept.iter().any(returns) || reject.iter().any(returns)
-        }
-        Statement::Switch { cases, .. } => cases.iter().any(|c| c.body.iter().any(returns)),
+        Statement::Block(b) => b.iter().any(|s| leaves(s, breaks)),
+        Statement::If { accept, reject, .. } => accept
+            .iter()
+            .chain(reject.iter())
+            .any(|s| leaves(s, breaks)),
+        Statement::Switch { cases, .. } => cases
+            .iter()
+            .any(|c| c.body.iter().any(|s| leaves(s, false))),
         Statement::Loop {
             body, continuing, ..
-        } => body.iter().any(returns) || continuing.iter().any(returns),
+        } => body
+            .iter()
+            .chain(continuing.iter())
+            .any(|s| leaves(s, false)),
         _ => false,
     }
 }

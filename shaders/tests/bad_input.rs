@@ -564,8 +564,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
-/// 1 + 2 + … + `n` in a `while` loop stepped in its body: open-ended as far as
-/// the executor can see.
+/// 1 + 2 + … + `n` in a `while (k <= n)` loop: open-ended as far as the executor
+/// can see (at `n` = 2^32 - 1 it never ends).
 const OPEN_SUM: &str = r#"
 struct Params { n: u32, _a: u32, _b: u32, _c: u32 }
 @group(0) @binding(0) var<uniform> params: Params;

@@ -807,8 +807,7 @@ impl ActorHost {
             .run_chain(jobs, state_bindings.clone(), Some(deadline))
             .await
         {
-            Ok(Some(chain)) => chain,
-            Ok(None) => return None,
+            Ok(chain) => chain,
             Err(e) => {
                 tracing::debug!(error = %e, "a chain of calls failed; running them one at a time");
                 return None;

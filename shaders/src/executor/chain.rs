@@ -28,20 +28,19 @@ impl Executor {
     /// A job whose loop turns are limited (see [`crate::turns`]) has its own
     /// counter, read back with the outputs; one that reached its limit fails the
     /// chain. An error fails the whole chain, and says nothing of which job caused
-    /// it; running them one at a time finds it. `Ok(Some)` always today: `None`
-    /// would ask for them to be run one at a time.
+    /// it; running them one at a time finds it.
     pub fn run_chain(
         &mut self,
         jobs: &[Job],
         carry: &[u32],
         deadline: Option<Duration>,
-    ) -> Result<Option<ChainOutput>> {
+    ) -> Result<ChainOutput> {
         let Some(first) = jobs.first() else {
-            return Ok(Some(ChainOutput {
+            return Ok(ChainOutput {
                 outputs: Vec::new(),
                 carried: BTreeMap::new(),
                 elapsed: Duration::ZERO,
-            }));
+            });
         };
         for job in jobs {
             self.check_limits(job)?;
@@ -78,7 +77,6 @@ impl Executor {
         self.guarded(first, "device lost during the chain", |me| {
             me.encode_chain(jobs, &pipelines, carry, started, deadline)
         })
-        .map(Some)
     }
 
     /// Runs independent one-shard `jobs` in one submission (a chain that carries
@@ -87,8 +85,8 @@ impl Executor {
     /// submission saves over one per job is the driver's wake-ups and waits, most of
     /// a tiny job's cost.
     ///
-    /// `Ok(None)` as for [`Executor::run_chain`], and when a job keeps a buffer on
-    /// the device or has several shards: run them one at a time. An error says
+    /// `Ok(None)` when a job keeps a buffer on the device or has several shards:
+    /// run them one at a time. An error says
     /// nothing of which job caused it; running them one at a time finds it. Each
     /// job's `elapsed` is an equal part of the batch's.
     pub fn run_batch(
@@ -99,9 +97,7 @@ impl Executor {
         if jobs.iter().any(|j| !j.keep.is_empty() || j.plan.len() != 1) {
             return Ok(None);
         }
-        let Some(out) = self.run_chain(jobs, &[], deadline)? else {
-            return Ok(None);
-        };
+        let out = self.run_chain(jobs, &[], deadline)?;
         let each = out.elapsed / jobs.len().max(1) as u32;
         jobs.iter()
             .zip(out.outputs)
