@@ -24,6 +24,7 @@ pub const LIMIT: Duration = Duration::from_secs(120);
 /// A node on loopback with an ephemeral API port, no mDNS, no calibration and a quick
 /// Raft tick.
 pub fn config(dir: &Path, formation: Formation, peers: &[Multiaddr]) -> NodeConfig {
+    log_if_asked();
     let mut c = NodeConfig::new(dir);
     c.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
     c.api = "127.0.0.1:0".parse().unwrap();
@@ -35,6 +36,22 @@ pub fn config(dir: &Path, formation: Formation, peers: &[Multiaddr]) -> NodeConf
     c.raft_tick = Duration::from_millis(50);
     c.join_timeout = Duration::from_secs(20);
     c
+}
+
+/// With GPUMESH_TEST_LOG set (a filter: `gpumesh=debug,warn`), the in-process
+/// nodes' logs go to stderr as they happen, with each line's thread: what a test
+/// that stalls was doing (run it with --nocapture).
+fn log_if_asked() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Ok(filter) = std::env::var("GPUMESH_TEST_LOG") {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+                .with_thread_names(true)
+                .with_writer(std::io::stderr)
+                .try_init();
+        }
+    });
 }
 
 /// The cluster key of every mesh a test process starts (meshes are closed by

@@ -1023,7 +1023,7 @@ impl Executor {
                 let dropping = std::thread::Builder::new()
                     .name("gpumesh-device-drop".into())
                     .spawn(move || {
-                        let _ = old.device.poll(wgpu::PollType::wait_indefinitely());
+                        wait_abandoned(&old.device);
                         drop(old);
                         devices.abandoned.fetch_sub(1, Ordering::AcqRel);
                     });
@@ -1175,6 +1175,40 @@ fn read_turns(staging: &mut Readback) -> [u32; 2] {
     };
     staging.unmap();
     words
+}
+
+/// How long one wait of an abandoned device's drop thread lasts.
+const ABANDONED_WAIT: Duration = Duration::from_secs(1);
+/// How often a device still busy after it was abandoned is reported.
+const ABANDONED_REPORT: Duration = Duration::from_secs(60);
+
+/// Waits until the work submitted to `device` (abandoned: nothing more will be)
+/// has ended or the device is lost, a second at a time: a wait never parks in the
+/// driver for longer, holding the device's locks in wgpu-core all the while. A
+/// device still busy is reported each minute, with how long it has waited: a
+/// dispatch that neither ends nor is stopped (its loops unbounded, or a driver
+/// that never signals), which the `abandoned` count shows too.
+fn wait_abandoned(device: &wgpu::Device) {
+    let since = Instant::now();
+    let mut reported = since;
+    loop {
+        let polled = device.poll(wgpu::PollType::Wait {
+            submission_index: None,
+            timeout: Some(ABANDONED_WAIT),
+        });
+        match polled {
+            Err(wgpu::PollError::Timeout) => {}
+            // Done, or lost (nothing runs on it any more).
+            Ok(_) | Err(_) => return,
+        }
+        if reported.elapsed() >= ABANDONED_REPORT {
+            reported = Instant::now();
+            tracing::warn!(
+                waited_s = since.elapsed().as_secs(),
+                "an abandoned GPU device is still busy: the work left on it has not ended"
+            );
+        }
+    }
 }
 
 fn open_device(adapter: &wgpu::Adapter) -> Result<Gpu> {
