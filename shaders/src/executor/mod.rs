@@ -974,17 +974,24 @@ impl Executor {
                 }
             }
         }
-        let left = deadline.saturating_sub(started.elapsed());
-        let polled = self.gpu.device.poll(wgpu::PollType::Wait {
-            submission_index: Some(submission),
-            timeout: Some(left.max(Duration::from_millis(1))),
-        });
-        match polled {
-            Ok(_) if started.elapsed() <= deadline => Ok(()),
-            // Backends that execute at submit (GL) cannot be interrupted; the overrun
-            // is still reported.
-            Ok(_) | Err(wgpu::PollError::Timeout) => Err(ExecError::Deadline { deadline }),
-            Err(e) => Err(self.lost_or(&e.to_string())),
+        // A second at a time at most, as an abandoned device's drop thread waits
+        // (see `wait_abandoned`): a deadline of minutes is not one wait that long.
+        loop {
+            let left = deadline.saturating_sub(started.elapsed());
+            let polled = self.gpu.device.poll(wgpu::PollType::Wait {
+                submission_index: Some(submission.clone()),
+                timeout: Some(left.clamp(Duration::from_millis(1), LONGEST_WAIT)),
+            });
+            match polled {
+                Ok(_) if started.elapsed() <= deadline => return Ok(()),
+                Err(wgpu::PollError::Timeout) if started.elapsed() < deadline => continue,
+                // Backends that execute at submit (GL) cannot be interrupted; the
+                // overrun is still reported.
+                Ok(_) | Err(wgpu::PollError::Timeout) => {
+                    return Err(ExecError::Deadline { deadline })
+                }
+                Err(e) => return Err(self.lost_or(&e.to_string())),
+            }
         }
     }
 
@@ -1177,8 +1184,9 @@ fn read_turns(staging: &mut Readback) -> [u32; 2] {
     words
 }
 
-/// How long one wait of an abandoned device's drop thread lasts.
-const ABANDONED_WAIT: Duration = Duration::from_secs(1);
+/// The longest one wait for a device's work lasts (the executor's, and an abandoned
+/// device's drop thread's); a longer one is several.
+const LONGEST_WAIT: Duration = Duration::from_secs(1);
 /// How often a device still busy after it was abandoned is reported.
 const ABANDONED_REPORT: Duration = Duration::from_secs(60);
 
@@ -1194,7 +1202,7 @@ fn wait_abandoned(device: &wgpu::Device) {
     loop {
         let polled = device.poll(wgpu::PollType::Wait {
             submission_index: None,
-            timeout: Some(ABANDONED_WAIT),
+            timeout: Some(LONGEST_WAIT),
         });
         match polled {
             Err(wgpu::PollError::Timeout) => {}
