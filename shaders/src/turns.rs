@@ -23,14 +23,22 @@
 //! 2^32 - 1 turns skipped, then a few turns of another, would otherwise read as
 //! a few). The entry point reports that count in word 1 only when it reached the
 //! bound, so a run under it adds no atomic.
+//!
+//! A loop with a barrier in it is left by a workgroup's invocations together or
+//! not at all: one leaving it alone leaves the rest waiting at the barrier, on a
+//! GPU for ever. Counts differ between invocations (loops before it may turn
+//! unequally), so as such a loop starts, and each turn where loops in it may add
+//! unequal turns, every invocation takes the workgroup's most (`sync_count`):
+//! from there its turns keep the counts equal, and the bound stops the whole
+//! workgroup at the same turn.
 
 use std::collections::HashSet;
 use std::num::NonZeroU32;
 
 use naga::{
-    AddressSpace, Arena, ArraySize, AtomicFunction, BinaryOperator, Block, Expression, Function,
-    GlobalVariable, Handle, Literal, LocalVariable, MathFunction, Module, ResourceBinding, Scalar,
-    Span, Statement, StorageAccess, Type, TypeInner,
+    AddressSpace, Arena, ArraySize, AtomicFunction, Barrier, BinaryOperator, Block, Expression,
+    Function, GlobalVariable, Handle, Literal, LocalVariable, MathFunction, Module,
+    ResourceBinding, Scalar, Span, Statement, StorageAccess, Type, TypeInner,
 };
 
 /// The binding, in the shard-info group, of the counters the executor reads back.
@@ -503,6 +511,32 @@ pub(crate) fn count(module: &Module, group: u32, counting: Counting) -> Module {
         },
         Span::UNDEFINED,
     );
+    // Under a bound, a workgroup's most turns, for the loops with a barrier in them
+    // (see `count_in`), where there are any.
+    let marks = Marks {
+        barriers: functions_that(module, reaches_barrier),
+        loops: functions_that(module, reaches_loop),
+    };
+    let shared = counting
+        .bound
+        .filter(|_| {
+            loops(module, |body, continuing, _, _| {
+                reaches_barrier(body, &marks.barriers)
+                    || reaches_barrier(continuing, &marks.barriers)
+            }) > 0
+        })
+        .map(|_| {
+            m.global_variables.append(
+                GlobalVariable {
+                    name: Some("gpumesh_workgroup_turns".into()),
+                    space: AddressSpace::WorkGroup,
+                    binding: None,
+                    ty: atomic_ty,
+                    init: None,
+                },
+                Span::UNDEFINED,
+            )
+        });
     let globals = &m.global_variables;
     let functions = m
         .functions
@@ -511,6 +545,13 @@ pub(crate) fn count(module: &Module, group: u32, counting: Counting) -> Module {
         .chain(m.entry_points.iter_mut().map(|e| &mut e.function));
     for f in functions {
         let counters = Counters {
+            shared: shared.map(|g| {
+                (
+                    f.expressions
+                        .append(Expression::GlobalVariable(g), Span::UNDEFINED),
+                    &marks,
+                )
+            }),
             all: all.map(|g| {
                 f.expressions
                     .append(Expression::GlobalVariable(g), Span::UNDEFINED)
@@ -582,11 +623,127 @@ pub(crate) fn count(module: &Module, group: u32, counting: Counting) -> Module {
 
 /// A function's pointers to the counters [`count`] adds.
 #[derive(Clone, Copy)]
-struct Counters {
+struct Counters<'a> {
     /// Every loop's turns.
     all: Option<Handle<Expression>>,
     /// The open-ended loops' turns, and where they break.
     open: Option<(Handle<Expression>, u32)>,
+    /// The workgroup's most turns (where a loop has a barrier in it), and which
+    /// functions reach a barrier or a loop.
+    shared: Option<(Handle<Expression>, &'a Marks)>,
+}
+
+/// The functions of a module that may reach a workgroup barrier, and those that
+/// may run a loop, through the functions they call too.
+struct Marks {
+    barriers: HashSet<Handle<Function>>,
+    loops: HashSet<Handle<Function>>,
+}
+
+/// Whether running `block` may reach a workgroup barrier: a barrier, a
+/// `workgroupUniformLoad`, or a call of one of `marked` (functions that may).
+fn reaches_barrier(block: &Block, marked: &HashSet<Handle<Function>>) -> bool {
+    reaches(block, marked, &|s| {
+        matches!(
+            s,
+            Statement::ControlBarrier(_) | Statement::WorkGroupUniformLoad { .. }
+        )
+    })
+}
+
+/// Whether running `block` may run a loop: one of its own, or in a call of one of
+/// `marked` (functions that may).
+fn reaches_loop(block: &Block, marked: &HashSet<Handle<Function>>) -> bool {
+    reaches(block, marked, &|s| matches!(s, Statement::Loop { .. }))
+}
+
+/// Whether `block` has a statement that is `what`, or calls one of `marked`.
+fn reaches(
+    block: &Block,
+    marked: &HashSet<Handle<Function>>,
+    what: &dyn Fn(&Statement) -> bool,
+) -> bool {
+    block.iter().any(|s| {
+        what(s)
+            || match s {
+                Statement::Call { function, .. } => marked.contains(function),
+                Statement::Block(b) => reaches(b, marked, what),
+                Statement::If { accept, reject, .. } => {
+                    reaches(accept, marked, what) || reaches(reject, marked, what)
+                }
+                Statement::Switch { cases, .. } => {
+                    cases.iter().any(|c| reaches(&c.body, marked, what))
+                }
+                Statement::Loop {
+                    body, continuing, ..
+                } => reaches(body, marked, what) || reaches(continuing, marked, what),
+                _ => false,
+            }
+    })
+}
+
+/// The functions of `module` whose body `reaches` something, given the functions
+/// found so far (a function calls only others, never itself).
+fn functions_that(
+    module: &Module,
+    reaches: fn(&Block, &HashSet<Handle<Function>>) -> bool,
+) -> HashSet<Handle<Function>> {
+    let mut found = HashSet::new();
+    loop {
+        let more: Vec<_> = module
+            .functions
+            .iter()
+            .filter(|(h, f)| !found.contains(h) && reaches(&f.body, &found))
+            .map(|(h, _)| h)
+            .collect();
+        if more.is_empty() {
+            return found;
+        }
+        found.extend(more);
+    }
+}
+
+/// Gives every invocation of the workgroup the count of the one that turned most
+/// (`counter` ← the maximum at `shared`), between two barriers: the first so that
+/// every invocation has added its own count, the second so that none adds a later
+/// one before all have read. A loop with a barrier in it is uniform across the
+/// workgroup (its barrier must be reached by all or none), so from equal counts
+/// its turns, each adding one, keep them equal, and every invocation reaches the
+/// bound at the same turn and leaves (or skips) the loop with the others. Were
+/// one to leave it alone, the others would wait at its barrier for ever on a
+/// GPU. Counts only rise, so the maximum is never stale; raising an invocation's
+/// count to it changes nothing that is refused, since the run is refused once any
+/// invocation reaches the bound.
+fn sync_count(
+    f: &mut Function,
+    shared: Handle<Expression>,
+    counter: Handle<Expression>,
+) -> Vec<Statement> {
+    let at = f.expressions.len();
+    let own = f
+        .expressions
+        .append(Expression::Load { pointer: counter }, Span::UNDEFINED);
+    let loaded = Statement::Emit(f.expressions.range_from(at));
+    let at = f.expressions.len();
+    let most = f
+        .expressions
+        .append(Expression::Load { pointer: shared }, Span::UNDEFINED);
+    vec![
+        loaded,
+        Statement::Atomic {
+            pointer: shared,
+            fun: AtomicFunction::Max,
+            value: own,
+            result: None,
+        },
+        Statement::ControlBarrier(Barrier::WORK_GROUP),
+        Statement::Emit(f.expressions.range_from(at)),
+        Statement::ControlBarrier(Barrier::WORK_GROUP),
+        Statement::Store {
+            pointer: counter,
+            value: most,
+        },
+    ]
 }
 
 /// In `f`: loads the `u32` at `pointer` and applies `op` with the literal `rhs`;
@@ -670,6 +827,16 @@ fn count_in(
                 let counted = counters
                     .open
                     .and_then(|_| counted_loop(body, continuing, *break_if, f, globals));
+                // Where the loop may reach a barrier, the workgroup's counts are made
+                // equal as it starts, and each turn too where loops in it may add
+                // unequal turns (see `sync_count`).
+                let shared = counters.shared.and_then(|(shared, marks)| {
+                    let has = |reach: fn(&Block, &HashSet<Handle<Function>>) -> bool, marked| {
+                        reach(body, marked) || reach(continuing, marked)
+                    };
+                    has(reaches_barrier, &marks.barriers)
+                        .then(|| (shared, has(reaches_loop, &marks.loops)))
+                });
                 let inside = counted.map(|_| {
                     let mut inside = HashSet::new();
                     emitted_in(body, &mut inside);
@@ -683,6 +850,9 @@ fn count_in(
                     first.extend(step(f, all, None).0);
                 }
                 if let (Some((counter, bound)), None) = (counters.open, counted) {
+                    if let Some((shared, true)) = shared {
+                        first.extend(sync_count(f, shared, counter));
+                    }
                     // Held at the bound: the count never wraps back under it, however
                     // many loops start (and stop at once) once it is reached.
                     let (stepped, new) = step(f, counter, Some(bound));
@@ -707,13 +877,22 @@ fn count_in(
                     });
                 }
                 body.splice(0..0, Block::from_vec(first));
+                let synced = match (counters.open, shared) {
+                    (Some((counter, _)), Some((shared, _))) => sync_count(f, shared, counter),
+                    _ => Vec::new(),
+                };
                 if let (Some((counter, bound)), Some(counted), Some(inside)) =
                     (counters.open, counted, inside)
                 {
                     let the_loop = std::mem::replace(s, Statement::Block(Block::new()));
-                    *s = Statement::Block(Block::from_vec(count_ahead(
-                        f, the_loop, counted, &inside, counter, bound,
-                    )));
+                    let mut ahead = synced;
+                    ahead.extend(count_ahead(f, the_loop, counted, &inside, counter, bound));
+                    *s = Statement::Block(Block::from_vec(ahead));
+                } else if !synced.is_empty() {
+                    let the_loop = std::mem::replace(s, Statement::Block(Block::new()));
+                    let mut block = synced;
+                    block.push(the_loop);
+                    *s = Statement::Block(Block::from_vec(block));
                 }
             }
             Statement::Block(b) => count_in(b, f, globals, counters),
@@ -1007,6 +1186,125 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
         ] {
             assert!(open(body), "counted ahead: {body}");
         }
+    }
+
+    /// The barriers in `module`'s functions and entry points.
+    fn barriers(module: &Module) -> usize {
+        fn walk(block: &Block) -> usize {
+            block
+                .iter()
+                .map(|s| match s {
+                    Statement::ControlBarrier(_) => 1,
+                    Statement::Block(b) => walk(b),
+                    Statement::If { accept, reject, .. } => walk(accept) + walk(reject),
+                    Statement::Switch { cases, .. } => cases.iter().map(|c| walk(&c.body)).sum(),
+                    Statement::Loop {
+                        body, continuing, ..
+                    } => walk(body) + walk(continuing),
+                    _ => 0,
+                })
+                .sum()
+        }
+        module
+            .functions
+            .iter()
+            .map(|(_, f)| walk(&f.body))
+            .chain(module.entry_points.iter().map(|e| walk(&e.function.body)))
+            .sum()
+    }
+
+    #[test]
+    fn loops_with_a_barrier_in_them_start_with_the_workgroups_counts_made_equal() {
+        // A reduction counted turn by turn, a tiled loop counted ahead, a loop that
+        // reaches its barrier through a call, one with a loop in it that may add
+        // unequal turns, and a loop with no barrier.
+        let source = "
+@group(0) @binding(0) var<storage, read_write> out: array<u32>;
+@group(0) @binding(1) var<uniform> n: vec4<u32>;
+var<workgroup> part: array<u32, 64>;
+fn sync() { workgroupBarrier(); }
+@compute @workgroup_size(64)
+fn main(@builtin(local_invocation_index) lid: u32) {
+    var x = lid;
+    for (var half = 32u; half > 0u; half = half >> 1u) {
+        if (lid < half) { part[lid] = part[lid] + part[lid + half]; }
+        workgroupBarrier();
+    }
+    for (var t = 0u; t < n.x; t++) {
+        part[lid] = x;
+        workgroupBarrier();
+        x = x + part[(lid + 1u) % 64u];
+        workgroupBarrier();
+    }
+    loop { sync(); if (n.y == 0u) { break; } }
+    loop {
+        for (var k = 0u; k < x; k++) { x = x + 1u; }
+        workgroupBarrier();
+        if (n.z == 0u) { break; }
+    }
+    loop { x = x * 3u; if (x == 1u) { break; } }
+    out[lid] = x;
+}";
+        let module = naga::front::wgsl::parse_str(source).unwrap();
+        let before = barriers(&module);
+        let bounded = count(
+            &module,
+            1,
+            Counting {
+                all: false,
+                bound: Some(1000),
+            },
+        );
+        // Two barriers as each of the four loops with one starts, and two more
+        // each turn of the one with a loop in it.
+        assert_eq!(barriers(&bounded), before + 10);
+        let stop = bounded
+            .global_variables
+            .iter()
+            .find(|(_, g)| g.name.as_deref() == Some("gpumesh_workgroup_turns"))
+            .expect("the workgroup's count");
+        assert_eq!(stop.1.space, AddressSpace::WorkGroup);
+        naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::default(),
+        )
+        .validate(&bounded)
+        .expect("the rewritten module is valid");
+        // Counting alone (a capped adapter, no bound) adds none, nor does a bound
+        // where no loop has a barrier.
+        let counted = count(
+            &module,
+            1,
+            Counting {
+                all: true,
+                bound: None,
+            },
+        );
+        assert_eq!(barriers(&counted), before);
+        let plain = naga::front::wgsl::parse_str(
+            "@group(0) @binding(0) var<storage, read_write> out: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(local_invocation_index) lid: u32) {
+    var x = lid;
+    loop { x = x * 3u; if (x == 1u) { break; } }
+    workgroupBarrier();
+    out[lid] = x;
+}",
+        )
+        .unwrap();
+        let bounded = count(
+            &plain,
+            1,
+            Counting {
+                all: false,
+                bound: Some(1000),
+            },
+        );
+        assert_eq!(barriers(&bounded), 1);
+        assert!(bounded
+            .global_variables
+            .iter()
+            .all(|(_, g)| g.name.as_deref() != Some("gpumesh_workgroup_turns")));
     }
 
     #[test]

@@ -612,6 +612,41 @@ fn main(
 }
 "#;
 
+/// Invocation `lid` of a workgroup first turns a loop `lid` × `n` times, then the
+/// workgroup sums what they counted by halving, a barrier after every step. Under a
+/// bound between the counts of the first and last invocations, part of each
+/// workgroup reaches it before the reduction: were those to leave the reduction's
+/// loop alone, the rest would wait at its barrier for them (on a GPU, for ever).
+const UNEVEN_THEN_REDUCED: &str = r#"
+struct Params { n: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+var<workgroup> part: array<u32, 64>;
+
+@compute @workgroup_size(64)
+fn main(
+    @builtin(local_invocation_index) lid: u32,
+    @builtin(workgroup_id) wid: vec3<u32>,
+) {
+    var x = 0u;
+    let end = lid * params.n;
+    for (var i = 0u; i < end; i++) {
+        x = x + 1u;
+    }
+    part[lid] = x;
+    workgroupBarrier();
+    for (var half = 32u; half > 0u; half = half >> 1u) {
+        if (lid < half) {
+            part[lid] = part[lid] + part[lid + half];
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) {
+        out[wid.x] = part[0];
+    }
+}
+"#;
+
 /// A loop with a barrier in it that never ends (`stop` is never set).
 const BARRIER_SPIN: &str = r#"
 struct Params { stop: u32, _a: u32, _b: u32, _c: u32 }
@@ -743,6 +778,30 @@ fn loops_past_the_executors_bound_are_stopped_and_refused_and_the_next_task_runs
                 matches!(err, ExecError::LoopBound { bound: BOUND }),
                 "{name}: {err}"
             );
+            assert_eq!(executor.rebuilds(), rebuilds, "{name}: no device rebuilt");
+        }
+
+        // Part of each workgroup past the bound before a loop with a barrier: the
+        // workgroup leaves that loop together, and the run is refused at once
+        // (the device not rebuilt); under the bound, answered as the CPU.
+        for n in [100u32, 300] {
+            let j = with_params(UNEVEN_THEN_REDUCED, [n, 0, 0, 0], 4 * 4, 4);
+            let most = 63 * n + 6;
+            let rebuilds = executor.rebuilds();
+            match executor.run(&j, Some(Duration::from_secs(60))) {
+                Ok(out) => {
+                    assert!(most < BOUND, "{name}: {most} turns answered");
+                    let cpu: Vec<u8> = (0..4).flat_map(|_| (n * 2016).to_le_bytes()).collect();
+                    assert_eq!(out.outputs[&1], cpu, "{name}: n = {n}");
+                }
+                Err(e) => {
+                    assert!(most >= BOUND, "{name}: {most} turns refused: {e}");
+                    assert!(
+                        matches!(e, ExecError::LoopBound { bound: BOUND }),
+                        "{name}: {e}"
+                    );
+                }
+            }
             assert_eq!(executor.rebuilds(), rebuilds, "{name}: no device rebuilt");
         }
 

@@ -69,6 +69,36 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
+/// Rounds of a step and a workgroup reduction (a barrier after each of its six
+/// halvings): loops with barriers in them, which a bound leaves workgroup by
+/// workgroup. 8,000 rounds are 64,000 turns as counted (a loop test is a turn too), under Mesa's cap.
+const SPIN_REDUCE: &str = r#"
+struct Params { rounds: u32, _a: u32, _b: u32, _c: u32 }
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+var<workgroup> part: array<u32, 64>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    var x = gid.x;
+    for (var r = 0u; r < params.rounds; r++) {
+        x = (x ^ (x >> 13u)) * 1664525u + r;
+        part[lid] = x;
+        workgroupBarrier();
+        for (var half = 32u; half > 0u; half = half >> 1u) {
+            if (lid < half) {
+                part[lid] = part[lid] ^ part[lid + half];
+            }
+            workgroupBarrier();
+        }
+        x = x + part[0];
+        workgroupBarrier();
+    }
+    out[gid.x] = x;
+}
+"#;
+const SPIN_REDUCE_ROUNDS: u32 = 8_000;
+
 fn spin_job(groups: u32, shards: u32) -> anyhow::Result<Job> {
     spin_job_of(SPIN, groups, shards)
 }
@@ -266,17 +296,31 @@ fn loop_bound_cost(
         "{:>26} {:>12} {:>12} {:>12} {:>8}",
         "kernel", "as run ms", "bounded ms", "added ms", "ratio"
     );
-    let mut trivial = spin_job(1, 1)?;
-    trivial.spec.bindings[0].role = BindingRole::Param {
-        data: trivial_uniform.to_vec(),
+    let with_params = |job: Job, params: &[u8]| {
+        let mut spec = job.spec;
+        spec.bindings[0].role = BindingRole::Param {
+            data: params.to_vec(),
+        };
+        Job::new(spec, job.kernel, |_| None)
     };
-    let trivial = Job::new(trivial.spec, trivial.kernel, |_| None)?;
+    let trivial = with_params(spin_job(1, 1)?, trivial_uniform)?;
+    let rounds: Vec<u8> = bytemuck::cast_slice(&[SPIN_REDUCE_ROUNDS, 0, 0, 0]).to_vec();
+    let reduce = |groups| -> anyhow::Result<Job> {
+        Ok(with_params(spin_job_of(SPIN_REDUCE, groups, 1)?, &rounds)?)
+    };
+    let reduce_groups = super::workgroups_for(Duration::from_millis(100), |groups| {
+        anyhow::Ok(plain.run(&reduce(groups)?, None)?.elapsed)
+    })?;
     for (label, job) in [
         ("trivial (1 workgroup)".to_string(), trivial),
         (format!("~100 ms, for ({groups} wg)"), spin_job(groups, 1)?),
         (
             format!("~100 ms, open ({groups} wg)"),
             spin_job_of(SPIN_WHILE, groups, 1)?,
+        ),
+        (
+            format!("~100 ms, barriers ({reduce_groups} wg)"),
+            reduce(reduce_groups)?,
         ),
     ] {
         plain.run(&job, None)?;
