@@ -27,10 +27,11 @@
 //! A loop with a barrier in it is left by a workgroup's invocations together or
 //! not at all: one leaving it alone leaves the rest waiting at the barrier, on a
 //! GPU for ever. Counts differ between invocations (loops before it may turn
-//! unequally), so as such a loop starts, and each turn where loops in it may add
-//! unequal turns, every invocation takes the workgroup's most (`sync_count`):
-//! from there its turns keep the counts equal, and the bound stops the whole
-//! workgroup at the same turn.
+//! unequally), so as such a loop starts where they may differ, and each turn
+//! where loops in it may add unequal turns, every invocation takes the
+//! workgroup's most (`sync_count`): from there its turns keep the counts equal,
+//! and the bound stops the whole workgroup at the same turn. A reduction inside
+//! another such loop, or right after one, starts with them equal already.
 
 use std::collections::HashSet;
 use std::num::NonZeroU32;
@@ -513,10 +514,9 @@ pub(crate) fn count(module: &Module, group: u32, counting: Counting) -> Module {
     );
     // Under a bound, a workgroup's most turns, for the loops with a barrier in them
     // (see `count_in`), where there are any.
-    let marks = Marks {
-        barriers: functions_that(module, reaches_barrier),
-        loops: functions_that(module, reaches_loop),
-    };
+    let barriers = functions_that(module, |b, found| reaches_barrier(b, found));
+    let uneven = functions_that(module, |b, found| reaches_uneven(b, &barriers, found));
+    let marks = Marks { barriers, uneven };
     let shared = counting
         .bound
         .filter(|_| {
@@ -565,7 +565,8 @@ pub(crate) fn count(module: &Module, group: u32, counting: Counting) -> Module {
             }),
         };
         let mut body = std::mem::take(&mut f.body);
-        count_in(&mut body, f, globals, counters);
+        // Counts may differ as a function starts.
+        count_in(&mut body, f, globals, counters, false);
         f.body = body;
     }
     for ep in &mut m.entry_points {
@@ -634,10 +635,11 @@ struct Counters<'a> {
 }
 
 /// The functions of a module that may reach a workgroup barrier, and those that
-/// may run a loop, through the functions they call too.
+/// may add unequal turns to its invocations' counts, through the functions they
+/// call too.
 struct Marks {
     barriers: HashSet<Handle<Function>>,
-    loops: HashSet<Handle<Function>>,
+    uneven: HashSet<Handle<Function>>,
 }
 
 /// Whether running `block` may reach a workgroup barrier: a barrier, a
@@ -651,10 +653,39 @@ fn reaches_barrier(block: &Block, marked: &HashSet<Handle<Function>>) -> bool {
     })
 }
 
-/// Whether running `block` may run a loop: one of its own, or in a call of one of
-/// `marked` (functions that may).
-fn reaches_loop(block: &Block, marked: &HashSet<Handle<Function>>) -> bool {
-    reaches(block, marked, &|s| matches!(s, Statement::Loop { .. }))
+/// Whether running `block` may add unequal turns to the counts of a workgroup's
+/// invocations whose counts were equal: a loop with no barrier in it may (its
+/// turns are its invocation's own), one with a barrier adds the same to each
+/// (it is uniform across the workgroup) unless what it runs may, and so may a
+/// call of one of `uneven`. `barriers` are the functions that reach a barrier.
+fn reaches_uneven(
+    block: &Block,
+    barriers: &HashSet<Handle<Function>>,
+    uneven: &HashSet<Handle<Function>>,
+) -> bool {
+    block.iter().any(|s| uneven_statement(s, barriers, uneven))
+}
+
+fn uneven_statement(
+    s: &Statement,
+    barriers: &HashSet<Handle<Function>>,
+    uneven: &HashSet<Handle<Function>>,
+) -> bool {
+    let inside = |b| reaches_uneven(b, barriers, uneven);
+    match s {
+        Statement::Loop {
+            body, continuing, ..
+        } => {
+            !(reaches_barrier(body, barriers) || reaches_barrier(continuing, barriers))
+                || inside(body)
+                || inside(continuing)
+        }
+        Statement::Call { function, .. } => uneven.contains(function),
+        Statement::Block(b) => inside(b),
+        Statement::If { accept, reject, .. } => inside(accept) || inside(reject),
+        Statement::Switch { cases, .. } => cases.iter().any(|c| inside(&c.body)),
+        _ => false,
+    }
 }
 
 /// Whether `block` has a statement that is `what`, or calls one of `marked`.
@@ -686,7 +717,7 @@ fn reaches(
 /// found so far (a function calls only others, never itself).
 fn functions_that(
     module: &Module,
-    reaches: fn(&Block, &HashSet<Handle<Function>>) -> bool,
+    reaches: impl Fn(&Block, &HashSet<Handle<Function>>) -> bool,
 ) -> HashSet<Handle<Function>> {
     let mut found = HashSet::new();
     loop {
@@ -810,14 +841,23 @@ fn step(
 /// every loop is counted; under a bound, a loop [`counted_loop`] sees run a
 /// fixed number of turns adds them to `open` when it starts and is skipped if
 /// that reaches the bound, any other loop does `open += 1; if open >= bound {
-/// break; }` first in its body.
+/// break; }` first in its body. `even`: the workgroup's counts are known to be
+/// equal as `block` starts (a loop with a barrier in it then needs no
+/// [`sync_count`] to start).
 fn count_in(
     block: &mut Block,
     f: &mut Function,
     globals: &Arena<GlobalVariable>,
     counters: Counters,
+    mut even: bool,
 ) {
+    let uneven = |s: &Statement| {
+        counters
+            .shared
+            .is_none_or(|(_, marks)| uneven_statement(s, &marks.barriers, &marks.uneven))
+    };
     for (s, _) in block.span_iter_mut() {
+        let was_uneven = uneven(s);
         match s {
             Statement::Loop {
                 body,
@@ -831,11 +871,11 @@ fn count_in(
                 // equal as it starts, and each turn too where loops in it may add
                 // unequal turns (see `sync_count`).
                 let shared = counters.shared.and_then(|(shared, marks)| {
-                    let has = |reach: fn(&Block, &HashSet<Handle<Function>>) -> bool, marked| {
-                        reach(body, marked) || reach(continuing, marked)
-                    };
-                    has(reaches_barrier, &marks.barriers)
-                        .then(|| (shared, has(reaches_loop, &marks.loops)))
+                    let barrier = reaches_barrier(body, &marks.barriers)
+                        || reaches_barrier(continuing, &marks.barriers);
+                    let uneven = reaches_uneven(body, &marks.barriers, &marks.uneven)
+                        || reaches_uneven(continuing, &marks.barriers, &marks.uneven);
+                    barrier.then_some((shared, uneven))
                 });
                 let inside = counted.map(|_| {
                     let mut inside = HashSet::new();
@@ -843,8 +883,14 @@ fn count_in(
                     emitted_in(continuing, &mut inside);
                     inside
                 });
-                count_in(body, f, globals, counters);
-                count_in(continuing, f, globals, counters);
+                // Equal as each turn starts: made so, or kept so by turns that add
+                // the same to each (a loop counted ahead is not made equal each turn).
+                let (in_body, in_continuing) = match shared {
+                    Some((_, uneven)) => (counted.is_none() || !uneven, !uneven),
+                    None => (false, false),
+                };
+                count_in(body, f, globals, counters, in_body);
+                count_in(continuing, f, globals, counters, in_continuing);
                 let mut first = Vec::new();
                 if let Some(all) = counters.all {
                     first.extend(step(f, all, None).0);
@@ -878,9 +924,16 @@ fn count_in(
                 }
                 body.splice(0..0, Block::from_vec(first));
                 let synced = match (counters.open, shared) {
-                    (Some((counter, _)), Some((shared, _))) => sync_count(f, shared, counter),
+                    (Some((counter, _)), Some((shared, _))) if !even => {
+                        sync_count(f, shared, counter)
+                    }
                     _ => Vec::new(),
                 };
+                if shared.is_some() {
+                    // Equal as it started; as it ends, unless what it runs may not
+                    // keep them so.
+                    even = true;
+                }
                 if let (Some((counter, bound)), Some(counted), Some(inside)) =
                     (counters.open, counted, inside)
                 {
@@ -895,18 +948,19 @@ fn count_in(
                     *s = Statement::Block(Block::from_vec(block));
                 }
             }
-            Statement::Block(b) => count_in(b, f, globals, counters),
+            Statement::Block(b) => count_in(b, f, globals, counters, even),
             Statement::If { accept, reject, .. } => {
-                count_in(accept, f, globals, counters);
-                count_in(reject, f, globals, counters);
+                count_in(accept, f, globals, counters, even);
+                count_in(reject, f, globals, counters, even);
             }
             Statement::Switch { cases, .. } => {
                 for c in cases {
-                    count_in(&mut c.body, f, globals, counters);
+                    count_in(&mut c.body, f, globals, counters, even);
                 }
             }
             _ => {}
         }
+        even &= !was_uneven;
     }
 }
 
@@ -1214,10 +1268,10 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
     }
 
     #[test]
-    fn loops_with_a_barrier_in_them_start_with_the_workgroups_counts_made_equal() {
+    fn loops_with_a_barrier_in_them_start_with_the_workgroups_counts_equal() {
         // A reduction counted turn by turn, a tiled loop counted ahead, a loop that
         // reaches its barrier through a call, one with a loop in it that may add
-        // unequal turns, and a loop with no barrier.
+        // unequal turns, a loop with no barrier, and a reduction again.
         let source = "
 @group(0) @binding(0) var<storage, read_write> out: array<u32>;
 @group(0) @binding(1) var<uniform> n: vec4<u32>;
@@ -1243,6 +1297,10 @@ fn main(@builtin(local_invocation_index) lid: u32) {
         if (n.z == 0u) { break; }
     }
     loop { x = x * 3u; if (x == 1u) { break; } }
+    for (var half = 32u; half > 0u; half = half >> 1u) {
+        if (lid < half) { part[lid] = part[lid] + part[lid + half]; }
+        workgroupBarrier();
+    }
     out[lid] = x;
 }";
         let module = naga::front::wgsl::parse_str(source).unwrap();
@@ -1255,9 +1313,11 @@ fn main(@builtin(local_invocation_index) lid: u32) {
                 bound: Some(1000),
             },
         );
-        // Two barriers as each of the four loops with one starts, and two more
-        // each turn of the one with a loop in it.
-        assert_eq!(barriers(&bounded), before + 10);
+        // Two barriers where counts may differ: as the first reduction starts (the
+        // function's), each turn of the loop with a loop in it, and as the last
+        // reduction starts (after the loop with none). The loops between keep the
+        // counts equal.
+        assert_eq!(barriers(&bounded), before + 6);
         let stop = bounded
             .global_variables
             .iter()
