@@ -514,7 +514,7 @@ pub(crate) fn count(module: &Module, group: u32, counting: Counting) -> Module {
     );
     // Under a bound, a workgroup's most turns, for the loops with a barrier in them
     // (see `count_in`), where there are any.
-    let barriers = functions_that(module, |b, found| reaches_barrier(b, found));
+    let barriers = functions_that(module, reaches_barrier);
     let uneven = functions_that(module, |b, found| reaches_uneven(b, &barriers, found));
     let marks = Marks { barriers, uneven };
     let shared = counting
