@@ -48,6 +48,7 @@ fn log_if_asked() {
             let _ = tracing_subscriber::fmt()
                 .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
                 .with_thread_names(true)
+                .with_ansi(false)
                 .with_writer(std::io::stderr)
                 .try_init();
         }
