@@ -35,6 +35,14 @@ pub fn config(dir: &Path, formation: Formation, peers: &[Multiaddr]) -> NodeConf
     c.cluster_key = Some(mesh_key());
     c.raft_tick = Duration::from_millis(50);
     c.join_timeout = Duration::from_secs(20);
+    // The backend `gpumesh node` would take from GPUMESH_BACKEND, where set (to
+    // leave an adapter out of a run: on an H100, NVIDIA's OpenGL one, which every
+    // node otherwise opens and gives up as it starts).
+    if let Ok(backend) = std::env::var("GPUMESH_BACKEND") {
+        c.backend = backend
+            .parse()
+            .expect("GPUMESH_BACKEND: vulkan, gl, metal, dx12 or auto");
+    }
     c
 }
 
