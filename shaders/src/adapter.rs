@@ -62,8 +62,12 @@ impl BackendChoice {
 
 /// A wgpu instance over the backends `choice` allows.
 pub fn instance(choice: BackendChoice) -> wgpu::Instance {
+    instance_on(choice.backends())
+}
+
+fn instance_on(backends: wgpu::Backends) -> wgpu::Instance {
     wgpu::Instance::new(&wgpu::InstanceDescriptor {
-        backends: choice.backends(),
+        backends,
         flags: wgpu::InstanceFlags::empty().with_env(),
         ..Default::default()
     })
@@ -71,7 +75,11 @@ pub fn instance(choice: BackendChoice) -> wgpu::Instance {
 
 /// Every adapter `choice` allows, best first.
 pub fn adapters(choice: BackendChoice) -> Vec<wgpu::Adapter> {
-    let mut all = instance(choice).enumerate_adapters(choice.backends());
+    adapters_on(choice.backends())
+}
+
+fn adapters_on(backends: wgpu::Backends) -> Vec<wgpu::Adapter> {
+    let mut all = instance_on(backends).enumerate_adapters(backends);
     crate::pin::keep_drivers_loaded();
     all.sort_by_key(|a| rank(&a.get_info()));
     all
@@ -79,6 +87,21 @@ pub fn adapters(choice: BackendChoice) -> Vec<wgpu::Adapter> {
 
 /// The best adapter `choice` allows.
 pub fn choose(choice: BackendChoice) -> Result<wgpu::Adapter> {
+    // A discrete GPU on Vulkan, Metal or DX12 ranks first whatever OpenGL offers,
+    // so where there is one OpenGL is not looked at: its driver is not loaded, and
+    // EGL's display (one for the whole process) is neither set up nor torn down
+    // again as each node in a process starts. On an H100 NVIDIA's EGL adapter is
+    // listed but cannot run a dispatch.
+    if choice == BackendChoice::Auto {
+        let native = adapters_on(wgpu::Backends::all() - wgpu::Backends::GL);
+        if let Some(best) = native
+            .into_iter()
+            .next()
+            .filter(|a| a.get_info().device_type == wgpu::DeviceType::DiscreteGpu)
+        {
+            return Ok(best);
+        }
+    }
     let mut all = adapters(choice);
     if all.is_empty() {
         let available = adapters(BackendChoice::Auto)
