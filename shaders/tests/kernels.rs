@@ -1,6 +1,7 @@
 //! Kernels written the way WebGPU programs write them — bounds checks with
 //! `arrayLength`, a ragged last workgroup, uniforms, in-place buffers, workgroup
-//! reductions, 2-D grids, a shared word, an atomic append — each split 1..=7 ways on
+//! reductions, 2-D grids, a shared word, an atomic append, a bitonic sort and a prefix
+//! scan in workgroup memory — each split 1..=7 ways on
 //! every local adapter. Every sharded answer must equal the unsharded one byte for
 //! byte (or be refused with a clear error), and the unsharded one must equal an
 //! independent CPU reference.
@@ -613,4 +614,139 @@ proptest! {
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------------
+// Loops with barriers in them, nested and stepped by shifts, the way sorting and
+// scanning tutorials write them (and, with loops bounded, each counted turn by turn
+// with the workgroup leaving together).
+
+/// Sorts each run of 128 words in place, a workgroup of 64 per run: a bitonic
+/// network in workgroup memory, the last run padded with the largest word.
+const BITONIC_SORT: &str = r#"
+@group(0) @binding(0) var<storage, read_write> data: array<u32>;
+var<workgroup> tile: array<u32, 128>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let base = wid.x * 128u;
+    let n = arrayLength(&data);
+    for (var h = 0u; h < 2u; h++) {
+        let i = lid + h * 64u;
+        var v = 0xffffffffu;
+        if (base + i < n) {
+            v = data[base + i];
+        }
+        tile[i] = v;
+    }
+    workgroupBarrier();
+    for (var k = 2u; k <= 128u; k = k << 1u) {
+        for (var j = k >> 1u; j > 0u; j = j >> 1u) {
+            let i = (lid / j) * 2u * j + lid % j;
+            let l = i + j;
+            let up = (i & k) == 0u;
+            let a = tile[i];
+            let b = tile[l];
+            if ((a > b) == up) {
+                tile[i] = b;
+                tile[l] = a;
+            }
+            workgroupBarrier();
+        }
+    }
+    for (var h = 0u; h < 2u; h++) {
+        let i = lid + h * 64u;
+        if (base + i < n) {
+            data[base + i] = tile[i];
+        }
+    }
+}
+"#;
+
+#[test]
+fn a_bitonic_sort_of_each_workgroups_run_in_place() {
+    let n = 128 * 9 + 77; // 10 workgroups, the last run padded
+    let mut rng = Rng(11);
+    let start: Vec<u32> = (0..n).map(|_| rng.below(5_000)).collect(); // with repeats
+    let task = Task::default().inout(0, u32_bytes(&start));
+    split_1_to_7(
+        "bitonic sort",
+        BITONIC_SORT,
+        &task,
+        [10, 1, 1],
+        MergeRule::Changes,
+        |out| {
+            let want: Vec<u32> = start
+                .chunks(128)
+                .flat_map(|run| {
+                    let mut run = run.to_vec();
+                    run.sort_unstable();
+                    run
+                })
+                .collect();
+            assert_eq!(u32s(&out[&0]), want);
+        },
+    );
+}
+
+/// Inclusive prefix sums of each run of 64 words (Hillis and Steele: each step adds
+/// the word `offset` back, read before a barrier and written after one).
+const PREFIX_SUM: &str = r#"
+@group(0) @binding(0) var<storage, read> src: array<u32>;
+@group(0) @binding(1) var<storage, read_write> dst: array<u32>;
+var<workgroup> part: array<u32, 64>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let n = arrayLength(&src);
+    var v = 0u;
+    if (gid.x < n) {
+        v = src[gid.x];
+    }
+    part[lid] = v;
+    workgroupBarrier();
+    for (var offset = 1u; offset < 64u; offset = offset * 2u) {
+        var add = 0u;
+        if (lid >= offset) {
+            add = part[lid - offset];
+        }
+        workgroupBarrier();
+        part[lid] = part[lid] + add;
+        workgroupBarrier();
+    }
+    if (gid.x < n) {
+        dst[gid.x] = part[lid];
+    }
+}
+"#;
+
+#[test]
+fn inclusive_prefix_sums_of_each_workgroups_run() {
+    let n = 64 * 12 + 5u32; // 13 workgroups, the last with 5 words
+    let mut rng = Rng(12);
+    let data: Vec<u32> = (0..n).map(|_| rng.below(u32::MAX)).collect(); // sums wrap
+    let task = Task::default()
+        .input(0, u32_bytes(&data))
+        .output(1, u64::from(n) * 4);
+    split_1_to_7(
+        "prefix sum",
+        PREFIX_SUM,
+        &task,
+        [13, 1, 1],
+        MergeRule::Changes,
+        |out| {
+            let want: Vec<u32> = data
+                .chunks(64)
+                .flat_map(|run| {
+                    run.iter()
+                        .scan(0u32, |sum, v| {
+                            *sum = sum.wrapping_add(*v);
+                            Some(*sum)
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            assert_eq!(u32s(&out[&1]), want);
+        },
+    );
 }
