@@ -27,7 +27,8 @@ pub struct BlobsBenchArgs {
     #[arg(long)]
     pub window: Option<usize>,
     /// After the table, one JSON object on the last line: blob_vs_tcp,
-    /// blob_stored_vs_tcp, blob_stored_vs_disk, raw_tcp_ms, pull_ms, fetch_ms,
+    /// blob_stored_vs_tcp, blob_stored_vs_disk, raw_tcp_ms, pull_ms, pull_ahead_ms
+    /// and blob_ahead_vs_tcp (the pull opening records ahead), fetch_ms,
     /// disk_ms.
     #[arg(long)]
     pub json: bool,
@@ -63,6 +64,8 @@ pub fn blobs(args: BlobsBenchArgs) -> anyhow::Result<ExitCode> {
                 "blob_stored_vs_disk": report.fetch_vs_disk(),
                 "raw_tcp_ms": super::ms(report.raw_tcp),
                 "pull_ms": super::ms(report.mesh_pull),
+                "pull_ahead_ms": report.mesh_pull_ahead.map(super::ms),
+                "blob_ahead_vs_tcp": report.pull_ahead_ratio(),
                 "fetch_ms": super::ms(report.fetch_blob),
                 "disk_ms": super::ms(report.disk),
             })

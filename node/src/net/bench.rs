@@ -26,6 +26,9 @@ use crate::error::{NodeError, Result};
 /// decide the result.
 const RUNS: usize = 3;
 
+/// Records the second puller opens ahead (see [`BlobTransferReport::mesh_pull_ahead`]).
+const OPEN_AHEAD: usize = 2;
+
 /// Which way a blob's bytes go between two nodes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BlobRoute {
@@ -52,6 +55,10 @@ pub struct BlobTransferReport {
     pub raw_tcp: Duration,
     /// The chunked, pipelined pull between two nodes, into memory.
     pub mesh_pull: Duration,
+    /// The same pull on the direct channel by a node that opens records on blocking
+    /// threads while it reads the next ([`OPEN_AHEAD`] of them,
+    /// `NetConfig::blob_open_ahead`), its pulls alternating with the other's.
+    pub mesh_pull_ahead: Option<Duration>,
     /// [`NetHandle::fetch_blob`] end to end: the pull, the blake3 check, and the
     /// fsync'd write into the blob store.
     pub fetch_blob: Duration,
@@ -70,6 +77,12 @@ impl BlobTransferReport {
     /// Mesh pull throughput as a fraction of raw TCP (1.0 = as fast).
     pub fn pull_ratio(&self) -> f64 {
         self.raw_tcp.as_secs_f64() / self.mesh_pull.as_secs_f64().max(1e-9)
+    }
+
+    /// The pull opening records ahead, as a fraction of raw TCP.
+    pub fn pull_ahead_ratio(&self) -> Option<f64> {
+        self.mesh_pull_ahead
+            .map(|d| self.raw_tcp.as_secs_f64() / d.as_secs_f64().max(1e-9))
     }
 
     /// `fetch_blob` throughput as a fraction of raw TCP.
@@ -112,21 +125,26 @@ impl fmt::Display for BlobTransferReport {
             "{:<34} {:>10} {:>10} {:>8}",
             "path", "ms", "MiB/s", "vs tcp"
         )?;
+        let ahead = self
+            .mesh_pull_ahead
+            .zip(self.pull_ahead_ratio())
+            .map(|(d, r)| ("  the same, opened ahead", d, r));
         let rows = [
-            ("raw TCP (tokio, loopback)", self.raw_tcp, 1.0),
-            (pull, self.mesh_pull, self.pull_ratio()),
-            (
+            Some(("raw TCP (tokio, loopback)", self.raw_tcp, 1.0)),
+            Some((pull, self.mesh_pull, self.pull_ratio())),
+            ahead,
+            Some((
                 "fetch_blob (+blake3 +fsync)",
                 self.fetch_blob,
                 self.fetch_ratio(),
-            ),
-            (
+            )),
+            Some((
                 "disk alone (write +fdatasync)",
                 self.disk,
                 self.raw_tcp.as_secs_f64() / self.disk.as_secs_f64().max(1e-9),
-            ),
+            )),
         ];
-        for (name, d, ratio) in rows {
+        for (name, d, ratio) in rows.into_iter().flatten() {
             writeln!(
                 f,
                 "{name:<34} {:>10.1} {:>10.1} {:>7.0}%",
@@ -197,7 +215,7 @@ pub async fn bench_blob_transfer_with(
     let max_blob = bytes as u64 + 1;
     // A closed mesh, as meshes are by default: both nodes hold one cluster key.
     let key = crate::cluster_key::ClusterKey::generate();
-    let start_node = |name: &str| {
+    let start_node = |name: &str, open_ahead: usize| {
         let store = BlobStore::open(dir.path().join(name), max_blob);
         let cancel = cancel.clone();
         async move {
@@ -211,14 +229,16 @@ pub async fn bench_blob_transfer_with(
             config.fetch_window = fetch_window;
             config.blob_lane = route != BlobRoute::Chunks;
             config.blob_direct = route == BlobRoute::Direct;
+            config.blob_open_ahead = open_ahead;
             // The bench does not read events; a small channel whose overflow is
             // dropped is all it needs.
             let (events, _) = mpsc::channel(16);
             NetHandle::start(config, store?, events, cancel).await
         }
     };
-    let (server, server_task) = start_node("server").await?;
-    let (client, client_task) = start_node("client").await?;
+    let (server, server_task) = start_node("server", 0).await?;
+    let (client, client_task) = start_node("client", 0).await?;
+    let (ahead, ahead_task) = start_node("ahead", OPEN_AHEAD).await?;
     let result = async {
         let mut ids = Vec::new();
         for blob in &blobs {
@@ -230,14 +250,22 @@ pub async fn bench_blob_transfer_with(
             .into_iter()
             .next()
             .ok_or_else(|| NodeError::NetSetup("server has no listen address".into()))?;
-        let peer = client.dial(addr).await?;
+        let peer = client.dial(addr.clone()).await?;
+        let direct = route == BlobRoute::Direct;
+        if direct {
+            ahead.dial(addr).await?;
+        }
 
-        let mut mesh_pull = Duration::MAX;
+        let (mut mesh_pull, mut mesh_pull_ahead) = (Duration::MAX, Duration::MAX);
         for id in &ids {
-            let t = Instant::now();
-            let got = client.pull_blob(peer, *id).await?;
-            mesh_pull = mesh_pull.min(t.elapsed());
-            check_same(*id, &got)?;
+            let pullers = [(&client, &mut mesh_pull), (&ahead, &mut mesh_pull_ahead)];
+            // Opening ahead is the direct channel's: one puller on the other routes.
+            for (node, best) in pullers.into_iter().take(if direct { 2 } else { 1 }) {
+                let t = Instant::now();
+                let got = node.pull_blob(peer, *id).await?;
+                *best = (*best).min(t.elapsed());
+                check_same(*id, &got)?;
+            }
         }
         let mut fetch_blob = Duration::MAX;
         for id in &ids {
@@ -252,6 +280,7 @@ pub async fn bench_blob_transfer_with(
             fetch_window,
             raw_tcp,
             mesh_pull,
+            mesh_pull_ahead: direct.then_some(mesh_pull_ahead),
             fetch_blob,
             disk,
         })
@@ -260,6 +289,7 @@ pub async fn bench_blob_transfer_with(
     cancel.cancel();
     let _ = server_task.await;
     let _ = client_task.await;
+    let _ = ahead_task.await;
     result
 }
 

@@ -563,17 +563,24 @@ pub(super) enum Failed {
     Each(NodeError),
 }
 
+/// How a direct pull waits, counts and opens.
+pub(super) struct How<'a> {
+    /// The longest wait for the next bytes.
+    pub timeout: Duration,
+    /// Where the bytes are counted.
+    pub metrics: &'a NetMetrics,
+    /// Records opened on blocking threads while the next is read (0: each opened
+    /// here as it arrives).
+    pub open_ahead: usize,
+}
+
 /// Reads bytes `at..end` of `id` from the holder at `addr` with `offer`, handing each
 /// piece to `each(offset, bytes)`.
-#[allow(clippy::too_many_arguments)]
 pub(super) async fn pull(
     addr: SocketAddr,
     offer: &Offer,
-    id: BlobId,
-    at: u64,
-    end: u64,
-    timeout: Duration,
-    metrics: &NetMetrics,
+    (id, at, end): (BlobId, u64, u64),
+    how: &How<'_>,
     each: &mut impl FnMut(u64, Vec<u8>) -> Result<()>,
 ) -> std::result::Result<(), Failed> {
     let mut socket = match tokio::time::timeout(CONNECT, TcpStream::connect(addr)).await {
@@ -590,40 +597,83 @@ pub(super) async fn pull(
         .write_all(&offer.ticket)
         .await
         .map_err(|e| Failed::Unreached(format!("sending the ticket to {addr}: {e}")))?;
-    let key = sealing_key(&offer.key);
-    let mut offset = at;
-    let mut number = 0u64;
-    while offset < end {
+    let key = Arc::new(sealing_key(&offer.key));
+    // Records read and not yet handed on, oldest first: opened here, or (with
+    // `open_ahead`) being opened on blocking threads while the socket is read on.
+    let mut opening = std::collections::VecDeque::new();
+    let (mut offset, mut number) = (at, 0u64);
+    let mut handed = false;
+    loop {
+        while opening.len() > how.open_ahead || (offset >= end && !opening.is_empty()) {
+            let Some((from, n, open)) = opening.pop_front() else {
+                break;
+            };
+            let opened: Option<Vec<u8>> = match open {
+                Opened::Now(record) => record,
+                Opened::Later(task) => task
+                    .await
+                    .map_err(|e| Failed::Broken(format!("opening record {n} from {addr}: {e}")))?,
+            };
+            let Some(record) = opened else {
+                return Err(Failed::Broken(format!(
+                    "record {n} from {addr} does not open"
+                )));
+            };
+            each(from, record).map_err(Failed::Each)?;
+            handed = true;
+        }
+        if offset >= end {
+            return Ok(());
+        }
         let len = RECORD.min(end - offset) as usize;
         let mut record = Vec::with_capacity(len + TAG);
-        let fail = |reason: String| {
-            if offset > at {
-                Failed::Broken(reason)
-            } else {
-                Failed::Unreached(reason)
-            }
+        // Before any piece was handed on the lane can still carry the blob.
+        let fail = |reason: String| match handed {
+            true => Failed::Broken(reason),
+            false => Failed::Unreached(reason),
         };
-        match tokio::time::timeout(timeout, read_record(&mut socket, &mut record, len + TAG)).await
+        match tokio::time::timeout(
+            how.timeout,
+            read_record(&mut socket, &mut record, len + TAG),
+        )
+        .await
         {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(fail(format!("reading from {addr}: {e}"))),
-            Err(_) => return Err(fail(format!("no bytes from {addr} within {timeout:?}"))),
+            Err(_) => {
+                return Err(fail(format!(
+                    "no bytes from {addr} within {:?}",
+                    how.timeout
+                )))
+            }
         }
-        metrics.received(Lane::Blob, record.len());
-        if key
-            .open_in_place(nonce(number), Aad::from(id.0), &mut record)
-            .is_err()
-        {
-            return Err(Failed::Broken(format!(
-                "record {number} from {addr} does not open"
-            )));
-        }
-        record.truncate(len);
-        each(offset, record).map_err(Failed::Each)?;
+        how.metrics.received(Lane::Blob, record.len());
+        let open = {
+            let key = key.clone();
+            move || {
+                key.open_in_place(nonce(number), Aad::from(id.0), &mut record)
+                    .ok()?;
+                record.truncate(len);
+                Some(record)
+            }
+        };
+        // The last record with none before it still opening has nothing to overlap.
+        let last_alone = opening.is_empty() && offset + len as u64 >= end;
+        let open = if how.open_ahead == 0 || last_alone {
+            Opened::Now(open())
+        } else {
+            Opened::Later(tokio::task::spawn_blocking(open))
+        };
+        opening.push_back((offset, number, open));
         offset += len as u64;
         number += 1;
     }
-    Ok(())
+}
+
+/// A record opened (`None`: it did not open), or being opened.
+enum Opened {
+    Now(Option<Vec<u8>>),
+    Later(tokio::task::JoinHandle<Option<Vec<u8>>>),
 }
 
 pub(super) fn sealing_key(key: &[u8; KEY]) -> LessSafeKey {
@@ -730,6 +780,76 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// A holder on a port of its own that takes one connection, reads its ticket
+    /// and sends `data` as records sealed under `key`, but record `bad` (if any)
+    /// under another key.
+    async fn holder(data: Vec<u8>, id: BlobId, key: [u8; KEY], bad: Option<u64>) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut ticket = [0u8; TICKET];
+            socket.read_exact(&mut ticket).await.unwrap();
+            for (n, piece) in data.chunks(RECORD as usize).enumerate() {
+                let n = n as u64;
+                let seal = sealing_key(&if bad == Some(n) { [7; KEY] } else { key });
+                let mut record = piece.to_vec();
+                let tag = seal
+                    .seal_in_place_separate_tag(nonce(n), Aad::from(id.0), &mut record)
+                    .unwrap();
+                record.extend_from_slice(tag.as_ref());
+                if socket.write_all(&record).await.is_err() {
+                    return; // the puller gave up
+                }
+            }
+        });
+        addr
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_puller_opening_records_ahead_hands_them_on_in_order_and_stops_at_one_that_does_not_open(
+    ) {
+        let data: Vec<u8> = (0..5 * RECORD as usize + 4321)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
+        let id = BlobId::of(&data);
+        let metrics = NetMetrics::default();
+        for open_ahead in [0, 2] {
+            let how = How {
+                timeout: Duration::from_secs(10),
+                metrics: &metrics,
+                open_ahead,
+            };
+            let offer = Offer::new().unwrap();
+            let addr = holder(data.clone(), id, offer.key, None).await;
+            let mut got = Vec::new();
+            let range = (id, 0, data.len() as u64);
+            pull(addr, &offer, range, &how, &mut |at, bytes| {
+                assert_eq!(at, got.len() as u64, "in order");
+                got.extend_from_slice(&bytes);
+                Ok(())
+            })
+            .await
+            .unwrap_or_else(|_| panic!("open_ahead {open_ahead}: the pull failed"));
+            assert!(got == data, "open_ahead {open_ahead}: bytes differ");
+            // Record 3 sealed under another key: records 0-2 are handed on, then
+            // the pull fails naming it, and nothing after it is handed on.
+            let offer = Offer::new().unwrap();
+            let addr = holder(data.clone(), id, offer.key, Some(3)).await;
+            let mut handed = 0;
+            let failed = pull(addr, &offer, range, &how, &mut |_, _| {
+                handed += 1;
+                Ok(())
+            })
+            .await;
+            match failed {
+                Err(Failed::Broken(reason)) => assert!(reason.contains("record 3"), "{reason}"),
+                _ => panic!("open_ahead {open_ahead}: a record that does not open was taken"),
+            }
+            assert_eq!(handed, 3, "open_ahead {open_ahead}");
+        }
+    }
 
     /// The IP recorded for `peer` once `addr` connected, waiting up to `tenths`
     /// tenths of a second for a name to resolve.

@@ -215,8 +215,12 @@ pub(super) async fn pull(
     };
     let addr = SocketAddr::new(ip, port);
     let mut pieces = |offset, bytes| each(total, offset, bytes);
-    let (timeout, metrics) = (ask.timeout, ask.metrics);
-    match blob_direct::pull(addr, &offer, id, 0, total, timeout, metrics, &mut pieces).await {
+    let how = blob_direct::How {
+        timeout: ask.timeout,
+        metrics: ask.metrics,
+        open_ahead: ask.open_ahead,
+    };
+    match blob_direct::pull(addr, &offer, (id, 0, total), &how, &mut pieces).await {
         Ok(()) => Ok(true),
         Err(blob_direct::Failed::Each(e)) => Err(e),
         Err(blob_direct::Failed::Broken(reason)) => Err(NodeError::Request {
@@ -248,6 +252,8 @@ pub(super) struct Ask<'a> {
     pub timeout: Duration,
     /// Where the bytes are counted.
     pub metrics: &'a NetMetrics,
+    /// Records opened ahead on a direct pull (`NetConfig::blob_open_ahead`).
+    pub open_ahead: usize,
 }
 
 /// A holder answered with a direct port where none was asked for.
@@ -282,6 +288,7 @@ async fn pull_on_stream(
         limit,
         timeout,
         metrics,
+        ..
     } = *ask;
     let peer = from.to_string();
     let failed = |reason: String| NodeError::Request {

@@ -114,6 +114,8 @@ pub struct NetHandle {
     blobs: BlobStore,
     chunk_bytes: u32,
     fetch_window: usize,
+    /// See [`NetConfig::blob_open_ahead`].
+    open_ahead: usize,
     request_timeout: Duration,
     dial_timeout: Duration,
     /// Injected delay of every outgoing Raft write and request, in microseconds.
@@ -288,6 +290,7 @@ impl NetHandle {
             blobs,
             chunk_bytes: config.chunk_bytes,
             fetch_window: config.fetch_window,
+            open_ahead: config.blob_open_ahead,
             request_timeout: config.request_timeout,
             dial_timeout: config.dial_timeout,
             delay_us,

@@ -86,6 +86,7 @@ impl NetHandle {
                 limit,
                 timeout,
                 metrics: &self.metrics,
+                open_ahead: self.open_ahead,
             };
             if super::blob_lane::pull(&ask, self.direct.as_ref(), &mut each).await? {
                 return Ok(());
