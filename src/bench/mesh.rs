@@ -42,7 +42,8 @@ pub struct MeshBenchArgs {
     pub big_runs: usize,
     /// After the table, one JSON object on the last line: p50_ms, p99_ms,
     /// tasks_per_s (result_kib: the size of those figures' results, 0 for 256 bytes),
-    /// mesh_vs_direct, blob_vs_tcp, blob_stored_vs_tcp, blob_stored_vs_disk, the
+    /// mesh_vs_direct, blob_vs_tcp (blob_ahead_vs_tcp: the pull opening records
+    /// ahead), blob_stored_vs_tcp, blob_stored_vs_disk, the
     /// disk's fsync_ms and fsync_after_idle_ms, input_task_p50_ms, big_result_ms
     /// and big_result_direct_ms, submitter_led and warm_up_tasks.
     #[arg(long)]
@@ -623,6 +624,7 @@ async fn run(args: MeshBenchArgs) -> anyhow::Result<ExitCode> {
                 "result_kib": args.result_kib,
                 "mesh_vs_direct": ratio,
                 "blob_vs_tcp": transfer.pull_ratio(),
+                "blob_ahead_vs_tcp": transfer.pull_ahead_ratio(),
                 "blob_stored_vs_tcp": transfer.fetch_ratio(),
                 "blob_stored_vs_disk": transfer.fetch_vs_disk(),
                 "fsync_ms": ms(sync_warm),
