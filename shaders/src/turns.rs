@@ -630,7 +630,7 @@ struct Counters<'a> {
     /// The open-ended loops' turns, and where they break.
     open: Option<(Handle<Expression>, u32)>,
     /// The workgroup's most turns (where a loop has a barrier in it), and which
-    /// functions reach a barrier or a loop.
+    /// functions reach a barrier or may add unequal turns.
     shared: Option<(Handle<Expression>, &'a Marks)>,
 }
 
@@ -666,6 +666,7 @@ fn reaches_uneven(
     block.iter().any(|s| uneven_statement(s, barriers, uneven))
 }
 
+/// [`reaches_uneven`] for one statement.
 fn uneven_statement(
     s: &Statement,
     barriers: &HashSet<Handle<Function>>,
