@@ -512,14 +512,16 @@ pub(crate) fn count(module: &Module, group: u32, counting: Counting) -> Module {
         },
         Span::UNDEFINED,
     );
-    // Under a bound, a workgroup's most turns, for the loops with a barrier in them
-    // (see `count_in`), where there are any.
-    let barriers = functions_that(module, reaches_barrier);
-    let uneven = functions_that(module, |b, found| reaches_uneven(b, &barriers, found));
-    let marks = Marks { barriers, uneven };
-    let shared = counting
-        .bound
-        .filter(|_| {
+    // Under a bound (and only then), a workgroup's most turns, for the loops with a
+    // barrier in them (see `count_in`), where there are any.
+    let marks = counting.bound.map(|_| {
+        let barriers = functions_that(module, reaches_barrier);
+        let uneven = functions_that(module, |b, found| reaches_uneven(b, &barriers, found));
+        Marks { barriers, uneven }
+    });
+    let shared = marks
+        .as_ref()
+        .filter(|marks| {
             loops(module, |body, continuing, _, _| {
                 reaches_barrier(body, &marks.barriers)
                     || reaches_barrier(continuing, &marks.barriers)
@@ -545,11 +547,11 @@ pub(crate) fn count(module: &Module, group: u32, counting: Counting) -> Module {
         .chain(m.entry_points.iter_mut().map(|e| &mut e.function));
     for f in functions {
         let counters = Counters {
-            shared: shared.map(|g| {
+            shared: shared.zip(marks.as_ref()).map(|(g, marks)| {
                 (
                     f.expressions
                         .append(Expression::GlobalVariable(g), Span::UNDEFINED),
-                    &marks,
+                    marks,
                 )
             }),
             all: all.map(|g| {
