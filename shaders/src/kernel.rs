@@ -93,6 +93,10 @@ impl DeclaredBinding {
 pub struct Interface {
     pub entry_point: String,
     pub workgroup_size: [u32; 3],
+    /// Bytes of workgroup memory the entry point uses, counted as WebGPU counts
+    /// them against `maxComputeWorkgroupStorageSize`: each `var<workgroup>` it uses
+    /// rounded up to 16 bytes.
+    pub workgroup_memory: u64,
     /// `@group(0)` buffers the entry point uses, by binding number.
     pub bindings: BTreeMap<u32, DeclaredBinding>,
 }
@@ -142,8 +146,9 @@ impl Kernel {
                 rendered: e.emit_to_string(source),
             }
         })?;
-        let interface = reflect(&module, &info, entry_point)?;
-        let instrumented = shard::instrument(&module, entry_point, SHARD_INFO_GROUP)?;
+        let (interface, workgroup_vars) = reflect(&module, &info, entry_point)?;
+        let mut instrumented = shard::instrument(&module, entry_point, SHARD_INFO_GROUP)?;
+        crate::zero::zero_workgroup_memory(&mut instrumented, &workgroup_vars)?;
         validate(&instrumented).map_err(|e| {
             ExecError::Unsupported(format!(
                 "the shader could not be prepared for sharded dispatch: {}",
@@ -157,8 +162,9 @@ impl Kernel {
                 crate::turns::Counting {
                     all: true,
                     bound: None,
+                    workgroup_room: true,
                 },
-            );
+            )?;
             validate(&counted).map_err(|e| {
                 ExecError::Unsupported(format!(
                     "the shader's loops could not be counted: {}",
@@ -185,16 +191,24 @@ impl Kernel {
     /// (counted whole as a loop starts where [`crate::turns::counted_loop`] knows
     /// them then, one by one otherwise), counting every loop's turns one by one
     /// too with `all` (see [`crate::turns`]): what runs where a bound applies.
-    /// `Ok(None)` when the shader has no loops.
-    pub(crate) fn bounded(&self, bound: u32, all: bool) -> Result<Option<naga::Module>> {
+    /// `workgroup_memory`: the adapter's limit, to tell whether the workgroup has
+    /// room for its count of turns. `Ok(None)` when the shader has no loops.
+    pub(crate) fn bounded(
+        &self,
+        bound: u32,
+        all: bool,
+        workgroup_memory: u64,
+    ) -> Result<Option<naga::Module>> {
         if self.counted.is_none() {
             return Ok(None);
         }
         let counting = crate::turns::Counting {
             all,
             bound: Some(bound),
+            workgroup_room: self.interface.workgroup_memory + WORKGROUP_ROUNDING
+                <= workgroup_memory,
         };
-        let bounded = crate::turns::count(&self.instrumented, SHARD_INFO_GROUP, counting);
+        let bounded = crate::turns::count(&self.instrumented, SHARD_INFO_GROUP, counting)?;
         validate(&bounded).map_err(|e| {
             ExecError::Unsupported(format!(
                 "the shader's loops could not be bounded: {}",
@@ -388,7 +402,12 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     out
 }
 
-fn reflect(module: &naga::Module, info: &ModuleInfo, entry_point: &str) -> Result<Interface> {
+/// The entry point's interface, and the workgroup variables it uses.
+fn reflect(
+    module: &naga::Module,
+    info: &ModuleInfo,
+    entry_point: &str,
+) -> Result<(Interface, Vec<naga::Handle<naga::GlobalVariable>>)> {
     let computes: Vec<String> = module
         .entry_points
         .iter()
@@ -443,7 +462,7 @@ fn reflect(module: &naga::Module, info: &ModuleInfo, entry_point: &str) -> Resul
             }
         };
         let atomic = is_atomic(module, var.ty);
-        let has_atomics = holds_atomic(module, var.ty);
+        let has_atomics = holds_atomic(&module.types, var.ty);
         let (fixed_size, stride, elem) =
             layout_of(module, gctx, var.ty).ok_or_else(|| ExecError::Binding {
                 binding: rb.binding,
@@ -463,12 +482,33 @@ fn reflect(module: &naga::Module, info: &ModuleInfo, entry_point: &str) -> Resul
             },
         );
     }
-    Ok(Interface {
+    let mut workgroup_memory = 0u64;
+    let mut workgroup_vars = Vec::new();
+    for (handle, var) in module.global_variables.iter() {
+        if var.space != naga::AddressSpace::WorkGroup || uses[handle].is_empty() {
+            continue;
+        }
+        workgroup_vars.push(handle);
+        let size = module.types[var.ty].inner.try_size(gctx).ok_or_else(|| {
+            ExecError::Unsupported(format!(
+                "var<workgroup> {} has a type too large to lay out",
+                var.name.as_deref().unwrap_or("_")
+            ))
+        })?;
+        workgroup_memory += u64::from(size).next_multiple_of(WORKGROUP_ROUNDING);
+    }
+    let interface = Interface {
         entry_point: entry_point.to_string(),
         workgroup_size: ep.workgroup_size,
+        workgroup_memory,
         bindings,
-    })
+    };
+    Ok((interface, workgroup_vars))
 }
+
+/// What WebGPU rounds each workgroup variable's size up to when it sums them against
+/// the adapter's workgroup memory limit.
+pub(crate) const WORKGROUP_ROUNDING: u64 = 16;
 
 /// (fixed bytes, runtime-array stride, element scalar) of a buffer type.
 fn layout_of(
@@ -524,14 +564,17 @@ fn elem_of(module: &naga::Module, ty: naga::Handle<naga::Type>) -> Option<ElemTy
 }
 
 /// Whether a type contains an atomic at any depth.
-fn holds_atomic(module: &naga::Module, ty: naga::Handle<naga::Type>) -> bool {
+pub(crate) fn holds_atomic(
+    types: &naga::UniqueArena<naga::Type>,
+    ty: naga::Handle<naga::Type>,
+) -> bool {
     use naga::TypeInner;
-    match &module.types[ty].inner {
+    match &types[ty].inner {
         TypeInner::Atomic(_) => true,
         TypeInner::Array { base, .. } | TypeInner::BindingArray { base, .. } => {
-            holds_atomic(module, *base)
+            holds_atomic(types, *base)
         }
-        TypeInner::Struct { members, .. } => members.iter().any(|m| holds_atomic(module, m.ty)),
+        TypeInner::Struct { members, .. } => members.iter().any(|m| holds_atomic(types, m.ty)),
         _ => false,
     }
 }

@@ -6,6 +6,8 @@
 //! - [`kernel_cache`]: compiled kernels by source hash, so a node compiles each once.
 //! - [`shard`]: split a grid into shards and rewrite the module (naga IR) so each
 //!   shard sees full-grid builtins; tile grids past the per-dimension limit.
+//! - `zero`: workgroup memory zeroed by the entry point, spread over its
+//!   invocations (the pipelines are built without the backends' own zeroing).
 //! - [`job`]: a task resolved against its kernel and input bytes.
 //! - [`executor`]: device, pipeline cache, dispatch, readback, deadlines, rebuild
 //!   after device loss.
@@ -25,6 +27,7 @@ pub mod merge;
 mod pin;
 pub mod shard;
 mod turns;
+mod zero;
 
 pub use adapter::BackendChoice;
 pub use error::{ExecError, Result};

@@ -32,6 +32,13 @@
 //! workgroup's most (`sync_count`): from there its turns keep the counts equal,
 //! and the bound stops the whole workgroup at the same turn. A reduction inside
 //! another such loop, or right after one, starts with them equal already.
+//!
+//! That maximum takes a word of workgroup memory. A kernel that leaves its
+//! adapter less than the 16 bytes WebGPU counts for it gets none: there its loops
+//! with a barrier in them are counted turn by turn and never left at the bound
+//! (they run as written, to their end or to the executor's deadline), the rest are
+//! bounded as ever, and a run whose count reached the bound is refused all the
+//! same.
 
 use std::collections::HashSet;
 use std::num::NonZeroU32;
@@ -41,6 +48,8 @@ use naga::{
     Function, GlobalVariable, Handle, Literal, LocalVariable, MathFunction, Module,
     ResourceBinding, Scalar, Span, Statement, StorageAccess, Type, TypeInner,
 };
+
+use crate::error::Result;
 
 /// The binding, in the shard-info group, of the counters the executor reads back.
 pub(crate) const TURNS_BINDING: u32 = 1;
@@ -56,6 +65,11 @@ pub(crate) struct Counting {
     /// The open-ended loops' turns, in word 1, each such loop breaking once they
     /// reach this.
     pub bound: Option<u32>,
+    /// Whether the workgroup has memory to spare for its most turns (a `u32`; see
+    /// `sync_count`). Without it a loop with a barrier in it is counted but never
+    /// left at the bound: it runs as written (to its end, or to the executor's
+    /// deadline), and a run whose count reached the bound is still refused.
+    pub workgroup_room: bool,
 }
 
 /// Whether any function of `module` has a loop.
@@ -454,7 +468,7 @@ fn emitted_in(block: &Block, out: &mut HashSet<Handle<Expression>>) {
 /// Rewrites `module` (already instrumented for sharding, its one entry point a
 /// wrapper calling the user's code) to count loop turns as `counting` says and
 /// report them at `@group(group) @binding(TURNS_BINDING)`.
-pub(crate) fn count(module: &Module, group: u32, counting: Counting) -> Module {
+pub(crate) fn count(module: &Module, group: u32, counting: Counting) -> Result<Module> {
     let mut m = module.clone();
     let u32_ty = m.types.insert(
         Type {
@@ -521,6 +535,7 @@ pub(crate) fn count(module: &Module, group: u32, counting: Counting) -> Module {
     });
     let shared = marks
         .as_ref()
+        .filter(|_| counting.workgroup_room)
         .filter(|marks| {
             loops(module, |body, continuing, _, _| {
                 reaches_barrier(body, &marks.barriers)
@@ -547,12 +562,12 @@ pub(crate) fn count(module: &Module, group: u32, counting: Counting) -> Module {
         .chain(m.entry_points.iter_mut().map(|e| &mut e.function));
     for f in functions {
         let counters = Counters {
-            shared: shared.zip(marks.as_ref()).map(|(g, marks)| {
-                (
+            shared: marks.as_ref().map(|marks| {
+                let g = shared.map(|g| {
                     f.expressions
-                        .append(Expression::GlobalVariable(g), Span::UNDEFINED),
-                    marks,
-                )
+                        .append(Expression::GlobalVariable(g), Span::UNDEFINED)
+                });
+                (g, marks)
             }),
             all: all.map(|g| {
                 f.expressions
@@ -621,7 +636,14 @@ pub(crate) fn count(module: &Module, group: u32, counting: Counting) -> Module {
         }
         f.body = Block::from_vec(body);
     }
-    m
+    // The workgroup's count starts at zero in each workgroup (as WGSL's own
+    // zeroing, which the pipelines are built without, would have it; see
+    // `crate::zero`): a maximum left by the last workgroup would raise this one's
+    // counts.
+    if let Some(shared) = shared {
+        crate::zero::zero_workgroup_memory(&mut m, &[shared])?;
+    }
+    Ok(m)
 }
 
 /// A function's pointers to the counters [`count`] adds.
@@ -631,9 +653,11 @@ struct Counters<'a> {
     all: Option<Handle<Expression>>,
     /// The open-ended loops' turns, and where they break.
     open: Option<(Handle<Expression>, u32)>,
-    /// The workgroup's most turns (where a loop has a barrier in it), and which
-    /// functions reach a barrier or may add unequal turns.
-    shared: Option<(Handle<Expression>, &'a Marks)>,
+    /// Under a bound: the workgroup's most turns (where a loop has a barrier in it;
+    /// `None` where the workgroup has no memory to spare for them, so such loops
+    /// are never left at the bound), and which functions reach a barrier or may add
+    /// unequal turns.
+    shared: Option<(Option<Handle<Expression>>, &'a Marks)>,
 }
 
 /// The functions of a module that may reach a workgroup barrier, and those that
@@ -867,9 +891,6 @@ fn count_in(
                 continuing,
                 break_if,
             } => {
-                let counted = counters
-                    .open
-                    .and_then(|_| counted_loop(body, continuing, *break_if, f, globals));
                 // Where the loop may reach a barrier, the workgroup's counts are made
                 // equal as it starts, and each turn too where loops in it may add
                 // unequal turns (see `sync_count`).
@@ -880,6 +901,13 @@ fn count_in(
                         || reaches_uneven(continuing, &marks.barriers, &marks.uneven);
                     barrier.then_some((shared, uneven))
                 });
+                // Without room for the workgroup's count, such a loop is counted turn
+                // by turn and never left at the bound.
+                let pinned = matches!(shared, Some((None, _)));
+                let counted = counters
+                    .open
+                    .filter(|_| !pinned)
+                    .and_then(|_| counted_loop(body, continuing, *break_if, f, globals));
                 let inside = counted.map(|_| {
                     let mut inside = HashSet::new();
                     emitted_in(body, &mut inside);
@@ -899,7 +927,7 @@ fn count_in(
                     first.extend(step(f, all, None).0);
                 }
                 if let (Some((counter, bound)), None) = (counters.open, counted) {
-                    if let Some((shared, true)) = shared {
+                    if let Some((Some(shared), true)) = shared {
                         first.extend(sync_count(f, shared, counter));
                     }
                     // Held at the bound: the count never wraps back under it, however
@@ -918,16 +946,18 @@ fn count_in(
                         },
                         Span::UNDEFINED,
                     );
-                    first.push(Statement::Emit(f.expressions.range_from(at)));
-                    first.push(Statement::If {
-                        condition: reached,
-                        accept: Block::from_vec(vec![Statement::Break]),
-                        reject: Block::new(),
-                    });
+                    if !pinned {
+                        first.push(Statement::Emit(f.expressions.range_from(at)));
+                        first.push(Statement::If {
+                            condition: reached,
+                            accept: Block::from_vec(vec![Statement::Break]),
+                            reject: Block::new(),
+                        });
+                    }
                 }
                 body.splice(0..0, Block::from_vec(first));
                 let synced = match (counters.open, shared) {
-                    (Some((counter, _)), Some((shared, _))) if !even => {
+                    (Some((counter, _)), Some((Some(shared), _))) if !even => {
                         sync_count(f, shared, counter)
                     }
                     _ => Vec::new(),
@@ -1247,26 +1277,46 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
 
     /// The barriers in `module`'s functions and entry points.
     fn barriers(module: &Module) -> usize {
-        fn walk(block: &Block) -> usize {
+        statements(module, &|s| matches!(s, Statement::ControlBarrier(_)))
+    }
+
+    fn breaks(module: &Module) -> usize {
+        statements(module, &|s| matches!(s, Statement::Break))
+    }
+
+    /// The statements of `module` for which `which` holds.
+    fn statements(module: &Module, which: &dyn Fn(&Statement) -> bool) -> usize {
+        fn walk(block: &Block, which: &dyn Fn(&Statement) -> bool) -> usize {
             block
                 .iter()
-                .map(|s| match s {
-                    Statement::ControlBarrier(_) => 1,
-                    Statement::Block(b) => walk(b),
-                    Statement::If { accept, reject, .. } => walk(accept) + walk(reject),
-                    Statement::Switch { cases, .. } => cases.iter().map(|c| walk(&c.body)).sum(),
-                    Statement::Loop {
-                        body, continuing, ..
-                    } => walk(body) + walk(continuing),
-                    _ => 0,
+                .map(|s| {
+                    usize::from(which(s))
+                        + match s {
+                            Statement::Block(b) => walk(b, which),
+                            Statement::If { accept, reject, .. } => {
+                                walk(accept, which) + walk(reject, which)
+                            }
+                            Statement::Switch { cases, .. } => {
+                                cases.iter().map(|c| walk(&c.body, which)).sum()
+                            }
+                            Statement::Loop {
+                                body, continuing, ..
+                            } => walk(body, which) + walk(continuing, which),
+                            _ => 0,
+                        }
                 })
                 .sum()
         }
         module
             .functions
             .iter()
-            .map(|(_, f)| walk(&f.body))
-            .chain(module.entry_points.iter().map(|e| walk(&e.function.body)))
+            .map(|(_, f)| walk(&f.body, which))
+            .chain(
+                module
+                    .entry_points
+                    .iter()
+                    .map(|e| walk(&e.function.body, which)),
+            )
             .sum()
     }
 
@@ -1314,13 +1364,15 @@ fn main(@builtin(local_invocation_index) lid: u32) {
             Counting {
                 all: false,
                 bound: Some(1000),
+                workgroup_room: true,
             },
-        );
+        )
+        .unwrap();
         // Two barriers where counts may differ: as the first reduction starts (the
         // function's), each turn of the loop with a loop in it, and as the last
         // reduction starts (after the loop with none). The loops between keep the
-        // counts equal.
-        assert_eq!(barriers(&bounded), before + 6);
+        // counts equal. And one after the workgroup's count is set to zero, first.
+        assert_eq!(barriers(&bounded), before + 7);
         let stop = bounded
             .global_variables
             .iter()
@@ -1333,6 +1385,34 @@ fn main(@builtin(local_invocation_index) lid: u32) {
         )
         .validate(&bounded)
         .expect("the rewritten module is valid");
+        // Every loop counted turn by turn breaks at the bound: all but the tiled one,
+        // counted ahead.
+        assert_eq!(breaks(&bounded), breaks(&module) + 6);
+        // Without room in workgroup memory for the count, the loops with a barrier
+        // in them are counted turn by turn and never left: no barrier added, and
+        // only the two loops with none break at the bound.
+        let pinned = count(
+            &module,
+            1,
+            Counting {
+                all: false,
+                bound: Some(1000),
+                workgroup_room: false,
+            },
+        )
+        .unwrap();
+        assert_eq!(barriers(&pinned), before);
+        assert_eq!(breaks(&pinned), breaks(&module) + 2);
+        assert!(pinned
+            .global_variables
+            .iter()
+            .all(|(_, g)| g.space != AddressSpace::WorkGroup || g.name.as_deref() == Some("part")));
+        naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::default(),
+        )
+        .validate(&pinned)
+        .expect("the rewritten module is valid");
         // Counting alone (a capped adapter, no bound) adds none, nor does a bound
         // where no loop has a barrier.
         let counted = count(
@@ -1341,8 +1421,10 @@ fn main(@builtin(local_invocation_index) lid: u32) {
             Counting {
                 all: true,
                 bound: None,
+                workgroup_room: true,
             },
-        );
+        )
+        .unwrap();
         assert_eq!(barriers(&counted), before);
         let plain = naga::front::wgsl::parse_str(
             "@group(0) @binding(0) var<storage, read_write> out: array<u32>;
@@ -1361,8 +1443,10 @@ fn main(@builtin(local_invocation_index) lid: u32) {
             Counting {
                 all: false,
                 bound: Some(1000),
+                workgroup_room: true,
             },
-        );
+        )
+        .unwrap();
         assert_eq!(barriers(&bounded), 1);
         assert!(bounded
             .global_variables

@@ -829,3 +829,64 @@ fn loops_past_the_executors_bound_are_stopped_and_refused_and_the_next_task_runs
         copies_as_the_cpu(&mut executor, name);
     }
 }
+
+/// [`UNEVEN_THEN_REDUCED`] with its workgroup array `words` long (only its first 64
+/// are used).
+fn uneven_then_reduced_in(words: u32, n: u32) -> Job {
+    let source = UNEVEN_THEN_REDUCED.replace("array<u32, 64>", &format!("array<u32, {words}>"));
+    with_params(&source, [n, 0, 0, 0], 4 * 4, 4)
+}
+
+#[test]
+fn kernels_at_the_workgroup_memory_limit_run_under_the_bound_and_past_it_are_refused() {
+    for adapter in common::bounded() {
+        let name = adapter.backend.name();
+        let mut executor = adapter.executor.lock().unwrap();
+        let limit = executor
+            .capability()
+            .limits
+            .max_compute_workgroup_storage_size;
+        let rebuilds = executor.rebuilds();
+        // Every byte the adapter has, with a reduction loop (barriers in it) after
+        // unequal counts: no room for the bound's workgroup count, so the reduction
+        // runs as written and only the loop before it is left at the bound. Under
+        // the bound, the CPU's answer; past it, refused.
+        for n in [100u32, 2_000] {
+            let most = 63 * n + 6;
+            match executor.run(
+                &uneven_then_reduced_in(limit / 4, n),
+                Some(Duration::from_secs(60)),
+            ) {
+                Ok(out) => {
+                    assert!(
+                        most < common::UNDER_THE_CAP,
+                        "{name}: {most} turns answered"
+                    );
+                    let cpu: Vec<u8> = (0..4).flat_map(|_| (n * 2016).to_le_bytes()).collect();
+                    assert_eq!(out.outputs[&1], cpu, "{name}: n = {n}");
+                }
+                Err(e) => {
+                    assert!(
+                        most >= common::UNDER_THE_CAP,
+                        "{name}: {most} turns refused: {e}"
+                    );
+                    assert!(matches!(e, ExecError::LoopBound { .. }), "{name}: {e}");
+                }
+            }
+        }
+        // Sixteen bytes more than the adapter has: refused before it reaches the
+        // driver, which names no cause (OpenGL's loses the device).
+        let over = uneven_then_reduced_in(limit / 4 + 4, 100);
+        let err = executor.run(&over, None).unwrap_err();
+        assert!(
+            matches!(err, ExecError::Limit { value, limit: l, .. } if value == u64::from(limit) + 16 && l == u64::from(limit)),
+            "{name}: {err}"
+        );
+        assert!(
+            err.to_string().contains("workgroup memory"),
+            "{name}: {err}"
+        );
+        assert_eq!(executor.rebuilds(), rebuilds, "{name}: no device rebuilt");
+        copies_as_the_cpu(&mut executor, name);
+    }
+}

@@ -750,3 +750,93 @@ fn inclusive_prefix_sums_of_each_workgroups_run() {
         },
     );
 }
+
+/// A per-workgroup histogram and tallies in workgroup memory that the kernel never
+/// clears: WGSL gives each workgroup zeros, and counting from there is how
+/// histogram examples are written. Atomics in an array, in a struct beside a plain
+/// word, in an array of arrays; a plain array longer than the workgroup (1,500
+/// elements over 48 invocations, the last round ragged) read where no invocation
+/// wrote; builtins taken in a struct. A workgroup that saw the last one's leftovers
+/// (as memory is reused between workgroups) would count them again.
+const WORKGROUP_TALLIES: &str = r#"
+struct Tally { even: atomic<u32>, odd: atomic<u32>, untouched: u32 }
+struct In {
+    @builtin(local_invocation_index) lid: u32,
+    @builtin(workgroup_id) wid: vec3<u32>,
+}
+@group(0) @binding(0) var<storage, read> src: array<u32>;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+var<workgroup> hist: array<atomic<u32>, 16>;
+var<workgroup> tally: Tally;
+var<workgroup> grid: array<array<atomic<i32>, 3>, 5>;
+var<workgroup> seen: array<vec2<u32>, 1500>;
+
+@compute @workgroup_size(8, 6)
+fn main(input: In) {
+    let v = src[input.wid.x * 48u + input.lid];
+    atomicAdd(&hist[v % 16u], 1u);
+    if (v % 2u == 0u) {
+        atomicAdd(&tally.even, 1u);
+    } else {
+        atomicAdd(&tally.odd, 1u);
+    }
+    atomicAdd(&grid[v % 5u][v % 3u], 1);
+    seen[input.lid * 31u] += vec2<u32>(v, 1u);
+    workgroupBarrier();
+    if (input.lid == 0u) {
+        let at = input.wid.x * 40u;
+        for (var i = 0u; i < 16u; i++) {
+            out[at + i] = atomicLoad(&hist[i]);
+        }
+        out[at + 16u] = atomicLoad(&tally.even);
+        out[at + 17u] = atomicLoad(&tally.odd);
+        out[at + 18u] = tally.untouched;
+        for (var i = 0u; i < 15u; i++) {
+            out[at + 19u + i] = u32(atomicLoad(&grid[i / 3u][i % 3u]));
+        }
+        out[at + 34u] = seen[1499].x;
+        out[at + 35u] = seen[1499].y;
+        out[at + 36u] = seen[47u * 31u].x;
+        out[at + 37u] = seen[47u * 31u].y;
+        out[at + 38u] = seen[1u].y;
+        out[at + 39u] = seen[0].y;
+    }
+}
+"#;
+
+#[test]
+fn workgroup_tallies_count_from_the_zeros_wgsl_promises() {
+    let groups = 9u32;
+    let mut rng = Rng(13);
+    let data: Vec<u32> = (0..groups * 48).map(|_| rng.below(1_000)).collect();
+    let task = Task::default()
+        .input(0, u32_bytes(&data))
+        .output(1, u64::from(groups) * 40 * 4);
+    split_1_to_7(
+        "workgroup tallies",
+        WORKGROUP_TALLIES,
+        &task,
+        [groups, 1, 1],
+        MergeRule::Changes,
+        |out| {
+            let want: Vec<u32> = data
+                .chunks(48)
+                .flat_map(|run| {
+                    let mut w = vec![0u32; 40];
+                    for &v in run {
+                        w[(v % 16) as usize] += 1;
+                        w[16 + (v % 2) as usize] += 1;
+                        w[19 + (v % 5 * 3 + v % 3) as usize] += 1;
+                    }
+                    // w[18]: the untouched word; w[34], w[35]: never written.
+                    w[36] = run[47];
+                    w[37] = 1;
+                    w[38] = 0;
+                    w[39] = 1;
+                    w
+                })
+                .collect();
+            assert_eq!(u32s(&out[&1]), want);
+        },
+    );
+}

@@ -452,6 +452,14 @@ impl Executor {
                 limit: l.max_compute_invocations_per_workgroup.into(),
             });
         }
+        let memory = job.kernel.interface.workgroup_memory;
+        if memory > u64::from(l.max_compute_workgroup_storage_size) {
+            return Err(ExecError::Limit {
+                what: "workgroup memory in bytes (each var<workgroup> rounded up to 16)".into(),
+                value: memory,
+                limit: l.max_compute_workgroup_storage_size.into(),
+            });
+        }
         if job.spec.grid.total() > self.limits.max_grid_workgroups {
             return Err(ExecError::Limit {
                 what: format!("grid {} in workgroups", job.spec.grid),
@@ -1060,7 +1068,8 @@ impl Executor {
             .loop_bound
             .filter(|b| cap.is_none_or(|cap| *b < cap));
         if let Some(bound) = bound {
-            match kernel.bounded(bound, cap.is_some()) {
+            let memory = self.capability.limits.max_compute_workgroup_storage_size;
+            match kernel.bounded(bound, cap.is_some(), memory.into()) {
                 Ok(Some(module)) => {
                     let limit = TurnLimit {
                         cap,
@@ -1154,7 +1163,11 @@ impl Executor {
             layout: Some(&layout),
             module: &module,
             entry_point: Some(&kernel.interface.entry_point),
-            compilation_options: Default::default(),
+            // The module zeroes its workgroup memory itself (`crate::zero`).
+            compilation_options: wgpu::PipelineCompilationOptions {
+                zero_initialize_workgroup_memory: false,
+                ..Default::default()
+            },
             cache: None,
         });
         if let Some(e) = pollster::block_on(device.pop_error_scope()) {
