@@ -390,3 +390,80 @@ async fn a_submitter_over_max_queued_is_refused_until_its_tasks_finish() {
     .await
     .expect("bounded");
 }
+
+/// vector_add with its sum staged in a `var<workgroup>` of `words` words, in
+/// workgroups of `size` (as `@workgroup_size` takes it).
+fn staged_add(words: u32, size: &str) -> String {
+    format!(
+        "@group(0) @binding(0) var<storage, read> a: array<f32>;
+@group(0) @binding(1) var<storage, read> b: array<f32>;
+@group(0) @binding(2) var<storage, read_write> c: array<f32>;
+var<workgroup> staged: array<f32, {words}>;
+
+@compute @workgroup_size({size})
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+    let i = gid.x;
+    if (i < arrayLength(&c)) {{
+        staged[lid % {words}u] = a[i] + b[i];
+        c[i] = staged[lid % {words}u];
+    }}
+}}"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_kernel_no_adapter_in_the_mesh_can_run_is_refused_at_submit() {
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let n = node(dir.path(), Limits::default()).await;
+        // A task run first: the node's adapter is on record.
+        still_serves(&n).await;
+        let problem = vector_add();
+        upload(&n, &problem).await;
+        let limits = n
+            .capability
+            .clone()
+            .expect("the node has an adapter")
+            .limits;
+        let memory = limits.max_compute_workgroup_storage_size;
+        let mut spec = problem.spec(2);
+        // Sixteen bytes of workgroup memory past the adapter's, then workgroups of
+        // twice the invocations it runs (each side within its own limit): each
+        // refused, naming the limit.
+        for (source, what, limit) in [
+            (
+                staged_add(memory / 4 + 4, "256"),
+                "workgroup memory",
+                u64::from(memory),
+            ),
+            (
+                staged_add(
+                    64,
+                    &format!("{}, 2", limits.max_compute_invocations_per_workgroup),
+                ),
+                "invocations per workgroup",
+                u64::from(limits.max_compute_invocations_per_workgroup),
+            ),
+        ] {
+            spec.shader = ShaderSource::Wgsl(source);
+            let (code, msg) = post_spec(&n, spec.clone()).await;
+            assert_eq!(code, StatusCode::BAD_REQUEST, "{msg}");
+            assert!(
+                msg.contains("no adapter in the mesh can run this task")
+                    && msg.contains(what)
+                    && msg.contains(&format!("limit of {limit}")),
+                "{msg}"
+            );
+        }
+        // Nothing was committed for them, and at the limit the same kernel runs.
+        let via = client(&n);
+        assert_eq!(via.tasks().await.unwrap().len(), 1, "only the first task");
+        spec.shader = ShaderSource::Wgsl(staged_add(memory / 4, "256"));
+        let task = via.submit(spec, None).await.unwrap();
+        via.wait(task, |_, _| {}).await.unwrap();
+        problem.verify(&via.results(task).await.unwrap()).unwrap();
+        n.stop().await;
+    })
+    .await
+    .expect("bounded");
+}

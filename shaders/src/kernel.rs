@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use gpumesh_protocol::{BindingRole, ElemType, MergeRule, ShaderSource, TaskSpec};
+use gpumesh_protocol::{AdapterLimits, BindingRole, ElemType, MergeRule, ShaderSource, TaskSpec};
 use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
 
 use crate::builtins::sources;
@@ -224,6 +224,67 @@ impl Kernel {
             ShaderSource::Wgsl(source) => Self::compile(source, entry_point),
             ShaderSource::Builtin(name) => Self::compile(sources::source(name)?, entry_point),
         }
+    }
+
+    /// Checks `spec` run with this kernel against an adapter's `limits`: its
+    /// workgroup's size and memory, its buffers' sizes and how many it binds.
+    pub fn fits(&self, spec: &TaskSpec, limits: &AdapterLimits) -> Result<()> {
+        let l = limits;
+        let wg = self.interface.workgroup_size;
+        let dims = ["x", "y", "z"];
+        for (i, (&size, &max)) in wg.iter().zip(&l.max_compute_workgroup_size).enumerate() {
+            if size > max {
+                return Err(ExecError::Limit {
+                    what: format!("workgroup size along {}", dims[i]),
+                    value: size.into(),
+                    limit: max.into(),
+                });
+            }
+        }
+        let invocations: u64 = wg.iter().map(|&d| u64::from(d)).product();
+        if invocations > u64::from(l.max_compute_invocations_per_workgroup) {
+            return Err(ExecError::Limit {
+                what: "invocations per workgroup".into(),
+                value: invocations,
+                limit: l.max_compute_invocations_per_workgroup.into(),
+            });
+        }
+        let memory = self.interface.workgroup_memory;
+        if memory > u64::from(l.max_compute_workgroup_storage_size) {
+            return Err(ExecError::Limit {
+                what: "workgroup memory in bytes (each var<workgroup> rounded up to 16)".into(),
+                value: memory,
+                limit: l.max_compute_workgroup_storage_size.into(),
+            });
+        }
+        let mut storage = 0u64;
+        for b in &spec.bindings {
+            let size = b.role.size();
+            let access = self.interface.bindings.get(&b.binding).map(|d| d.access);
+            let (kind, limit) = match access {
+                Some(Access::Uniform) => ("uniform", u64::from(l.max_uniform_buffer_binding_size)),
+                _ => {
+                    storage += 1;
+                    ("storage", u64::from(l.max_storage_buffer_binding_size))
+                }
+            };
+            let limit = limit.min(l.max_buffer_size);
+            if size > limit {
+                return Err(ExecError::Limit {
+                    what: format!("binding {} ({kind} buffer) size in bytes", b.binding),
+                    value: size,
+                    limit,
+                });
+            }
+        }
+        if storage > u64::from(l.max_storage_buffers_per_shader_stage) {
+            return Err(ExecError::Limit {
+                what: "storage buffers".into(),
+                value: storage,
+                limit: l.max_storage_buffers_per_shader_stage.into(),
+            });
+        }
+        Ok(())
     }
 
     /// Holds `spec` against the shader and returns its shard plan. Adapter limits are

@@ -123,6 +123,7 @@ async fn admit(
         .get(&req.spec.shader, &req.spec.entry_point)
         .map_err(bad)?;
     kernel.check(&req.spec).map_err(bad)?;
+    fits_an_adapter(c, &kernel, &req.spec)?;
     for b in &req.spec.bindings {
         if let Some(blob) = b.role.blob() {
             let size = b.role.size();
@@ -142,6 +143,42 @@ async fn admit(
         received,
         slot,
     })
+}
+
+/// Refuses a task that no member's adapter can run (its workgroup too large, in
+/// invocations or memory, or a buffer past what the adapter binds), naming each
+/// kind of adapter and why: committed, it would only fail on every node it was
+/// tried on. A mesh with no adapter yet takes it, to place once one joins.
+fn fits_an_adapter(
+    c: &ConsensusHandle,
+    kernel: &gpumesh_shaders::Kernel,
+    spec: &gpumesh_protocol::TaskSpec,
+) -> ApiResult<()> {
+    let adapters: Vec<gpumesh_protocol::NodeCapability> = c.read_local(|s| {
+        s.members()
+            .values()
+            .filter_map(|m| m.capability.clone())
+            .collect()
+    });
+    let mut why: Vec<String> = Vec::new();
+    for cap in &adapters {
+        match kernel.fits(spec, &cap.limits) {
+            Ok(()) => return Ok(()),
+            Err(e) => {
+                let line = format!("{} ({}): {e}", cap.adapter_name, cap.backend.name());
+                if !why.contains(&line) {
+                    why.push(line);
+                }
+            }
+        }
+    }
+    match why.is_empty() {
+        true => Ok(()),
+        false => Err(bad(format!(
+            "no adapter in the mesh can run this task: {}",
+            why.join("; ")
+        ))),
+    }
 }
 
 /// Commits an admitted submit for the mesh to place; answers with its task id.

@@ -430,73 +430,15 @@ impl Executor {
         })
     }
 
-    /// Checks `job` against this adapter's limits.
+    /// Checks `job` against this adapter's limits (see [`Kernel::fits`]) and this
+    /// executor's largest grid.
     pub fn check_limits(&self, job: &Job) -> Result<()> {
-        let l = &self.capability.limits;
-        let wg = job.kernel.interface.workgroup_size;
-        let dims = ["x", "y", "z"];
-        for (i, (&size, &max)) in wg.iter().zip(&l.max_compute_workgroup_size).enumerate() {
-            if size > max {
-                return Err(ExecError::Limit {
-                    what: format!("workgroup size along {}", dims[i]),
-                    value: size.into(),
-                    limit: max.into(),
-                });
-            }
-        }
-        let invocations: u64 = wg.iter().map(|&d| u64::from(d)).product();
-        if invocations > u64::from(l.max_compute_invocations_per_workgroup) {
-            return Err(ExecError::Limit {
-                what: "invocations per workgroup".into(),
-                value: invocations,
-                limit: l.max_compute_invocations_per_workgroup.into(),
-            });
-        }
-        let memory = job.kernel.interface.workgroup_memory;
-        if memory > u64::from(l.max_compute_workgroup_storage_size) {
-            return Err(ExecError::Limit {
-                what: "workgroup memory in bytes (each var<workgroup> rounded up to 16)".into(),
-                value: memory,
-                limit: l.max_compute_workgroup_storage_size.into(),
-            });
-        }
+        job.kernel.fits(&job.spec, &self.capability.limits)?;
         if job.spec.grid.total() > self.limits.max_grid_workgroups {
             return Err(ExecError::Limit {
                 what: format!("grid {} in workgroups", job.spec.grid),
                 value: job.spec.grid.total(),
                 limit: self.limits.max_grid_workgroups,
-            });
-        }
-        let mut storage = 0u64;
-        for b in &job.spec.bindings {
-            let size = b.role.size();
-            let access = job
-                .kernel
-                .interface
-                .bindings
-                .get(&b.binding)
-                .map(|d| d.access);
-            let (kind, limit) = match access {
-                Some(Access::Uniform) => ("uniform", u64::from(l.max_uniform_buffer_binding_size)),
-                _ => {
-                    storage += 1;
-                    ("storage", u64::from(l.max_storage_buffer_binding_size))
-                }
-            };
-            let limit = limit.min(l.max_buffer_size);
-            if size > limit {
-                return Err(ExecError::Limit {
-                    what: format!("binding {} ({kind} buffer) size in bytes", b.binding),
-                    value: size,
-                    limit,
-                });
-            }
-        }
-        if storage > u64::from(l.max_storage_buffers_per_shader_stage) {
-            return Err(ExecError::Limit {
-                what: "storage buffers".into(),
-                value: storage,
-                limit: l.max_storage_buffers_per_shader_stage.into(),
             });
         }
         Ok(())
