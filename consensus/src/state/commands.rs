@@ -145,6 +145,9 @@ impl StateMachine {
                 s.attempts.retain(|a| a.epoch != *epoch);
                 s.failures += 1;
                 s.last_error = Some(reason.clone());
+                if !s.failed_on.contains(node) {
+                    s.failed_on.push(*node);
+                }
                 t.record(
                     index,
                     Some(*shard),
@@ -408,6 +411,7 @@ impl StateMachine {
             state: ShardState::Pending,
             failures: 0,
             last_error: None,
+            failed_on: Vec::new(),
             output: None,
         };
         self.tasks.insert(

@@ -174,6 +174,10 @@ pub struct Shard {
     pub state: ShardState,
     pub failures: u32,
     pub last_error: Option<String>,
+    /// Nodes where an attempt failed: a retry goes to another node while there is
+    /// one that can take it (the error may be that node's: its adapter's limits or
+    /// loop cap, a lost device).
+    pub failed_on: Vec<u64>,
     pub output: Option<ShardOutput>,
 }
 

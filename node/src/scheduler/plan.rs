@@ -101,8 +101,12 @@ pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
             let need = largest_binding(&t.spec);
             let load = load.get_or_insert_with(|| s.queue_by_node());
             let (mut holders, mut kinds) = taken(s, sh);
+            // Away from the nodes where it failed while any other can take it.
             let mut choose = |holders: &BTreeSet<u64>, kinds: &[(String, String)]| {
-                pick(&workers, load, need, holders, kinds, None)
+                let elsewhere: BTreeSet<u64> =
+                    holders.iter().chain(&sh.failed_on).copied().collect();
+                pick(&workers, load, need, &elsewhere, kinds, None)
+                    .or_else(|| pick(&workers, load, need, holders, kinds, None))
             };
             for (epoch, why) in lost {
                 if let Some((node, kind)) = choose(&holders, &kinds) {
@@ -595,6 +599,47 @@ mod tests {
             nodes.contains(&3),
             "the GL node gets one replica: {nodes:?}"
         );
+    }
+
+    #[test]
+    fn a_failed_shard_is_retried_on_another_node_while_there_is_one() {
+        // Node 1 is ten times faster: by load over speed it would take every try.
+        let mut s = state(
+            &[
+                Some(capability(100.0, 1 << 27)),
+                Some(capability(10.0, 1 << 27)),
+            ],
+            1,
+        );
+        let task = s.tasks().next().unwrap().id;
+        let fail_on = |s: &mut StateMachine, node: u64| {
+            let placed = plan(s, &Observed::default());
+            assert_eq!(placed.assign, vec![(task, 0, node)], "{placed:?}");
+            apply(
+                s,
+                Command::AssignShard {
+                    task,
+                    shard: 0,
+                    node,
+                },
+            );
+            let epoch = s.task(task).unwrap().shards[0].epoch;
+            apply(
+                s,
+                Command::ShardFailed {
+                    task,
+                    shard: 0,
+                    epoch,
+                    node,
+                    reason: "workgroup memory in bytes is 20000, over the adapter limit".into(),
+                },
+            );
+        };
+        fail_on(&mut s, 1);
+        // Then on the slower node; failed on both, on the faster again.
+        fail_on(&mut s, 2);
+        let placed = plan(&s, &Observed::default());
+        assert_eq!(placed.assign, vec![(task, 0, 1)], "{placed:?}");
     }
 
     #[test]
