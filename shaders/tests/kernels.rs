@@ -1,7 +1,8 @@
 //! Kernels written the way WebGPU programs write them — bounds checks with
 //! `arrayLength`, a ragged last workgroup, uniforms, in-place buffers, workgroup
-//! reductions, 2-D grids, a shared word, an atomic append, a bitonic sort and a prefix
-//! scan in workgroup memory — each split 1..=7 ways on
+//! reductions, 2-D grids, a shared word, an atomic append, a bitonic sort, a prefix
+//! scan, a tiled matrix product and tallies counted from zeroed workgroup memory —
+//! each split 1..=7 ways on
 //! every local adapter. Every sharded answer must equal the unsharded one byte for
 //! byte (or be refused with a clear error), and the unsharded one must equal an
 //! independent CPU reference.
@@ -837,6 +838,77 @@ fn workgroup_tallies_count_from_the_zeros_wgsl_promises() {
                 })
                 .collect();
             assert_eq!(u32s(&out[&1]), want);
+        },
+    );
+}
+
+/// The tiled matrix product of GPU tutorials: each workgroup stages a 16 × 16 tile
+/// of each operand in workgroup memory (arrays of arrays), waits, multiplies, waits,
+/// and moves to the next tile; the edges of both grids and of `k` are ragged and
+/// padded with zeros by `select`.
+const TILED_MATMUL: &str = r#"
+struct Dims { m: u32, n: u32, k: u32, _pad: u32 }
+@group(0) @binding(0) var<uniform> dims: Dims;
+@group(0) @binding(1) var<storage, read> a: array<f32>;
+@group(0) @binding(2) var<storage, read> b: array<f32>;
+@group(0) @binding(3) var<storage, read_write> c: array<f32>;
+
+const TILE: u32 = 16u;
+var<workgroup> tile_a: array<array<f32, 16>, 16>;
+var<workgroup> tile_b: array<array<f32, 16>, 16>;
+
+@compute @workgroup_size(16, 16)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let row = gid.y;
+    let col = gid.x;
+    var acc = 0.0;
+    let tiles = (dims.k + TILE - 1u) / TILE;
+    for (var t = 0u; t < tiles; t++) {
+        let ak = t * TILE + lid.x;
+        let bk = t * TILE + lid.y;
+        tile_a[lid.y][lid.x] = select(0.0, a[row * dims.k + ak], row < dims.m && ak < dims.k);
+        tile_b[lid.y][lid.x] = select(0.0, b[bk * dims.n + col], bk < dims.k && col < dims.n);
+        workgroupBarrier();
+        for (var i = 0u; i < TILE; i++) {
+            acc = acc + tile_a[lid.y][i] * tile_b[i][lid.x];
+        }
+        workgroupBarrier();
+    }
+    if (row < dims.m && col < dims.n) {
+        c[row * dims.n + col] = acc;
+    }
+}
+"#;
+
+#[test]
+fn a_tiled_matrix_product_through_workgroup_memory() {
+    // 133 × 50 by 50 × 37: 3 × 9 workgroups, ragged on every edge. Small whole
+    // numbers, so every sum is exact in f32 whatever the order or fusing.
+    let (m, n, k) = (133u32, 37u32, 50u32);
+    let mut rng = Rng(14);
+    let a: Vec<f32> = (0..m * k).map(|_| rng.below(8) as f32).collect();
+    let b: Vec<f32> = (0..k * n).map(|_| rng.below(8) as f32).collect();
+    let task = Task::default()
+        .input(0, u32_bytes(&[m, n, k, 0]))
+        .input(1, f32_bytes(&a))
+        .input(2, f32_bytes(&b))
+        .output(3, u64::from(m * n) * 4);
+    split_1_to_7(
+        "tiled matmul",
+        TILED_MATMUL,
+        &task,
+        [n.div_ceil(16), m.div_ceil(16), 1],
+        MergeRule::Changes,
+        |out| {
+            let mut want = vec![0f32; (m * n) as usize];
+            for r in 0..m as usize {
+                for c in 0..n as usize {
+                    want[r * n as usize + c] = (0..k as usize)
+                        .map(|i| a[r * k as usize + i] * b[i * n as usize + c])
+                        .sum();
+                }
+            }
+            assert_eq!(f32s(&out[&3]), want);
         },
     );
 }
