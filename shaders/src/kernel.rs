@@ -146,6 +146,7 @@ impl Kernel {
                 rendered: e.emit_to_string(source),
             }
         })?;
+        let (module, info) = with_overrides_resolved(module, info, entry_point)?;
         let (interface, workgroup_vars) = reflect(&module, &info, entry_point)?;
         let mut instrumented = shard::instrument(&module, entry_point, SHARD_INFO_GROUP)?;
         crate::zero::zero_workgroup_memory(&mut instrumented, &workgroup_vars)?;
@@ -461,6 +462,41 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     out
+}
+
+/// `module` with its pipeline-overridable constants (`override`) at their
+/// defaults, `@workgroup_size` included, for the entry point: a task sets none of
+/// them. Unchanged where it has none (or no such compute entry point, which
+/// [`reflect`] reports).
+fn with_overrides_resolved(
+    module: naga::Module,
+    info: ModuleInfo,
+    entry_point: &str,
+) -> Result<(naga::Module, ModuleInfo)> {
+    let compute = module
+        .entry_points
+        .iter()
+        .any(|ep| ep.name == entry_point && ep.stage == naga::ShaderStage::Compute);
+    if module.overrides.is_empty() || !compute {
+        return Ok((module, info));
+    }
+    let no_values = naga::back::PipelineConstants::default();
+    let (resolved, resolved_info) = naga::back::pipeline_constants::process_overrides(
+        &module,
+        &info,
+        Some((naga::ShaderStage::Compute, entry_point)),
+        &no_values,
+    )
+    .map_err(|e| match e {
+        naga::back::pipeline_constants::PipelineConstantError::MissingValue(name) => {
+            ExecError::Unsupported(format!(
+                "override {name} has no default value, and a task cannot set one; \
+                 give it a default (override {name}: u32 = 64u;) or make it a const"
+            ))
+        }
+        other => ExecError::Unsupported(format!("the shader's overrides: {other}")),
+    })?;
+    Ok((resolved.into_owned(), resolved_info.into_owned()))
 }
 
 /// The entry point's interface, and the workgroup variables it uses.

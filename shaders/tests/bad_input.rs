@@ -890,3 +890,16 @@ fn kernels_at_the_workgroup_memory_limit_run_under_the_bound_and_past_it_are_ref
         copies_as_the_cpu(&mut executor, name);
     }
 }
+
+#[test]
+fn an_override_without_a_default_is_refused_naming_it() {
+    let source = "override SCALE: u32;
+@group(0) @binding(0) var<storage, read_write> dst: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) { dst[gid.x] = gid.x * SCALE; }";
+    let err = Kernel::compile(source, "main").unwrap_err().to_string();
+    assert!(
+        err.contains("SCALE") && err.contains("default"),
+        "the message names the override and what to do: {err}"
+    );
+}

@@ -912,3 +912,58 @@ fn a_tiled_matrix_product_through_workgroup_memory() {
         },
     );
 }
+
+/// A workgroup sum sized by a pipeline-overridable constant with a default, as WGSL
+/// tours write it: the workgroup's size, its array in workgroup memory and the
+/// first step of the halving all `WG`.
+const OVERRIDE_SIZED_SUM: &str = r#"
+override WG: u32 = 64u;
+@group(0) @binding(0) var<storage, read> src: array<u32>;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+var<workgroup> part: array<u32, WG>;
+
+@compute @workgroup_size(WG)
+fn main(
+    @builtin(global_invocation_id) gid: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+    @builtin(workgroup_id) wid: vec3<u32>,
+) {
+    var v = 0u;
+    if (gid.x < arrayLength(&src)) {
+        v = src[gid.x];
+    }
+    part[lid] = v;
+    workgroupBarrier();
+    for (var half = WG / 2u; half > 0u; half = half >> 1u) {
+        if (lid < half) {
+            part[lid] += part[lid + half];
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) {
+        out[wid.x] = part[0];
+    }
+}
+"#;
+
+#[test]
+fn a_workgroup_sum_sized_by_an_override_runs_at_its_default() {
+    let n = 64 * 9 + 13u32; // 10 workgroups, the last with 13 words
+    let mut rng = Rng(15);
+    let data: Vec<u32> = (0..n).map(|_| rng.below(u32::MAX)).collect();
+    let task = Task::default().input(0, u32_bytes(&data)).output(1, 10 * 4);
+    split_1_to_7(
+        "override-sized sum",
+        OVERRIDE_SIZED_SUM,
+        &task,
+        [10, 1, 1],
+        MergeRule::Changes,
+        |out| {
+            let want: Vec<u32> = data
+                .chunks(64)
+                .map(|run| run.iter().fold(0u32, |a, v| a.wrapping_add(*v)))
+                .collect();
+            assert_eq!(u32s(&out[&1]), want);
+        },
+    );
+}
