@@ -5,7 +5,9 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use gpumesh_protocol::{ActorCall, BackendKind, BlobId, NodeCapability, StateBuffer, TaskSpec};
+use gpumesh_protocol::{
+    ActorCall, BackendKind, BlobId, KernelNeeds, NodeCapability, StateBuffer, TaskSpec,
+};
 use serde::{Deserialize, Serialize};
 
 /// The idempotency key of a proposal: a proposal retried with the same id is applied
@@ -89,8 +91,14 @@ impl fmt::Display for TaskId {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Command {
     /// A new task. Acknowledged only once committed; retried submits with the same
-    /// request id return the same task.
-    SubmitTask { spec: TaskSpec, submitter: String },
+    /// request id return the same task. `needs`: what its kernel asks of an adapter
+    /// (the admitting node compiled it), so that its shards go only where they fit;
+    /// `None` places it by its buffers alone.
+    SubmitTask {
+        spec: TaskSpec,
+        submitter: String,
+        needs: Option<KernelNeeds>,
+    },
     /// A one-shard, one-replica task that node `node` already ran (it was submitted
     /// there, with `POST /v1/tasks/run`, and that node's GPU was free), recorded with
     /// what came of it in one entry: the task, its one attempt on `node`, and the

@@ -96,9 +96,9 @@ pub use replica::{
 };
 pub use state::{
     candidates, largest_binding, pick, Actor, CallResult, Candidate, ClusterSettings, Liveness,
-    Member, PendingCall, Role, Shard, ShardOutput, ShardState, StateMachine, Task, TaskStatus,
-    KEPT_FINISHED_TASKS, MAX_CARRIED_RESULT, MAX_HISTORY, MAX_INLINE_RESULT, MAX_WAITING_CALLS,
-    REMEMBERED_CALLS,
+    Member, Need, PendingCall, Role, Shard, ShardOutput, ShardState, StateMachine, Task,
+    TaskStatus, KEPT_FINISHED_TASKS, MAX_CARRIED_RESULT, MAX_HISTORY, MAX_INLINE_RESULT,
+    MAX_WAITING_CALLS, REMEMBERED_CALLS,
 };
 pub use storage::{Compaction, RedbStorage};
 pub use tracing_drain::{raft_logger, TracingDrain};

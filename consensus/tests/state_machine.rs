@@ -223,6 +223,7 @@ fn submit_with(replicas: u32, tolerance: Option<f32>) -> Command {
     Command::SubmitTask {
         spec,
         submitter: "p1".into(),
+        needs: None,
     }
 }
 
@@ -479,7 +480,8 @@ fn failures_requeue_then_fail_the_task_and_cancel_stops_results() {
     assert!(matches!(
         log.apply(Command::SubmitTask {
             spec: bad,
-            submitter: "t".into()
+            submitter: "t".into(),
+            needs: None,
         }),
         Outcome::Rejected(_)
     ));
@@ -908,6 +910,7 @@ fn a_task_with_inputs_leans_to_the_node_it_was_submitted_through_but_not_against
         let command = Command::SubmitTask {
             spec,
             submitter: "p3".into(),
+            needs: None,
         };
         let Outcome::TaskSubmitted { task } = log.apply_from(3, RequestId::new(3, seq), command)
         else {

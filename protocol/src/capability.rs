@@ -61,6 +61,63 @@ pub struct AdapterLimits {
     pub max_compute_workgroup_storage_size: u32,
 }
 
+/// What a task's kernel asks of an adapter besides room for its buffers: the size
+/// of its workgroup and the workgroup memory it uses (each `var<workgroup>` rounded
+/// up to 16 bytes, as WebGPU counts it). Worked out by the node that admits the
+/// task, which compiles its kernel, and recorded with it so that its shards are
+/// placed only where they can run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelNeeds {
+    pub workgroup_size: [u32; 3],
+    pub workgroup_memory: u64,
+}
+
+/// A limit that something passes: what, its value, and the limit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Exceeded {
+    pub what: String,
+    pub value: u64,
+    pub limit: u64,
+}
+
+impl KernelNeeds {
+    /// The first of `limits` this kernel passes, if any.
+    pub fn exceeds(&self, limits: &AdapterLimits) -> Option<Exceeded> {
+        let l = limits;
+        let axes = ["x", "y", "z"];
+        for (i, (&size, &max)) in self
+            .workgroup_size
+            .iter()
+            .zip(&l.max_compute_workgroup_size)
+            .enumerate()
+        {
+            if size > max {
+                return Some(Exceeded {
+                    what: format!("workgroup size along {}", axes[i]),
+                    value: size.into(),
+                    limit: max.into(),
+                });
+            }
+        }
+        let invocations: u64 = self.workgroup_size.iter().map(|&d| u64::from(d)).product();
+        if invocations > u64::from(l.max_compute_invocations_per_workgroup) {
+            return Some(Exceeded {
+                what: "invocations per workgroup".into(),
+                value: invocations,
+                limit: l.max_compute_invocations_per_workgroup.into(),
+            });
+        }
+        if self.workgroup_memory > u64::from(l.max_compute_workgroup_storage_size) {
+            return Some(Exceeded {
+                what: "workgroup memory in bytes (each var<workgroup> rounded up to 16)".into(),
+                value: self.workgroup_memory,
+                limit: l.max_compute_workgroup_storage_size.into(),
+            });
+        }
+        None
+    }
+}
+
 /// One node's adapter and its measured speed.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct NodeCapability {

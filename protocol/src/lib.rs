@@ -27,7 +27,9 @@ pub mod mesh;
 pub mod task;
 
 pub use actor::{ActorCall, StateBuffer};
-pub use capability::{AdapterLimits, BackendKind, DeviceKind, NodeCapability};
+pub use capability::{
+    AdapterLimits, BackendKind, DeviceKind, Exceeded, KernelNeeds, NodeCapability,
+};
 pub use changes::{Base, BufferChanges, Run, ShardChanges};
 pub use envelope::{open, seal, WIRE_VERSION};
 pub use error::{ProtocolError, Result};

@@ -10,7 +10,9 @@
 
 use std::collections::BTreeMap;
 
-use gpumesh_protocol::{AdapterLimits, BindingRole, ElemType, MergeRule, ShaderSource, TaskSpec};
+use gpumesh_protocol::{
+    AdapterLimits, BindingRole, ElemType, KernelNeeds, MergeRule, ShaderSource, TaskSpec,
+};
 use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
 
 use crate::builtins::sources;
@@ -227,35 +229,23 @@ impl Kernel {
         }
     }
 
+    /// What the kernel asks of an adapter besides room for its buffers.
+    pub fn needs(&self) -> KernelNeeds {
+        KernelNeeds {
+            workgroup_size: self.interface.workgroup_size,
+            workgroup_memory: self.interface.workgroup_memory,
+        }
+    }
+
     /// Checks `spec` run with this kernel against an adapter's `limits`: its
     /// workgroup's size and memory, its buffers' sizes and how many it binds.
     pub fn fits(&self, spec: &TaskSpec, limits: &AdapterLimits) -> Result<()> {
         let l = limits;
-        let wg = self.interface.workgroup_size;
-        let dims = ["x", "y", "z"];
-        for (i, (&size, &max)) in wg.iter().zip(&l.max_compute_workgroup_size).enumerate() {
-            if size > max {
-                return Err(ExecError::Limit {
-                    what: format!("workgroup size along {}", dims[i]),
-                    value: size.into(),
-                    limit: max.into(),
-                });
-            }
-        }
-        let invocations: u64 = wg.iter().map(|&d| u64::from(d)).product();
-        if invocations > u64::from(l.max_compute_invocations_per_workgroup) {
+        if let Some(e) = self.needs().exceeds(l) {
             return Err(ExecError::Limit {
-                what: "invocations per workgroup".into(),
-                value: invocations,
-                limit: l.max_compute_invocations_per_workgroup.into(),
-            });
-        }
-        let memory = self.interface.workgroup_memory;
-        if memory > u64::from(l.max_compute_workgroup_storage_size) {
-            return Err(ExecError::Limit {
-                what: "workgroup memory in bytes (each var<workgroup> rounded up to 16)".into(),
-                value: memory,
-                limit: l.max_compute_workgroup_storage_size.into(),
+                what: e.what,
+                value: e.value,
+                limit: e.limit,
             });
         }
         let mut storage = 0u64;

@@ -6,7 +6,11 @@ use super::*;
 impl StateMachine {
     pub(super) fn run(&mut self, index: u64, entry: &LogEntry) -> Outcome {
         match &entry.command {
-            Command::SubmitTask { spec, submitter } => self.submit(index, entry, spec, submitter),
+            Command::SubmitTask {
+                spec,
+                submitter,
+                needs,
+            } => self.submit(index, entry, spec, submitter, *needs),
             Command::TaskRan {
                 spec,
                 submitter,
@@ -254,9 +258,13 @@ impl StateMachine {
         entry: &LogEntry,
         spec: &TaskSpec,
         submitter: &str,
+        needs: Option<KernelNeeds>,
     ) -> Outcome {
         let outcome = self.create_task(index, entry.request_id, spec, submitter);
         if let Outcome::TaskSubmitted { task } = outcome {
+            if let Some(t) = self.task_mut(task) {
+                t.needs = needs;
+            }
             self.place_new_task(index, task, entry.origin);
         }
         outcome
@@ -428,6 +436,7 @@ impl StateMachine {
                 mismatches: 0,
                 outputs: Vec::new(),
                 inline: BTreeMap::new(),
+                needs: None,
             }),
         );
         self.task_by_request.insert(request_id, id);

@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
-use gpumesh_protocol::{codec, BlobId, NodeCapability, TaskSpec};
+use gpumesh_protocol::{codec, AdapterLimits, BlobId, KernelNeeds, NodeCapability, TaskSpec};
 use serde::{Deserialize, Serialize};
 
 use crate::command::{Command, Committed, LogEntry, MergedOutput, Outcome, Ran, RequestId, TaskId};
@@ -20,7 +20,7 @@ mod types;
 
 pub(crate) use actors::After;
 pub use actors::{Actor, CallResult, PendingCall, MAX_WAITING_CALLS, REMEMBERED_CALLS};
-pub use placement::{candidates, largest_binding, pick, Candidate};
+pub use placement::{candidates, largest_binding, pick, Candidate, Need};
 pub use types::*;
 
 /// The replicated record.

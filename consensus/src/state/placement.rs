@@ -4,7 +4,8 @@
 //! (a node that went down, a straggler's copy, a replica after a mismatch).
 //!
 //! An attempt goes to the member that minimises (attempts queued + 1) / measured
-//! GFLOP/s among those with an adapter whose limits fit the task's largest buffer and
+//! GFLOP/s among those with an adapter whose limits fit the task's largest buffer
+//! and its kernel's workgroup (size and memory, where the submit recorded them) and
 //! that the record does not hold down; replicas of one shard go to distinct nodes,
 //! other hardware first.
 
@@ -17,6 +18,8 @@ pub struct Candidate {
     pub gflops: f64,
     /// Largest buffer its adapter can bind.
     pub fits: u64,
+    /// Its adapter's limits.
+    pub limits: AdapterLimits,
     /// Bytes of GPU memory it keeps buffers in between runs.
     pub memory: u64,
     pub backend: gpumesh_protocol::BackendKind,
@@ -36,12 +39,36 @@ pub fn candidates(s: &StateMachine, down: &BTreeSet<u64>) -> Vec<Candidate> {
                 gflops: cap.gflops.max(0.1),
                 fits: u64::from(cap.limits.max_storage_buffer_binding_size)
                     .min(cap.limits.max_buffer_size),
+                limits: cap.limits,
                 memory: cap.memory,
                 backend: cap.backend,
                 kind: (cap.adapter_name.clone(), cap.backend.name().to_string()),
             })
         })
         .collect()
+}
+
+/// What an attempt at one of a task's shards needs of a node's adapter.
+#[derive(Clone, Copy, Debug)]
+pub struct Need {
+    /// Its largest buffer.
+    pub binding: u64,
+    /// Its kernel's workgroup, where the submit recorded it.
+    pub kernel: Option<KernelNeeds>,
+}
+
+impl Need {
+    pub fn of(t: &Task) -> Self {
+        Need {
+            binding: largest_binding(&t.spec),
+            kernel: t.needs,
+        }
+    }
+
+    /// Whether candidate `c`'s adapter can run it.
+    pub fn met_by(&self, c: &Candidate) -> bool {
+        c.fits >= self.binding && self.kernel.is_none_or(|k| k.exceeds(&c.limits).is_none())
+    }
 }
 
 /// Largest buffer a task binds.
@@ -67,14 +94,14 @@ const NEAR_INPUTS: f64 = 0.95;
 pub fn pick(
     candidates: &[Candidate],
     load: &mut BTreeMap<u64, u32>,
-    need: u64,
+    need: &Need,
     holders: &BTreeSet<u64>,
     kinds: &[(String, String)],
     near: Option<u64>,
 ) -> Option<(u64, (String, String))> {
     let best = candidates
         .iter()
-        .filter(|c| c.fits >= need && !holders.contains(&c.node))
+        .filter(|c| need.met_by(c) && !holders.contains(&c.node))
         .min_by(|a, b| {
             let score = |c: &Candidate| {
                 // Same hardware as an existing replica counts as busier.
@@ -111,7 +138,7 @@ impl StateMachine {
         let Some(t) = self.task_mut(id) else {
             return;
         };
-        let need = largest_binding(&t.spec);
+        let need = Need::of(t);
         let near = t
             .spec
             .bindings
@@ -122,7 +149,8 @@ impl StateMachine {
             let mut holders = BTreeSet::new();
             let mut kinds = Vec::new();
             for _ in 0..t.shards[i].wanted() {
-                let Some((node, kind)) = pick(&candidates, &mut load, need, &holders, &kinds, near)
+                let Some((node, kind)) =
+                    pick(&candidates, &mut load, &need, &holders, &kinds, near)
                 else {
                     break;
                 };

@@ -264,6 +264,8 @@ pub struct Task {
     /// result's bytes are here or in the blob store under the same id.
     #[serde(with = "gpumesh_protocol::mesh::bytes_values")]
     pub inline: BTreeMap<BlobId, Vec<u8>>,
+    /// What its kernel asks of an adapter, where the submit said.
+    pub needs: Option<KernelNeeds>,
 }
 
 impl Task {

@@ -82,6 +82,7 @@ pub fn submit(n: u32) -> Command {
     Command::SubmitTask {
         spec: spec(n),
         submitter: "test".into(),
+        needs: None,
     }
 }
 
@@ -333,6 +334,7 @@ impl Log {
         let command = Command::SubmitTask {
             spec,
             submitter: "test".into(),
+            needs: None,
         };
         match self.apply(command) {
             Outcome::TaskSubmitted { task } => task,

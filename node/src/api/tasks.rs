@@ -93,6 +93,8 @@ async fn queue_slot<'a>(
 struct Admitted<'a> {
     request_id: RequestId,
     spec: gpumesh_protocol::TaskSpec,
+    /// What its kernel asks of an adapter.
+    needs: gpumesh_protocol::KernelNeeds,
     received: std::time::Instant,
     slot: QueueSlot<'a>,
 }
@@ -139,6 +141,7 @@ async fn admit(
     }
     Ok(Admitted {
         request_id,
+        needs: kernel.needs(),
         spec: req.spec,
         received,
         slot,
@@ -186,6 +189,7 @@ async fn commit(api: &ApiState, admitted: Admitted<'_>) -> ApiResult<u64> {
     let Admitted {
         request_id,
         spec,
+        needs,
         received,
         slot,
     } = admitted;
@@ -207,6 +211,7 @@ async fn commit(api: &ApiState, admitted: Admitted<'_>) -> ApiResult<u64> {
             Command::SubmitTask {
                 spec,
                 submitter: api.peer_name.clone(),
+                needs: Some(needs),
             },
         )
         .await

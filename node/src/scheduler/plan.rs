@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use gpumesh_consensus::{
-    candidates, largest_binding, pick, Candidate, Shard, ShardState, StateMachine, TaskId,
+    candidates, pick, Candidate, Need, Shard, ShardState, StateMachine, TaskId,
 };
 
 /// What the leader has seen for itself; not replicated, rebuilt after a leader change.
@@ -98,15 +98,15 @@ pub fn plan(s: &StateMachine, observed: &Observed) -> Plan {
             if lost.is_empty() && sh.wanted() == 0 && !speculate {
                 continue; // placed and running: nothing to decide
             }
-            let need = largest_binding(&t.spec);
+            let need = Need::of(t);
             let load = load.get_or_insert_with(|| s.queue_by_node());
             let (mut holders, mut kinds) = taken(s, sh);
             // Away from the nodes where it failed while any other can take it.
             let mut choose = |holders: &BTreeSet<u64>, kinds: &[(String, String)]| {
                 let elsewhere: BTreeSet<u64> =
                     holders.iter().chain(&sh.failed_on).copied().collect();
-                pick(&workers, load, need, &elsewhere, kinds, None)
-                    .or_else(|| pick(&workers, load, need, holders, kinds, None))
+                pick(&workers, load, &need, &elsewhere, kinds, None)
+                    .or_else(|| pick(&workers, load, &need, holders, kinds, None))
             };
             for (epoch, why) in lost {
                 if let Some((node, kind)) = choose(&holders, &kinds) {
@@ -210,7 +210,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use gpumesh_consensus::{ClusterSettings, Command, LogEntry, RequestId, StateMachine};
-    use gpumesh_protocol::{AdapterLimits, BackendKind, DeviceKind, NodeCapability};
+    use gpumesh_protocol::{AdapterLimits, BackendKind, DeviceKind, KernelNeeds, NodeCapability};
     use gpumesh_shaders::builtins;
 
     use super::*;
@@ -266,6 +266,7 @@ mod tests {
             Command::SubmitTask {
                 spec: problem.spec(shards),
                 submitter: "peer-1".into(),
+                needs: None,
             },
         );
         for (i, cap) in caps.iter().enumerate() {
@@ -437,6 +438,7 @@ mod tests {
             Command::SubmitTask {
                 spec: problem.spec(8),
                 submitter: "peer-1".into(),
+                needs: None,
             },
         );
         let placed = s.tasks().last().unwrap();
@@ -589,6 +591,7 @@ mod tests {
             Command::SubmitTask {
                 spec,
                 submitter: "peer-1".into(),
+                needs: None,
             },
         );
         // Placed as the submit is applied, by the same rule the scheduler uses.
@@ -598,6 +601,80 @@ mod tests {
         assert!(
             nodes.contains(&3),
             "the GL node gets one replica: {nodes:?}"
+        );
+    }
+
+    #[test]
+    fn shards_go_only_to_adapters_with_room_for_their_kernels_workgroup() {
+        // Node 1 is ten times faster but has 16 KiB of workgroup memory; node 2 has
+        // 32 KiB and takes 1,024 invocations a workgroup.
+        let mut big = capability(10.0, 1 << 27);
+        big.limits.max_compute_workgroup_storage_size = 32 << 10;
+        big.limits.max_compute_invocations_per_workgroup = 1024;
+        big.limits.max_compute_workgroup_size = [1024, 1024, 64];
+        let founders = vec![(1, "peer-1".to_string()), (2, "peer-2".to_string())];
+        let mut s = StateMachine::bootstrap(&founders, ClusterSettings { max_voters: 5 });
+        for (node, cap) in [(1, capability(100.0, 1 << 27)), (2, big)] {
+            apply(
+                &mut s,
+                Command::NodeCapabilities {
+                    raft_id: node,
+                    capability: cap,
+                },
+            );
+        }
+        let problem = builtins::get("vector_add")
+            .unwrap()
+            .problem(256 * 64)
+            .unwrap();
+        let submit = |s: &mut StateMachine, needs: KernelNeeds| {
+            apply(
+                s,
+                Command::SubmitTask {
+                    spec: problem.spec(4),
+                    submitter: "peer-1".into(),
+                    needs: Some(needs),
+                },
+            );
+            s.tasks().last().unwrap().clone()
+        };
+        let nodes = |t: &gpumesh_consensus::Task| -> BTreeSet<u64> {
+            t.shards
+                .iter()
+                .flat_map(|sh| sh.attempts.iter().map(|a| a.node))
+                .collect()
+        };
+        // 20,000 bytes of workgroup memory, then 512 invocations: node 2 alone,
+        // placed as the submit is applied.
+        for needs in [
+            KernelNeeds {
+                workgroup_size: [64, 1, 1],
+                workgroup_memory: 20_000,
+            },
+            KernelNeeds {
+                workgroup_size: [512, 1, 1],
+                workgroup_memory: 0,
+            },
+        ] {
+            let t = submit(&mut s, needs);
+            assert_eq!(nodes(&t), BTreeSet::from([2]), "{needs:?}");
+        }
+        // What fits both spreads over both (by load over speed).
+        let t = submit(&mut s, KernelNeeds::default());
+        assert!(nodes(&t).contains(&1), "{:?}", nodes(&t));
+        // What fits neither waits unplaced, and the scheduler places none of it.
+        let t = submit(
+            &mut s,
+            KernelNeeds {
+                workgroup_size: [64, 1, 1],
+                workgroup_memory: 40_000,
+            },
+        );
+        assert!(nodes(&t).is_empty());
+        let later = plan(&s, &Observed::default());
+        assert!(
+            later.assign.iter().all(|(task, _, _)| *task != t.id),
+            "{later:?}"
         );
     }
 
