@@ -755,7 +755,8 @@ fn inclusive_prefix_sums_of_each_workgroups_run() {
 /// A per-workgroup histogram and tallies in workgroup memory that the kernel never
 /// clears: WGSL gives each workgroup zeros, and counting from there is how
 /// histogram examples are written. Atomics in an array, in a struct beside a plain
-/// word, in an array of arrays; a plain array longer than the workgroup (1,500
+/// word, in an array of arrays (named only in functions the entry point calls); a
+/// plain array longer than the workgroup (1,500
 /// elements over 48 invocations, the last round ragged) read where no invocation
 /// wrote; builtins taken in a struct. A workgroup that saw the last one's leftovers
 /// (as memory is reused between workgroups) would count them again.
@@ -772,6 +773,14 @@ var<workgroup> tally: Tally;
 var<workgroup> grid: array<array<atomic<i32>, 3>, 5>;
 var<workgroup> seen: array<vec2<u32>, 1500>;
 
+// `grid` is named only in these two.
+fn count_in_grid(v: u32) {
+    atomicAdd(&grid[v % 5u][v % 3u], 1);
+}
+fn grid_at(i: u32) -> u32 {
+    return u32(atomicLoad(&grid[i / 3u][i % 3u]));
+}
+
 @compute @workgroup_size(8, 6)
 fn main(input: In) {
     let v = src[input.wid.x * 48u + input.lid];
@@ -781,7 +790,7 @@ fn main(input: In) {
     } else {
         atomicAdd(&tally.odd, 1u);
     }
-    atomicAdd(&grid[v % 5u][v % 3u], 1);
+    count_in_grid(v);
     seen[input.lid * 31u] += vec2<u32>(v, 1u);
     workgroupBarrier();
     if (input.lid == 0u) {
@@ -793,7 +802,7 @@ fn main(input: In) {
         out[at + 17u] = atomicLoad(&tally.odd);
         out[at + 18u] = tally.untouched;
         for (var i = 0u; i < 15u; i++) {
-            out[at + 19u + i] = u32(atomicLoad(&grid[i / 3u][i % 3u]));
+            out[at + 19u + i] = grid_at(i);
         }
         out[at + 34u] = seen[1499].x;
         out[at + 35u] = seen[1499].y;
