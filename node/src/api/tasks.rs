@@ -157,24 +157,23 @@ fn fits_an_adapter(
     kernel: &gpumesh_shaders::Kernel,
     spec: &gpumesh_protocol::TaskSpec,
 ) -> ApiResult<()> {
-    let adapters: Vec<gpumesh_protocol::NodeCapability> = c.read_local(|s| {
-        s.members()
-            .values()
-            .filter_map(|m| m.capability.clone())
-            .collect()
-    });
-    let mut why: Vec<String> = Vec::new();
-    for cap in &adapters {
-        match kernel.fits(spec, &cap.limits) {
-            Ok(()) => return Ok(()),
-            Err(e) => {
-                let line = format!("{} ({}): {e}", cap.adapter_name, cap.backend.name());
-                if !why.contains(&line) {
-                    why.push(line);
+    // Read in place: on the usual path the first adapter fits, and nothing is
+    // copied or formatted.
+    let why: Vec<String> = c.read_local(|s| {
+        let mut why = Vec::new();
+        for cap in s.members().values().filter_map(|m| m.capability.as_ref()) {
+            match kernel.fits(spec, &cap.limits) {
+                Ok(()) => return Vec::new(),
+                Err(e) => {
+                    let line = format!("{} ({}): {e}", cap.adapter_name, cap.backend.name());
+                    if !why.contains(&line) {
+                        why.push(line);
+                    }
                 }
             }
         }
-    }
+        why
+    });
     match why.is_empty() {
         true => Ok(()),
         false => Err(bad(format!(
