@@ -32,7 +32,10 @@ pub mod admission;
 pub mod api;
 pub mod blobs;
 pub mod cluster_key;
+pub mod data_dir;
 mod error;
+#[cfg(test)]
+mod format_schema;
 mod host;
 pub mod identity;
 pub mod limits;

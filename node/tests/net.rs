@@ -15,7 +15,7 @@ use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, StreamExt};
 use gpumesh_node::blobs::BlobStore;
 use gpumesh_node::net::{
     bench_blob_transfer_with, BlobRoute, ConnectionCaps, NetConfig, NetEvent, NetHandle,
-    MESH_PROTOCOL, RAFT_PROTOCOL,
+    CALL_PROTOCOL, MESH_PROTOCOL, RAFT_PROTOCOL,
 };
 use gpumesh_node::NodeError;
 use gpumesh_protocol::{seal, BlobId, MeshRequest, MeshResponse};
@@ -565,7 +565,7 @@ async fn garbage_on_the_wire_does_not_stop_the_node_from_serving() {
     let len = u32::from_le_bytes(answer[..4].try_into().unwrap()) as usize;
     let answer: MeshResponse = gpumesh_protocol::open(&answer[4..4 + len]).unwrap();
     match answer {
-        MeshResponse::Error(why) => assert!(why.contains("/gpumesh/call/1"), "{why}"),
+        MeshResponse::Error(why) => assert!(why.contains(CALL_PROTOCOL.as_ref()), "{why}"),
         other => panic!("a node request on the blob protocol was answered {other:?}"),
     }
 
@@ -944,7 +944,7 @@ async fn garbage_on_a_call_stream_closes_that_stream_and_nothing_else() {
     .await;
     let victim_id = victim.id();
     let (rogue_id, mut control, driver) = rogue_streams(&victim.addr);
-    let lane = StreamProtocol::new("/gpumesh/call/1");
+    let lane = CALL_PROTOCOL;
     let junk: Vec<Vec<u8>> = vec![
         u32::MAX.to_le_bytes().to_vec(), // a length far over the limit
         ((1u32 << 20) + 1).to_le_bytes().to_vec(), // just over it
@@ -1597,7 +1597,7 @@ async fn garbage_on_a_direct_call_connection_closes_it_and_nothing_else() {
     let victim_id = victim.id();
     let served = answer_reversed(&victim);
     let (_rogue_id, mut control, driver) = rogue_streams(&victim.addr);
-    let lane = StreamProtocol::new("/gpumesh/call/1");
+    let lane = CALL_PROTOCOL;
     // An offer, then on the port it is given: the ticket and records that do not
     // open, a length over any limit, and a ticket that is not the one offered.
     let records: Vec<Vec<u8>> = vec![

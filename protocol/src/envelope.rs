@@ -1,6 +1,6 @@
 //! The versioned frame every gpumesh message travels in.
 //!
-//! Layout: 4 magic bytes `GPMH`, the wire version as a little-endian `u16`, then the
+//! Layout: 4 magic bytes `GPMH`, the format ([`FORMAT`]) as a little-endian `u16`, then the
 //! codec payload. A peer speaking another version gets
 //! [`ProtocolError::VersionMismatch`] instead of a misread message.
 
@@ -8,11 +8,10 @@ use serde::{de::DeserializeOwned, Serialize};
 
 use crate::codec;
 use crate::error::{ProtocolError, Result};
+use crate::format::FORMAT;
 
 /// Magic bytes that open every envelope.
 pub const MAGIC: [u8; 4] = *b"GPMH";
-/// Bumped on every incompatible change of any wire type.
-pub const WIRE_VERSION: u16 = 4;
 const HEADER_LEN: usize = MAGIC.len() + 2;
 
 /// Frames `message` for the wire.
@@ -20,7 +19,7 @@ pub fn seal<T: Serialize>(message: &T) -> Result<Vec<u8>> {
     let payload = codec::to_bytes(message)?;
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
     out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&WIRE_VERSION.to_le_bytes());
+    out.extend_from_slice(&FORMAT.to_le_bytes());
     out.extend_from_slice(&payload);
     Ok(out)
 }
@@ -39,9 +38,9 @@ pub fn open<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
         return Err(ProtocolError::BadMagic { found });
     }
     let theirs = u16::from_le_bytes([bytes[4], bytes[5]]);
-    if theirs != WIRE_VERSION {
+    if theirs != FORMAT {
         return Err(ProtocolError::VersionMismatch {
-            ours: WIRE_VERSION,
+            ours: FORMAT,
             theirs,
         });
     }

@@ -7,7 +7,7 @@ pub enum ProtocolError {
     TooShort { len: usize, need: usize },
     #[error("not a gpumesh message (magic bytes {found:02x?})")]
     BadMagic { found: [u8; 4] },
-    #[error("wire version {theirs} is not ours ({ours}); upgrade the older node")]
+    #[error("a message of gpumesh data format {theirs}, this node format {ours}: run one gpumesh build on every node")]
     VersionMismatch { ours: u16, theirs: u16 },
     #[error("message of {len} bytes exceeds the {limit}-byte limit")]
     TooLarge { len: usize, limit: usize },

@@ -1,8 +1,10 @@
 //! Wire and state types shared by every gpumesh crate.
 //!
 //! - [`codec`]: the one place bytes become values (bincode 2 in serde mode, bounded).
-//! - [`envelope`]: a versioned frame around every message, so a wire change is
-//!   detected instead of misread.
+//! - [`format`]: the format number of every encoding, in protocol names, envelopes
+//!   and data directories.
+//! - [`envelope`]: a frame around every message carrying the format, so a wire
+//!   change is detected instead of misread.
 //! - [`ids`]: content addresses ([`BlobId`], blake3) and other identifiers.
 //! - [`task`]: what a user asks the mesh to run ([`TaskSpec`]) and how shard
 //!   outputs are merged ([`MergeRule`]).
@@ -22,6 +24,7 @@ pub mod changes;
 pub mod codec;
 pub mod envelope;
 mod error;
+pub mod format;
 pub mod ids;
 pub mod mesh;
 pub mod task;
@@ -31,8 +34,9 @@ pub use capability::{
     AdapterLimits, BackendKind, DeviceKind, Exceeded, KernelNeeds, NodeCapability,
 };
 pub use changes::{Base, BufferChanges, Run, ShardChanges};
-pub use envelope::{open, seal, WIRE_VERSION};
+pub use envelope::{open, seal};
 pub use error::{ProtocolError, Result};
+pub use format::FORMAT;
 pub use ids::BlobId;
 pub use mesh::{MeshRequest, MeshResponse};
 pub use task::{

@@ -7,7 +7,7 @@
 use gpumesh_protocol::{
     codec, open, seal, AdapterLimits, BackendKind, BindingRole, BindingSpec, BlobId, DeviceKind,
     ElemType, Grid, MergeRule, MeshRequest, MeshResponse, NodeCapability, ProtocolError,
-    ShaderSource, TaskSpec, WIRE_VERSION,
+    ShaderSource, TaskSpec, FORMAT,
 };
 use proptest::prelude::*;
 
@@ -233,7 +233,7 @@ proptest! {
         let mut frame = Vec::new();
         if with_header {
             frame.extend_from_slice(b"GPMH");
-            frame.extend_from_slice(&WIRE_VERSION.to_le_bytes());
+            frame.extend_from_slice(&FORMAT.to_le_bytes());
         }
         frame.extend_from_slice(&raw);
         decode_everything(&frame);
@@ -287,7 +287,7 @@ proptest! {
         tail in proptest::collection::vec(any::<u8>(), 0..512)
     ) {
         let mut bytes = b"GPMH".to_vec();
-        bytes.extend_from_slice(&WIRE_VERSION.to_le_bytes());
+        bytes.extend_from_slice(&FORMAT.to_le_bytes());
         bytes.extend_from_slice(&tail);
         // Decoding may succeed by chance on short tails; it must never panic.
         let _ = open::<TaskSpec>(&bytes);
@@ -304,12 +304,12 @@ proptest! {
 #[test]
 fn another_wire_version_is_detected() {
     let mut bytes = seal(&MergeRule::Changes).unwrap();
-    bytes[4..6].copy_from_slice(&(WIRE_VERSION + 1).to_le_bytes());
+    bytes[4..6].copy_from_slice(&(FORMAT + 1).to_le_bytes());
     assert_eq!(
         open::<MergeRule>(&bytes),
         Err(ProtocolError::VersionMismatch {
-            ours: WIRE_VERSION,
-            theirs: WIRE_VERSION + 1
+            ours: FORMAT,
+            theirs: FORMAT + 1
         })
     );
 }
@@ -330,7 +330,7 @@ fn wrong_magic_and_short_frames_are_detected() {
 fn a_huge_length_prefix_is_refused_without_allocating() {
     // A Vec<u8> claiming u64::MAX elements.
     let mut bytes = b"GPMH".to_vec();
-    bytes.extend_from_slice(&WIRE_VERSION.to_le_bytes());
+    bytes.extend_from_slice(&FORMAT.to_le_bytes());
     bytes.push(253); // varint marker for a u64
     bytes.extend_from_slice(&u64::MAX.to_le_bytes());
     assert!(open::<Vec<u8>>(&bytes).is_err());

@@ -84,9 +84,10 @@ pub(super) async fn open_or_form(
                 if Instant::now() > deadline {
                     return Err(NodeError::Config(format!(
                         "--bootstrap-expect {n}: saw only {} node(s) within {:?}; start the others or \
-                         point --peer at them",
+                         point --peer at them{}",
                         founders.len(),
-                        config.join_timeout
+                        config.join_timeout,
+                        other_formats(&me.net)
                     )));
                 }
                 tokio::time::sleep(Duration::from_millis(300)).await;
@@ -145,9 +146,11 @@ pub(super) async fn find_mesh(
         }
         if Instant::now() > deadline {
             if config.peers.is_empty() && seen.is_empty() {
-                return Err(NodeError::Config(
-                    "found no mesh to join: give --peer ADDRESS of a member, or --init to start a new mesh".into(),
-                ));
+                return Err(NodeError::Config(format!(
+                    "found no mesh to join: give --peer ADDRESS of a member, or --init to start \
+                     a new mesh{}",
+                    other_formats(&me.net)
+                )));
             }
             // Say why, peer by peer, when there are peers to ask.
             let mut why = Vec::new();
@@ -198,14 +201,13 @@ pub(super) async fn probe(newcomer: &Newcomer, addr: &Multiaddr) -> String {
             Ok(other) => {
                 format!("{addr} answered {other:?}; is it the same gpumesh version?")
             }
-            Err(e @ NodeError::Codec(_)) => {
-                format!("{addr} gave an unexpected answer ({e}); is it the same gpumesh version?")
-            }
-            Err(e) => format!(
-                "{addr} accepted the connection, then closed it or did not answer ({e}); if \
-                 that mesh admits only listed peers, add this node's peer id {me} to its \
-                 members' --allow-peer"
-            ),
+            Err(e) => match refusal(net, peer).await {
+                Some(why) => format!(
+                    "{addr} was refused: {why}; nodes of different data formats cannot share \
+                     a mesh: run one gpumesh build on every node"
+                ),
+                None => unanswered(addr, me, e),
+            },
         }
     };
     tokio::time::timeout(PROBE_TIMEOUT, attempt)
@@ -216,6 +218,48 @@ pub(super) async fn probe(newcomer: &Newcomer, addr: &Multiaddr) -> String {
                  uses the same cluster key"
             )
         })
+}
+
+/// Why `peer` was refused for its data format, waiting a little for its identify
+/// (which comes on its own stream, soon after the connection).
+async fn refusal(net: &NetHandle, peer: PeerId) -> Option<String> {
+    for _ in 0..20 {
+        if let Some(why) = net.refusal(&peer) {
+            return Some(why);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+/// The peers refused for their data format, as the end of a sentence ("" if none).
+fn other_formats(net: &NetHandle) -> String {
+    let refused = net.refusals();
+    if refused.is_empty() {
+        return String::new();
+    }
+    let each: Vec<String> = refused
+        .iter()
+        .map(|(peer, why)| format!("{peer}: {why}"))
+        .collect();
+    format!(
+        "; refused as another data format (run one gpumesh build on every node): {}",
+        each.join("; ")
+    )
+}
+
+/// Why a `--peer` that took the connection did not answer the hello.
+fn unanswered(addr: &Multiaddr, me: PeerId, e: NodeError) -> String {
+    match e {
+        e @ NodeError::Codec(_) => {
+            format!("{addr} gave an unexpected answer ({e}); is it the same gpumesh version?")
+        }
+        e => format!(
+            "{addr} accepted the connection, then closed it or did not answer ({e}); if \
+                 that mesh admits only listed peers, add this node's peer id {me} to its \
+                 members' --allow-peer"
+        ),
+    }
 }
 
 /// Asks `peer` to add us as a learner, retrying until it is committed.

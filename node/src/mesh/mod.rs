@@ -123,6 +123,7 @@ impl MeshNode {
     ) -> Result<MeshNode> {
         let dir = &config.data_dir;
         std::fs::create_dir_all(dir).map_err(|e| NodeError::io(dir, e))?;
+        crate::data_dir::check_or_stamp(dir)?;
         let cluster_key =
             crate::admission::settle_key(dir, config.cluster_key, config.open, config.formation)?;
         let api_token = crate::admission::api_token(dir)?;

@@ -37,6 +37,8 @@ pub(super) struct Shared {
     pub direct: super::blob_direct::Peers,
     /// The peers connected now ([`super::NetHandle::connected_peers`]).
     pub connected: super::raft_direct::PeerSet,
+    /// Peers refused for their data format ([`super::NetHandle::refusal`]).
+    pub refused: super::OtherFormats,
 }
 
 /// Spawns the actor over a swarm that listens already; it stops when `cancel` fires
@@ -47,7 +49,11 @@ pub(super) fn spawn(
     commands: mpsc::Receiver<Command>,
     events: mpsc::Sender<NetEvent>,
     blobs: BlobStore,
-    Shared { direct, connected }: Shared,
+    Shared {
+        direct,
+        connected,
+        refused,
+    }: Shared,
     cancel: CancellationToken,
 ) -> JoinHandle<()> {
     let (replies_tx, replies) = mpsc::channel(REPLY_QUEUE);
@@ -72,6 +78,7 @@ pub(super) fn spawn(
         blobs,
         direct,
         connected,
+        refused,
         pending_requests: HashMap::new(),
         pending_dials: HashMap::new(),
         bootstrap,
@@ -128,6 +135,8 @@ struct NetActor {
     /// The peers connected now, kept for [`super::NetHandle::connected_peers`] to
     /// read without a turn of this actor.
     connected: super::raft_direct::PeerSet,
+    /// Peers of another data format, refused, and why (see [`Shared::refused`]).
+    refused: super::OtherFormats,
     pending_requests: HashMap<OutboundRequestId, PendingRequest>,
     pending_dials: HashMap<ConnectionId, PendingDial>,
     bootstrap: Vec<Bootstrap>,
@@ -313,6 +322,20 @@ impl NetActor {
                     tracing::debug!(%peer_id, version = %info.protocol_version, "not a gpumesh peer");
                     return;
                 }
+                // Its streams would be refused one by one (the format is in every
+                // protocol's name); say why once, and close the connection.
+                if let Err(why) = gpumesh_protocol::format::check_agent(&info.agent_version) {
+                    if self.refused.insert(peer_id, why.clone()) {
+                        tracing::warn!(
+                            peer = %peer_id,
+                            "refused: {why}; nodes of different data formats cannot share a \
+                             mesh: run one gpumesh build on every node"
+                        );
+                    }
+                    let _ = self.swarm.disconnect_peer_id(peer_id);
+                    return;
+                }
+                self.refused.remove(&peer_id);
                 let addrs: Vec<Multiaddr> = info
                     .listen_addrs
                     .into_iter()

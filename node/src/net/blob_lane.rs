@@ -31,7 +31,7 @@ use crate::blobs::store::BlobStore;
 use crate::error::{NodeError, Result};
 use crate::metrics::{Lane, NetMetrics};
 
-pub const BLOB_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpumesh/blob/2");
+pub const BLOB_PROTOCOL: StreamProtocol = StreamProtocol::new(gpumesh_protocol::lane!("blob"));
 
 const OK: u8 = 0;
 const NOT_FOUND: u8 = 1;

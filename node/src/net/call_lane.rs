@@ -48,7 +48,7 @@ use super::{NetEvent, RequestSink};
 use crate::error::{NodeError, Result};
 use crate::metrics::{Lane, NetMetrics};
 
-pub const CALL_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpumesh/call/1");
+pub const CALL_PROTOCOL: StreamProtocol = StreamProtocol::new(gpumesh_protocol::lane!("call"));
 
 /// Requests queued for one peer before `request` waits for room.
 const QUEUE: usize = 256;

@@ -31,7 +31,7 @@ use serde::{de::DeserializeOwned, Serialize};
 use crate::metrics::{Lane, NetMetrics};
 
 /// The stream protocol every gpumesh request rides on.
-pub const MESH_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpumesh/mesh/1");
+pub const MESH_PROTOCOL: StreamProtocol = StreamProtocol::new(gpumesh_protocol::lane!("mesh"));
 
 /// A liar's length prefix must not make us allocate its claim up front: buffers start
 /// at most this big and grow only as bytes actually arrive.
@@ -505,7 +505,7 @@ mod tests {
                 // A header that may even open as an envelope, then a body length.
                 let mut bytes = header_len.to_le_bytes().to_vec();
                 bytes.extend_from_slice(b"GPMH");
-                bytes.extend_from_slice(&gpumesh_protocol::WIRE_VERSION.to_le_bytes());
+                bytes.extend_from_slice(&gpumesh_protocol::FORMAT.to_le_bytes());
                 bytes.extend_from_slice(&header);
                 bytes.extend_from_slice(&body_len.to_le_bytes());
                 bytes.extend_from_slice(&tail);

@@ -56,6 +56,7 @@ mod raft_direct;
 mod raft_lane;
 mod swarm;
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -74,12 +75,14 @@ pub use bench::{
     bench_blob_transfer, bench_blob_transfer_with, blob_transfer_defaults, BlobRoute,
     BlobTransferReport,
 };
+pub use call_lane::CALL_PROTOCOL;
 pub use codec::MESH_PROTOCOL;
 pub use config::{ConnectionCaps, NetConfig};
 pub use events::NetEvent;
 pub use raft_lane::RAFT_PROTOCOL;
 
 use events::Command;
+pub use swarm::noise_prologue;
 use swarm::{build_swarm, listen};
 
 /// Commands waiting for the actor.
@@ -122,6 +125,48 @@ pub struct NetHandle {
     delay_us: Arc<AtomicU64>,
     /// The peers connected now, as the actor last saw them.
     connected: raft_direct::PeerSet,
+    /// Peers refused for their data format, and why.
+    refused: OtherFormats,
+}
+
+/// Peers whose identify said they run another data format, and what it said; shared
+/// by the network's actor (which writes) and its handles.
+#[derive(Clone, Default)]
+pub(crate) struct OtherFormats(Arc<std::sync::Mutex<HashMap<PeerId, String>>>);
+
+impl OtherFormats {
+    /// Records why `peer` was refused; true if that is news.
+    fn insert(&self, peer: PeerId, why: String) -> bool {
+        let mut map = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        map.insert(peer, why.clone()).as_ref() != Some(&why)
+    }
+
+    fn remove(&self, peer: &PeerId) {
+        let mut map = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        map.remove(peer);
+    }
+
+    fn get(&self, peer: &PeerId) -> Option<String> {
+        let map = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        map.get(peer).cloned()
+    }
+
+    fn all(&self) -> Vec<(PeerId, String)> {
+        let map = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        map.iter().map(|(p, why)| (*p, why.clone())).collect()
+    }
 }
 
 /// The next stream a peer opened on `incoming` (a lane's listener), or `None` once
@@ -267,6 +312,7 @@ impl NetHandle {
         }
         let (commands_tx, commands) = mpsc::channel(COMMAND_QUEUE);
         let connected = raft_direct::PeerSet::default();
+        let refused = OtherFormats::default();
         let task = actor::spawn(
             swarm,
             &config,
@@ -276,6 +322,7 @@ impl NetHandle {
             actor::Shared {
                 direct: peers.clone(),
                 connected: connected.clone(),
+                refused: refused.clone(),
             },
             cancel,
         );
@@ -295,6 +342,7 @@ impl NetHandle {
             dial_timeout: config.dial_timeout,
             delay_us,
             connected,
+            refused,
         };
         Ok((handle, task))
     }
@@ -401,6 +449,18 @@ impl NetHandle {
     /// and a call sent to an actor's host look first.
     pub fn connected_peers(&self) -> Vec<PeerId> {
         self.connected.all()
+    }
+
+    /// Why `peer` was refused, if its identify said it runs another data format
+    /// (the connection is closed; every stream protocol's name carries the format,
+    /// so nothing of either format would be read by the other).
+    pub fn refusal(&self, peer: &PeerId) -> Option<String> {
+        self.refused.get(peer)
+    }
+
+    /// Every peer refused for its data format, and why (see [`NetHandle::refusal`]).
+    pub fn refusals(&self) -> Vec<(PeerId, String)> {
+        self.refused.all()
     }
 
     /// Remembers an address of `peer` for later dials (e.g. from the membership table).

@@ -37,7 +37,7 @@ use super::{NetEvent, RaftSink};
 use crate::error::{NodeError, Result};
 use crate::metrics::{Lane, NetMetrics};
 
-pub const RAFT_PROTOCOL: StreamProtocol = StreamProtocol::new("/gpumesh/raft/2");
+pub const RAFT_PROTOCOL: StreamProtocol = StreamProtocol::new(gpumesh_protocol::lane!("raft"));
 
 /// Frames queued for one peer; beyond this `send` fails fast and Raft retries.
 const QUEUE: usize = 1024;

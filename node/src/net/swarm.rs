@@ -25,7 +25,8 @@ use super::config::NetConfig;
 use crate::error::{NodeError, Result};
 
 /// Identify's protocol version: peers announcing anything else are not gpumesh nodes,
-/// and their addresses are not remembered.
+/// and their addresses are not remembered. The same in every data format: the agent
+/// version names the format (see [`gpumesh_protocol::format::agent`]).
 pub(super) const IDENTIFY_PROTOCOL: &str = "/gpumesh/id/1";
 
 // Admission comes first: a connection the allow-list or the caps refuse is denied
@@ -65,7 +66,7 @@ fn build_transport(
     });
     let mut noise = noise::Config::new(keypair)?;
     if let Some(psk) = psk {
-        noise = noise.with_prologue(prologue(&psk).to_vec());
+        noise = noise.with_prologue(noise_prologue(&psk).to_vec());
     }
     Ok(tcp
         .upgrade(Version::V1Lazy)
@@ -79,7 +80,7 @@ fn build_transport(
 /// handshake's transcript, so the handshake's first encrypted payload fails to
 /// decrypt unless they hold the same key (none, or another one, fails alike). The
 /// prologue is derived from the key and never sent.
-fn prologue(psk: &PreSharedKey) -> [u8; 32] {
+pub fn noise_prologue(psk: &PreSharedKey) -> [u8; 32] {
     blake3::derive_key(
         "gpumesh cluster key 2026-11 noise prologue",
         psk.to_string().as_bytes(),
@@ -134,7 +135,7 @@ pub(super) fn build_swarm(config: &NetConfig) -> Result<Swarm<MeshBehaviour>> {
                 raft: libp2p_stream::Behaviour::new(),
                 identify: identify::Behaviour::new(
                     identify::Config::new(IDENTIFY_PROTOCOL.into(), key.public())
-                        .with_agent_version(format!("gpumesh/{}", env!("CARGO_PKG_VERSION"))),
+                        .with_agent_version(gpumesh_protocol::format::agent()),
                 ),
                 mdns: Toggle::from(mdns),
             }
