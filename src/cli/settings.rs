@@ -189,6 +189,12 @@ pub struct NodeArgs {
     #[arg(long, env = "GPUMESH_DEFAULT_DEADLINE", value_name = "SECONDS",
           default_value_t = NodeConfig::new("").default_deadline.as_secs_f64())]
     pub default_deadline: f64,
+    /// Seconds a blob stored here is kept once the record no longer names it and no
+    /// one has used it (a forgotten task's result, an upload never submitted);
+    /// an actor's replaced states go within a minute of their replacement.
+    #[arg(long, env = "GPUMESH_KEEP_UNUSED_BLOBS", value_name = "SECONDS",
+          default_value_t = NodeConfig::new("").blob_sweep.keep_unused.as_secs_f64())]
+    pub keep_unused_blobs: f64,
     /// `gpumesh run` tasks (one shard, one replica) run on this node's GPU at once,
     /// recorded with their result in one commit, while fewer than this many are
     /// under way here; beyond, and with 0, the mesh places them.
@@ -402,6 +408,7 @@ impl NodeArgs {
             ("down_after", self.down_after),
             ("straggler_min", self.straggler_min),
             ("default_deadline", self.default_deadline),
+            ("keep_unused_blobs", self.keep_unused_blobs),
         ] {
             seconds(key, secs)?;
         }
@@ -510,6 +517,7 @@ impl NodeArgs {
         config.scheduler.straggler_factor = self.straggler_factor;
         config.scheduler.straggler_min = seconds("straggler_min", self.straggler_min)?;
         config.default_deadline = seconds("default_deadline", self.default_deadline)?;
+        config.blob_sweep.keep_unused = seconds("keep_unused_blobs", self.keep_unused_blobs)?;
         config.run_here_slots = self.run_here_slots;
         Ok(config)
     }

@@ -195,6 +195,47 @@ impl StateMachine {
             .count()
     }
 
+    /// Every blob the record names: tasks' inputs, shard results (accepted and
+    /// reported), merged outputs and results carried in entries; actors' states,
+    /// their waiting calls' inputs and their remembered calls' outputs. What a node
+    /// may delete is what is not here (see the node's blob sweeper).
+    pub fn blobs_in_use(&self) -> std::collections::HashSet<BlobId> {
+        use gpumesh_protocol::BindingRole;
+        let mut used = std::collections::HashSet::new();
+        let mut bindings = |specs: &[gpumesh_protocol::BindingSpec]| {
+            for b in specs {
+                if let BindingRole::Input { blob, .. } | BindingRole::InOut { blob, .. } = &b.role {
+                    used.insert(*blob);
+                }
+            }
+        };
+        for task in self.tasks.values() {
+            bindings(&task.spec.bindings);
+        }
+        for actor in self.actors.values() {
+            for call in actor.pending.values() {
+                bindings(&call.call.bindings);
+            }
+        }
+        for task in self.tasks.values() {
+            for shard in &task.shards {
+                used.extend(shard.output.iter().map(|o| o.blob));
+                used.extend(shard.reports.iter().map(|r| r.blob));
+            }
+            used.extend(task.outputs.iter().map(|o| o.blob));
+            used.extend(task.inline.keys().copied());
+        }
+        for actor in self.actors.values() {
+            used.extend(actor.state.iter().filter_map(|s| s.blob));
+            for result in actor.results.values() {
+                if let CallResult::Done { outputs, .. } = result {
+                    used.extend(outputs.iter().map(|o| o.blob));
+                }
+            }
+        }
+        used
+    }
+
     /// Every task in the record, by id.
     pub fn tasks(&self) -> impl DoubleEndedIterator<Item = &Task> + ExactSizeIterator {
         self.tasks.values().map(|t| &**t)

@@ -78,7 +78,10 @@ pub(crate) async fn create(
         }
         if let Some(blob) = s.blob {
             match api.blobs.store().size(&blob) {
-                Some(size) if size == s.size => {}
+                // Used now, so not swept while the actor is created.
+                Some(size) if size == s.size => {
+                    api.blobs.store().mark_used(&blob);
+                }
                 Some(size) => {
                     return Err(bad(format!(
                         "state binding {}: blob {blob} holds {size} bytes, the actor says {}",

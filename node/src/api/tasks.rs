@@ -130,7 +130,11 @@ async fn admit(
         if let Some(blob) = b.role.blob() {
             let size = b.role.size();
             match api.blobs.store().size(&blob) {
-                Some(s) if s == size => {}
+                // Used now: an input no task named yet is not swept while the
+                // submit commits.
+                Some(s) if s == size => {
+                    api.blobs.store().mark_used(&blob);
+                }
                 Some(s) => return Err(bad(format!("binding {}: blob {blob} holds {s} bytes, the spec says {size}", b.binding))),
                 None => return Err(bad(format!(
                     "binding {}: input blob {blob} is not on this node; upload it first (POST /v1/blobs)",

@@ -27,6 +27,7 @@ use crate::wire::{self, Changes, NextState, NodeReply, NodeRequest};
 mod next_state;
 mod pack;
 pub mod store;
+pub mod sweep;
 
 pub use store::BlobStore;
 
@@ -257,7 +258,12 @@ impl BlobsHandle {
         }
         let bytes = match changes {
             Changes::Inline(bytes) => bytes,
-            Changes::Blob(id) => self.pull(id, Some(from)).await?,
+            Changes::Blob(id) => {
+                let bytes = self.pull(id, Some(from)).await?;
+                // Kept here only to make the next state from.
+                self.store.release(id);
+                bytes
+            }
         };
         let changes = ShardChanges::decode(&bytes)
             .map_err(|e| format!("what the call changed does not decode: {e}"))?;

@@ -12,7 +12,8 @@ use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::SystemTime;
 
 use gpumesh_protocol::BlobId;
 
@@ -20,6 +21,9 @@ use super::pack::{Pack, Slot};
 use crate::error::{NodeError, Result};
 
 pub use super::pack::PACK_MAX;
+
+/// How often a look at a blob in use sets its file's modification time again.
+const MARK_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Content-addressed blobs under one directory: small ones in its pack, larger
 /// ones a file each.
@@ -30,6 +34,13 @@ pub struct BlobStore {
     pack: std::sync::Arc<Pack>,
     /// Blobs being written here, served from memory meanwhile (see [`Self::stage`]).
     staged: Arc<Mutex<HashMap<BlobId, Arc<Vec<u8>>>>>,
+    /// Held while a file blob's use is marked (its modification time set: a write,
+    /// a look with [`Self::has`]) and while the sweeper checks and removes one, so
+    /// a blob used at the moment it is judged unused is never removed.
+    sweep: Arc<Mutex<()>>,
+    /// Blobs this node has finished with, as they were let go ([`Self::release`]):
+    /// the sweeper removes each soon after unless the record names it.
+    released: Arc<Mutex<Vec<(BlobId, std::time::Instant)>>>,
 }
 
 /// A blob served from memory until this is dropped (see [`BlobStore::stage`]).
@@ -80,6 +91,8 @@ impl BlobStore {
             max_blob_bytes,
             pack: std::sync::Arc::new(pack),
             staged: Default::default(),
+            sweep: Default::default(),
+            released: Default::default(),
         })
     }
 
@@ -250,8 +263,85 @@ impl BlobStore {
             .map_err(|e| NodeError::io(path, e))
     }
 
+    /// Whether blob `id` is stored here; a blob in a file of its own counts as used
+    /// now (its modification time is set), so the sweeper leaves it for a while.
     pub fn has(&self, id: &BlobId) -> bool {
-        self.pack.get(id).is_some() || self.path(id).is_file()
+        self.pack.get(id).is_some() || self.mark_used(id)
+    }
+
+    /// Sets the modification time of blob `id`'s file to now, so the sweeper leaves
+    /// it for a while (see [`super::sweep`]); false if it has none.
+    pub fn mark_used(&self, id: &BlobId) -> bool {
+        let path = self.path(id);
+        let _sweep = self.sweep.lock().unwrap_or_else(PoisonError::into_inner);
+        let Ok(meta) = fs::metadata(&path) else {
+            return false;
+        };
+        if !meta.is_file() {
+            return false;
+        }
+        // Marked at most once a second: a look costs a `stat` (as before the sweeper
+        // existed), not an open and a write of the inode, on every call.
+        let now = SystemTime::now();
+        let fresh = meta
+            .modified()
+            .is_ok_and(|m| now.duration_since(m).is_ok_and(|age| age < MARK_EVERY));
+        if !fresh {
+            if let Ok(file) = File::open(&path) {
+                let _ = file.set_modified(now);
+            }
+        }
+        true
+    }
+
+    /// Lets blob `id` go: this node has finished with it (an actor's state a call
+    /// replaced, changes sent or applied). The sweeper removes it soon, unless the
+    /// record names it or it was used again meanwhile.
+    pub fn release(&self, id: BlobId) {
+        let mut released = self.released.lock().unwrap_or_else(PoisonError::into_inner);
+        released.push((id, std::time::Instant::now()));
+    }
+
+    /// The blobs let go at least `delay` ago, taken off the list.
+    pub(crate) fn take_released(&self, delay: std::time::Duration) -> Vec<BlobId> {
+        let mut released = self.released.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = std::time::Instant::now();
+        let mut due = Vec::new();
+        released.retain(|(id, at)| {
+            let keep = now.duration_since(*at) < delay;
+            if !keep {
+                due.push(*id);
+            }
+            keep
+        });
+        due
+    }
+
+    /// The blobs stored in files of their own (packed ones are not swept).
+    pub(crate) fn file_blobs(&self) -> Result<Vec<BlobId>> {
+        let entries = fs::read_dir(&self.root).map_err(|e| NodeError::io(&self.root, e))?;
+        Ok(entries
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name();
+                let name = name.to_str()?;
+                (name.len() == 64).then(|| name.parse().ok()).flatten()
+            })
+            .collect())
+    }
+
+    /// Removes blob `id`'s file if it was last used before `unused_since` and is
+    /// not being served from memory; the bytes freed, if it was removed. The caller
+    /// has made sure the record does not name it.
+    pub(crate) fn remove_unused(&self, id: &BlobId, unused_since: SystemTime) -> Option<u64> {
+        let _sweep = self.sweep.lock().unwrap_or_else(PoisonError::into_inner);
+        let path = self.path(id);
+        let meta = fs::metadata(&path).ok()?;
+        if meta.modified().ok()? >= unused_since || self.staged(id).is_some() {
+            return None;
+        }
+        fs::remove_file(&path).ok()?;
+        Some(meta.len())
     }
 
     /// Size of a stored blob.
@@ -899,6 +989,53 @@ mod tests {
         assert_eq!(store.stats(), (0, 0));
         store.put_sent(BlobId::of(&small), &small).unwrap();
         assert_eq!(store.get(&BlobId::of(&small)).unwrap().unwrap(), small);
+    }
+
+    #[test]
+    fn only_a_file_blob_unused_since_the_cutoff_is_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path(), 4 << 20).unwrap();
+        let big = |seed: u8| vec![seed; PACK_MAX as usize + 1];
+        let (a, b) = (store.put(&big(1)).unwrap(), store.put(&big(2)).unwrap());
+        let packed = store.put(b"small").unwrap();
+        let mut listed = store.file_blobs().unwrap();
+        listed.sort();
+        let mut files = vec![a, b];
+        files.sort();
+        assert_eq!(listed, files, "packed blobs are not swept");
+
+        // Both last used two minutes ago; then `b` is looked for (a use).
+        let two_minutes_ago = SystemTime::now() - std::time::Duration::from_secs(120);
+        for id in [a, b] {
+            File::open(store.path(&id))
+                .unwrap()
+                .set_modified(two_minutes_ago)
+                .unwrap();
+        }
+        let cutoff = SystemTime::now() - std::time::Duration::from_secs(60);
+        assert!(store.has(&b), "a look marks it used");
+        assert_eq!(store.remove_unused(&a, cutoff), Some(PACK_MAX + 1));
+        assert!(!store.has(&a) && store.get(&a).unwrap().is_none());
+        assert_eq!(
+            store.remove_unused(&b, cutoff),
+            None,
+            "used since the cutoff"
+        );
+        assert_eq!(store.get(&b).unwrap().unwrap(), big(2));
+        let cutoff = SystemTime::now() + std::time::Duration::from_secs(60);
+        // Served from memory while it is written again: kept.
+        let _staged = store.stage(b, Arc::new(big(2)));
+        assert_eq!(store.remove_unused(&b, cutoff), None);
+        assert_eq!(store.remove_unused(&packed, cutoff), None);
+        assert!(store.has(&packed));
+
+        // Let go: due once the delay has passed, and taken once.
+        store.release(a);
+        assert!(store
+            .take_released(std::time::Duration::from_secs(60))
+            .is_empty());
+        assert_eq!(store.take_released(std::time::Duration::ZERO), vec![a]);
+        assert!(store.take_released(std::time::Duration::ZERO).is_empty());
     }
 
     #[test]

@@ -931,7 +931,15 @@ impl ActorHost {
         let own = tokio::task::spawn_blocking(move || {
             bytes.iter().try_for_each(|b| store.put(b).map(|_| ()))
         });
+        let sent = match &changes {
+            Changes::Blob(id) => Some(*id),
+            Changes::Inline(_) => None,
+        };
         let (own, copy) = tokio::join!(own, self.blobs.advance(changes, next, prefer));
+        // The changes were for the backup alone: this node is done with them.
+        if let Some(id) = sent {
+            self.blobs.store().release(id);
+        }
         match own {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {

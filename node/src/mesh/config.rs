@@ -43,6 +43,8 @@ pub struct NodeConfig {
     /// GPU at once, without a placement round, while fewer than this many are under
     /// way here (0: every task is placed by the mesh).
     pub run_here_slots: usize,
+    /// When this node removes the blobs nothing needs any more.
+    pub blob_sweep: crate::blobs::sweep::SweepConfig,
     /// Faults to inject, for tests and `gpumesh bench faults`; none by default.
     pub faults: Faults,
     /// Where this node marks the stages of each task it touches (benchmarks).
@@ -68,6 +70,7 @@ impl NodeConfig {
             scheduler: SchedulerConfig::default(),
             default_deadline: Duration::from_secs(60),
             run_here_slots: crate::run_here::DEFAULT_SLOTS,
+            blob_sweep: Default::default(),
             faults: Faults::default(),
             timeline: Default::default(),
             limits: Limits::default(),

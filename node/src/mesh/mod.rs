@@ -224,6 +224,12 @@ impl MeshNode {
             cancel.clone(),
         );
         tasks.push(blobs_task);
+        tasks.push(tokio::spawn(crate::blobs::sweep::run(
+            store.clone(),
+            consensus.clone(),
+            config.blob_sweep,
+            cancel.clone(),
+        )));
         // Calls sent to this node as an actor's host (by its own API or a peer's);
         // without a GPU nothing takes them, and senders queue them in the record.
         let (calls_tx, calls_rx) = mpsc::channel(1024);

@@ -1,0 +1,176 @@
+//! The blob sweeper: removes the blobs this node stores that nothing needs any more,
+//! so a mesh that runs for weeks does not fill its disks.
+//!
+//! Two ways in, both checked against the record as this node last applied it
+//! ([`gpumesh_consensus::StateMachine::blobs_in_use`]): nothing the record names is
+//! removed.
+//! - Let go: an actor's state a call replaced (every version passes through an
+//!   applied entry, so none is missed), the changes a host sent to an actor's
+//!   backup. Removed `release_delay` after they were let go, unless used since.
+//! - Unused: every blob in a file of its own that the record does not name and
+//!   that nobody has used (written, fetched, looked for) for `keep_unused`: the
+//!   results of tasks the record has forgotten, uploads never submitted, anything
+//!   let go before a restart. Looked for every `interval`.
+//!
+//! A blob is marked used whenever it is written or looked for
+//! ([`BlobStore::has`]), under the same lock as the check and removal here, so a
+//! blob that comes back into use as it is judged unused stays. Blobs small enough
+//! for the pack are not removed (the pack is not compacted).
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime};
+
+use gpumesh_consensus::{AppliedEvent, Command, ConsensusHandle, Outcome, StateMachine};
+use gpumesh_protocol::BlobId;
+use tokio::sync::broadcast::error::RecvError;
+use tokio_util::sync::CancellationToken;
+
+use super::BlobStore;
+
+/// When the sweeper removes what.
+#[derive(Clone, Copy, Debug)]
+pub struct SweepConfig {
+    /// How long a blob no one uses and the record does not name is kept.
+    pub keep_unused: Duration,
+    /// How often every stored blob is looked at for that.
+    pub interval: Duration,
+    /// How long after it is let go a blob is removed.
+    pub release_delay: Duration,
+}
+
+impl Default for SweepConfig {
+    fn default() -> Self {
+        SweepConfig {
+            keep_unused: Duration::from_secs(3600),
+            interval: Duration::from_secs(60),
+            release_delay: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Each actor's state blobs by binding, as the applied entries left them.
+type States = HashMap<String, HashMap<u32, BlobId>>;
+
+fn states_of(record: &StateMachine) -> States {
+    record
+        .actors()
+        .map(|a| {
+            let blobs = a
+                .state
+                .iter()
+                .filter_map(|s| Some((s.buffer.binding, s.blob?)))
+                .collect();
+            (a.name.clone(), blobs)
+        })
+        .collect()
+}
+
+/// The actor and state blobs an entry leaves, if it changes an actor's state.
+fn new_state(command: &Command) -> Option<(&str, Vec<(u32, BlobId)>)> {
+    match command {
+        Command::ActorCallDone { name, state, .. }
+        | Command::ActorCallsDone { name, state, .. }
+        | Command::ActorCallsRan { name, state, .. } => Some((name, state.clone())),
+        Command::DeleteActor { name } => Some((name, Vec::new())),
+        _ => None,
+    }
+}
+
+/// Runs the sweeper until `cancel` fires.
+pub async fn run(
+    store: BlobStore,
+    consensus: ConsensusHandle,
+    config: SweepConfig,
+    cancel: CancellationToken,
+) {
+    let mut events = consensus.subscribe();
+    let mut states = consensus.read_local(states_of);
+    let mut release = tokio::time::interval(config.release_delay.min(Duration::from_secs(5)));
+    let mut unused = tokio::time::interval(config.interval);
+    for tick in [&mut release, &mut unused] {
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    }
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            event = events.recv() => match event {
+                Ok(AppliedEvent::Entry { entry, committed, duplicate, .. }) => {
+                    // Only what the record took: a stale host's entry changes nothing.
+                    if duplicate || committed.outcome != Outcome::Applied {
+                        continue;
+                    }
+                    let Some((name, now)) = new_state(&entry.command) else {
+                        continue;
+                    };
+                    let deleted = matches!(entry.command, Command::DeleteActor { .. });
+                    if now.is_empty() && !deleted {
+                        // A state carried in the entry (small: packed, not swept).
+                        continue;
+                    }
+                    let now: HashMap<u32, BlobId> = now.into_iter().collect();
+                    let before = if deleted {
+                        states.remove(name)
+                    } else {
+                        states.insert(name.to_string(), now.clone())
+                    };
+                    for blob in before.into_iter().flat_map(|b| b.into_values()) {
+                        if !now.values().any(|b| *b == blob) {
+                            store.release(blob);
+                        }
+                    }
+                }
+                // A snapshot replaced the record, or entries went by unseen: start
+                // again from the record (what was missed is left to the unused sweep).
+                Ok(AppliedEvent::Restored { .. }) | Err(RecvError::Lagged(_)) => {
+                    states = consensus.read_local(states_of);
+                }
+                Err(RecvError::Closed) => return,
+            },
+            _ = release.tick() => {
+                let due = store.take_released(config.release_delay);
+                if !due.is_empty() {
+                    let since = SystemTime::now() - config.release_delay;
+                    sweep(&store, &consensus, due, since, "let go").await;
+                }
+            }
+            _ = unused.tick() => {
+                let store2 = store.clone();
+                let Ok(Ok(all)) = tokio::task::spawn_blocking(move || store2.file_blobs()).await
+                else {
+                    continue;
+                };
+                let since = SystemTime::now() - config.keep_unused;
+                sweep(&store, &consensus, all, since, "unused").await;
+            }
+        }
+    }
+}
+
+/// Removes each of `candidates` the record does not name and nobody used since
+/// `since`; says what it freed.
+async fn sweep(
+    store: &BlobStore,
+    consensus: &ConsensusHandle,
+    candidates: Vec<BlobId>,
+    since: SystemTime,
+    why: &'static str,
+) {
+    let in_use = consensus.read_local(|r| r.blobs_in_use());
+    let store = store.clone();
+    let freed = tokio::task::spawn_blocking(move || {
+        let (mut blobs, mut bytes) = (0u64, 0u64);
+        for id in candidates.iter().filter(|id| !in_use.contains(id)) {
+            if let Some(len) = store.remove_unused(id, since) {
+                blobs += 1;
+                bytes += len;
+            }
+        }
+        (blobs, bytes)
+    })
+    .await;
+    if let Ok((blobs, bytes)) = freed {
+        if blobs > 0 {
+            tracing::debug!(blobs, bytes, why, "removed blobs nothing needs");
+        }
+    }
+}

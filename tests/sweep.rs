@@ -1,0 +1,237 @@
+//! Disk use: blobs nothing needs are removed, and nothing that is needed is.
+//! Real nodes with a quick sweep: an actor called many times keeps about one
+//! state's worth of blobs on each node (not one per call) and still moves off its
+//! host with every call counted; an upload never submitted goes, while a task's
+//! input and result stay and check against the CPU.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{client, have_any, mesh_with, stop, LIMIT};
+use gpumesh::node::blobs::sweep::SweepConfig;
+use gpumesh::node::MeshNode;
+use gpumesh::protocol::{
+    ActorCall, BindingRole, BindingSpec, BlobId, Grid, MergeRule, ShaderSource, TaskSpec,
+};
+
+/// Sweeps in seconds rather than an hour.
+fn quick() -> SweepConfig {
+    SweepConfig {
+        keep_unused: Duration::from_secs(3),
+        interval: Duration::from_millis(500),
+        release_delay: Duration::from_secs(1),
+    }
+}
+
+/// The blobs in files of their own under node `i`'s data dir: how many, how many bytes.
+fn stored(root: &Path, i: usize) -> (usize, u64) {
+    let dir = root.join(format!("n{i}")).join("blobs");
+    let mut out = (0, 0);
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        if e.file_name().len() == 64 {
+            out.0 += 1;
+            out.1 += e.metadata().unwrap().len();
+        }
+    }
+    out
+}
+
+fn has_file(root: &Path, i: usize, id: &BlobId) -> bool {
+    root.join(format!("n{i}"))
+        .join("blobs")
+        .join(id.to_hex())
+        .is_file()
+}
+
+const COUNT: &str = r#"
+@group(0) @binding(0) var<storage, read_write> count: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x < arrayLength(&count)) {
+        count[gid.x] = count[gid.x] + 1u;
+    }
+}
+"#;
+
+/// A state of 1 MiB: every call changes all of it (a blob per version, not packed).
+const WORDS: u32 = 1 << 18;
+
+fn count_call() -> ActorCall {
+    ActorCall {
+        shader: ShaderSource::Wgsl(COUNT.into()),
+        entry_point: "main".into(),
+        bindings: vec![],
+        grid: Grid([WORDS / 64, 1, 1]),
+        deadline_ms: None,
+    }
+}
+
+async fn counted(node: &MeshNode, calls: u32) {
+    let state = client(node).actor_state("counter", 0).await.unwrap();
+    assert_eq!(state.len(), WORDS as usize * 4);
+    assert!(
+        state
+            .chunks_exact(4)
+            .all(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) == calls),
+        "every word counts {calls} calls"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_actor_keeps_one_state_on_disk_not_one_per_call_and_still_moves() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    tokio::time::timeout(LIMIT, async {
+        let mut nodes = mesh_with(root, 3, |_, c| c.blob_sweep = quick()).await;
+        let state = vec![gpumesh::node::api::StateInit {
+            binding: 0,
+            size: u64::from(WORDS) * 4,
+            blob: None,
+        }];
+        client(&nodes[0])
+            .create_actor("counter", state, None)
+            .await
+            .unwrap();
+        const CALLS: u32 = 20;
+        for n in 1..=CALLS {
+            let reply = client(&nodes[1])
+                .call_actor("counter", count_call(), None)
+                .await
+                .unwrap();
+            assert_eq!(reply.version, u64::from(n));
+        }
+        // 20 versions of 1 MiB (and the changes sent for each) were written on the
+        // host and its backup; what stays is about the current one.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let bytes: Vec<u64> = (0..3).map(|i| stored(root, i).1).collect();
+            if bytes.iter().all(|b| *b <= 2 << 20) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "replaced states were not removed: {bytes:?} bytes in blob files"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        for n in &nodes {
+            counted(n, CALLS).await;
+        }
+
+        // The host goes; the state it had is on the backup still, and counts on.
+        let host = client(&nodes[0]).actor("counter").await.unwrap();
+        let at = nodes
+            .iter()
+            .position(|n| n.peer_id.to_string() == host.node)
+            .unwrap();
+        nodes.remove(at).kill().await;
+        let reply = client(&nodes[0])
+            .call_actor("counter", count_call(), None)
+            .await
+            .unwrap();
+        assert_eq!(reply.version, u64::from(CALLS) + 1);
+        for n in &nodes {
+            counted(n, CALLS + 1).await;
+        }
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
+/// Adds one to every word of the input.
+const PLUS_ONE: &str = r#"
+@group(0) @binding(0) var<storage, read> input: array<u32>;
+@group(0) @binding(1) var<storage, read_write> output: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x < arrayLength(&output)) {
+        output[gid.x] = input[gid.x] + 1u;
+    }
+}
+"#;
+
+fn words(seed: u32, n: u32) -> Vec<u8> {
+    (0..n)
+        .flat_map(|i| (i.wrapping_mul(2_654_435_761) ^ seed).to_le_bytes())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_upload_never_used_goes_while_a_tasks_input_and_result_stay() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = mesh_with(root, 2, |_, c| c.blob_sweep = quick()).await;
+        let via = client(&nodes[0]);
+        const N: u32 = 1 << 17; // 512 KiB: files of their own, not packed
+        let unused = via.upload(words(1, N)).await.unwrap();
+        let input = words(2, N);
+        let input_id = via.upload(input.clone()).await.unwrap();
+        let spec = TaskSpec {
+            shader: ShaderSource::Wgsl(PLUS_ONE.into()),
+            entry_point: "main".into(),
+            bindings: vec![
+                BindingSpec {
+                    binding: 0,
+                    role: BindingRole::Input {
+                        blob: input_id,
+                        size: u64::from(N) * 4,
+                    },
+                },
+                BindingSpec {
+                    binding: 1,
+                    role: BindingRole::Output {
+                        size: u64::from(N) * 4,
+                    },
+                },
+            ],
+            grid: Grid([N / 64, 1, 1]),
+            shards: 2,
+            merge: MergeRule::Changes,
+            merges: Default::default(),
+            options: Default::default(),
+        };
+        let task = via.submit(spec, None).await.unwrap();
+        let expected: Vec<u8> = input
+            .chunks_exact(4)
+            .flat_map(|w| (u32::from_le_bytes([w[0], w[1], w[2], w[3]]) + 1).to_le_bytes())
+            .collect();
+        if have_any() {
+            via.wait(task, |_, _| {}).await.unwrap();
+            assert!(via.results(task).await.unwrap()[&1] == expected);
+        }
+
+        // Past the time an unused blob is kept, and a few sweeps more.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while (0..2).any(|i| has_file(root, i, &unused)) {
+            assert!(Instant::now() < deadline, "the unused upload was kept");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let holders = (0..2).filter(|i| has_file(root, *i, &input_id)).count();
+        assert_eq!(holders, 2, "the task's input is on both nodes still");
+        if have_any() {
+            let outputs = via.outputs(task).await.unwrap();
+            assert!(!outputs.is_empty());
+            for (i, node) in nodes.iter().enumerate() {
+                let got = client(node).results(task).await.unwrap();
+                assert!(got[&1] == expected, "node {i}: the result changed or went");
+            }
+        }
+        assert!(
+            via.outputs_of_blob(unused).await.is_err(),
+            "the unused upload is still served"
+        );
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
