@@ -300,6 +300,16 @@ impl Client {
             .await
     }
 
+    /// Cancels task `id` if it has not finished (`POST /v1/tasks/N/cancel`), with
+    /// `reason` in its history; answers the task as the record has it then. A task
+    /// that finished otherwise is refused ([`ClientError::Refused`]).
+    pub async fn cancel(&self, id: u64, reason: Option<&str>) -> ClientResult<TaskView> {
+        let url = self.url(&format!("/v1/tasks/{id}/cancel"));
+        let body = serde_json::json!({ "reason": reason });
+        self.retrying(|| self.json(self.http.post(url.clone()).json(&body)))
+            .await
+    }
+
     pub async fn tasks(&self) -> ClientResult<Vec<TaskView>> {
         self.retrying(|| self.json(self.http.get(self.url("/v1/tasks"))))
             .await

@@ -883,6 +883,7 @@ fn an_unreachable_api_names_the_address_and_what_to_do() {
         vec!["status", "--api", "127.0.0.1:9"],
         vec!["tasks"],
         vec!["task", "t1"],
+        vec!["cancel", "t1"],
     ] {
         let o = gpumesh_in(dir.path(), &args, &[("GPUMESH_API", "127.0.0.1:9")]);
         assert!(!o.status.success());

@@ -593,6 +593,17 @@ impl Worker {
                 return;
             }
         };
+        // Cancelled (or finished by other attempts) while on the GPU: nothing to
+        // store, copy or record.
+        let live = self
+            .consensus
+            .read_local(|s| s.task(a.task).is_some_and(|t| !t.status.is_terminal()));
+        if !live {
+            tracing::debug!(
+                "the task finished or was cancelled while the shard ran; result dropped"
+            );
+            return;
+        }
         // Storing, copying to a second node and recording the result overlap with
         // the next shard on the GPU; the permit bounds how many are in flight.
         let permit = self.post.clone().acquire_owned().await;

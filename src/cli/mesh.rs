@@ -361,6 +361,33 @@ pub fn task(id: &str, api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+pub fn cancel(
+    id: &str,
+    reason: Option<&str>,
+    api: ApiArgs,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let id = task_id(id)?;
+    let client = api.client()?;
+    let t = tokio::runtime::Runtime::new()?.block_on(client.cancel(id, reason))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&t)?);
+    } else {
+        let running = t.shards.iter().filter(|s| s.state == "running").count();
+        println!(
+            "t{id} cancelled ({}/{} shards had finished{})",
+            t.shards_done,
+            t.shards.len(),
+            if running > 0 {
+                format!("; {running} on a GPU now run to their end, their results dropped")
+            } else {
+                String::new()
+            }
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 /// A raft id as `gpumesh status` shows it.
 fn node_name(id: u64) -> String {
     format!("{id:x}")

@@ -95,6 +95,20 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Cancel a task that has not finished: no shard of it starts after that, a
+    /// shard already on a GPU runs to its end with its result dropped, and its
+    /// outputs are never served.
+    Cancel {
+        /// The task id (as `gpumesh tasks` shows it, e.g. t12 or 12).
+        task: String,
+        /// Why, for the task's history (default: "cancelled by a user").
+        #[arg(long)]
+        reason: Option<String>,
+        #[command(flatten)]
+        api: ApiArgs,
+        #[arg(long)]
+        json: bool,
+    },
     /// GPU actors: named state on a node's GPU, called from any node, surviving it.
     Actor {
         #[command(subcommand)]
@@ -324,6 +338,12 @@ pub fn execute(cli: Cli, matches: &ArgMatches) -> anyhow::Result<ExitCode> {
         Command::Tasks { api, json } => mesh::tasks(api, json),
         Command::Actor { command } => actor::run(command),
         Command::Task { task, api, json } => mesh::task(&task, api, json),
+        Command::Cancel {
+            task,
+            reason,
+            api,
+            json,
+        } => mesh::cancel(&task, reason.as_deref(), api, json),
         Command::Completions { shell } => {
             clap_complete::generate(
                 shell,

@@ -103,6 +103,7 @@ pub(crate) async fn serve(
         .route("/v1/tasks/run", post(tasks::run))
         .route("/v1/tasks/{id}", get(tasks::get_task))
         .route("/v1/tasks/{id}/wait", get(tasks::wait_task))
+        .route("/v1/tasks/{id}/cancel", post(tasks::cancel))
         .route("/v1/tasks/{id}/outputs", get(tasks::outputs))
         .route("/v1/tasks/{id}/outputs/{binding}", get(tasks::output_bytes))
         .route("/v1/actors", post(actors::create).get(actors::list))

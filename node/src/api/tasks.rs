@@ -297,6 +297,60 @@ async fn submit_or_run_here(
     Ok((commit(api, admitted).await?, None))
 }
 
+/// A request to cancel a task; the reason is recorded in its history.
+#[derive(Deserialize, Default)]
+pub(crate) struct CancelRequest {
+    reason: Option<String>,
+}
+
+/// Cancels a task that has not finished: the record marks it cancelled (its
+/// outputs are never served), no shard of it starts after that anywhere, and a
+/// shard already on a GPU runs to its end (at most its deadline) with its result
+/// dropped. Answers the task once the cancel is committed; a task already
+/// cancelled answers the same (a retried cancel), one that finished otherwise 409.
+pub(crate) async fn cancel(
+    State(api): State<Arc<ApiState>>,
+    Path(id): Path<u64>,
+    body: Option<Json<CancelRequest>>,
+) -> ApiResult<Json<TaskView>> {
+    let reason = body
+        .and_then(|Json(r)| r.reason)
+        .unwrap_or_else(|| "cancelled by a user".to_string());
+    if reason.len() > MAX_CANCEL_REASON {
+        return Err(bad(format!(
+            "a cancel reason of {} bytes; at most {MAX_CANCEL_REASON}",
+            reason.len()
+        )));
+    }
+    let committed = api
+        .consensus
+        .propose(Command::TaskCancelled {
+            task: TaskId(id),
+            reason,
+        })
+        .await
+        .map_err(unavailable)?;
+    let c = &api.consensus;
+    let task = read_current(c, move |s: &StateMachine| s.task(TaskId(id)).map(view))
+        .await?
+        .ok_or_else(|| not_found(id))?;
+    match (&committed.outcome, &task.status) {
+        (Outcome::Applied, _) | (_, TaskState::Cancelled) => Ok(Json(task)),
+        (Outcome::Rejected(_), _) => Err(not_found(id)),
+        _ => Err(ApiError(
+            StatusCode::CONFLICT,
+            format!(
+                "task t{id} already finished ({}); only a pending or running task can be \
+                 cancelled",
+                task.status.name()
+            ),
+        )),
+    }
+}
+
+/// The longest reason a cancel may record.
+const MAX_CANCEL_REASON: usize = 1024;
+
 pub(crate) async fn list_tasks(State(api): State<Arc<ApiState>>) -> ApiResult<Json<Vec<TaskView>>> {
     let c = &api.consensus;
     let tasks = c.read_local(|s| s.tasks().map(view).collect::<Vec<_>>());

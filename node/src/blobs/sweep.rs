@@ -84,7 +84,7 @@ pub async fn run(
     cancel: CancellationToken,
 ) {
     let mut events = consensus.subscribe();
-    let mut states = consensus.read_local(states_of);
+    let mut states = states_of(&consensus.read_local(StateMachine::clone));
     let mut release = tokio::time::interval(config.release_delay.min(Duration::from_secs(5)));
     let mut unused = tokio::time::interval(config.interval);
     for tick in [&mut release, &mut unused] {
@@ -122,7 +122,7 @@ pub async fn run(
                 // A snapshot replaced the record, or entries went by unseen: start
                 // again from the record (what was missed is left to the unused sweep).
                 Ok(AppliedEvent::Restored { .. }) | Err(RecvError::Lagged(_)) => {
-                    states = consensus.read_local(states_of);
+                    states = states_of(&consensus.read_local(StateMachine::clone));
                 }
                 Err(RecvError::Closed) => return,
             },
@@ -155,9 +155,12 @@ async fn sweep(
     since: SystemTime,
     why: &'static str,
 ) {
-    let in_use = consensus.read_local(|r| r.blobs_in_use());
+    // A copy shares every task and actor with the record (each behind its own
+    // `Arc`): the replica waits only for the copy, not for the walk over it.
+    let record = consensus.read_local(StateMachine::clone);
     let store = store.clone();
     let freed = tokio::task::spawn_blocking(move || {
+        let in_use = record.blobs_in_use();
         let (mut blobs, mut bytes) = (0u64, 0u64);
         for id in candidates.iter().filter(|id| !in_use.contains(id)) {
             if let Some(len) = store.remove_unused(id, since) {
