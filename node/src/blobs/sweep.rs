@@ -10,7 +10,9 @@
 //! - Unused: every blob in a file of its own that the record does not name and
 //!   that nobody has used (written, fetched, looked for) for `keep_unused`: the
 //!   results of tasks the record has forgotten, uploads never submitted, anything
-//!   let go before a restart. Looked for every `interval`.
+//!   let go before a restart. Looked for every `interval` (the first an `interval`
+//!   after the node starts), while a leader is known and this node has applied all
+//!   it knows committed.
 //!
 //! A blob is marked used whenever it is written or looked for
 //! ([`BlobStore::has`]), under the same lock as the check and removal here, so a
@@ -86,7 +88,10 @@ pub async fn run(
     let mut events = consensus.subscribe();
     let mut states = states_of(&consensus.read_local(StateMachine::clone));
     let mut release = tokio::time::interval(config.release_delay.min(Duration::from_secs(5)));
-    let mut unused = tokio::time::interval(config.interval);
+    // Not at once: a node that was away catches up with the record first (what it
+    // missed may name blobs it holds).
+    let mut unused =
+        tokio::time::interval_at(tokio::time::Instant::now() + config.interval, config.interval);
     for tick in [&mut release, &mut unused] {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     }
@@ -134,6 +139,12 @@ pub async fn run(
                 }
             }
             _ = unused.tick() => {
+                // Only with the record current: a leader known and all it has
+                // committed applied here.
+                let st = consensus.watch_status().borrow().clone();
+                if st.leader_id == 0 || st.applied_index < st.commit_index {
+                    continue;
+                }
                 let store2 = store.clone();
                 let Ok(Ok(all)) = tokio::task::spawn_blocking(move || store2.file_blobs()).await
                 else {
