@@ -310,6 +310,16 @@ impl Client {
             .await
     }
 
+    /// Forgets finished task `id` (`DELETE /v1/tasks/N`): it leaves the record and
+    /// every node removes its results soon after. One request id through the
+    /// retries: a forget recorded before its answer was lost answers as done.
+    pub async fn forget(&self, id: u64) -> ClientResult<()> {
+        let rid = self.ids.next_id();
+        let url = self.url(&format!("/v1/tasks/{id}?request_id={rid}"));
+        self.retrying(|| async { self.send(self.http.delete(url.clone())).await.map(|_| ()) })
+            .await
+    }
+
     pub async fn tasks(&self) -> ClientResult<Vec<TaskView>> {
         self.retrying(|| self.json(self.http.get(self.url("/v1/tasks"))))
             .await

@@ -235,3 +235,127 @@ async fn an_upload_never_used_goes_while_a_tasks_input_and_result_stay() {
     .await
     .expect("bounded");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_forgotten_tasks_results_go_soon_but_not_a_blob_another_task_names() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    tokio::time::timeout(LIMIT, async {
+        // Unused blobs kept for a minute: what goes sooner goes because it was let go.
+        let sweep = SweepConfig {
+            keep_unused: Duration::from_secs(60),
+            ..quick()
+        };
+        let nodes = mesh_with(root, 2, |_, c| c.blob_sweep = sweep).await;
+        let (a, b) = (client(&nodes[0]), client(&nodes[1]));
+        const N: u32 = 1 << 17;
+        let input = words(3, N);
+        let input_id = a.upload(input.clone()).await.unwrap();
+        let spec = || TaskSpec {
+            shader: ShaderSource::Wgsl(PLUS_ONE.into()),
+            entry_point: "main".into(),
+            bindings: vec![
+                BindingSpec {
+                    binding: 0,
+                    role: BindingRole::Input {
+                        blob: input_id,
+                        size: u64::from(N) * 4,
+                    },
+                },
+                BindingSpec {
+                    binding: 1,
+                    role: BindingRole::Output {
+                        size: u64::from(N) * 4,
+                    },
+                },
+            ],
+            grid: Grid([N / 64, 1, 1]),
+            shards: 1,
+            merge: MergeRule::Changes,
+            merges: Default::default(),
+            options: Default::default(),
+        };
+        let expected: Vec<u8> = input
+            .chunks_exact(4)
+            .flat_map(|w| (u32::from_le_bytes([w[0], w[1], w[2], w[3]]) + 1).to_le_bytes())
+            .collect();
+        // Two tasks with the same result: one blob, named by both.
+        let (first, second) = (
+            a.submit(spec(), None).await.unwrap(),
+            b.submit(spec(), None).await.unwrap(),
+        );
+        for t in [first, second] {
+            a.wait(t, |_, _| {}).await.unwrap();
+        }
+        // Both tasks' outputs fetched through both nodes: each node made the
+        // binding's bytes from the shard's result, one blob for both tasks.
+        for c in [&a, &b] {
+            for t in [first, second] {
+                assert!(c.results(t).await.unwrap()[&1] == expected);
+            }
+        }
+        let result: BlobId = a.outputs(first).await.unwrap()[0].blake3.parse().unwrap();
+        assert_eq!(b.outputs(second).await.unwrap()[0].blake3, result.to_hex());
+        let holders = |id: BlobId| (0..2).filter(|i| has_file(root, *i, &id)).count();
+        assert_eq!(holders(result), 2, "the result is on both nodes");
+        let files = |i: usize| stored(root, i).0;
+        let before: Vec<usize> = (0..2).map(files).collect();
+
+        // The first forgotten: gone from the record; what the second names stays.
+        b.forget(first).await.unwrap();
+        for c in [&a, &b] {
+            let gone = c.task(first).await.unwrap_err().to_string();
+            assert!(gone.contains(&format!("no task t{first}")), "{gone}");
+            assert!(
+                c.results(first).await.is_err(),
+                "a forgotten task's outputs"
+            );
+        }
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        assert_eq!(
+            holders(result),
+            2,
+            "a result another task names was removed"
+        );
+        assert_eq!((0..2).map(files).collect::<Vec<_>>(), before);
+        for c in [&a, &b] {
+            assert!(c.results(second).await.unwrap()[&1] == expected);
+        }
+
+        // The second forgotten: its results (the shard's, the bytes made from it)
+        // go from both nodes within seconds, though unused blobs are kept a minute
+        // here; its input has a minute yet, and is all that is left.
+        a.forget(second).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while (0..2).any(|i| files(i) > 1) {
+            assert!(
+                Instant::now() < deadline,
+                "the forgotten results were kept: {:?} blob files",
+                (0..2).map(files).collect::<Vec<_>>()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert_eq!(holders(input_id), 2);
+        assert_eq!(holders(result), 0);
+
+        // A task not finished is not forgotten; nor is an unknown one; a forget
+        // repeated answers as the first when retried with its request id (the
+        // client's), and "no task" when asked again.
+        let running = a.submit(common::lcg_spec(6000, 6), None).await.unwrap();
+        let refused = b.forget(running).await.unwrap_err().to_string();
+        assert!(refused.contains("cancel it first"), "{refused}");
+        b.cancel(running, None).await.unwrap();
+        b.forget(running).await.unwrap();
+        let unknown = a.forget(running).await.unwrap_err().to_string();
+        assert!(
+            unknown.contains(&format!("no task t{running}")),
+            "{unknown}"
+        );
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}

@@ -300,6 +300,11 @@ pub enum Command {
         inline: Vec<Vec<u8>>,
         backup: u64,
     },
+    /// Forget a finished task: it leaves the record, its results with it. `results`
+    /// are the blobs it named as results where it was proposed, for every node's
+    /// blob sweeper to let go at once (the record does not read them; a blob
+    /// another task names stays). Refused for a task not finished.
+    ForgetTask { task: TaskId, results: Vec<BlobId> },
 }
 
 /// The largest actor state (all buffers together) the record holds itself: calls to
@@ -361,6 +366,7 @@ impl Command {
             | Command::ShardResult { task, .. }
             | Command::ShardFailed { task, .. }
             | Command::TaskCancelled { task, .. }
+            | Command::ForgetTask { task, .. }
             | Command::TaskMerged { task, .. }
             | Command::MergeFailed { task, .. } => Some(*task),
             _ => None,
@@ -447,6 +453,7 @@ impl Command {
             Command::MembersDown { .. } => "members-down",
             Command::ActorCallsDone { .. } => "actor-calls-done",
             Command::ActorCallsRan { .. } => "actor-calls-ran",
+            Command::ForgetTask { .. } => "forget-task",
         }
     }
 }

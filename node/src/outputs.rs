@@ -41,6 +41,23 @@ impl ResultCache {
         self.0.lock().ok()?.by_task.get(&task).cloned()
     }
 
+    /// Drops what is known of `task` (forgotten by the record); the outputs made
+    /// for it here (which the record never named) that no other task's are.
+    pub fn forget(&self, task: TaskId) -> Vec<BlobId> {
+        let Ok(mut inner) = self.0.lock() else {
+            return Vec::new();
+        };
+        let Some(outputs) = inner.by_task.remove(&task) else {
+            return Vec::new();
+        };
+        inner.order.retain(|t| *t != task);
+        // Another task with the same outputs still reads them here.
+        outputs
+            .into_values()
+            .filter(|b| !inner.by_task.values().any(|o| o.values().any(|x| x == b)))
+            .collect()
+    }
+
     pub fn insert(&self, task: TaskId, outputs: BTreeMap<u32, BlobId>) {
         let Ok(mut inner) = self.0.lock() else {
             return;

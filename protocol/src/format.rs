@@ -15,7 +15,7 @@
 #[macro_export]
 macro_rules! format_number {
     () => {
-        "5"
+        "6"
     };
 }
 
@@ -29,7 +29,7 @@ macro_rules! lane {
 }
 
 /// This build's format.
-pub const FORMAT: u16 = 5;
+pub const FORMAT: u16 = 6;
 
 /// How a node names its build to peers (libp2p identify's agent version):
 /// `gpumesh/<version> format/<FORMAT>`.

@@ -388,6 +388,14 @@ pub fn cancel(
     Ok(ExitCode::SUCCESS)
 }
 
+pub fn forget(id: &str, api: ApiArgs) -> anyhow::Result<ExitCode> {
+    let id = task_id(id)?;
+    let client = api.client()?;
+    tokio::runtime::Runtime::new()?.block_on(client.forget(id))?;
+    println!("t{id} forgotten; its results go from every node within a minute");
+    Ok(ExitCode::SUCCESS)
+}
+
 /// A raft id as `gpumesh status` shows it.
 fn node_name(id: u64) -> String {
     format!("{id:x}")

@@ -109,6 +109,14 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Forget a finished task: it leaves the record, and every node removes its
+    /// results soon after (a blob another task names stays).
+    Forget {
+        /// The task id (as `gpumesh tasks` shows it, e.g. t12 or 12).
+        task: String,
+        #[command(flatten)]
+        api: ApiArgs,
+    },
     /// GPU actors: named state on a node's GPU, called from any node, surviving it.
     Actor {
         #[command(subcommand)]
@@ -344,6 +352,7 @@ pub fn execute(cli: Cli, matches: &ArgMatches) -> anyhow::Result<ExitCode> {
             api,
             json,
         } => mesh::cancel(&task, reason.as_deref(), api, json),
+        Command::Forget { task, api } => mesh::forget(&task, api),
         Command::Completions { shell } => {
             clap_complete::generate(
                 shell,

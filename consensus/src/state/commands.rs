@@ -172,6 +172,20 @@ impl StateMachine {
                 node,
                 reason,
             } => self.task_failed(index, *task, *shard, *epoch, *node, reason),
+            Command::ForgetTask { task, .. } => match self.tasks.get(task) {
+                None => Outcome::Rejected(format!("no task {task}")),
+                Some(t) if !t.status.is_terminal() => Outcome::Rejected(format!(
+                    "task {task} is {}: only a finished task can be forgotten (cancel it first)",
+                    t.status.name()
+                )),
+                Some(_) => {
+                    if let Some(t) = self.tasks.remove(task) {
+                        self.task_by_request.remove(&t.request_id);
+                    }
+                    self.finished.remove(task);
+                    Outcome::Applied
+                }
+            },
             Command::TaskCancelled { task, reason } => match self.task_mut(*task) {
                 None => Outcome::Rejected(format!("no task {task}")),
                 Some(t) if t.status.is_terminal() => {

@@ -218,12 +218,7 @@ impl StateMachine {
             }
         }
         for task in self.tasks.values() {
-            for shard in &task.shards {
-                used.extend(shard.output.iter().map(|o| o.blob));
-                used.extend(shard.reports.iter().map(|r| r.blob));
-            }
-            used.extend(task.outputs.iter().map(|o| o.blob));
-            used.extend(task.inline.keys().copied());
+            used.extend(task.result_blobs());
         }
         for actor in self.actors.values() {
             used.extend(actor.state.iter().filter_map(|s| s.blob));

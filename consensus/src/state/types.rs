@@ -269,6 +269,21 @@ pub struct Task {
 }
 
 impl Task {
+    /// The blobs it names as results: its shards' accepted and reported outputs,
+    /// its merged outputs, and the results carried in entries.
+    pub fn result_blobs(&self) -> Vec<BlobId> {
+        let mut out: Vec<BlobId> = Vec::new();
+        for shard in &self.shards {
+            out.extend(shard.output.iter().map(|o| o.blob));
+            out.extend(shard.reports.iter().map(|r| r.blob));
+        }
+        out.extend(self.outputs.iter().map(|o| o.blob));
+        out.extend(self.inline.keys().copied());
+        out.sort();
+        out.dedup();
+        out
+    }
+
     pub(super) fn record(&mut self, index: u64, shard: Option<u32>, what: String) {
         if self.history.len() >= MAX_HISTORY {
             self.history.pop_front();

@@ -101,7 +101,7 @@ pub(crate) async fn serve(
         .route("/v1/blobs/{id}", get(blobs::get_blob))
         .route("/v1/tasks", post(tasks::submit).get(tasks::list_tasks))
         .route("/v1/tasks/run", post(tasks::run))
-        .route("/v1/tasks/{id}", get(tasks::get_task))
+        .route("/v1/tasks/{id}", get(tasks::get_task).delete(tasks::forget))
         .route("/v1/tasks/{id}/wait", get(tasks::wait_task))
         .route("/v1/tasks/{id}/cancel", post(tasks::cancel))
         .route("/v1/tasks/{id}/outputs", get(tasks::outputs))

@@ -37,7 +37,7 @@ pub(crate) struct ApiState {
     pub metrics: Metrics,
     /// Completed tasks' outputs made local here: a fetch after the first reads no
     /// record.
-    pub results: ResultCache,
+    pub results: Arc<ResultCache>,
     /// Submits through this node's API not yet applied here: counted with the
     /// replicated queue so that concurrent submits cannot pass the queue limit.
     pub submits_in_flight: AtomicUsize,
@@ -76,7 +76,7 @@ impl ApiState {
             kernels,
             limits,
             metrics,
-            results: ResultCache::default(),
+            results: Arc::default(),
             submits_in_flight: AtomicUsize::new(0),
             throughput: Arc::default(),
             timeline,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::Json;
 use gpumesh_consensus::{
@@ -344,6 +344,55 @@ pub(crate) async fn cancel(
                  cancelled",
                 task.status.name()
             ),
+        )),
+    }
+}
+
+#[derive(Deserialize)]
+pub(crate) struct ForgetQuery {
+    /// The client's id for this request (`CLIENT-SEQ`, hex): a retry of a forget
+    /// that was recorded answers as the first did.
+    request_id: Option<String>,
+}
+
+/// Forgets a finished task: it leaves the record, and every node removes its
+/// results soon after (a blob another task names stays). 204 once committed; a
+/// task not finished is 409 (cancel it first), an unknown one 404.
+pub(crate) async fn forget(
+    State(api): State<Arc<ApiState>>,
+    Path(id): Path<u64>,
+    Query(q): Query<ForgetQuery>,
+) -> ApiResult<StatusCode> {
+    let request_id = match q.request_id {
+        Some(r) => r.parse::<RequestId>().map_err(bad)?,
+        None => api.consensus.new_request_id(),
+    };
+    let c = &api.consensus;
+    let results = read_current(c, move |s: &StateMachine| {
+        s.task(TaskId(id)).map(|t| t.result_blobs())
+    })
+    .await?
+    .unwrap_or_default();
+    let committed = c
+        .propose_with_id(
+            request_id,
+            Command::ForgetTask {
+                task: TaskId(id),
+                results,
+            },
+        )
+        .await
+        .map_err(unavailable)?;
+    match committed.outcome {
+        // Every node's sweeper lets its results go, and the outputs made from them.
+        Outcome::Applied => Ok(StatusCode::NO_CONTENT),
+        Outcome::Rejected(why) if why.starts_with("no task") => Err(not_found(id)),
+        Outcome::Rejected(why) | Outcome::Ignored(why) => {
+            Err(ApiError(StatusCode::CONFLICT, format!("t{id}: {why}")))
+        }
+        other => Err(ApiError(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("forgetting t{id} was answered {other:?}"),
         )),
     }
 }
@@ -828,13 +877,15 @@ async fn wait_change(
 async fn merged(api: &ApiState, id: u64) -> ApiResult<BTreeMap<u32, BlobId>> {
     // A completed task's outputs never change: once known here (and still here: a
     // copy found damaged is dropped from the store), no read of the record.
+    let c = &api.consensus;
     if let Some(done) = api.results.get(TaskId(id)) {
         let store = api.blobs.store();
-        if done.values().all(|b| store.has(b)) {
+        // Still in the record here: a task forgotten through another node is gone.
+        let known = c.read_local(|s| s.task(TaskId(id)).is_some());
+        if known && done.values().all(|b| store.has(b)) {
             return Ok(done);
         }
     }
-    let c = &api.consensus;
     let task = read_current(c, move |s: &StateMachine| s.task(TaskId(id)).cloned())
         .await?
         .ok_or_else(|| not_found(id))?;

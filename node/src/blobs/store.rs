@@ -40,7 +40,18 @@ pub struct BlobStore {
     sweep: Arc<Mutex<()>>,
     /// Blobs this node has finished with, as they were let go ([`Self::release`]):
     /// the sweeper removes each soon after unless the record names it.
-    released: Arc<Mutex<Vec<(BlobId, std::time::Instant)>>>,
+    released: Arc<Mutex<HashMap<BlobId, std::time::Instant>>>,
+}
+
+/// What [`BlobStore::remove_unused`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Removal {
+    /// Removed; this many bytes freed.
+    Removed(u64),
+    /// Kept: used since the cutoff, or being served from memory.
+    InUse,
+    /// Not here in a file of its own (packed, or never here).
+    Absent,
 }
 
 /// A blob served from memory until this is dropped (see [`BlobStore::stage`]).
@@ -299,7 +310,7 @@ impl BlobStore {
     /// record names it or it was used again meanwhile.
     pub fn release(&self, id: BlobId) {
         let mut released = self.released.lock().unwrap_or_else(PoisonError::into_inner);
-        released.push((id, std::time::Instant::now()));
+        released.insert(id, std::time::Instant::now());
     }
 
     /// The blobs let go at least `delay` ago, taken off the list.
@@ -307,7 +318,7 @@ impl BlobStore {
         let mut released = self.released.lock().unwrap_or_else(PoisonError::into_inner);
         let now = std::time::Instant::now();
         let mut due = Vec::new();
-        released.retain(|(id, at)| {
+        released.retain(|id, at| {
             let keep = now.duration_since(*at) < delay;
             if !keep {
                 due.push(*id);
@@ -331,17 +342,22 @@ impl BlobStore {
     }
 
     /// Removes blob `id`'s file if it was last used before `unused_since` and is
-    /// not being served from memory; the bytes freed, if it was removed. The caller
-    /// has made sure the record does not name it.
-    pub(crate) fn remove_unused(&self, id: &BlobId, unused_since: SystemTime) -> Option<u64> {
+    /// not being served from memory. The caller has made sure the record does not
+    /// name it.
+    pub(crate) fn remove_unused(&self, id: &BlobId, unused_since: SystemTime) -> Removal {
         let _sweep = self.sweep.lock().unwrap_or_else(PoisonError::into_inner);
         let path = self.path(id);
-        let meta = fs::metadata(&path).ok()?;
-        if meta.modified().ok()? >= unused_since || self.staged(id).is_some() {
-            return None;
+        let Ok(meta) = fs::metadata(&path) else {
+            return Removal::Absent;
+        };
+        let used = meta.modified().map_or(true, |m| m >= unused_since);
+        if used || self.staged(id).is_some() {
+            return Removal::InUse;
         }
-        fs::remove_file(&path).ok()?;
-        Some(meta.len())
+        match fs::remove_file(&path) {
+            Ok(()) => Removal::Removed(meta.len()),
+            Err(_) => Removal::InUse,
+        }
     }
 
     /// Size of a stored blob.
@@ -1014,19 +1030,22 @@ mod tests {
         }
         let cutoff = SystemTime::now() - std::time::Duration::from_secs(60);
         assert!(store.has(&b), "a look marks it used");
-        assert_eq!(store.remove_unused(&a, cutoff), Some(PACK_MAX + 1));
+        assert_eq!(
+            store.remove_unused(&a, cutoff),
+            Removal::Removed(PACK_MAX + 1)
+        );
         assert!(!store.has(&a) && store.get(&a).unwrap().is_none());
         assert_eq!(
             store.remove_unused(&b, cutoff),
-            None,
+            Removal::InUse,
             "used since the cutoff"
         );
         assert_eq!(store.get(&b).unwrap().unwrap(), big(2));
         let cutoff = SystemTime::now() + std::time::Duration::from_secs(60);
         // Served from memory while it is written again: kept.
         let _staged = store.stage(b, Arc::new(big(2)));
-        assert_eq!(store.remove_unused(&b, cutoff), None);
-        assert_eq!(store.remove_unused(&packed, cutoff), None);
+        assert_eq!(store.remove_unused(&b, cutoff), Removal::InUse);
+        assert_eq!(store.remove_unused(&packed, cutoff), Removal::Absent);
         assert!(store.has(&packed));
 
         // Let go: due once the delay has passed, and taken once.

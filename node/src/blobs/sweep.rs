@@ -6,7 +6,9 @@
 //! removed.
 //! - Let go: an actor's state a call replaced (every version passes through an
 //!   applied entry, so none is missed), the changes a host sent to an actor's
-//!   backup. Removed `release_delay` after they were let go, unless used since.
+//!   backup, the results of a task forgotten on request (and the outputs this
+//!   node made from them, which the record never named). Removed `release_delay`
+//!   after they were let go, unless used since.
 //! - Unused: every blob in a file of its own that the record does not name and
 //!   that nobody has used (written, fetched, looked for) for `keep_unused`: the
 //!   results of tasks the record has forgotten, uploads never submitted, anything
@@ -27,7 +29,11 @@ use gpumesh_protocol::BlobId;
 use tokio::sync::broadcast::error::RecvError;
 use tokio_util::sync::CancellationToken;
 
+use super::store::Removal;
 use super::BlobStore;
+
+/// The sweep of blobs let go (as against unused ones).
+const LET_GO: &str = "let go";
 
 /// When the sweeper removes what.
 #[derive(Clone, Copy, Debug)]
@@ -82,6 +88,7 @@ fn new_state(command: &Command) -> Option<(&str, Vec<(u32, BlobId)>)> {
 pub async fn run(
     store: BlobStore,
     consensus: ConsensusHandle,
+    outputs: std::sync::Arc<crate::outputs::ResultCache>,
     config: SweepConfig,
     cancel: CancellationToken,
 ) {
@@ -90,8 +97,10 @@ pub async fn run(
     let mut release = tokio::time::interval(config.release_delay.min(Duration::from_secs(5)));
     // Not at once: a node that was away catches up with the record first (what it
     // missed may name blobs it holds).
-    let mut unused =
-        tokio::time::interval_at(tokio::time::Instant::now() + config.interval, config.interval);
+    let mut unused = tokio::time::interval_at(
+        tokio::time::Instant::now() + config.interval,
+        config.interval,
+    );
     for tick in [&mut release, &mut unused] {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     }
@@ -102,6 +111,13 @@ pub async fn run(
                 Ok(AppliedEvent::Entry { entry, committed, duplicate, .. }) => {
                     // Only what the record took: a stale host's entry changes nothing.
                     if duplicate || committed.outcome != Outcome::Applied {
+                        continue;
+                    }
+                    if let Command::ForgetTask { task, results } = &entry.command {
+                        let made_here = outputs.forget(*task);
+                        for blob in results.iter().chain(&made_here) {
+                            store.release(*blob);
+                        }
                         continue;
                     }
                     let Some((name, now)) = new_state(&entry.command) else {
@@ -135,7 +151,7 @@ pub async fn run(
                 let due = store.take_released(config.release_delay);
                 if !due.is_empty() {
                     let since = SystemTime::now() - config.release_delay;
-                    sweep(&store, &consensus, due, since, "let go").await;
+                    sweep(&store, &consensus, due, since, LET_GO).await;
                 }
             }
             _ = unused.tick() => {
@@ -166,6 +182,7 @@ async fn sweep(
     since: SystemTime,
     why: &'static str,
 ) {
+    let let_go = why == LET_GO;
     // A copy shares every task and actor with the record (each behind its own
     // `Arc`): the replica waits only for the copy, not for the walk over it.
     let record = consensus.read_local(StateMachine::clone);
@@ -174,9 +191,14 @@ async fn sweep(
         let in_use = record.blobs_in_use();
         let (mut blobs, mut bytes) = (0u64, 0u64);
         for id in candidates.iter().filter(|id| !in_use.contains(id)) {
-            if let Some(len) = store.remove_unused(id, since) {
-                blobs += 1;
-                bytes += len;
+            match store.remove_unused(id, since) {
+                Removal::Removed(len) => {
+                    blobs += 1;
+                    bytes += len;
+                }
+                // Let go but used since (read, fetched): looked at again later.
+                Removal::InUse if let_go => store.release(*id),
+                Removal::InUse | Removal::Absent => {}
             }
         }
         (blobs, bytes)

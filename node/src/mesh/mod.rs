@@ -224,9 +224,11 @@ impl MeshNode {
             cancel.clone(),
         );
         tasks.push(blobs_task);
+        let made_outputs = Arc::new(crate::outputs::ResultCache::default());
         tasks.push(tokio::spawn(crate::blobs::sweep::run(
             store.clone(),
             consensus.clone(),
+            made_outputs.clone(),
             config.blob_sweep,
             cancel.clone(),
         )));
@@ -346,6 +348,7 @@ impl MeshNode {
             config.timeline.clone(),
         );
         api.run_here = run_here;
+        api.results = made_outputs;
         api.calls = Some(crate::host::CallSender {
             me: raft_id,
             inbox: calls_tx,
