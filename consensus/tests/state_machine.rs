@@ -585,6 +585,10 @@ fn random_command(rng: &mut SplitMix64, tasks: &[TaskId]) -> Command {
             node: rng.range(1, 3),
             reason: "boom".into(),
         },
+        5 if rng.range(0, 3) == 0 => Command::ForgetTask {
+            task: pick(rng),
+            results: Vec::new(),
+        },
         5 => Command::TaskCancelled {
             task: pick(rng),
             reason: "r".into(),
@@ -878,6 +882,39 @@ fn the_record_forgets_the_oldest_finished_tasks_beyond_its_bound_and_never_a_liv
     restored.apply(log.index, 1, &entry);
     assert_eq!(restored, log.sm);
     assert!(log.sm.task(finished[3].1).is_none());
+}
+
+#[test]
+fn a_finished_task_is_forgotten_on_request_and_a_live_one_is_not() {
+    let mut log = Log::new();
+    let Outcome::TaskSubmitted { task } = log.apply(submit(4)) else {
+        panic!()
+    };
+    let forget = |task| Command::ForgetTask {
+        task,
+        results: Vec::new(),
+    };
+    match log.apply(forget(task)) {
+        Outcome::Rejected(why) => assert!(why.contains("cancel it first"), "{why}"),
+        other => panic!("a live task forgotten: {other:?}"),
+    }
+    assert!(log.sm.task(task).is_some());
+    log.apply(Command::TaskCancelled {
+        task,
+        reason: "user".into(),
+    });
+    let request = log.sm.task(task).unwrap().request_id;
+    assert_eq!(log.apply(forget(task)), Outcome::Applied);
+    assert!(log.sm.task(task).is_none());
+    assert_eq!(log.sm.task_by_request(&request), None);
+    assert!(log.sm.tasks().all(|t| t.id != task));
+    match log.apply(forget(task)) {
+        Outcome::Rejected(why) => assert!(why.starts_with("no task"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    // The same from a snapshot on.
+    let restored = StateMachine::from_bytes(&log.sm.to_bytes().unwrap()).unwrap();
+    assert_eq!(restored, log.sm);
 }
 
 #[test]

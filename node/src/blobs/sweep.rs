@@ -32,8 +32,12 @@ use tokio_util::sync::CancellationToken;
 use super::store::Removal;
 use super::BlobStore;
 
-/// The sweep of blobs let go (as against unused ones).
-const LET_GO: &str = "let go";
+/// Which of the two sweeps (see the module's documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Sweep {
+    LetGo,
+    Unused,
+}
 
 /// When the sweeper removes what.
 #[derive(Clone, Copy, Debug)]
@@ -151,7 +155,7 @@ pub async fn run(
                 let due = store.take_released(config.release_delay);
                 if !due.is_empty() {
                     let since = SystemTime::now() - config.release_delay;
-                    sweep(&store, &consensus, due, since, LET_GO).await;
+                    sweep(&store, &consensus, due, since, Sweep::LetGo).await;
                 }
             }
             _ = unused.tick() => {
@@ -167,7 +171,7 @@ pub async fn run(
                     continue;
                 };
                 let since = SystemTime::now() - config.keep_unused;
-                sweep(&store, &consensus, all, since, "unused").await;
+                sweep(&store, &consensus, all, since, Sweep::Unused).await;
             }
         }
     }
@@ -180,9 +184,8 @@ async fn sweep(
     consensus: &ConsensusHandle,
     candidates: Vec<BlobId>,
     since: SystemTime,
-    why: &'static str,
+    which: Sweep,
 ) {
-    let let_go = why == LET_GO;
     // A copy shares every task and actor with the record (each behind its own
     // `Arc`): the replica waits only for the copy, not for the walk over it.
     let record = consensus.read_local(StateMachine::clone);
@@ -197,7 +200,7 @@ async fn sweep(
                     bytes += len;
                 }
                 // Let go but used since (read, fetched): looked at again later.
-                Removal::InUse if let_go => store.release(*id),
+                Removal::InUse if which == Sweep::LetGo => store.release(*id),
                 Removal::InUse | Removal::Absent => {}
             }
         }
@@ -206,7 +209,7 @@ async fn sweep(
     .await;
     if let Ok((blobs, bytes)) = freed {
         if blobs > 0 {
-            tracing::debug!(blobs, bytes, why, "removed blobs nothing needs");
+            tracing::debug!(blobs, bytes, ?which, "removed blobs nothing needs");
         }
     }
 }
