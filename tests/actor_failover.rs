@@ -8,40 +8,21 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::have_any;
+use common::{count_call, have_any};
 use gpumesh::node::api::StateInit;
-use gpumesh::protocol::{ActorCall, Grid, ShaderSource};
 use gpumesh::Client;
 
-/// Adds one to every word of the state.
-const COUNT: &str = r#"
-@group(0) @binding(0) var<storage, read_write> count: array<u32>;
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    if (gid.x < arrayLength(&count)) {
-        count[gid.x] = count[gid.x] + 1u;
-    }
-}
-"#;
-
 const WORDS: u32 = 256;
-
-fn count_call() -> ActorCall {
-    ActorCall {
-        shader: ShaderSource::Wgsl(COUNT.into()),
-        entry_point: "main".into(),
-        bindings: vec![],
-        grid: Grid([WORDS / 64, 1, 1]),
-        deadline_ms: None,
-    }
-}
 
 /// Calls the counter `n` times through `via`, one after another, each retried (one
 /// request id) until acknowledged.
 async fn count(via: Client, n: usize) -> Vec<u64> {
     let mut versions = Vec::new();
     for _ in 0..n {
-        let reply = via.call_actor("counter", count_call(), None).await.unwrap();
+        let reply = via
+            .call_actor("counter", count_call(WORDS), None)
+            .await
+            .unwrap();
         versions.push(reply.version);
     }
     versions

@@ -7,46 +7,15 @@ mod common;
 
 use std::time::Duration;
 
-use common::{client, config, have_any, seed, stop, submit, LIMIT};
-use gpumesh::node::{identity, ClusterKey, Formation, MeshNode, NodeConfig, PeerId};
-use gpumesh::shaders::builtins;
+use common::{client, config, refused, seed, still_serves, stop, LIMIT};
+use gpumesh::node::{identity, ClusterKey, Formation, MeshNode, PeerId};
 
 /// How long an outsider keeps trying before it gives up.
 const OUTSIDER_JOIN: Duration = Duration::from_secs(3);
 
-/// Starts a node expected not to get in; returns its error message.
-async fn refused(c: NodeConfig) -> String {
-    match MeshNode::start(c).await {
-        Ok(node) => {
-            let peer = node.peer_id;
-            node.stop().await;
-            panic!("{peer} joined a mesh it should be kept out of");
-        }
-        Err(e) => e.to_string(),
-    }
-}
-
 /// Members as the node's API reports them.
 async fn members(node: &MeshNode) -> usize {
     client(node).status().await.unwrap().members.len()
-}
-
-/// The mesh still takes tasks through `via` and, with an adapter here, runs them and
-/// serves the result through `fetch`.
-async fn still_serves(via: &MeshNode, fetch: &MeshNode) {
-    let problem = builtins::get("vector_add")
-        .unwrap()
-        .problem(256 * 8)
-        .unwrap();
-    let task = submit(&client(via), &problem, 2).await;
-    if have_any() {
-        client(via).wait(task, |_, _| {}).await.unwrap();
-        problem
-            .verify(&client(fetch).results(task).await.unwrap())
-            .unwrap();
-    } else {
-        assert_eq!(client(fetch).task(task).await.unwrap().id, task);
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -10,28 +10,16 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use common::{client, config, have_any, mesh_key, seed, stop, submit, LIMIT};
+use common::{client, config, mesh_key, refused, seed, still_serves, stop, submit, LIMIT};
 use futures::StreamExt;
 use gpumesh::node::data_dir::FORMAT_FILE;
 use gpumesh::node::net::noise_prologue;
-use gpumesh::node::{Formation, MeshNode, NodeConfig};
+use gpumesh::node::{Formation, MeshNode};
 use gpumesh::protocol::FORMAT;
 use gpumesh::shaders::builtins;
 use libp2p::swarm::SwarmEvent;
 use libp2p::{identify, noise, tcp, yamux, Multiaddr, PeerId, SwarmBuilder};
 use tokio::sync::mpsc;
-
-/// Starts a node expected to fail; returns its error message.
-async fn refused(c: NodeConfig) -> String {
-    match MeshNode::start(c).await {
-        Ok(node) => {
-            let peer = node.peer_id;
-            node.stop().await;
-            panic!("{peer} started where it should have been refused");
-        }
-        Err(e) => e.to_string(),
-    }
-}
 
 /// What the peer of another format saw.
 #[derive(Debug)]
@@ -91,23 +79,6 @@ fn other_build(agent: &'static str, dial: Multiaddr) -> (PeerId, mpsc::Unbounded
     (id, rx)
 }
 
-/// The mesh takes a task through `via` and, with an adapter here, runs it right.
-async fn still_serves(via: &MeshNode) {
-    let problem = builtins::get("vector_add")
-        .unwrap()
-        .problem(256 * 8)
-        .unwrap();
-    let task = submit(&client(via), &problem, 2).await;
-    if have_any() {
-        client(via).wait(task, |_, _| {}).await.unwrap();
-        problem
-            .verify(&client(via).results(task).await.unwrap())
-            .unwrap();
-    } else {
-        assert_eq!(client(via).task(task).await.unwrap().id, task);
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_peer_of_another_data_format_is_refused_by_name_and_the_mesh_keeps_serving() {
     let dir = tempfile::tempdir().unwrap();
@@ -154,7 +125,7 @@ async fn a_peer_of_another_data_format_is_refused_by_name_and_the_mesh_keeps_ser
         );
 
         assert_eq!(client(&a).status().await.unwrap().members.len(), 1);
-        still_serves(&a).await;
+        still_serves(&a, &a).await;
         stop(vec![a]).await;
     })
     .await

@@ -13,36 +13,14 @@ mod common;
 use std::time::Duration;
 
 use common::procs::three_voters as ready;
-use common::{accepted_once, have_any, lcg_after, lcg_spec, LCG_STEPS};
+use common::{accepted_once, count_call, have_any, lcg_after, lcg_spec, LCG_STEPS};
 use gpumesh::node::api::{StateInit, TaskState};
-use gpumesh::protocol::{ActorCall, Grid, ShaderSource};
 use gpumesh::Client;
 
 /// Workgroups of the task cut short: seconds of work on a software adapter.
 const GROUPS: u32 = 6000;
 
-/// Adds one to every word of the actor's state.
-const COUNT: &str = r#"
-@group(0) @binding(0) var<storage, read_write> count: array<u32>;
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    if (gid.x < arrayLength(&count)) {
-        count[gid.x] = count[gid.x] + 1u;
-    }
-}
-"#;
-
 const WORDS: u32 = 256;
-
-fn count_call() -> ActorCall {
-    ActorCall {
-        shader: ShaderSource::Wgsl(COUNT.into()),
-        entry_point: "main".into(),
-        bindings: vec![],
-        grid: Grid([WORDS / 64, 1, 1]),
-        deadline_ms: None,
-    }
-}
 
 /// The task finishes through `via` with the CPU reference's output, each shard
 /// accepted once.
@@ -95,7 +73,7 @@ async fn the_whole_mesh_killed_at_once_comes_back_with_every_acknowledged_task_a
         .unwrap();
     for expect in 1..=3 {
         let reply = clients[expect as usize % 3]
-            .call_actor("counter", count_call(), None)
+            .call_actor("counter", count_call(WORDS), None)
             .await
             .unwrap();
         assert_eq!(reply.version, expect);
@@ -143,7 +121,7 @@ async fn the_whole_mesh_killed_at_once_comes_back_with_every_acknowledged_task_a
     }
     // And the mesh goes on: the counter counts on, new tasks run.
     let reply = clients[2]
-        .call_actor("counter", count_call(), None)
+        .call_actor("counter", count_call(WORDS), None)
         .await
         .unwrap();
     assert_eq!(reply.version, 4);

@@ -11,11 +11,11 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{client, have_any, mesh_with, stop, LIMIT};
+use common::{client, count_call, have_any, mesh_with, stop, LIMIT};
 use gpumesh::node::blobs::sweep::SweepConfig;
 use gpumesh::node::MeshNode;
 use gpumesh::protocol::{
-    ActorCall, BindingRole, BindingSpec, BlobId, Grid, MergeRule, ShaderSource, TaskSpec,
+    BindingRole, BindingSpec, BlobId, Grid, MergeRule, ShaderSource, TaskSpec,
 };
 
 /// Sweeps in seconds rather than an hour.
@@ -47,28 +47,8 @@ fn has_file(root: &Path, i: usize, id: &BlobId) -> bool {
         .is_file()
 }
 
-const COUNT: &str = r#"
-@group(0) @binding(0) var<storage, read_write> count: array<u32>;
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    if (gid.x < arrayLength(&count)) {
-        count[gid.x] = count[gid.x] + 1u;
-    }
-}
-"#;
-
 /// A state of 1 MiB: every call changes all of it (a blob per version, not packed).
 const WORDS: u32 = 1 << 18;
-
-fn count_call() -> ActorCall {
-    ActorCall {
-        shader: ShaderSource::Wgsl(COUNT.into()),
-        entry_point: "main".into(),
-        bindings: vec![],
-        grid: Grid([WORDS / 64, 1, 1]),
-        deadline_ms: None,
-    }
-}
 
 async fn counted(node: &MeshNode, calls: u32) {
     let state = client(node).actor_state("counter", 0).await.unwrap();
@@ -102,7 +82,7 @@ async fn an_actor_keeps_one_state_on_disk_not_one_per_call_and_still_moves() {
         const CALLS: u32 = 20;
         for n in 1..=CALLS {
             let reply = client(&nodes[1])
-                .call_actor("counter", count_call(), None)
+                .call_actor("counter", count_call(WORDS), None)
                 .await
                 .unwrap();
             assert_eq!(reply.version, u64::from(n));
@@ -133,7 +113,7 @@ async fn an_actor_keeps_one_state_on_disk_not_one_per_call_and_still_moves() {
             .unwrap();
         nodes.remove(at).kill().await;
         let reply = client(&nodes[0])
-            .call_actor("counter", count_call(), None)
+            .call_actor("counter", count_call(WORDS), None)
             .await
             .unwrap();
         assert_eq!(reply.version, u64::from(CALLS) + 1);
@@ -158,6 +138,34 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
+/// [`PLUS_ONE`] over `n` words of blob `input`, in `shards` shards.
+fn plus_one(input: BlobId, n: u32, shards: u32) -> TaskSpec {
+    TaskSpec {
+        shader: ShaderSource::Wgsl(PLUS_ONE.into()),
+        entry_point: "main".into(),
+        bindings: vec![
+            BindingSpec {
+                binding: 0,
+                role: BindingRole::Input {
+                    blob: input,
+                    size: u64::from(n) * 4,
+                },
+            },
+            BindingSpec {
+                binding: 1,
+                role: BindingRole::Output {
+                    size: u64::from(n) * 4,
+                },
+            },
+        ],
+        grid: Grid([n / 64, 1, 1]),
+        shards,
+        merge: MergeRule::Changes,
+        merges: Default::default(),
+        options: Default::default(),
+    }
+}
+
 fn words(seed: u32, n: u32) -> Vec<u8> {
     (0..n)
         .flat_map(|i| (i.wrapping_mul(2_654_435_761) ^ seed).to_le_bytes())
@@ -175,30 +183,7 @@ async fn an_upload_never_used_goes_while_a_tasks_input_and_result_stay() {
         let unused = via.upload(words(1, N)).await.unwrap();
         let input = words(2, N);
         let input_id = via.upload(input.clone()).await.unwrap();
-        let spec = TaskSpec {
-            shader: ShaderSource::Wgsl(PLUS_ONE.into()),
-            entry_point: "main".into(),
-            bindings: vec![
-                BindingSpec {
-                    binding: 0,
-                    role: BindingRole::Input {
-                        blob: input_id,
-                        size: u64::from(N) * 4,
-                    },
-                },
-                BindingSpec {
-                    binding: 1,
-                    role: BindingRole::Output {
-                        size: u64::from(N) * 4,
-                    },
-                },
-            ],
-            grid: Grid([N / 64, 1, 1]),
-            shards: 2,
-            merge: MergeRule::Changes,
-            merges: Default::default(),
-            options: Default::default(),
-        };
+        let spec = plus_one(input_id, N, 2);
         let task = via.submit(spec, None).await.unwrap();
         let expected: Vec<u8> = input
             .chunks_exact(4)
@@ -254,30 +239,7 @@ async fn a_forgotten_tasks_results_go_soon_but_not_a_blob_another_task_names() {
         const N: u32 = 1 << 17;
         let input = words(3, N);
         let input_id = a.upload(input.clone()).await.unwrap();
-        let spec = || TaskSpec {
-            shader: ShaderSource::Wgsl(PLUS_ONE.into()),
-            entry_point: "main".into(),
-            bindings: vec![
-                BindingSpec {
-                    binding: 0,
-                    role: BindingRole::Input {
-                        blob: input_id,
-                        size: u64::from(N) * 4,
-                    },
-                },
-                BindingSpec {
-                    binding: 1,
-                    role: BindingRole::Output {
-                        size: u64::from(N) * 4,
-                    },
-                },
-            ],
-            grid: Grid([N / 64, 1, 1]),
-            shards: 1,
-            merge: MergeRule::Changes,
-            merges: Default::default(),
-            options: Default::default(),
-        };
+        let spec = || plus_one(input_id, N, 1);
         let expected: Vec<u8> = input
             .chunks_exact(4)
             .flat_map(|w| (u32::from_le_bytes([w[0], w[1], w[2], w[3]]) + 1).to_le_bytes())

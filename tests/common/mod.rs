@@ -374,3 +374,58 @@ pub fn lcg_after(steps: u64, invocations: u32) -> Vec<u8> {
         .flat_map(|x| a.wrapping_mul(x).wrapping_add(c).to_le_bytes())
         .collect()
 }
+
+/// Adds one to every word of an actor's state at binding 0: a counter whose every
+/// word, read back, is the number of calls that ran.
+pub const COUNT: &str = r#"
+@group(0) @binding(0) var<storage, read_write> count: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x < arrayLength(&count)) {
+        count[gid.x] = count[gid.x] + 1u;
+    }
+}
+"#;
+
+/// A call of [`COUNT`] over a state of `words` words.
+pub fn count_call(words: u32) -> gpumesh::protocol::ActorCall {
+    use gpumesh::protocol::{ActorCall, Grid, ShaderSource};
+    ActorCall {
+        shader: ShaderSource::Wgsl(COUNT.into()),
+        entry_point: "main".into(),
+        bindings: vec![],
+        grid: Grid([words.div_ceil(64), 1, 1]),
+        deadline_ms: None,
+    }
+}
+
+/// Starts a node expected not to start (kept out of a mesh, refused its data dir);
+/// returns its error message.
+pub async fn refused(c: NodeConfig) -> String {
+    match MeshNode::start(c).await {
+        Ok(node) => {
+            let peer = node.peer_id;
+            node.stop().await;
+            panic!("{peer} started where it should have been refused");
+        }
+        Err(e) => e.to_string(),
+    }
+}
+
+/// The mesh still takes tasks through `via` and, with an adapter here, runs them and
+/// serves the result through `fetch`, checked against the CPU.
+pub async fn still_serves(via: &MeshNode, fetch: &MeshNode) {
+    let problem = gpumesh::shaders::builtins::get("vector_add")
+        .unwrap()
+        .problem(256 * 8)
+        .unwrap();
+    let task = submit(&client(via), &problem, 2).await;
+    if have_any() {
+        client(via).wait(task, |_, _| {}).await.unwrap();
+        problem
+            .verify(&client(fetch).results(task).await.unwrap())
+            .unwrap();
+    } else {
+        assert_eq!(client(fetch).task(task).await.unwrap().id, task);
+    }
+}
