@@ -11,7 +11,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{client, count_call, have_any, mesh_with, stop, LIMIT};
+use common::{client, count_call, have_any, mesh_with, metric, stop, LIMIT};
 use gpumesh::node::blobs::sweep::SweepConfig;
 use gpumesh::node::MeshNode;
 use gpumesh::protocol::{
@@ -104,6 +104,15 @@ async fn an_actor_keeps_one_state_on_disk_not_one_per_call_and_still_moves() {
         for n in &nodes {
             counted(n, CALLS).await;
         }
+        // Counted where an operator looks.
+        let mut removed = 0.0;
+        for n in &nodes {
+            removed += metric(n, "gpumesh_blobs_removed_bytes_total{sweep=\"let_go\"}").await;
+        }
+        assert!(
+            removed >= f64::from(30 << 20),
+            "{removed} bytes counted removed"
+        );
 
         // The host goes; the state it had is on the backup still, and counts on.
         let host = client(&nodes[0]).actor("counter").await.unwrap();
@@ -200,6 +209,14 @@ async fn an_upload_never_used_goes_while_a_tasks_input_and_result_stay() {
             assert!(Instant::now() < deadline, "the unused upload was kept");
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+        let mut unused_removed = 0.0;
+        for n in &nodes {
+            unused_removed += metric(n, "gpumesh_blobs_removed_total{sweep=\"unused\"}").await;
+        }
+        assert!(
+            unused_removed >= 1.0,
+            "the unused upload's removal is counted"
+        );
         tokio::time::sleep(Duration::from_secs(4)).await;
         let holders = (0..2).filter(|i| has_file(root, *i, &input_id)).count();
         assert_eq!(holders, 2, "the task's input is on both nodes still");

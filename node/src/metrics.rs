@@ -43,6 +43,7 @@
 //! | `gpumesh_actor_calls_total` | counter | actor calls run on this node whose result was recorded |
 //! | `gpumesh_blob_store_blobs` | gauge | blobs in this node's store |
 //! | `gpumesh_blob_store_bytes` | gauge | bytes of those blobs |
+//! | `gpumesh_blobs_removed_total{sweep}`, `gpumesh_blobs_removed_bytes_total{sweep}` | counter | blobs (and their bytes) the sweeper removed: `let_go` (an actor's replaced state, changes sent, a forgotten task's results), `unused` |
 //!
 //! The network lanes: `raft` is the Raft lane (the frames with their length
 //! prefixes), `blob` the blob chunk requests and answers, `call` every other
@@ -275,6 +276,24 @@ impl Metrics {
     }
 
     /// Adds the Raft metrics, read from `consensus` on every scrape.
+    /// Registers what the blob sweeper counts.
+    pub(crate) fn with_sweep(mut self, sweep: &SweepMetrics) -> Metrics {
+        self.registry.register(
+            "blobs_removed",
+            "Blobs this node's sweeper removed, by sweep (let_go: an actor's replaced \
+             state, changes sent, a forgotten task's results; unused: named by nothing and \
+             unused for --keep-unused-blobs)",
+            sweep.blobs.clone(),
+        );
+        self.registry.register_with_unit(
+            "blobs_removed",
+            "Bytes of the blobs this node's sweeper removed, by sweep",
+            Unit::Bytes,
+            sweep.bytes.clone(),
+        );
+        self
+    }
+
     pub(crate) fn with_raft(mut self, consensus: ConsensusHandle) -> Metrics {
         self.registry
             .register_collector(Box::new(RaftCollector(consensus)));
@@ -467,6 +486,22 @@ impl NetMetrics {
             self.sent.get_or_create(&lane.label()).get(),
             self.received.get_or_create(&lane.label()).get(),
         )
+    }
+}
+
+/// What the blob sweeper removed (see [`crate::blobs::sweep`]); counts into no
+/// registry until [`Metrics::with_sweep`].
+#[derive(Clone, Debug, Default)]
+pub struct SweepMetrics {
+    blobs: Family<Label, Counter>,
+    bytes: Family<Label, Counter>,
+}
+
+impl SweepMetrics {
+    pub(crate) fn removed(&self, sweep: &'static str, blobs: u64, bytes: u64) {
+        let label = [("sweep", sweep)];
+        self.blobs.get_or_create(&label).inc_by(blobs);
+        self.bytes.get_or_create(&label).inc_by(bytes);
     }
 }
 

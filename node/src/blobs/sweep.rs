@@ -31,12 +31,22 @@ use tokio_util::sync::CancellationToken;
 
 use super::store::Removal;
 use super::BlobStore;
+use crate::metrics::SweepMetrics;
 
 /// Which of the two sweeps (see the module's documentation).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Sweep {
     LetGo,
     Unused,
+}
+
+impl Sweep {
+    fn label(self) -> &'static str {
+        match self {
+            Sweep::LetGo => "let_go",
+            Sweep::Unused => "unused",
+        }
+    }
 }
 
 /// When the sweeper removes what.
@@ -94,6 +104,7 @@ pub async fn run(
     consensus: ConsensusHandle,
     outputs: std::sync::Arc<crate::outputs::ResultCache>,
     config: SweepConfig,
+    metrics: SweepMetrics,
     cancel: CancellationToken,
 ) {
     let mut events = consensus.subscribe();
@@ -155,7 +166,7 @@ pub async fn run(
                 let due = store.take_released(config.release_delay);
                 if !due.is_empty() {
                     let since = SystemTime::now() - config.release_delay;
-                    sweep(&store, &consensus, due, since, Sweep::LetGo).await;
+                    sweep(&store, &consensus, due, since, Sweep::LetGo, &metrics).await;
                 }
             }
             _ = unused.tick() => {
@@ -171,7 +182,7 @@ pub async fn run(
                     continue;
                 };
                 let since = SystemTime::now() - config.keep_unused;
-                sweep(&store, &consensus, all, since, Sweep::Unused).await;
+                sweep(&store, &consensus, all, since, Sweep::Unused, &metrics).await;
             }
         }
     }
@@ -185,6 +196,7 @@ async fn sweep(
     candidates: Vec<BlobId>,
     since: SystemTime,
     which: Sweep,
+    metrics: &SweepMetrics,
 ) {
     // A copy shares every task and actor with the record (each behind its own
     // `Arc`): the replica waits only for the copy, not for the walk over it.
@@ -209,6 +221,7 @@ async fn sweep(
     .await;
     if let Ok((blobs, bytes)) = freed {
         if blobs > 0 {
+            metrics.removed(which.label(), blobs, bytes);
             tracing::debug!(blobs, bytes, ?which, "removed blobs nothing needs");
         }
     }

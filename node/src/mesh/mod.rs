@@ -225,11 +225,13 @@ impl MeshNode {
         );
         tasks.push(blobs_task);
         let made_outputs = Arc::new(crate::outputs::ResultCache::default());
+        let sweep_metrics = crate::metrics::SweepMetrics::default();
         tasks.push(tokio::spawn(crate::blobs::sweep::run(
             store.clone(),
             consensus.clone(),
             made_outputs.clone(),
             config.blob_sweep,
+            sweep_metrics.clone(),
             cancel.clone(),
         )));
         // Calls sent to this node as an actor's host (by its own API or a peer's);
@@ -287,8 +289,9 @@ impl MeshNode {
             }
             .run(cancel.clone()),
         ));
-        let metrics =
-            Metrics::new(peer_id, raft_id, gpu_metrics, net_metrics).with_raft(consensus.clone());
+        let metrics = Metrics::new(peer_id, raft_id, gpu_metrics, net_metrics)
+            .with_raft(consensus.clone())
+            .with_sweep(&sweep_metrics);
         let kernels = Arc::new(gpumesh_shaders::KernelCache::default());
         let mut run_here = None;
         if let Some(gpu) = gpu {
