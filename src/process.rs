@@ -138,9 +138,10 @@ impl NodeProcess {
                 )));
             };
             if let Some(rest) = line.strip_prefix("gpumesh node ") {
-                if let Some(hex) = rest.split("raft id ").nth(1) {
-                    self.raft_id = u64::from_str_radix(hex.trim_end_matches(')'), 16)
-                        .map_err(std::io::Error::other)?;
+                // `… (raft id 353c9eab506d4d90, data format 6)`
+                if let Some(rest) = rest.split("raft id ").nth(1) {
+                    let hex = rest.split([',', ')']).next().unwrap_or_default();
+                    self.raft_id = u64::from_str_radix(hex, 16).map_err(std::io::Error::other)?;
                 }
             }
             if let Some(addr) = line.trim().strip_prefix("listening on ") {

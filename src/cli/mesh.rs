@@ -19,7 +19,12 @@ pub fn node(settings: NodeArgs) -> anyhow::Result<ExitCode> {
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let node = MeshNode::start(config).await?;
-        println!("gpumesh node {} (raft id {:x})", node.peer_id, node.raft_id);
+        println!(
+            "gpumesh node {} (raft id {:x}, data format {})",
+            node.peer_id,
+            node.raft_id,
+            gpumesh_protocol::FORMAT
+        );
         for a in &node.listen_addrs {
             println!("  listening on {a}/p2p/{}", node.peer_id);
         }
@@ -267,8 +272,8 @@ pub fn status(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
         format!("{:x}", st.leader)
     };
     println!(
-        "leader {leader}, term {}, commit {}",
-        st.term, st.commit_index
+        "leader {leader}, term {}, commit {}, data format {}",
+        st.term, st.commit_index, st.data_format
     );
     println!(
         "{:<17} {:<54} {:<8} {:<16} {:<34} {:<7} {:>8} {:>6} {:>5}",

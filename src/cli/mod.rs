@@ -25,7 +25,12 @@ use console::LogFormat;
 #[derive(Parser, Debug)]
 #[command(
     name = "gpumesh",
-    version,
+    version = concat!(
+        env!("CARGO_PKG_VERSION"),
+        " (data format ",
+        gpumesh_protocol::format_number!(),
+        ")"
+    ),
     about = "A peer-to-peer GPU compute mesh: WGSL on any adapter."
 )]
 pub struct Cli {

@@ -25,6 +25,7 @@ pub(crate) async fn status(State(api): State<Arc<ApiState>>) -> ApiResult<Json<S
         applied_index: st.applied_index,
         members,
         actors: super::actors::all(&api),
+        data_format: gpumesh_protocol::FORMAT,
     }))
 }
 

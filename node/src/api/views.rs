@@ -352,6 +352,9 @@ pub struct StatusView {
     /// Every GPU actor: its host, epoch, version, moves.
     #[serde(default)]
     pub actors: Vec<ActorView>,
+    /// The data format this node reads and writes (every member's is the same).
+    #[serde(default)]
+    pub data_format: u16,
 }
 
 #[derive(Serialize, Deserialize)]
