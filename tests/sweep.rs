@@ -135,6 +135,59 @@ async fn an_actor_keeps_one_state_on_disk_not_one_per_call_and_still_moves() {
     .expect("bounded");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_actor_with_a_mid_size_state_keeps_one_version_too() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = mesh_with(root, 2, |_, c| c.blob_sweep = quick()).await;
+        // 64 KiB: over what an entry carries (16 KiB), under what a file of its own
+        // is needed for otherwise (256 KiB).
+        const MID: u32 = 1 << 14;
+        let state = vec![gpumesh::node::api::StateInit {
+            binding: 0,
+            size: u64::from(MID) * 4,
+            blob: None,
+        }];
+        let a = client(&nodes[0]);
+        a.create_actor("mid", state, None).await.unwrap();
+        const CALLS: u64 = 20;
+        for n in 1..=CALLS {
+            let reply = client(&nodes[n as usize % 2])
+                .call_actor("mid", count_call(MID), None)
+                .await
+                .unwrap();
+            assert_eq!(reply.version, n);
+        }
+        // 20 versions of 64 KiB on each of two nodes; what stays is about one.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let mut held = Vec::new();
+            for n in &nodes {
+                held.push(metric(n, "gpumesh_blob_store_bytes").await);
+            }
+            if held.iter().all(|b| *b <= f64::from(256 << 10)) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "replaced states were kept: {held:?} bytes in the stores"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let words = a.actor_state("mid", 0).await.unwrap();
+        assert!(words
+            .chunks_exact(4)
+            .all(|w| u64::from(u32::from_le_bytes([w[0], w[1], w[2], w[3]])) == CALLS));
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
 /// Adds one to every word of the input.
 const PLUS_ONE: &str = r#"
 @group(0) @binding(0) var<storage, read> input: array<u32>;

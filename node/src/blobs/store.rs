@@ -226,8 +226,34 @@ impl BlobStore {
         ))
     }
 
+    /// Stores `bytes` in a file of their own however small, so the sweeper can remove
+    /// them once let go (the pack is not compacted): for blobs replaced often, an
+    /// actor's states and the changes sent to its backup. Returns their id.
+    pub fn put_unpacked(&self, bytes: &[u8]) -> Result<BlobId> {
+        let id = BlobId::of(bytes);
+        self.put_as(id, bytes, false)?;
+        Ok(id)
+    }
+
+    /// [`Self::put_unpacked`] for bytes that claim to be blob `id`; refused unless
+    /// they hash to it.
+    pub fn put_verified_unpacked(&self, id: BlobId, bytes: &[u8]) -> Result<()> {
+        if !id.matches(bytes) {
+            return Err(NodeError::BlobMismatch {
+                id,
+                got: BlobId::of(bytes),
+            });
+        }
+        self.put_as(id, bytes, false)
+    }
+
     /// Stores `bytes`, which the caller has hashed to `id`.
     pub fn put_hashed(&self, id: BlobId, bytes: &[u8]) -> Result<()> {
+        self.put_as(id, bytes, true)
+    }
+
+    /// Stores `bytes` as `id`: in the pack when `pack` and they are few enough.
+    fn put_as(&self, id: BlobId, bytes: &[u8], pack: bool) -> Result<()> {
         if bytes.len() as u64 > self.max_blob_bytes {
             return Err(NodeError::Limit {
                 what: "blob size in bytes",
@@ -239,7 +265,7 @@ impl BlobStore {
         if self.has(&id) {
             return Ok(());
         }
-        if bytes.len() as u64 <= PACK_MAX {
+        if pack && bytes.len() as u64 <= PACK_MAX {
             let path = self.pack.path();
             return self
                 .pack
