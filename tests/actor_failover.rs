@@ -8,7 +8,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{count_call, have_any};
+use common::{count_call, counted, have_any};
 use gpumesh::node::api::StateInit;
 use gpumesh::Client;
 
@@ -94,12 +94,7 @@ async fn a_counter_survives_its_host_killed_and_counts_every_acknowledged_call_o
     assert!(moved.epoch >= 2 && moved.moves >= 1, "moved: {moved:?}");
     assert_ne!(moved.node, host.node, "a new host");
     for c in &survivors {
-        let state = c.actor_state("counter", 0).await.unwrap();
-        let words: Vec<u32> = state
-            .chunks_exact(4)
-            .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
-            .collect();
-        assert_eq!(words, vec![11; WORDS as usize], "each call counted once");
+        counted(c, "counter", WORDS, 11).await;
     }
     for p in &mut procs {
         p.kill9();

@@ -10,7 +10,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::procs::{three_voters as ready, Proc};
-use common::{accepted_once, have_any, LCG_STEPS as STEPS};
+use common::{have_any, lcg_finished_right, LCG_STEPS as STEPS};
 use gpumesh::node::api::TaskState;
 use gpumesh::protocol::TaskSpec;
 use gpumesh::Client;
@@ -59,25 +59,6 @@ async fn submit_and_wait_running(via: &Client, on: &[u64]) -> (u64, u64) {
     }
 }
 
-async fn finished_and_right(via: &Client, task: u64) {
-    let view = tokio::time::timeout(Duration::from_secs(120), via.wait(task, |_, _| {}))
-        .await
-        .expect("the task finished")
-        .unwrap();
-    assert_eq!(view.status, TaskState::Completed, "{view:#?}");
-    accepted_once(&view);
-    let out: Vec<u8> = via
-        .results(task)
-        .await
-        .unwrap()
-        .remove(&0)
-        .expect("output binding 0");
-    assert!(
-        out == expected(GROUPS * 64),
-        "t{task} differs from the CPU reference"
-    );
-}
-
 /// SIGKILLs node `i` and starts it again on its data dir, pointed at the others.
 fn kill9_and_restart(procs: &mut [Proc], i: usize) {
     procs[i].kill9();
@@ -99,7 +80,7 @@ async fn kill_9_of_the_leader_and_of_a_worker_mid_task_loses_nothing() {
     let via = (leader + 1) % 3;
     let (t1, _) = submit_and_wait_running(&procs[via].client().unwrap(), &[]).await;
     kill9_and_restart(&mut procs, leader);
-    finished_and_right(&procs[via].client().unwrap(), t1).await;
+    lcg_finished_right(&procs[via].client().unwrap(), t1, GROUPS).await;
     ready(&procs).await;
 
     // 2. A worker (not the leader) dies while running a shard and comes back.
@@ -113,13 +94,13 @@ async fn kill_9_of_the_leader_and_of_a_worker_mid_task_loses_nothing() {
     let (t2, busy) = submit_and_wait_running(&procs[leader].client().unwrap(), &followers).await;
     let worker = procs.iter().position(|p| p.raft_id == busy).unwrap();
     kill9_and_restart(&mut procs, worker);
-    finished_and_right(&procs[leader].client().unwrap(), t2).await;
+    lcg_finished_right(&procs[leader].client().unwrap(), t2, GROUPS).await;
 
     // 3. Both restarted nodes serve both tasks from their own state and disks.
     ready(&procs).await;
     for p in &procs {
         for t in [t1, t2] {
-            finished_and_right(&p.client().unwrap(), t).await;
+            lcg_finished_right(&p.client().unwrap(), t, GROUPS).await;
         }
     }
 }

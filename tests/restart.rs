@@ -13,7 +13,7 @@ mod common;
 use std::time::Duration;
 
 use common::procs::three_voters as ready;
-use common::{accepted_once, count_call, have_any, lcg_after, lcg_spec, LCG_STEPS};
+use common::{count_call, counted, have_any, lcg_finished_right, lcg_spec};
 use gpumesh::node::api::{StateInit, TaskState};
 use gpumesh::Client;
 
@@ -21,32 +21,6 @@ use gpumesh::Client;
 const GROUPS: u32 = 6000;
 
 const WORDS: u32 = 256;
-
-/// The task finishes through `via` with the CPU reference's output, each shard
-/// accepted once.
-async fn finished_and_right(via: &Client, task: u64, groups: u32) {
-    let view = tokio::time::timeout(Duration::from_secs(120), via.wait(task, |_, _| {}))
-        .await
-        .expect("the task finished")
-        .unwrap();
-    assert_eq!(view.status, TaskState::Completed, "{view:#?}");
-    accepted_once(&view);
-    let out = via.results(task).await.unwrap().remove(&0).unwrap();
-    assert!(
-        out == lcg_after(LCG_STEPS, groups * 64),
-        "t{task} differs from the CPU reference"
-    );
-}
-
-/// The counter's state through `via`: every word must be `calls`.
-async fn counted(via: &Client, calls: u32) {
-    let state = via.actor_state("counter", 0).await.unwrap();
-    let words: Vec<u32> = state
-        .chunks_exact(4)
-        .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
-        .collect();
-    assert_eq!(words, vec![calls; WORDS as usize], "each call counted once");
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_whole_mesh_killed_at_once_comes_back_with_every_acknowledged_task_and_call() {
@@ -61,7 +35,7 @@ async fn the_whole_mesh_killed_at_once_comes_back_with_every_acknowledged_task_a
     // Before the cut: a finished task, an actor called three times, and a task
     // acknowledged and running.
     let done = clients[1].submit(lcg_spec(64, 3), None).await.unwrap();
-    finished_and_right(&clients[2], done, 64).await;
+    lcg_finished_right(&clients[2], done, 64).await;
     let zeros = vec![StateInit {
         binding: 0,
         size: u64::from(WORDS) * 4,
@@ -109,15 +83,15 @@ async fn the_whole_mesh_killed_at_once_comes_back_with_every_acknowledged_task_a
     );
     let clients: Vec<Client> = procs.iter().map(|p| p.client().unwrap()).collect();
 
-    finished_and_right(&clients[0], cut_short, GROUPS).await;
+    lcg_finished_right(&clients[0], cut_short, GROUPS).await;
     for c in &clients {
-        finished_and_right(c, done, 64).await;
-        finished_and_right(c, cut_short, GROUPS).await;
+        lcg_finished_right(c, done, 64).await;
+        lcg_finished_right(c, cut_short, GROUPS).await;
     }
     let actor = clients[1].actor("counter").await.unwrap();
     assert_eq!(actor.version, 3, "{actor:?}");
     for c in &clients {
-        counted(c, 3).await;
+        counted(c, "counter", WORDS, 3).await;
     }
     // And the mesh goes on: the counter counts on, new tasks run.
     let reply = clients[2]
@@ -125,9 +99,9 @@ async fn the_whole_mesh_killed_at_once_comes_back_with_every_acknowledged_task_a
         .await
         .unwrap();
     assert_eq!(reply.version, 4);
-    counted(&clients[0], 4).await;
+    counted(&clients[0], "counter", WORDS, 4).await;
     let after = clients[1].submit(lcg_spec(64, 2), None).await.unwrap();
-    finished_and_right(&clients[0], after, 64).await;
+    lcg_finished_right(&clients[0], after, 64).await;
     for p in &mut procs {
         p.kill9();
     }

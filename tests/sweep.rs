@@ -11,9 +11,8 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{client, count_call, have_any, mesh_with, metric, stop, LIMIT};
+use common::{client, count_call, counted, have_any, mesh_with, metric, stop, LIMIT};
 use gpumesh::node::blobs::sweep::SweepConfig;
-use gpumesh::node::MeshNode;
 use gpumesh::protocol::{
     BindingRole, BindingSpec, BlobId, Grid, MergeRule, ShaderSource, TaskSpec,
 };
@@ -49,17 +48,6 @@ fn has_file(root: &Path, i: usize, id: &BlobId) -> bool {
 
 /// A state of 1 MiB: every call changes all of it (a blob per version, not packed).
 const WORDS: u32 = 1 << 18;
-
-async fn counted(node: &MeshNode, calls: u32) {
-    let state = client(node).actor_state("counter", 0).await.unwrap();
-    assert_eq!(state.len(), WORDS as usize * 4);
-    assert!(
-        state
-            .chunks_exact(4)
-            .all(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) == calls),
-        "every word counts {calls} calls"
-    );
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_actor_keeps_one_state_on_disk_not_one_per_call_and_still_moves() {
@@ -102,7 +90,7 @@ async fn an_actor_keeps_one_state_on_disk_not_one_per_call_and_still_moves() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         for n in &nodes {
-            counted(n, CALLS).await;
+            counted(&client(n), "counter", WORDS, CALLS).await;
         }
         // Counted where an operator looks.
         let mut removed = 0.0;
@@ -127,7 +115,7 @@ async fn an_actor_keeps_one_state_on_disk_not_one_per_call_and_still_moves() {
             .unwrap();
         assert_eq!(reply.version, u64::from(CALLS) + 1);
         for n in &nodes {
-            counted(n, CALLS + 1).await;
+            counted(&client(n), "counter", WORDS, CALLS + 1).await;
         }
         stop(nodes).await;
     })
@@ -178,10 +166,7 @@ async fn an_actor_with_a_mid_size_state_keeps_one_version_too() {
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        let words = a.actor_state("mid", 0).await.unwrap();
-        assert!(words
-            .chunks_exact(4)
-            .all(|w| u64::from(u32::from_le_bytes([w[0], w[1], w[2], w[3]])) == CALLS));
+        counted(&a, "mid", MID, CALLS as u32).await;
         stop(nodes).await;
     })
     .await

@@ -429,3 +429,42 @@ pub async fn still_serves(via: &MeshNode, fetch: &MeshNode) {
         assert_eq!(client(fetch).task(task).await.unwrap().id, task);
     }
 }
+
+/// Asserts that actor `name`'s state at binding 0, read through `via`, is `words`
+/// words each equal to `calls`: a [`COUNT`] counter that counted every call once.
+pub async fn counted(via: &Client, name: &str, words: u32, calls: u32) {
+    let state = via.actor_state(name, 0).await.unwrap();
+    assert_eq!(state.len(), words as usize * 4);
+    assert!(
+        state
+            .chunks_exact(4)
+            .all(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) == calls),
+        "every word of {name} counts {calls} calls"
+    );
+}
+
+/// Waits (two minutes at most) for [`lcg_spec`] task `task` of `groups` workgroups
+/// through `via`: completed, each shard accepted once, its output the CPU
+/// reference's ([`lcg_after`]).
+pub async fn lcg_finished_right(via: &Client, task: u64, groups: u32) {
+    let view = tokio::time::timeout(Duration::from_secs(120), via.wait(task, |_, _| {}))
+        .await
+        .expect("the task finished")
+        .unwrap();
+    assert_eq!(
+        view.status,
+        gpumesh::node::api::TaskState::Completed,
+        "{view:#?}"
+    );
+    accepted_once(&view);
+    let out = via
+        .results(task)
+        .await
+        .unwrap()
+        .remove(&0)
+        .expect("output binding 0");
+    assert!(
+        out == lcg_after(LCG_STEPS, groups * 64),
+        "t{task} differs from the CPU reference"
+    );
+}
