@@ -2,7 +2,8 @@
 //! Real nodes with a quick sweep: an actor called many times keeps about one
 //! state's worth of blobs on each node (not one per call) and still moves off its
 //! host with every call counted; an upload never submitted goes, while a task's
-//! input and result stay and check against the CPU.
+//! input and result stay and check against the CPU; small blobs (in the store's
+//! pack) go too, and the pack's file shrinks once compacted.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
 
@@ -23,7 +24,18 @@ fn quick() -> SweepConfig {
         keep_unused: Duration::from_secs(3),
         interval: Duration::from_millis(500),
         release_delay: Duration::from_secs(1),
+        compact_min_dead: 64 << 10,
     }
+}
+
+/// What node `i`'s blob store takes on disk: its blob files and its pack's file.
+fn on_disk(root: &Path, i: usize) -> u64 {
+    let dir = root.join(format!("n{i}")).join("blobs");
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.metadata().unwrap().len())
+        .sum()
 }
 
 /// The blobs in files of their own under node `i`'s data dir: how many, how many bytes.
@@ -132,8 +144,7 @@ async fn an_actor_with_a_mid_size_state_keeps_one_version_too() {
     let root = dir.path();
     tokio::time::timeout(LIMIT, async {
         let nodes = mesh_with(root, 2, |_, c| c.blob_sweep = quick()).await;
-        // 64 KiB: over what an entry carries (16 KiB), under what a file of its own
-        // is needed for otherwise (256 KiB).
+        // 64 KiB: over what an entry carries (16 KiB), packed (at most 256 KiB).
         const MID: u32 = 1 << 14;
         let state = vec![gpumesh::node::api::StateInit {
             binding: 0,
@@ -150,21 +161,31 @@ async fn an_actor_with_a_mid_size_state_keeps_one_version_too() {
                 .unwrap();
             assert_eq!(reply.version, n);
         }
-        // 20 versions of 64 KiB on each of two nodes; what stays is about one.
+        // 20 versions of 64 KiB (and the changes sent for each) in the pack of
+        // each of two nodes; what stays is about one, and the pack's file is
+        // compacted down to it.
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let mut held = Vec::new();
-            for n in &nodes {
-                held.push(metric(n, "gpumesh_blob_store_bytes").await);
+            for (i, n) in nodes.iter().enumerate() {
+                let live = metric(n, "gpumesh_blob_store_bytes").await;
+                held.push((live, on_disk(root, i)));
             }
-            if held.iter().all(|b| *b <= f64::from(256 << 10)) {
+            if held
+                .iter()
+                .all(|(live, disk)| *live <= f64::from(256 << 10) && *disk <= 512 << 10)
+            {
                 break;
             }
             assert!(
                 Instant::now() < deadline,
-                "replaced states were kept: {held:?} bytes in the stores"
+                "replaced states were kept: {held:?} (bytes in the stores, on disk)"
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        for n in &nodes {
+            assert!(metric(n, "gpumesh_blob_pack_compactions_total").await >= 1.0);
+            assert!(metric(n, "gpumesh_blob_pack_freed_bytes_total").await > 0.0);
         }
         counted(&a, "mid", MID, CALLS as u32).await;
         stop(nodes).await;
@@ -371,6 +392,74 @@ async fn a_forgotten_tasks_results_go_soon_but_not_a_blob_another_task_names() {
             unknown.contains(&format!("no task t{running}")),
             "{unknown}"
         );
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn forgotten_small_results_leave_the_pack_and_the_rest_stay_right() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    tokio::time::timeout(LIMIT, async {
+        let sweep = SweepConfig {
+            keep_unused: Duration::from_secs(60),
+            ..quick()
+        };
+        let nodes = mesh_with(root, 2, |_, c| c.blob_sweep = sweep).await;
+        let (a, b) = (client(&nodes[0]), client(&nodes[1]));
+        // 40 KiB: results over what an entry carries, stored in the packs of two
+        // nodes.
+        const N: u32 = 10 << 10;
+        let plus_one_of = |input: &[u8]| -> Vec<u8> {
+            input
+                .chunks_exact(4)
+                .flat_map(|w| (u32::from_le_bytes([w[0], w[1], w[2], w[3]]) + 1).to_le_bytes())
+                .collect()
+        };
+        let kept_input = words(100, N);
+        let kept_id = a.upload(kept_input.clone()).await.unwrap();
+        let kept = a.submit(plus_one(kept_id, N, 1), None).await.unwrap();
+        a.wait(kept, |_, _| {}).await.unwrap();
+        let mut tasks = Vec::new();
+        for seed in 0..24 {
+            let id = b.upload(words(seed, N)).await.unwrap();
+            tasks.push(b.submit(plus_one(id, N, 1), None).await.unwrap());
+        }
+        for t in &tasks {
+            b.wait(*t, |_, _| {}).await.unwrap();
+        }
+        let full: Vec<u64> = (0..2).map(|i| on_disk(root, i)).collect();
+        for t in &tasks {
+            a.forget(*t).await.unwrap();
+        }
+        // 24 results of 40 KiB let go on each node (their inputs have a minute yet,
+        // so the pack holds about half of what it did once compacted).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let now: Vec<u64> = (0..2).map(|i| on_disk(root, i)).collect();
+            if now.iter().zip(&full).all(|(n, f)| n * 10 < f * 7) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "forgotten results stayed in the pack: {now:?} bytes on disk, {full:?} before"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // What the record names is there, right, on both nodes (moved by the
+        // compaction, served from the new file); the forgotten ones are gone.
+        for c in [&a, &b] {
+            assert!(c.results(kept).await.unwrap()[&1] == plus_one_of(&kept_input));
+            assert!(c.results(tasks[0]).await.is_err());
+        }
+        for n in &nodes {
+            assert!(metric(n, "gpumesh_blob_pack_compactions_total").await >= 1.0);
+        }
         stop(nodes).await;
     })
     .await

@@ -104,4 +104,4 @@ pub use storage::{Compaction, RedbStorage};
 pub use tracing_drain::{raft_logger, TracingDrain};
 pub use transport::{Transport, Unreachable};
 pub use wire::{Frame, FrameBody};
-pub use zeros::ZerosAhead;
+pub use zeros::{write_paced, ZerosAhead};

@@ -44,6 +44,7 @@
 //! | `gpumesh_blob_store_blobs` | gauge | blobs in this node's store |
 //! | `gpumesh_blob_store_bytes` | gauge | bytes of those blobs |
 //! | `gpumesh_blobs_removed_total{sweep}`, `gpumesh_blobs_removed_bytes_total{sweep}` | counter | blobs (and their bytes) the sweeper removed: `let_go` (an actor's replaced state, changes sent, a forgotten task's results), `unused` |
+//! | `gpumesh_blob_pack_compactions_total`, `gpumesh_blob_pack_freed_bytes_total` | counter | compactions of the pack of small blobs, and the bytes they gave back |
 //!
 //! The network lanes: `raft` is the Raft lane (the frames with their length
 //! prefixes), `blob` the blob chunk requests and answers, `call` every other
@@ -291,6 +292,18 @@ impl Metrics {
             Unit::Bytes,
             sweep.bytes.clone(),
         );
+        self.registry.register(
+            "blob_pack_compactions",
+            "Times this node's pack of small blobs was compacted (the records of removed \
+             blobs left out of a new file)",
+            sweep.compactions.clone(),
+        );
+        self.registry.register_with_unit(
+            "blob_pack_freed",
+            "Bytes the pack's compactions gave back to the disk",
+            Unit::Bytes,
+            sweep.compacted_bytes.clone(),
+        );
         self
     }
 
@@ -495,6 +508,8 @@ impl NetMetrics {
 pub struct SweepMetrics {
     blobs: Family<Label, Counter>,
     bytes: Family<Label, Counter>,
+    compactions: Counter,
+    compacted_bytes: Counter,
 }
 
 impl SweepMetrics {
@@ -502,6 +517,12 @@ impl SweepMetrics {
         let label = [("sweep", sweep)];
         self.blobs.get_or_create(&label).inc_by(blobs);
         self.bytes.get_or_create(&label).inc_by(bytes);
+    }
+
+    /// The pack was compacted; its file is `freed` bytes shorter.
+    pub(crate) fn compacted(&self, freed: u64) {
+        self.compactions.inc();
+        self.compacted_bytes.inc_by(freed);
     }
 }
 

@@ -1,7 +1,8 @@
 //! `gpumesh bench blobs`: one blob pulled between two nodes on loopback (by default
 //! on the blob lane's direct channel; `--stream` on the lane's stream over Noise and
 //! Yamux; `--chunks` over request-response) and fetched into the blob store (hashed,
-//! fsync'd), beside raw TCP moving the same bytes.
+//! fsync'd), beside raw TCP moving the same bytes. Then the blob store's pack of
+//! small blobs compacted, and what that costs the appends made meanwhile.
 
 use std::process::ExitCode;
 
@@ -26,10 +27,22 @@ pub struct BlobsBenchArgs {
     /// Chunks in flight at once with --chunks (default: the node's).
     #[arg(long)]
     pub window: Option<usize>,
+    /// MiB of live blobs in the pack compacted after the pull.
+    #[arg(long, default_value_t = 64)]
+    pub pack_live_mib: u64,
+    /// MiB of removed blobs among them (what the compaction gives back).
+    #[arg(long, default_value_t = 64)]
+    pub pack_dead_mib: u64,
+    /// KiB per blob in that pack.
+    #[arg(long, default_value_t = 16)]
+    pub pack_blob_kib: usize,
     /// After the table, one JSON object on the last line: blob_vs_tcp,
     /// blob_stored_vs_tcp, blob_stored_vs_disk, raw_tcp_ms, pull_ms, pull_ahead_ms
     /// and blob_ahead_vs_tcp (the pull opening records ahead), fetch_ms,
-    /// disk_ms.
+    /// disk_ms; compact_ms, compact_mib_per_s (live bytes copied), and the p50,
+    /// p99 and slowest 4 KiB append alone and while compacting
+    /// (append_p50_ms_alone, append_p99_ms_alone, append_max_ms_alone, and
+    /// _compacting).
     #[arg(long)]
     pub json: bool,
 }
@@ -55,10 +68,19 @@ pub fn blobs(args: BlobsBenchArgs) -> anyhow::Result<ExitCode> {
     ))?;
     println!("gpumesh bench blobs — two nodes on loopback in one process\n");
     println!("{report}");
+    let pack = pack_compaction(&args)?;
     if args.json {
         println!(
             "{}",
             serde_json::json!({
+                "compact_ms": pack.compact_ms,
+                "compact_mib_per_s": pack.mib_per_s,
+                "append_p50_ms_alone": pack.alone[0],
+                "append_p99_ms_alone": pack.alone[1],
+                "append_max_ms_alone": pack.alone[2],
+                "append_p50_ms_compacting": pack.compacting[0],
+                "append_p99_ms_compacting": pack.compacting[1],
+                "append_max_ms_compacting": pack.compacting[2],
                 "blob_vs_tcp": report.pull_ratio(),
                 "blob_stored_vs_tcp": report.fetch_ratio(),
                 "blob_stored_vs_disk": report.fetch_vs_disk(),
@@ -72,4 +94,78 @@ pub fn blobs(args: BlobsBenchArgs) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The compaction's figures, as printed.
+struct PackFigures {
+    compact_ms: f64,
+    mib_per_s: f64,
+    /// p50, p99, slowest (ms).
+    alone: [f64; 3],
+    compacting: [f64; 3],
+}
+
+/// Fills a pack with small blobs, removes some, compacts it while appending, and
+/// prints what that took.
+fn pack_compaction(args: &BlobsBenchArgs) -> anyhow::Result<PackFigures> {
+    let dir = std::env::temp_dir().join(format!("gpumesh-bench-pack-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let report = gpumesh::node::blobs::bench_compaction(
+        &dir,
+        args.pack_blob_kib.max(1) << 10,
+        args.pack_live_mib << 20,
+        args.pack_dead_mib << 20,
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let r = report?;
+    let figures = |times: &[std::time::Duration]| {
+        let mut sorted = times.to_vec();
+        sorted.sort();
+        let at = |p: f64| {
+            let i = (sorted.len().saturating_sub(1) as f64 * p).round() as usize;
+            sorted.get(i).copied().map_or(0.0, super::ms)
+        };
+        [at(0.5), at(0.99), at(1.0)]
+    };
+    let mib = |b: u64| b as f64 / f64::from(1 << 20);
+    let out = PackFigures {
+        compact_ms: super::ms(r.compact),
+        mib_per_s: mib(r.live_bytes) / r.compact.as_secs_f64().max(1e-9),
+        alone: figures(&r.appends_alone),
+        compacting: figures(&r.appends_compacting),
+    };
+    println!(
+        "\nthe store's pack of small blobs compacted: {} KiB blobs, {:.0} MiB live, {:.0} MiB removed",
+        r.blob_bytes >> 10,
+        mib(r.live_bytes),
+        mib(r.dead_bytes)
+    );
+    println!(
+        "  file                {:>9.1} MiB -> {:.1} MiB",
+        mib(r.before),
+        mib(r.after)
+    );
+    println!(
+        "  compaction          {:>9.1} ms ({:.0} MiB/s of live records copied)",
+        out.compact_ms, out.mib_per_s
+    );
+    let kib = gpumesh::node::blobs::BENCH_APPEND >> 10;
+    println!(
+        "  (while compacting: from its start to {} ms after its end, as the old file is given back)",
+        gpumesh::node::blobs::BENCH_AFTER.as_millis()
+    );
+    for (what, f, n) in [
+        ("alone", out.alone, r.appends_alone.len()),
+        (
+            "while compacting",
+            out.compacting,
+            r.appends_compacting.len(),
+        ),
+    ] {
+        println!(
+            "  {kib} KiB synced append, {what:<16} p50 {:.3} / p99 {:.3} / max {:.3} ms ({n} appends)",
+            f[0], f[1], f[2]
+        );
+    }
+    Ok(out)
 }

@@ -29,6 +29,7 @@ mod pack;
 pub mod store;
 pub mod sweep;
 
+pub use pack::{bench_compaction, CompactionReport, BENCH_AFTER, BENCH_APPEND};
 pub use store::BlobStore;
 
 /// How many rounds a fetch makes over every possible holder before giving up.

@@ -50,9 +50,8 @@ pub(super) fn keep(
                 b.binding, b.next
             ));
         }
-        // A file of its own, even small: it is let go at the next call.
         store
-            .put_verified_unpacked(b.next, &bytes)
+            .put_verified(b.next, &bytes)
             .map_err(|e| e.to_string())?;
     }
     Ok(())

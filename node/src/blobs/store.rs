@@ -17,7 +17,8 @@ use std::time::SystemTime;
 
 use gpumesh_protocol::BlobId;
 
-use super::pack::{Pack, Slot};
+pub use super::pack::Compacted;
+use super::pack::Pack;
 use crate::error::{NodeError, Result};
 
 pub use super::pack::PACK_MAX;
@@ -74,12 +75,12 @@ impl Drop for Staged {
     }
 }
 
-/// Where a stored blob's bytes are: a file of its own, or a stretch of the pack's.
-pub struct Located {
-    pub file: File,
-    /// Where the blob's first byte is in `file`.
-    pub start: u64,
-    pub len: u64,
+/// Where a stored blob's bytes are (see [`BlobStore::locate`]).
+pub enum Located {
+    /// A file of its own, open for reading.
+    File { file: File, len: u64 },
+    /// Packed: its bytes, read (small, at most [`PACK_MAX`]).
+    Bytes(Arc<Vec<u8>>),
 }
 
 impl BlobStore {
@@ -226,34 +227,8 @@ impl BlobStore {
         ))
     }
 
-    /// Stores `bytes` in a file of their own however small, so the sweeper can remove
-    /// them once let go (the pack is not compacted): for blobs replaced often, an
-    /// actor's states and the changes sent to its backup. Returns their id.
-    pub fn put_unpacked(&self, bytes: &[u8]) -> Result<BlobId> {
-        let id = BlobId::of(bytes);
-        self.put_as(id, bytes, false)?;
-        Ok(id)
-    }
-
-    /// [`Self::put_unpacked`] for bytes that claim to be blob `id`; refused unless
-    /// they hash to it.
-    pub fn put_verified_unpacked(&self, id: BlobId, bytes: &[u8]) -> Result<()> {
-        if !id.matches(bytes) {
-            return Err(NodeError::BlobMismatch {
-                id,
-                got: BlobId::of(bytes),
-            });
-        }
-        self.put_as(id, bytes, false)
-    }
-
     /// Stores `bytes`, which the caller has hashed to `id`.
     pub fn put_hashed(&self, id: BlobId, bytes: &[u8]) -> Result<()> {
-        self.put_as(id, bytes, true)
-    }
-
-    /// Stores `bytes` as `id`: in the pack when `pack` and they are few enough.
-    fn put_as(&self, id: BlobId, bytes: &[u8], pack: bool) -> Result<()> {
         if bytes.len() as u64 > self.max_blob_bytes {
             return Err(NodeError::Limit {
                 what: "blob size in bytes",
@@ -265,7 +240,7 @@ impl BlobStore {
         if self.has(&id) {
             return Ok(());
         }
-        if pack && bytes.len() as u64 <= PACK_MAX {
+        if bytes.len() as u64 <= PACK_MAX {
             let path = self.pack.path();
             return self
                 .pack
@@ -354,36 +329,66 @@ impl BlobStore {
         due
     }
 
-    /// The blobs stored in files of their own (packed ones are not swept).
-    pub(crate) fn file_blobs(&self) -> Result<Vec<BlobId>> {
+    /// Every blob stored here: in files of their own, then packed.
+    pub(crate) fn all_blobs(&self) -> Result<Vec<BlobId>> {
         let entries = fs::read_dir(&self.root).map_err(|e| NodeError::io(&self.root, e))?;
-        Ok(entries
+        let mut all: Vec<BlobId> = entries
             .flatten()
             .filter_map(|e| {
                 let name = e.file_name();
                 let name = name.to_str()?;
                 (name.len() == 64).then(|| name.parse().ok()).flatten()
             })
-            .collect())
+            .collect();
+        all.extend(self.pack.ids());
+        Ok(all)
     }
 
-    /// Removes blob `id`'s file if it was last used before `unused_since` and is
-    /// not being served from memory. The caller has made sure the record does not
+    /// Removes blob `id` if it was last used before `unused_since` and is not being
+    /// served from memory: its file, or its record in the pack (dead there until
+    /// [`Self::compact_if_due`]). The caller has made sure the record does not
     /// name it.
     pub(crate) fn remove_unused(&self, id: &BlobId, unused_since: SystemTime) -> Removal {
+        if self.staged(id).is_some() {
+            return Removal::InUse;
+        }
+        match self.pack.remove_unused(id, unused_since) {
+            super::pack::Removed::Yes(len) => return Removal::Removed(len),
+            super::pack::Removed::InUse => return Removal::InUse,
+            super::pack::Removed::Absent => {}
+        }
         let _sweep = self.sweep.lock().unwrap_or_else(PoisonError::into_inner);
         let path = self.path(id);
         let Ok(meta) = fs::metadata(&path) else {
             return Removal::Absent;
         };
         let used = meta.modified().map_or(true, |m| m >= unused_since);
-        if used || self.staged(id).is_some() {
+        if used {
             return Removal::InUse;
         }
         match fs::remove_file(&path) {
             Ok(()) => Removal::Removed(meta.len()),
             Err(_) => Removal::InUse,
         }
+    }
+
+    /// Compacts the pack ([`Pack::compact`]) if its dead records come to at least
+    /// `min_dead` bytes and to half of the live ones: each byte kept is copied at
+    /// most twice for each byte given back.
+    pub(crate) fn compact_if_due(&self, min_dead: u64) -> Result<Option<Compacted>> {
+        let (live, dead) = self.pack.garbage();
+        if dead < min_dead.max(live / 2) {
+            return Ok(None);
+        }
+        self.pack
+            .compact()
+            .map(Some)
+            .map_err(|e| NodeError::io(self.pack.path(), e))
+    }
+
+    /// (live, dead) bytes of the pack's records (see [`Pack::garbage`]).
+    pub fn pack_garbage(&self) -> (u64, u64) {
+        self.pack.garbage()
     }
 
     /// Size of a stored blob.
@@ -397,17 +402,12 @@ impl BlobStore {
             .or_else(|| self.staged(id).map(|b| b.len() as u64))
     }
 
-    /// A packed blob's bytes from `offset` (at most `len`), or `None` if it is not
-    /// packed.
-    fn read_packed(&self, id: &BlobId, offset: u64, len: u64) -> Result<Option<(Slot, Vec<u8>)>> {
-        let Some(slot) = self.pack.get(id) else {
-            return Ok(None);
-        };
-        let bytes = self
-            .pack
-            .read(slot, offset, len)
-            .map_err(|e| NodeError::io(self.pack.path(), e))?;
-        Ok(Some((slot, bytes)))
+    /// A packed blob's bytes from `offset` (at most `len`) and its length, or `None`
+    /// if it is not packed.
+    fn read_packed(&self, id: &BlobId, offset: u64, len: u64) -> Result<Option<(u64, Vec<u8>)>> {
+        self.pack
+            .read(id, offset, len)
+            .map_err(|e| NodeError::io(self.pack.path(), e))
     }
 
     /// The blob's bytes, checked against its id; `None` if absent. A blob whose bytes
@@ -442,8 +442,8 @@ impl BlobStore {
     /// Up to `len` bytes from `offset`, and the blob's total size, for serving chunks.
     /// The receiver checks the assembled blob against its id.
     pub fn read_range(&self, id: &BlobId, offset: u64, len: u64) -> Result<Option<(u64, Vec<u8>)>> {
-        if let Some((slot, bytes)) = self.read_packed(id, offset, len)? {
-            return Ok(Some((slot.len, bytes)));
+        if let Some((total, bytes)) = self.read_packed(id, offset, len)? {
+            return Ok(Some((total, bytes)));
         }
         let path = self.path(id);
         let mut f = match File::open(&path) {
@@ -467,18 +467,11 @@ impl BlobStore {
         Ok(Some((total, buf)))
     }
 
-    /// Where the blob's bytes are, its file open for reading; `None` if it is not here.
+    /// Where the blob's bytes are: its file open for reading, or (packed) its bytes;
+    /// `None` if it is not here.
     pub fn locate(&self, id: &BlobId) -> Result<Option<Located>> {
-        if let Some(slot) = self.pack.get(id) {
-            let file = self
-                .pack
-                .reopen()
-                .map_err(|e| NodeError::io(self.pack.path(), e))?;
-            return Ok(Some(Located {
-                file,
-                start: slot.at,
-                len: slot.len,
-            }));
+        if let Some((_, bytes)) = self.read_packed(id, 0, u64::MAX)? {
+            return Ok(Some(Located::Bytes(Arc::new(bytes))));
         }
         let path = self.path(id);
         let file = match File::open(&path) {
@@ -487,11 +480,7 @@ impl BlobStore {
             Err(e) => return Err(NodeError::io(&path, e)),
         };
         let len = file.metadata().map_err(|e| NodeError::io(&path, e))?.len();
-        Ok(Some(Located {
-            file,
-            start: 0,
-            len,
-        }))
+        Ok(Some(Located::File { file, len }))
     }
 
     /// (count, bytes) of everything stored.
@@ -814,7 +803,7 @@ mod tests {
         assert_eq!(store.get(&BlobId::of(b"other")).unwrap(), None);
         assert_eq!(store.stats(), (1, 10));
         // One blob in the pack, one over its limit in a file of its own: both found
-        // again by a store opened anew, and where they are, for a reader that seeks.
+        // again by a store opened anew, and where they are (the file, or the bytes).
         let big: Vec<u8> = (0..PACK_MAX as usize + 1)
             .map(|i| (i % 251) as u8)
             .collect();
@@ -828,11 +817,16 @@ mod tests {
         assert_eq!(again.stats(), (2, 10 + big.len() as u64));
         for (id, bytes) in [(id, &b"hello mesh"[..]), (big_id, &big[..])] {
             assert_eq!(again.get(&id).unwrap().unwrap(), bytes);
-            let mut at = again.locate(&id).unwrap().unwrap();
-            assert_eq!(at.len, bytes.len() as u64);
-            let mut read = vec![0u8; bytes.len()];
-            at.file.seek(SeekFrom::Start(at.start)).unwrap();
-            at.file.read_exact(&mut read).unwrap();
+            let read = match again.locate(&id).unwrap().unwrap() {
+                Located::File { mut file, len } => {
+                    assert_eq!(len, bytes.len() as u64);
+                    let mut read = vec![0u8; bytes.len()];
+                    file.seek(SeekFrom::Start(0)).unwrap();
+                    file.read_exact(&mut read).unwrap();
+                    read
+                }
+                Located::Bytes(read) => read.to_vec(),
+            };
             assert_eq!(read, bytes);
         }
     }
@@ -1034,17 +1028,17 @@ mod tests {
     }
 
     #[test]
-    fn only_a_file_blob_unused_since_the_cutoff_is_removed() {
+    fn only_a_blob_unused_since_the_cutoff_is_removed() {
         let dir = tempfile::tempdir().unwrap();
         let store = BlobStore::open(dir.path(), 4 << 20).unwrap();
         let big = |seed: u8| vec![seed; PACK_MAX as usize + 1];
         let (a, b) = (store.put(&big(1)).unwrap(), store.put(&big(2)).unwrap());
         let packed = store.put(b"small").unwrap();
-        let mut listed = store.file_blobs().unwrap();
+        let mut listed = store.all_blobs().unwrap();
         listed.sort();
-        let mut files = vec![a, b];
-        files.sort();
-        assert_eq!(listed, files, "packed blobs are not swept");
+        let mut all = vec![a, b, packed];
+        all.sort();
+        assert_eq!(listed, all);
 
         // Both last used two minutes ago; then `b` is looked for (a use).
         let two_minutes_ago = SystemTime::now() - std::time::Duration::from_secs(120);
@@ -1071,8 +1065,25 @@ mod tests {
         // Served from memory while it is written again: kept.
         let _staged = store.stage(b, Arc::new(big(2)));
         assert_eq!(store.remove_unused(&b, cutoff), Removal::InUse);
+        // Packed: used (written) since a minute ago, kept; unused since a cutoff
+        // ahead, no longer found, its record dead in the pack.
+        let past = SystemTime::now() - std::time::Duration::from_secs(60);
+        assert_eq!(store.remove_unused(&packed, past), Removal::InUse);
+        assert_eq!(store.pack_garbage(), (40 + 5, 0));
+        assert_eq!(store.remove_unused(&packed, cutoff), Removal::Removed(5));
+        assert!(!store.has(&packed) && store.get(&packed).unwrap().is_none());
         assert_eq!(store.remove_unused(&packed, cutoff), Removal::Absent);
-        assert!(store.has(&packed));
+        assert_eq!(store.pack_garbage(), (0, 40 + 5));
+        assert!(
+            store.compact_if_due(1 << 20).unwrap().is_none(),
+            "too little dead"
+        );
+        let compacted = store.compact_if_due(1).unwrap().unwrap();
+        assert_eq!((compacted.kept, compacted.dropped), (0, 1));
+        assert_eq!(store.pack_garbage(), (0, 0));
+        // Written again after: found again.
+        assert_eq!(store.put(b"small").unwrap(), packed);
+        assert_eq!(store.get(&packed).unwrap().unwrap(), b"small");
 
         // Let go: due once the delay has passed, and taken once.
         store.release(a);

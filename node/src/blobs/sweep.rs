@@ -9,17 +9,20 @@
 //!   backup, the results of a task forgotten on request (and the outputs this
 //!   node made from them, which the record never named). Removed `release_delay`
 //!   after they were let go, unless used since.
-//! - Unused: every blob in a file of its own that the record does not name and
-//!   that nobody has used (written, fetched, looked for) for `keep_unused`: the
-//!   results of tasks the record has forgotten, uploads never submitted, anything
-//!   let go before a restart. Looked for every `interval` (the first an `interval`
-//!   after the node starts), while a leader is known and this node has applied all
-//!   it knows committed.
+//! - Unused: every blob that the record does not name and that nobody has used
+//!   (written, fetched, looked for) for `keep_unused`: the results of tasks the
+//!   record has forgotten, uploads never submitted, the outputs of actor calls it
+//!   no longer remembers, anything let go before a restart. Looked for every
+//!   `interval` (the first an `interval` after the node starts), while a leader is
+//!   known and this node has applied all it knows committed.
 //!
 //! A blob is marked used whenever it is written or looked for
 //! ([`BlobStore::has`]), under the same lock as the check and removal here, so a
-//! blob that comes back into use as it is judged unused stays. Blobs small enough
-//! for the pack are not removed (the pack is not compacted).
+//! blob that comes back into use as it is judged unused stays. A blob in a file of
+//! its own is removed with its file; a small one's record in the store's pack is
+//! no longer found, and the pack is compacted once such records come to
+//! `compact_min_dead` bytes and half of the live ones
+//! ([`BlobStore::compact_if_due`]).
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
@@ -58,6 +61,9 @@ pub struct SweepConfig {
     pub interval: Duration,
     /// How long after it is let go a blob is removed.
     pub release_delay: Duration,
+    /// Bytes of removed records the pack holds before it is compacted (and at
+    /// least half as many as it holds live).
+    pub compact_min_dead: u64,
 }
 
 impl Default for SweepConfig {
@@ -66,6 +72,7 @@ impl Default for SweepConfig {
             keep_unused: Duration::from_secs(3600),
             interval: Duration::from_secs(60),
             release_delay: Duration::from_secs(30),
+            compact_min_dead: 8 << 20,
         }
     }
 }
@@ -140,7 +147,7 @@ pub async fn run(
                     };
                     let deleted = matches!(entry.command, Command::DeleteActor { .. });
                     if now.is_empty() && !deleted {
-                        // A state carried in the entry (small: packed, not swept).
+                        // A state held in the entry (and the record): no blob.
                         continue;
                     }
                     let now: HashMap<u32, BlobId> = now.into_iter().collect();
@@ -167,6 +174,7 @@ pub async fn run(
                 if !due.is_empty() {
                     let since = SystemTime::now() - config.release_delay;
                     sweep(&store, &consensus, due, since, Sweep::LetGo, &metrics).await;
+                    compact(&store, config.compact_min_dead, &metrics).await;
                 }
             }
             _ = unused.tick() => {
@@ -177,12 +185,13 @@ pub async fn run(
                     continue;
                 }
                 let store2 = store.clone();
-                let Ok(Ok(all)) = tokio::task::spawn_blocking(move || store2.file_blobs()).await
+                let Ok(Ok(all)) = tokio::task::spawn_blocking(move || store2.all_blobs()).await
                 else {
                     continue;
                 };
                 let since = SystemTime::now() - config.keep_unused;
                 sweep(&store, &consensus, all, since, Sweep::Unused, &metrics).await;
+                compact(&store, config.compact_min_dead, &metrics).await;
             }
         }
     }
@@ -224,5 +233,27 @@ async fn sweep(
             metrics.removed(which.label(), blobs, bytes);
             tracing::debug!(blobs, bytes, ?which, "removed blobs nothing needs");
         }
+    }
+}
+
+/// Compacts the store's pack if enough of it is dead (see
+/// [`BlobStore::compact_if_due`]), off the runtime's threads.
+async fn compact(store: &BlobStore, min_dead: u64, metrics: &SweepMetrics) {
+    let store = store.clone();
+    let done = tokio::task::spawn_blocking(move || store.compact_if_due(min_dead)).await;
+    match done {
+        Ok(Ok(Some(c))) => {
+            metrics.compacted(c.before.saturating_sub(c.after));
+            tracing::debug!(
+                before = c.before,
+                after = c.after,
+                kept = c.kept,
+                dropped = c.dropped,
+                "compacted the blob pack"
+            );
+        }
+        Ok(Ok(None)) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "could not compact the blob pack"),
+        Err(e) => tracing::warn!(error = %e, "the blob pack's compaction panicked"),
     }
 }

@@ -916,7 +916,7 @@ impl ActorHost {
         let changes = if encoded.len() <= INLINE_CHANGES {
             Changes::Inline(encoded)
         } else {
-            match tokio::task::spawn_blocking(move || store.put_unpacked(&encoded)).await {
+            match tokio::task::spawn_blocking(move || store.put(&encoded)).await {
                 Ok(Ok(id)) => Changes::Blob(id),
                 Ok(Err(e)) => {
                     tracing::warn!(actor = %name, error = %e, "could not store the calls' changes");
@@ -929,10 +929,7 @@ impl ActorHost {
         let store = self.blobs.store().clone();
         // This node's copy is written while the backup makes its own.
         let own = tokio::task::spawn_blocking(move || {
-            // Files of their own, even small: each is let go at the next call.
-            bytes
-                .iter()
-                .try_for_each(|b| store.put_unpacked(b).map(|_| ()))
+            bytes.iter().try_for_each(|b| store.put(b).map(|_| ()))
         });
         let sent = match &changes {
             Changes::Blob(id) => Some(*id),

@@ -43,7 +43,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::blobs::store::BlobStore;
+use crate::blobs::store::{BlobStore, Located};
 use crate::error::{NodeError, Result};
 use crate::metrics::{Lane, NetMetrics};
 
@@ -472,13 +472,18 @@ fn read_sealed(
     tx: mpsc::Sender<std::io::Result<Vec<u8>>>,
 ) {
     let key = sealing_key(key);
-    // On disk, or (a blob this node is storing as it is copied) in memory.
+    // On disk, or in memory: a packed blob's bytes, read, or a blob this node is
+    // storing as it is copied.
     enum Source {
-        File(std::fs::File, u64),
+        File(std::fs::File),
         Staged(std::sync::Arc<Vec<u8>>),
     }
     let opened = blobs.locate(&id).and_then(|f| match f {
-        Some(f) => Ok((Source::File(f.file, f.start), f.len)),
+        Some(Located::File { file, len }) => Ok((Source::File(file), len)),
+        Some(Located::Bytes(bytes)) => {
+            let len = bytes.len() as u64;
+            Ok((Source::Staged(bytes), len))
+        }
         None => blobs
             .staged(&id)
             .map(|b| {
@@ -506,8 +511,8 @@ fn read_sealed(
         // every byte fewer on each side (see `read_record`).
         let mut record = spare.take(len + TAG);
         let read = match &mut source {
-            Source::File(file, start) => if first {
-                file.seek(SeekFrom::Start(*start + at)).map(|_| ())
+            Source::File(file) => if first {
+                file.seek(SeekFrom::Start(at)).map(|_| ())
             } else {
                 Ok(())
             }
