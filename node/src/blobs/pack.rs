@@ -1203,9 +1203,22 @@ mod tests {
             let _stop = Stop(&done);
             let writers: Vec<_> = (0..4)
                 .map(|w| {
-                    let (pack, blobs) = (&pack, &blobs);
+                    let (pack, blobs, compactions) = (&pack, &blobs, &compactions);
                     s.spawn(move || {
                         for i in (w..blobs.len()).step_by(4) {
+                            if (i / 4) % 40 == 39 {
+                                // Every 40 blobs, until another compaction is
+                                // done (a few seconds at most): appends always
+                                // meet several, however the threads are run.
+                                let seen = compactions.load(Ordering::Relaxed);
+                                let until =
+                                    std::time::Instant::now() + std::time::Duration::from_secs(5);
+                                while compactions.load(Ordering::Relaxed) == seen
+                                    && std::time::Instant::now() < until
+                                {
+                                    std::thread::yield_now();
+                                }
+                            }
                             let b = &blobs[i];
                             if i % 2 == 0 {
                                 pack.append(BlobId::of(b), b).unwrap();

@@ -1105,34 +1105,119 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_blob_the_disk_has_no_room_for_is_refused_before_a_byte_comes_and_nothing_is_left() {
-        // A 1 MiB file system of its own (a tmpfs; mounting needs root, as the
-        // network namespaces of the chaos test do, and CI says so with the same
-        // variable).
+    /// A tmpfs of `size` mounted on a directory of its own, unmounted when dropped
+    /// (mounting needs root);
+    /// `None` where one cannot be mounted (not root), which is a failure where
+    /// `GPUMESH_REQUIRE_NETNS` says root is given.
+    fn small_disk(size: &str) -> Option<(tempfile::TempDir, Unmount)> {
         let dir = tempfile::tempdir().unwrap();
         let mounted = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", "size=1m", "gpumesh-test"])
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "gpumesh-test"])
             .arg(dir.path())
             .output();
         match mounted {
-            Ok(out) if out.status.success() => {}
+            Ok(out) if out.status.success() => {
+                let unmount = Unmount(dir.path().to_path_buf());
+                Some((dir, unmount))
+            }
             other => {
                 assert!(
                     std::env::var("GPUMESH_REQUIRE_NETNS").is_err(),
                     "GPUMESH_REQUIRE_NETNS is set (root) but a tmpfs cannot be mounted: {other:?}"
                 );
                 eprintln!("skipped: cannot mount a tmpfs here ({other:?})");
-                return;
+                None
             }
         }
-        struct Unmount<'a>(&'a Path);
-        impl Drop for Unmount<'_> {
-            fn drop(&mut self) {
-                let _ = std::process::Command::new("umount").arg(self.0).status();
+    }
+
+    struct Unmount(PathBuf);
+
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+
+    #[test]
+    fn a_compaction_the_disk_has_no_room_for_fails_and_leaves_the_pack_whole() {
+        let Some((dir, _unmount)) = small_disk("4m") else {
+            return;
+        };
+        // Room another program holds, given back later.
+        let ballast = dir.path().join("ballast");
+        fs::write(&ballast, vec![1u8; 2 << 20]).unwrap();
+        let store = BlobStore::open(dir.path(), 8 << 20).unwrap();
+        // Small blobs until the disk is full.
+        let mut kept = Vec::new();
+        for i in 0u32.. {
+            let b: Vec<u8> = (0..60_000u32)
+                .map(|j| (j ^ i.wrapping_mul(7919)) as u8)
+                .collect();
+            match store.put(&b) {
+                Ok(id) => kept.push((id, b)),
+                Err(e) => {
+                    assert!(e.to_string().contains("space"), "{e}");
+                    break;
+                }
             }
         }
-        let _unmount = Unmount(dir.path());
+        assert!(kept.len() > 8, "{} blobs fit", kept.len());
+        // Half removed: the rest has no room to be copied.
+        let ahead = SystemTime::now() + std::time::Duration::from_secs(3600);
+        let gone: Vec<_> = kept.iter().step_by(2).map(|(id, _)| *id).collect();
+        for id in &gone {
+            assert!(matches!(
+                store.remove_unused(id, ahead),
+                Removal::Removed(_)
+            ));
+        }
+        let err = store.compact_if_due(1).unwrap_err().to_string();
+        assert!(err.contains("space"), "{err}");
+        let mut names: Vec<String> = fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["ballast", PACK_FILE], "the unfinished file is gone");
+        for store in [store.clone(), BlobStore::open(dir.path(), 8 << 20).unwrap()] {
+            for (id, b) in &kept {
+                if !gone.contains(id) {
+                    assert_eq!(&store.get(id).unwrap().unwrap(), b);
+                }
+            }
+        }
+        // Once there is room, the next compaction gives the removed ones back
+        // (the store opened again found them again: removed again first).
+        let store = BlobStore::open(dir.path(), 8 << 20).unwrap();
+        for id in &gone {
+            store.remove_unused(id, ahead);
+        }
+        fs::remove_file(&ballast).unwrap();
+        let done = store.compact_if_due(1).unwrap().unwrap();
+        assert!(done.after < done.before, "{done:?}");
+        for (id, b) in &kept {
+            let found = store.get(id).unwrap();
+            if gone.contains(id) {
+                assert!(found.is_none());
+            } else {
+                assert_eq!(found.as_ref(), Some(b));
+            }
+        }
+        let small = vec![7u8; 100 << 10];
+        let small_id = store.put(&small).unwrap();
+        assert_eq!(store.get(&small_id).unwrap().unwrap(), small);
+    }
+
+    #[test]
+    fn a_blob_the_disk_has_no_room_for_is_refused_before_a_byte_comes_and_nothing_is_left() {
+        // A 1 MiB file system of its own (a tmpfs; mounting needs root, as the
+        // network namespaces of the chaos test do, and CI says so with the same
+        // variable).
+        let Some((dir, _unmount)) = small_disk("1m") else {
+            return;
+        };
         let store = BlobStore::open(dir.path(), 8 << 20).unwrap();
         let big: Vec<u8> = (0..(2usize << 20)).map(|i| (i % 251) as u8).collect();
         let id = BlobId::of(&big);

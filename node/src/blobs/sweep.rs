@@ -123,6 +123,7 @@ pub async fn run(
         tokio::time::Instant::now() + config.interval,
         config.interval,
     );
+    let mut compact_failed = None;
     for tick in [&mut release, &mut unused] {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     }
@@ -174,7 +175,7 @@ pub async fn run(
                 if !due.is_empty() {
                     let since = SystemTime::now() - config.release_delay;
                     sweep(&store, &consensus, due, since, Sweep::LetGo, &metrics).await;
-                    compact(&store, config.compact_min_dead, &metrics).await;
+                    compact(&store, config.compact_min_dead, &metrics, &mut compact_failed).await;
                 }
             }
             _ = unused.tick() => {
@@ -191,7 +192,7 @@ pub async fn run(
                 };
                 let since = SystemTime::now() - config.keep_unused;
                 sweep(&store, &consensus, all, since, Sweep::Unused, &metrics).await;
-                compact(&store, config.compact_min_dead, &metrics).await;
+                compact(&store, config.compact_min_dead, &metrics, &mut compact_failed).await;
             }
         }
     }
@@ -236,13 +237,27 @@ async fn sweep(
     }
 }
 
+/// After a compaction fails (a disk without room for the new file), the next is
+/// tried no sooner than this: each try copies every live record first.
+const COMPACT_RETRY: Duration = Duration::from_secs(600);
+
 /// Compacts the store's pack if enough of it is dead (see
-/// [`BlobStore::compact_if_due`]), off the runtime's threads.
-async fn compact(store: &BlobStore, min_dead: u64, metrics: &SweepMetrics) {
+/// [`BlobStore::compact_if_due`]), off the runtime's threads; after a failure,
+/// not again for [`COMPACT_RETRY`] (`failed` is when the last one failed).
+async fn compact(
+    store: &BlobStore,
+    min_dead: u64,
+    metrics: &SweepMetrics,
+    failed: &mut Option<tokio::time::Instant>,
+) {
+    if failed.is_some_and(|at| at.elapsed() < COMPACT_RETRY) {
+        return;
+    }
     let store = store.clone();
     let done = tokio::task::spawn_blocking(move || store.compact_if_due(min_dead)).await;
     match done {
         Ok(Ok(Some(c))) => {
+            *failed = None;
             metrics.compacted(c.before.saturating_sub(c.after));
             tracing::debug!(
                 before = c.before,
@@ -253,7 +268,18 @@ async fn compact(store: &BlobStore, min_dead: u64, metrics: &SweepMetrics) {
             );
         }
         Ok(Ok(None)) => {}
-        Ok(Err(e)) => tracing::warn!(error = %e, "could not compact the blob pack"),
-        Err(e) => tracing::warn!(error = %e, "the blob pack's compaction panicked"),
+        Ok(Err(e)) => {
+            *failed = Some(tokio::time::Instant::now());
+            tracing::warn!(
+                error = %e,
+                retry_s = COMPACT_RETRY.as_secs(),
+                "could not compact the blob pack (it is as it was; its removed blobs' \
+                 space is given back once a compaction succeeds)"
+            );
+        }
+        Err(e) => {
+            *failed = Some(tokio::time::Instant::now());
+            tracing::warn!(error = %e, "the blob pack's compaction panicked");
+        }
     }
 }
