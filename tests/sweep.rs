@@ -28,6 +28,15 @@ fn quick() -> SweepConfig {
     }
 }
 
+/// [`quick`], but unused blobs kept for a minute: what goes sooner goes because it
+/// was let go.
+fn let_go_only() -> SweepConfig {
+    SweepConfig {
+        keep_unused: Duration::from_secs(60),
+        ..quick()
+    }
+}
+
 /// What node `i`'s blob store takes on disk: its blob files and its pack's file.
 fn on_disk(root: &Path, i: usize) -> u64 {
     let dir = root.join(format!("n{i}")).join("blobs");
@@ -234,6 +243,14 @@ fn plus_one(input: BlobId, n: u32, shards: u32) -> TaskSpec {
     }
 }
 
+/// What [`PLUS_ONE`] makes of `input`, worked out on the CPU.
+fn plus_one_cpu(input: &[u8]) -> Vec<u8> {
+    input
+        .chunks_exact(4)
+        .flat_map(|w| (u32::from_le_bytes([w[0], w[1], w[2], w[3]]) + 1).to_le_bytes())
+        .collect()
+}
+
 fn words(seed: u32, n: u32) -> Vec<u8> {
     (0..n)
         .flat_map(|i| (i.wrapping_mul(2_654_435_761) ^ seed).to_le_bytes())
@@ -253,10 +270,7 @@ async fn an_upload_never_used_goes_while_a_tasks_input_and_result_stay() {
         let input_id = via.upload(input.clone()).await.unwrap();
         let spec = plus_one(input_id, N, 2);
         let task = via.submit(spec, None).await.unwrap();
-        let expected: Vec<u8> = input
-            .chunks_exact(4)
-            .flat_map(|w| (u32::from_le_bytes([w[0], w[1], w[2], w[3]]) + 1).to_le_bytes())
-            .collect();
+        let expected = plus_one_cpu(&input);
         if have_any() {
             via.wait(task, |_, _| {}).await.unwrap();
             assert!(via.results(task).await.unwrap()[&1] == expected);
@@ -305,21 +319,13 @@ async fn a_forgotten_tasks_results_go_soon_but_not_a_blob_another_task_names() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
     tokio::time::timeout(LIMIT, async {
-        // Unused blobs kept for a minute: what goes sooner goes because it was let go.
-        let sweep = SweepConfig {
-            keep_unused: Duration::from_secs(60),
-            ..quick()
-        };
-        let nodes = mesh_with(root, 2, |_, c| c.blob_sweep = sweep).await;
+        let nodes = mesh_with(root, 2, |_, c| c.blob_sweep = let_go_only()).await;
         let (a, b) = (client(&nodes[0]), client(&nodes[1]));
         const N: u32 = 1 << 17;
         let input = words(3, N);
         let input_id = a.upload(input.clone()).await.unwrap();
         let spec = || plus_one(input_id, N, 1);
-        let expected: Vec<u8> = input
-            .chunks_exact(4)
-            .flat_map(|w| (u32::from_le_bytes([w[0], w[1], w[2], w[3]]) + 1).to_le_bytes())
-            .collect();
+        let expected = plus_one_cpu(&input);
         // Two tasks with the same result: one blob, named by both.
         let (first, second) = (
             a.submit(spec(), None).await.unwrap(),
@@ -406,21 +412,11 @@ async fn forgotten_small_results_leave_the_pack_and_the_rest_stay_right() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
     tokio::time::timeout(LIMIT, async {
-        let sweep = SweepConfig {
-            keep_unused: Duration::from_secs(60),
-            ..quick()
-        };
-        let nodes = mesh_with(root, 2, |_, c| c.blob_sweep = sweep).await;
+        let nodes = mesh_with(root, 2, |_, c| c.blob_sweep = let_go_only()).await;
         let (a, b) = (client(&nodes[0]), client(&nodes[1]));
         // 40 KiB: results over what an entry carries, stored in the packs of two
         // nodes.
         const N: u32 = 10 << 10;
-        let plus_one_of = |input: &[u8]| -> Vec<u8> {
-            input
-                .chunks_exact(4)
-                .flat_map(|w| (u32::from_le_bytes([w[0], w[1], w[2], w[3]]) + 1).to_le_bytes())
-                .collect()
-        };
         let kept_input = words(100, N);
         let kept_id = a.upload(kept_input.clone()).await.unwrap();
         let kept = a.submit(plus_one(kept_id, N, 1), None).await.unwrap();
@@ -454,7 +450,7 @@ async fn forgotten_small_results_leave_the_pack_and_the_rest_stay_right() {
         // What the record names is there, right, on both nodes (moved by the
         // compaction, served from the new file); the forgotten ones are gone.
         for c in [&a, &b] {
-            assert!(c.results(kept).await.unwrap()[&1] == plus_one_of(&kept_input));
+            assert!(c.results(kept).await.unwrap()[&1] == plus_one_cpu(&kept_input));
             assert!(c.results(tasks[0]).await.is_err());
         }
         for n in &nodes {
