@@ -96,8 +96,7 @@ async fn an_actor_keeps_one_state_on_disk_not_one_per_call_and_still_moves() {
                 .unwrap();
             assert_eq!(reply.version, u64::from(n));
         }
-        // 20 versions of 1 MiB (and the changes sent for each) were written on the
-        // host and its backup; what stays is about the current one.
+        // 20 versions of 1 MiB were written on the host and its backup; what stays is about the current one.
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let bytes: Vec<u64> = (0..3).map(|i| stored(root, i).1).collect();
@@ -170,7 +169,7 @@ async fn an_actor_with_a_mid_size_state_keeps_one_version_too() {
                 .unwrap();
             assert_eq!(reply.version, n);
         }
-        // 20 versions of 64 KiB (and the changes sent for each) in the pack of
+        // 20 versions of 64 KiB in the pack of
         // each of two nodes; what stays is about one, and the pack's file is
         // compacted down to it.
         let deadline = Instant::now() + Duration::from_secs(30);

@@ -43,7 +43,7 @@
 //! | `gpumesh_actor_calls_total` | counter | actor calls run on this node whose result was recorded |
 //! | `gpumesh_blob_store_blobs` | gauge | blobs in this node's store |
 //! | `gpumesh_blob_store_bytes` | gauge | bytes of those blobs |
-//! | `gpumesh_blobs_removed_total{sweep}`, `gpumesh_blobs_removed_bytes_total{sweep}` | counter | blobs (and their bytes) the sweeper removed: `let_go` (an actor's replaced state, changes sent, a forgotten task's results), `unused` |
+//! | `gpumesh_blobs_removed_total{sweep}`, `gpumesh_blobs_removed_bytes_total{sweep}` | counter | blobs (and their bytes) the sweeper removed: `let_go` (an actor's replaced state, a forgotten task's results), `unused` |
 //! | `gpumesh_blob_pack_compactions_total`, `gpumesh_blob_pack_freed_bytes_total` | counter | compactions of the pack of small blobs, and the bytes they gave back |
 //!
 //! The network lanes: `raft` is the Raft lane (the frames with their length
@@ -282,7 +282,7 @@ impl Metrics {
         self.registry.register(
             "blobs_removed",
             "Blobs this node's sweeper removed, by sweep (let_go: an actor's replaced \
-             state, changes sent, a forgotten task's results; unused: named by nothing and \
+             state, a forgotten task's results; unused: named by nothing and \
              unused for --keep-unused-blobs)",
             sweep.blobs.clone(),
         );

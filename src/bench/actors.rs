@@ -37,9 +37,14 @@ pub struct ActorsBenchArgs {
     /// all three in this process on one runtime.
     #[arg(long)]
     pub processes: bool,
+    /// The bench actor's state in KiB (every word of it counted by each call, so
+    /// each call makes a new state of that size on the host and its backup);
+    /// 0 for 64 words (256 bytes). Idle actors keep 64 words.
+    #[arg(long, default_value_t = 0)]
+    pub state_kib: u64,
     /// Print one JSON object as the last line (`call_p50_ms`, `call_p99_ms`,
     /// `call_at_host_p50_ms`, `call_at_host_p99_ms`, `calls_per_s`, `failover_ms`,
-    /// `calls_host_led`, `warm_up_calls`, `processes`, and with `--idle-actors`,
+    /// `calls_host_led`, `warm_up_calls`, `processes`, `state_bytes`, and with `--idle-actors`,
     /// `idle_actors`, `creates_per_s` and `spread_calls_per_s`: one call to each of
     /// them).
     #[arg(long)]
@@ -119,20 +124,24 @@ impl Mesh {
     }
 }
 
+/// The state of the idle actors (and of the bench actor by default): 64 words.
+const IDLE_STATE: u64 = 256;
+
 /// Calls made through each of the two nodes before the latency is timed.
 const WARM_UP: usize = 16;
 
-/// Adds one to each of 64 words of state.
+/// Adds one to each word of state (64 a workgroup).
 const COUNT: &str = "@group(0) @binding(0) var<storage, read_write> count: array<u32>;\n\
 @compute @workgroup_size(64)\n\
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) { count[gid.x] = count[gid.x] + 1u; }\n";
 
-fn call() -> ActorCall {
+/// A call counting every word of a state of `bytes` (a multiple of 256).
+fn call(bytes: u64) -> ActorCall {
     ActorCall {
         shader: ShaderSource::Wgsl(COUNT.into()),
         entry_point: "main".into(),
         bindings: vec![],
-        grid: Grid([1, 1, 1]),
+        grid: Grid([(bytes / 256).max(1) as u32, 1, 1]),
         deadline_ms: None,
     }
 }
@@ -174,11 +183,11 @@ where
     Ok(count as f64 / t.elapsed().as_secs_f64())
 }
 
-/// The state of every actor of the bench: 64 words, all zero.
-fn counter_state() -> Vec<StateInit> {
+/// The state of an actor of the bench: `bytes`, all zero.
+fn counter_state(bytes: u64) -> Vec<StateInit> {
     vec![StateInit {
         binding: 0,
-        size: 256,
+        size: bytes,
         blob: None,
     }]
 }
@@ -187,7 +196,7 @@ fn counter_state() -> Vec<StateInit> {
 /// them idle; returns how many were created per second.
 async fn create_idle(clients: &[Client], count: usize, in_flight: usize) -> anyhow::Result<f64> {
     let per_s = each(clients, count, in_flight, |c, n| async move {
-        c.create_actor(&format!("idle{n}"), counter_state(), None)
+        c.create_actor(&format!("idle{n}"), counter_state(IDLE_STATE), None)
             .await
             .map(|_| ())
     })
@@ -202,7 +211,7 @@ async fn create_idle(clients: &[Client], count: usize, in_flight: usize) -> anyh
 /// sample of them holds ones where the CPU says.
 async fn call_each_idle(clients: &[Client], count: usize, in_flight: usize) -> anyhow::Result<f64> {
     let per_s = each(clients, count, in_flight, |c, n| async move {
-        c.call_actor(&format!("idle{n}"), call(), None)
+        c.call_actor(&format!("idle{n}"), call(IDLE_STATE), None)
             .await
             .map(|_| ())
     })
@@ -256,12 +265,17 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
         anyhow::ensure!(Instant::now() < settle, "the mesh did not settle: {st:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    let state = if args.state_kib == 0 {
+        IDLE_STATE
+    } else {
+        args.state_kib << 10
+    };
     let created = match args.idle_actors {
         0 => None,
         n => Some(create_idle(&clients, n, args.in_flight).await?),
     };
     clients[0]
-        .create_actor("bench", counter_state(), None)
+        .create_actor("bench", counter_state(state), None)
         .await?;
     let host = clients[0].actor("bench").await?;
     let host_index = ids
@@ -270,17 +284,18 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
         .unwrap_or(0);
     // Calls through a node that is not the host: the path a caller elsewhere takes.
     let via = &clients[(host_index + 1) % ids.len()];
+    let what = format!("a counter actor ({state} bytes of state) on 3");
     if args.processes {
-        println!("gpumesh bench actors — a counter actor on 3 node processes on loopback");
+        println!("gpumesh bench actors — {what} node processes on loopback");
     } else {
-        println!("gpumesh bench actors — a counter actor on 3 nodes on loopback in one process");
+        println!("gpumesh bench actors — {what} nodes on loopback in one process");
     }
 
     // Warmed up first, as the Ray script warms up its actor: the first calls
     // compile the kernel on the host and open the connections.
     for c in [via, &clients[host_index]] {
         for _ in 0..WARM_UP {
-            c.call_actor("bench", call(), None).await?;
+            c.call_actor("bench", call(state), None).await?;
         }
     }
     // Then through the other node until the host leads the record (at most 2 s of
@@ -293,7 +308,7 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
     let settle = Instant::now() + Duration::from_secs(2);
     while via.status().await?.leader != host_raft_id && Instant::now() < settle {
         for _ in 0..WARM_UP {
-            via.call_actor("bench", call(), None).await?;
+            via.call_actor("bench", call(state), None).await?;
             warm += 1;
         }
     }
@@ -308,7 +323,7 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
     for _ in 0..args.latency_calls.max(1) {
         let id = request_ids.next_id();
         let t = Instant::now();
-        via.call_actor("bench", call(), Some(id)).await?;
+        via.call_actor("bench", call(state), Some(id)).await?;
         ends.push((id, t, Instant::now()));
         lat.push(t.elapsed());
     }
@@ -326,7 +341,7 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
     let mut at_host = Vec::new();
     for _ in 0..args.latency_calls.max(1) {
         let t = Instant::now();
-        direct.call_actor("bench", call(), None).await?;
+        direct.call_actor("bench", call(state), None).await?;
         at_host.push(t.elapsed());
     }
     at_host.sort();
@@ -340,7 +355,7 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
         let c = clients[i % clients.len()].clone();
         running.push(tokio::spawn(async move {
             for _ in 0..per {
-                c.call_actor("bench", call(), None).await?;
+                c.call_actor("bench", call(state), None).await?;
             }
             Ok::<_, gpumesh::ClientError>(())
         }));
@@ -367,7 +382,7 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
     let host_led = survivor.status().await?.leader == host_raft_id;
     let killed = Instant::now();
     mesh.kill(host_index).await;
-    survivor.call_actor("bench", call(), None).await?;
+    survivor.call_actor("bench", call(state), None).await?;
     let failover = killed.elapsed();
     let moved = survivor.actor("bench").await?;
     anyhow::ensure!(moved.node != host.node, "the actor did not move: {moved:?}");
@@ -467,6 +482,7 @@ async fn run(args: ActorsBenchArgs) -> anyhow::Result<ExitCode> {
             "{}",
             serde_json::json!({
                 "call_p50_ms": ms(p50),
+                "state_bytes": state,
                 "call_p99_ms": ms(p99),
                 "call_at_host_p50_ms": ms(host_p50),
                 "call_at_host_p99_ms": ms(host_p99),

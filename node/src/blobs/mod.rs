@@ -260,9 +260,19 @@ impl BlobsHandle {
         let bytes = match changes {
             Changes::Inline(bytes) => bytes,
             Changes::Blob(id) => {
-                let bytes = self.pull(id, Some(from)).await?;
-                // Kept here only to make the next state from.
-                self.store.release(id);
+                // Only `from` has them, in memory, for this alone: pulled into
+                // memory and checked, never stored here.
+                let bytes = self
+                    .mover
+                    .net
+                    .pull_blob(from, id)
+                    .await
+                    .map_err(|e| format!("could not pull what the call changed: {e}"))?;
+                if !id.matches(&bytes) {
+                    return Err(format!(
+                        "what the call changed, pulled from {from}, is not blob {id}"
+                    ));
+                }
                 bytes
             }
         };

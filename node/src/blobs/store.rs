@@ -307,7 +307,7 @@ impl BlobStore {
     }
 
     /// Lets blob `id` go: this node has finished with it (an actor's state a call
-    /// replaced, changes sent or applied). The sweeper removes it soon, unless the
+    /// replaced, a forgotten task's results). The sweeper removes it soon, unless the
     /// record names it or it was used again meanwhile.
     pub fn release(&self, id: BlobId) {
         let mut released = self.released.lock().unwrap_or_else(PoisonError::into_inner);

@@ -5,9 +5,9 @@
 //! ([`gpumesh_consensus::StateMachine::blobs_in_use`]): nothing the record names is
 //! removed.
 //! - Let go: an actor's state a call replaced (every version passes through an
-//!   applied entry, so none is missed), the changes a host sent to an actor's
-//!   backup, the results of a task forgotten on request (and the outputs this
-//!   node made from them, which the record never named). Removed `release_delay`
+//!   applied entry, so none is missed), the results of a task forgotten on
+//!   request (and the outputs this node made from them, which the record never
+//!   named). Removed `release_delay`
 //!   after they were let go, unless used since.
 //! - Unused: every blob that the record does not name and that nobody has used
 //!   (written, fetched, looked for) for `keep_unused`: the results of tasks the

@@ -880,9 +880,12 @@ impl ActorHost {
         now: &[(StateBuffer, Option<BlobId>)],
         latest: &HashMap<BlobId, Arc<[u8]>>,
     ) -> Option<u64> {
+        // Each buffer's new bytes, and their id (hashed as they were read back).
         let mut bytes = Vec::with_capacity(now.len());
+        let mut ids = Vec::with_capacity(now.len());
         for (_, blob) in now {
             bytes.push(latest.get(&(*blob)?)?.clone());
+            ids.push((*blob)?);
         }
         let next: Vec<NextState> = old
             .iter()
@@ -911,35 +914,30 @@ impl ActorHost {
         })
         .await
         .ok()?;
-        // Small changes travel in the request; larger ones as a blob pulled from here.
-        let store = self.blobs.store().clone();
-        let changes = if encoded.len() <= INLINE_CHANGES {
-            Changes::Inline(encoded)
+        // Small changes travel in the request; larger ones as a blob the backup
+        // pulls from here, served from memory (staged) while it does: they are for
+        // the backup alone, and the call is not recorded before it has its copy, so
+        // they need no copy on this disk (a file written and synced, then removed).
+        let (changes, _staged) = if encoded.len() <= INLINE_CHANGES {
+            (Changes::Inline(encoded), None)
         } else {
-            match tokio::task::spawn_blocking(move || store.put(&encoded)).await {
-                Ok(Ok(id)) => Changes::Blob(id),
-                Ok(Err(e)) => {
-                    tracing::warn!(actor = %name, error = %e, "could not store the calls' changes");
-                    return None;
-                }
-                Err(_) => return None,
-            }
+            let encoded = Arc::new(encoded);
+            let bytes = encoded.clone();
+            let Ok(id) = tokio::task::spawn_blocking(move || BlobId::of(&bytes)).await else {
+                return None;
+            };
+            let staged = self.blobs.store().stage(id, encoded);
+            (Changes::Blob(id), Some(staged))
         };
         let prefer = backup.and_then(|b| self.peers.peer(b));
         let store = self.blobs.store().clone();
         // This node's copy is written while the backup makes its own.
         let own = tokio::task::spawn_blocking(move || {
-            bytes.iter().try_for_each(|b| store.put(b).map(|_| ()))
+            ids.iter()
+                .zip(&bytes)
+                .try_for_each(|(id, b)| store.put_hashed(*id, b))
         });
-        let sent = match &changes {
-            Changes::Blob(id) => Some(*id),
-            Changes::Inline(_) => None,
-        };
         let (own, copy) = tokio::join!(own, self.blobs.advance(changes, next, prefer));
-        // The changes were for the backup alone: this node is done with them.
-        if let Some(id) = sent {
-            self.blobs.store().release(id);
-        }
         match own {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
