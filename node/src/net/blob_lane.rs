@@ -53,7 +53,9 @@ const PIECE: u64 = 1 << 20;
 
 /// Streams opened for one pull when the holder drops them unanswered.
 const OPEN_TRIES: u32 = 8;
-/// How long to wait before opening another.
+/// How long to wait before opening another, the first time: doubled each time
+/// (up to 4 times), and a random part of it added, so pulls that met a full
+/// queue together do not meet it together again.
 const REOPEN_PAUSE: Duration = Duration::from_millis(5);
 
 /// The longest error message a holder sends.
@@ -338,7 +340,12 @@ async fn pull_on_stream(
             // (many pulls at once): nothing was read there, so ask again on another.
             Ok(Err(e)) if tries < OPEN_TRIES => {
                 tracing::debug!(%from, %id, "blob stream dropped before the answer: {e}");
-                tokio::time::sleep(REOPEN_PAUSE).await;
+                let pause = REOPEN_PAUSE * (1 << (tries - 1).min(2));
+                let jitter = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.subsec_nanos())
+                    % pause.as_nanos().max(1) as u32;
+                tokio::time::sleep(pause + Duration::from_nanos(u64::from(jitter))).await;
             }
             Ok(Err(e)) => return Err(io(e)),
             Err(e) => return Err(within("answer")(e)),
