@@ -324,11 +324,8 @@ impl Pack {
             // synced it there and found it.
             return Ok(());
         }
-        if let Some(twice) = state.index.insert(written.id, Entry::new(written.slot)) {
-            // Written by two at once: the first record is dead.
-            state.dead.insert(twice.slot.at);
-            state.dead_bytes += RECORD_HEAD + twice.slot.len;
-        }
+        // Written by two at once: the first record is dead.
+        state.find(written.id, written.slot);
         Ok(())
     }
 
@@ -527,10 +524,22 @@ impl Pack {
 }
 
 impl State {
+    /// Finds blob `id` at `slot`; a record of it found before is dead.
+    fn find(&mut self, id: BlobId, slot: Slot) {
+        if let Some(before) = self.index.insert(id, Entry::new(slot)) {
+            self.bury(before.slot);
+        }
+    }
+
+    /// Counts the record at `slot` dead: left out by the next compaction.
+    fn bury(&mut self, slot: Slot) {
+        self.dead.insert(slot.at);
+        self.dead_bytes += RECORD_HEAD + slot.len;
+    }
+
     fn remove(&mut self, id: &BlobId) {
         if let Some(entry) = self.index.remove(id) {
-            self.dead.insert(entry.slot.at);
-            self.dead_bytes += RECORD_HEAD + entry.slot.len;
+            self.bury(entry.slot);
         }
     }
 
@@ -771,10 +780,7 @@ fn read_records(file: &File, path: &Path, state: &mut State) -> io::Result<(u64,
         };
         if id.matches(&bytes) {
             // A blob written twice is found at its last record.
-            if let Some(twice) = state.index.insert(id, Entry::new(slot)) {
-                state.dead.insert(twice.slot.at);
-                state.dead_bytes += RECORD_HEAD + twice.slot.len;
-            }
+            state.find(id, slot);
         } else {
             tracing::warn!(
                 path = %path.display(),
@@ -783,8 +789,7 @@ fn read_records(file: &File, path: &Path, state: &mut State) -> io::Result<(u64,
                 "a blob in the pack does not match its id (a write cut short by a crash, \
                  before it was acknowledged, or damage since); it is not served"
             );
-            state.dead.insert(slot.at);
-            state.dead_bytes += RECORD_HEAD + len;
+            state.bury(slot);
         }
         at += RECORD_HEAD + len;
     };
