@@ -18,7 +18,7 @@ pub enum NodeRequest {
     Peers,
     /// Keep a copy of this blob, pulled from me, before I report it done.
     Replicate { blob: gpumesh_protocol::BlobId },
-    /// Keep a copy of this small blob (at most [`crate::blobs::store::PACK_MAX`]
+    /// Keep a copy of this small blob (at most [`crate::blobs::store::SENT_MAX`]
     /// bytes), its bytes here, before I report it done; refused unless they are
     /// that blob's.
     Keep {

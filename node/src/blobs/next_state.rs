@@ -21,9 +21,10 @@ pub(super) fn keep(
         }
         let mut bytes = match b.base {
             Some(base) => store
-                .get(&base)
+                .get_shared(&base)
                 .map_err(|e| e.to_string())?
-                .ok_or_else(|| format!("the base state {base} is not stored here"))?,
+                .ok_or_else(|| format!("the base state {base} is not stored here"))?
+                .to_vec(),
             None => vec![0; usize::try_from(b.size).map_err(|e| e.to_string())?],
         };
         if bytes.len() as u64 != b.size {
@@ -50,9 +51,12 @@ pub(super) fn keep(
                 b.binding, b.next
             ));
         }
+        // Checked just above.
         store
-            .put_verified(b.next, &bytes)
+            .put_hashed(b.next, &bytes)
             .map_err(|e| e.to_string())?;
+        // The next call's changes are made on it.
+        store.remember(b.next, bytes.into());
     }
     Ok(())
 }

@@ -19,9 +19,14 @@ use gpumesh_protocol::BlobId;
 
 pub use super::pack::Compacted;
 use super::pack::Pack;
+use super::recent::Recent;
 use crate::error::{NodeError, Result};
 
 pub use super::pack::PACK_MAX;
+/// A blob of at most this many bytes goes to the node keeping its second copy in
+/// the request ([`crate::wire::NodeRequest::Keep`]); a larger one is pulled, so
+/// no one request holds the others to that peer behind it for long.
+pub const SENT_MAX: u64 = 256 << 10;
 
 /// How often a look at a blob in use sets its file's modification time again.
 const MARK_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
@@ -42,6 +47,8 @@ pub struct BlobStore {
     /// Blobs this node has finished with, as they were let go ([`Self::release`]):
     /// the sweeper removes each soon after unless the record names it.
     released: Arc<Mutex<HashMap<BlobId, std::time::Instant>>>,
+    /// The bytes of blobs stored or read whole lately (see [`super::recent`]).
+    recent: Arc<Recent>,
 }
 
 /// What [`BlobStore::remove_unused`] did.
@@ -105,6 +112,7 @@ impl BlobStore {
             staged: Default::default(),
             sweep: Default::default(),
             released: Default::default(),
+            recent: Default::default(),
         })
     }
 
@@ -145,14 +153,14 @@ impl BlobStore {
     }
 
     /// Stores bytes a peer sent in a request as blob `id`: refused unless they hash
-    /// to `id` and are few enough to come that way (at most [`PACK_MAX`]; a larger
+    /// to `id` and are few enough to come that way (at most [`SENT_MAX`]; a larger
     /// blob is pulled).
     pub fn put_sent(&self, id: BlobId, bytes: &[u8]) -> Result<()> {
-        if bytes.len() as u64 > PACK_MAX {
+        if bytes.len() as u64 > SENT_MAX {
             return Err(NodeError::SentTooLarge {
                 id,
                 len: bytes.len() as u64,
-                limit: PACK_MAX,
+                limit: SENT_MAX,
             });
         }
         self.put_verified(id, bytes)
@@ -349,6 +357,14 @@ impl BlobStore {
     /// [`Self::compact_if_due`]). The caller has made sure the record does not
     /// name it.
     pub(crate) fn remove_unused(&self, id: &BlobId, unused_since: SystemTime) -> Removal {
+        let removal = self.remove_unused_here(id, unused_since);
+        if let Removal::Removed(_) = removal {
+            self.recent.forget(id);
+        }
+        removal
+    }
+
+    fn remove_unused_here(&self, id: &BlobId, unused_since: SystemTime) -> Removal {
         if self.staged(id).is_some() {
             return Removal::InUse;
         }
@@ -410,11 +426,33 @@ impl BlobStore {
             .map_err(|e| NodeError::io(self.pack.path(), e))
     }
 
+    /// The blob's bytes as [`Self::get`] reads them, kept in memory for the next
+    /// reader (see [`super::recent`]) and taken from there if kept: for a blob read
+    /// again soon, such as an actor's state.
+    pub fn get_shared(&self, id: &BlobId) -> Result<Option<Arc<[u8]>>> {
+        if let Some(bytes) = self.recent.get(id) {
+            return Ok(Some(bytes));
+        }
+        let Some(bytes) = self.get(id)? else {
+            return Ok(None);
+        };
+        let bytes = Arc::<[u8]>::from(bytes);
+        self.recent.keep(*id, bytes.clone());
+        Ok(Some(bytes))
+    }
+
+    /// Keeps the bytes of blob `id`, just stored here by the caller (who checked
+    /// or hashed them), in memory for [`Self::get_shared`].
+    pub fn remember(&self, id: BlobId, bytes: Arc<[u8]>) {
+        self.recent.keep(id, bytes);
+    }
+
     /// The blob's bytes, checked against its id; `None` if absent. A blob whose bytes
     /// no longer match is deleted and reported.
     pub fn get(&self, id: &BlobId) -> Result<Option<Vec<u8>>> {
         if let Some((_, bytes)) = self.read_packed(id, 0, u64::MAX)? {
             if !id.matches(&bytes) {
+                self.recent.forget(id);
                 self.pack.forget(id);
                 return Err(NodeError::BlobMismatch {
                     id: *id,
@@ -430,6 +468,7 @@ impl BlobStore {
             Err(e) => return Err(NodeError::io(&path, e)),
         };
         if !id.matches(&bytes) {
+            self.recent.forget(id);
             let _ = fs::remove_file(&path);
             return Err(NodeError::BlobMismatch {
                 id: *id,
@@ -790,7 +829,7 @@ mod tests {
     #[test]
     fn stores_by_content_and_refuses_what_does_not_match() {
         let dir = tempfile::tempdir().unwrap();
-        let store = BlobStore::open(dir.path(), 1 << 20).unwrap();
+        let store = BlobStore::open(dir.path(), 8 << 20).unwrap();
         let id = store.put(b"hello mesh").unwrap();
         assert_eq!(store.put(b"hello mesh").unwrap(), id);
         assert_eq!(store.get(&id).unwrap().unwrap(), b"hello mesh");
@@ -813,7 +852,7 @@ mod tests {
             !dir.path().join(id.to_hex()).exists(),
             "the small one is packed"
         );
-        let again = BlobStore::open(dir.path(), 1 << 20).unwrap();
+        let again = BlobStore::open(dir.path(), 8 << 20).unwrap();
         assert_eq!(again.stats(), (2, 10 + big.len() as u64));
         for (id, bytes) in [(id, &b"hello mesh"[..]), (big_id, &big[..])] {
             assert_eq!(again.get(&id).unwrap().unwrap(), bytes);
@@ -981,7 +1020,7 @@ mod tests {
     fn a_corrupted_blob_is_reported_and_no_longer_served() {
         use std::os::unix::fs::FileExt;
         let dir = tempfile::tempdir().unwrap();
-        let store = BlobStore::open(dir.path(), 1 << 20).unwrap();
+        let store = BlobStore::open(dir.path(), 8 << 20).unwrap();
         // In a file of its own.
         let big = vec![9u8; PACK_MAX as usize + 1];
         let id = store.put(&big).unwrap();
@@ -1028,9 +1067,40 @@ mod tests {
     }
 
     #[test]
+    fn a_blob_kept_in_memory_is_served_from_there_until_the_store_removes_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlobStore::open(dir.path(), 16 << 20).unwrap();
+        for len in [100usize, PACK_MAX as usize + 1] {
+            let bytes: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+            let id = store.put(&bytes).unwrap();
+            // Read from disk (and checked) once, then the same bytes from memory.
+            let first = store.get_shared(&id).unwrap().unwrap();
+            assert_eq!(&*first, &bytes[..]);
+            let again = store.get_shared(&id).unwrap().unwrap();
+            assert!(Arc::ptr_eq(&first, &again), "{len}: read again");
+            // Removed: no longer served from memory either.
+            let later = SystemTime::now() + std::time::Duration::from_secs(60);
+            assert!(matches!(
+                store.remove_unused(&id, later),
+                Removal::Removed(_)
+            ));
+            assert!(store.get_shared(&id).unwrap().is_none(), "{len}");
+        }
+        // Remembered as stored by the caller: served without a read.
+        let bytes: Arc<[u8]> = Arc::from(vec![5u8; 1 << 20]);
+        let id = BlobId::of(&bytes);
+        store.put_hashed(id, &bytes).unwrap();
+        store.remember(id, bytes.clone());
+        assert!(Arc::ptr_eq(
+            &store.get_shared(&id).unwrap().unwrap(),
+            &bytes
+        ));
+    }
+
+    #[test]
     fn only_a_blob_unused_since_the_cutoff_is_removed() {
         let dir = tempfile::tempdir().unwrap();
-        let store = BlobStore::open(dir.path(), 4 << 20).unwrap();
+        let store = BlobStore::open(dir.path(), 8 << 20).unwrap();
         let big = |seed: u8| vec![seed; PACK_MAX as usize + 1];
         let (a, b) = (store.put(&big(1)).unwrap(), store.put(&big(2)).unwrap());
         let packed = store.put(b"small").unwrap();
@@ -1219,7 +1289,10 @@ mod tests {
             return;
         };
         let store = BlobStore::open(dir.path(), 8 << 20).unwrap();
-        let big: Vec<u8> = (0..(2usize << 20)).map(|i| (i % 251) as u8).collect();
+        // A file of its own: its room is asked for before the first byte.
+        let big: Vec<u8> = (0..PACK_MAX as usize + (1 << 20))
+            .map(|i| (i % 251) as u8)
+            .collect();
         let id = BlobId::of(&big);
         let err = store
             .incoming(id, big.len() as u64)

@@ -636,10 +636,7 @@ impl ActorHost {
             .iter()
             .enumerate()
             .map(|(i, s)| {
-                in_record(i).or_else(|| {
-                    s.blob
-                        .and_then(|b| store.get(&b).ok().flatten().map(Arc::from))
-                })
+                in_record(i).or_else(|| s.blob.and_then(|b| store.get_shared(&b).ok().flatten()))
             })
             .collect();
         if t.state
@@ -769,7 +766,7 @@ impl ActorHost {
             latest
                 .get(id)
                 .cloned()
-                .or_else(|| store.get(id).ok().flatten().map(Arc::from))
+                .or_else(|| store.get_shared(id).ok().flatten())
         })
         .and_then(|j| j.keep_resident(now.iter().map(|(s, _)| s.binding)))
         .map_err(|e| e.to_string())
@@ -933,9 +930,12 @@ impl ActorHost {
         let store = self.blobs.store().clone();
         // This node's copy is written while the backup makes its own.
         let own = tokio::task::spawn_blocking(move || {
-            ids.iter()
-                .zip(&bytes)
-                .try_for_each(|(id, b)| store.put_hashed(*id, b))
+            ids.iter().zip(bytes).try_for_each(|(id, b)| {
+                store.put_hashed(*id, &b)?;
+                // The next call starts from it.
+                store.remember(*id, b);
+                Ok::<_, crate::error::NodeError>(())
+            })
         });
         let (own, copy) = tokio::join!(own, self.blobs.advance(changes, next, prefer));
         match own {
