@@ -67,8 +67,10 @@ fn has_file(root: &Path, i: usize, id: &BlobId) -> bool {
         .is_file()
 }
 
-/// A state of 1 MiB: every call changes all of it (a blob per version, not packed).
-const WORDS: u32 = 1 << 18;
+/// Words of a blob in a file of its own (4 MiB and 4 KiB, over the pack's 4 MiB);
+/// the actor below has a state of that size, all of it changed by every call.
+const WORDS: u32 = (1 << 20) + 1024;
+const STATE_BYTES: u64 = WORDS as u64 * 4;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_actor_keeps_one_state_on_disk_not_one_per_call_and_still_moves() {
@@ -81,7 +83,7 @@ async fn an_actor_keeps_one_state_on_disk_not_one_per_call_and_still_moves() {
         let mut nodes = mesh_with(root, 3, |_, c| c.blob_sweep = quick()).await;
         let state = vec![gpumesh::node::api::StateInit {
             binding: 0,
-            size: u64::from(WORDS) * 4,
+            size: STATE_BYTES,
             blob: None,
         }];
         client(&nodes[0])
@@ -96,11 +98,11 @@ async fn an_actor_keeps_one_state_on_disk_not_one_per_call_and_still_moves() {
                 .unwrap();
             assert_eq!(reply.version, u64::from(n));
         }
-        // 20 versions of 1 MiB were written on the host and its backup; what stays is about the current one.
+        // 20 versions were written on the host and its backup; what stays is about the current one.
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let bytes: Vec<u64> = (0..3).map(|i| stored(root, i).1).collect();
-            if bytes.iter().all(|b| *b <= 2 << 20) {
+            if bytes.iter().all(|b| *b <= 2 * STATE_BYTES) {
                 break;
             }
             assert!(
@@ -117,8 +119,9 @@ async fn an_actor_keeps_one_state_on_disk_not_one_per_call_and_still_moves() {
         for n in &nodes {
             removed += metric(n, "gpumesh_blobs_removed_bytes_total{sweep=\"let_go\"}").await;
         }
+        // Three quarters of the 2 x 20 versions written.
         assert!(
-            removed >= f64::from(30 << 20),
+            removed >= 30.0 * STATE_BYTES as f64,
             "{removed} bytes counted removed"
         );
 
@@ -152,7 +155,7 @@ async fn an_actor_with_a_mid_size_state_keeps_one_version_too() {
     let root = dir.path();
     tokio::time::timeout(LIMIT, async {
         let nodes = mesh_with(root, 2, |_, c| c.blob_sweep = quick()).await;
-        // 64 KiB: over what an entry carries (16 KiB), packed (at most 256 KiB).
+        // 64 KiB: over what an entry carries (16 KiB), packed (at most 4 MiB).
         const MID: u32 = 1 << 14;
         let state = vec![gpumesh::node::api::StateInit {
             binding: 0,
@@ -263,7 +266,7 @@ async fn an_upload_never_used_goes_while_a_tasks_input_and_result_stay() {
     tokio::time::timeout(LIMIT, async {
         let nodes = mesh_with(root, 2, |_, c| c.blob_sweep = quick()).await;
         let via = client(&nodes[0]);
-        const N: u32 = 1 << 17; // 512 KiB: files of their own, not packed
+        const N: u32 = WORDS; // over 4 MiB: files of their own, not packed
         let unused = via.upload(words(1, N)).await.unwrap();
         let input = words(2, N);
         let input_id = via.upload(input.clone()).await.unwrap();
@@ -320,7 +323,7 @@ async fn a_forgotten_tasks_results_go_soon_but_not_a_blob_another_task_names() {
     tokio::time::timeout(LIMIT, async {
         let nodes = mesh_with(root, 2, |_, c| c.blob_sweep = let_go_only()).await;
         let (a, b) = (client(&nodes[0]), client(&nodes[1]));
-        const N: u32 = 1 << 17;
+        const N: u32 = WORDS; // files of their own
         let input = words(3, N);
         let input_id = a.upload(input.clone()).await.unwrap();
         let spec = || plus_one(input_id, N, 1);

@@ -7,6 +7,12 @@
 //! written by a build from before formats were numbered, and is refused as well.
 //! Key files (`node.key`, `cluster.key`, `api.token`) are plain text and read by
 //! every build: a directory holding only those is stamped and used.
+//!
+//! A directory of an older format whose every file this build reads as it is
+//! ([`READS_AS_IS`]) is stamped with this format when a node opens it: the whole
+//! mesh moves to the new build without starting afresh. It is one way: the older
+//! build refuses the directory from then on (its pack may hold blobs it would
+//! misread).
 
 use std::io::Write;
 use std::path::Path;
@@ -21,6 +27,11 @@ pub const FORMAT_FILE: &str = "data-format";
 
 /// What a build of this format may not read unless the directory is stamped.
 const STATE: [&str; 3] = [CLUSTER_FILE, "raft.redb", "blobs"];
+
+/// Older formats whose directories this build reads as they are, stamped with
+/// [`FORMAT`] on opening: 6 differs from 7 only in the largest blob its pack
+/// takes (256 KiB, now 4 MiB), so a pack of 6 is one of 7.
+const READS_AS_IS: [u16; 1] = [6];
 
 /// Checks that `dir` was written by this data format, stamping it if it holds no
 /// mesh state yet; an error names the format found and what to do.
@@ -38,6 +49,17 @@ pub fn check_or_stamp(dir: &Path) -> Result<()> {
             })?;
             if found == FORMAT {
                 return Ok(());
+            }
+            if READS_AS_IS.contains(&found) {
+                tracing::info!(
+                    dir = %dir.display(),
+                    from = found,
+                    to = FORMAT,
+                    "the data directory was written by an older data format that this build \
+                     reads as it is; stamped with this one (builds of the older format now \
+                     refuse it)"
+                );
+                return stamp(dir);
             }
             Err(refused(dir, &format!("gpumesh data format {found}")))
         }
@@ -57,8 +79,9 @@ pub fn check_or_stamp(dir: &Path) -> Result<()> {
 fn refused(dir: &Path, writer: &str) -> NodeError {
     NodeError::Config(format!(
         "the data directory {} was written by {writer}; this build reads data format \
-         {FORMAT} only. Start this node on an empty --data-dir (it joins the mesh afresh: \
-         every node of a mesh must run one data format), or run the build that wrote it",
+         {FORMAT} (and opens {READS_AS_IS:?} as {FORMAT}) only. Start this node on an empty \
+         --data-dir (it joins the mesh afresh: every node of a mesh must run one data \
+         format), or run the build that wrote it",
         dir.display()
     ))
 }
@@ -70,13 +93,16 @@ fn parse(text: &str) -> Option<u16> {
         .ok()
 }
 
-/// Writes the stamp durably: the file, then the directory entry.
+/// Writes the stamp durably, whole or not at all (over an older one): a file
+/// beside it, synced, renamed over it, then the directory entry synced.
 fn stamp(dir: &Path) -> Result<()> {
     let path = dir.join(FORMAT_FILE);
     let write = || -> std::io::Result<()> {
-        let mut file = std::fs::File::create(&path)?;
+        let next = dir.join(format!("{FORMAT_FILE}.tmp"));
+        let mut file = std::fs::File::create(&next)?;
         writeln!(file, "gpumesh data format {FORMAT}")?;
         file.sync_all()?;
+        std::fs::rename(&next, &path)?;
         std::fs::File::open(dir)?.sync_all()
     };
     write().map_err(|e| NodeError::io(&path, e))
@@ -128,5 +154,43 @@ mod tests {
         std::fs::write(dir.path().join(FORMAT_FILE), "format five").unwrap();
         let why = check_or_stamp(dir.path()).unwrap_err().to_string();
         assert!(why.contains("corrupt"), "{why}");
+
+        // A newer format than this build's: refused, the stamp left as it was.
+        let dir = tempfile::tempdir().unwrap();
+        let newer = format!("gpumesh data format {}\n", FORMAT + 1);
+        std::fs::write(dir.path().join(FORMAT_FILE), &newer).unwrap();
+        let why = check_or_stamp(dir.path()).unwrap_err().to_string();
+        assert!(
+            why.contains(&format!("data format {}", FORMAT + 1)),
+            "{why}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join(FORMAT_FILE)).unwrap(),
+            newer
+        );
+    }
+
+    #[test]
+    fn a_directory_of_a_format_read_as_it_is_is_stamped_with_this_one_and_opened() {
+        for older in READS_AS_IS {
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::create_dir(dir.path().join("blobs")).unwrap();
+            std::fs::write(dir.path().join("blobs").join("small.pack"), b"kept").unwrap();
+            std::fs::write(
+                dir.path().join(FORMAT_FILE),
+                format!("gpumesh data format {older}\n"),
+            )
+            .unwrap();
+            check_or_stamp(dir.path()).unwrap();
+            let text = std::fs::read_to_string(dir.path().join(FORMAT_FILE)).unwrap();
+            assert_eq!(parse(&text), Some(FORMAT), "{older}: {text:?}");
+            assert!(!dir.path().join(format!("{FORMAT_FILE}.tmp")).exists());
+            // What it held is untouched, and it opens again as this format's.
+            assert_eq!(
+                std::fs::read(dir.path().join("blobs").join("small.pack")).unwrap(),
+                b"kept"
+            );
+            check_or_stamp(dir.path()).unwrap();
+        }
     }
 }

@@ -15,7 +15,7 @@
 #[macro_export]
 macro_rules! format_number {
     () => {
-        "6"
+        "7"
     };
 }
 
@@ -28,8 +28,10 @@ macro_rules! lane {
     };
 }
 
-/// This build's format.
-pub const FORMAT: u16 = 6;
+/// This build's format. 7: a blob store packs blobs of up to 4 MiB (6: 256 KiB);
+/// nothing else changed, so a directory of format 6 is read as it is and stamped
+/// 7 (see the node's `data_dir`).
+pub const FORMAT: u16 = 7;
 
 /// How a node names its build to peers (libp2p identify's agent version):
 /// `gpumesh/<version> format/<FORMAT>`.

@@ -613,10 +613,18 @@ mod tests {
             client.pull_blob(peer, id).await.unwrap() == data,
             "bytes differ"
         );
-        let (sent, _) = server_metrics.totals(Lane::Blob);
+        // Counted once each record's write returns, which may be just after the
+        // puller has read it all.
         let records = data.len().div_ceil(RECORD as usize);
+        let carried = (data.len() + records * TAG) as u64;
+        let counted = std::time::Instant::now() + Duration::from_secs(5);
+        let mut sent = server_metrics.totals(Lane::Blob).0;
+        while sent < carried && std::time::Instant::now() < counted {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            sent = server_metrics.totals(Lane::Blob).0;
+        }
         assert!(
-            sent >= (data.len() + records * TAG) as u64,
+            sent >= carried,
             "the direct channel carried {sent} bytes of a {}-byte blob in {records} records",
             data.len()
         );
