@@ -49,10 +49,10 @@ const HEADER: u64 = MAGIC.len() as u64;
 /// Length and id in front of each record's bytes.
 const RECORD_HEAD: u64 = 8 + 32;
 /// Blobs of at most this many bytes are packed; larger ones get a file each. At
-/// 256 KiB (data format 6) a task's 256 KiB result took 2.1 ms to keep here and on
-/// a second node, and 1.3 ms packed; 405-460 such tasks a second against 680-690
-/// (`gpumesh bench mesh --result-kib 256`). A larger limit would make a record
-/// written under the tail's lock hold the appends behind it longer.
+/// 256 KiB (data format 6) a task's 256 KiB result took 1.65-2.1 ms to keep here
+/// and on a second node, and 1.24-1.43 ms packed (`gpumesh bench mesh --result-kib
+/// 256`, five pairs). A larger limit would make a record written under the tail's
+/// lock hold the appends behind it longer.
 pub const PACK_MAX: u64 = 4 << 20;
 /// The largest stretch of zeros written ahead at once; the first ones are smaller
 /// (each the size of the pack so far), so a store holding a few blobs stays small.
