@@ -10,9 +10,14 @@ pub const REMEMBERED_REQUESTS: usize = 100_000;
 /// A task may be split into at most this many shards.
 pub const MAX_SHARDS_PER_TASK: u32 = 65_536;
 
+/// Bytes a shard result takes beyond its outputs', allowed on top of each limit on
+/// its size below, so that outputs of a round size (4 KiB, 16 KiB) are not just
+/// over it: the encoding's magic, and for each buffer where its bytes go (16 bytes
+/// in all for one buffer written whole).
+pub const RESULT_HEAD: usize = 256;
 /// Largest shard result the record itself keeps (it rides in its `ShardResult`
 /// entry and stays in the record with its task).
-pub const MAX_INLINE_RESULT: usize = 4096;
+pub const MAX_INLINE_RESULT: usize = 4096 + RESULT_HEAD;
 /// Largest shard result carried in its `ShardResult` entry instead of a blob stored
 /// and copied before it is reported. One over [`MAX_INLINE_RESULT`] is not kept in
 /// the record: each replica stores it as a blob when applying the entry (see
@@ -21,7 +26,7 @@ pub const MAX_INLINE_RESULT: usize = 4096;
 /// to three logs and three packs instead of two packs: past about this size that
 /// costs more than it saves once many tasks are in flight (`gpumesh bench mesh
 /// --result-kib`).
-pub const MAX_CARRIED_RESULT: usize = 16 << 10;
+pub const MAX_CARRIED_RESULT: usize = (16 << 10) + RESULT_HEAD;
 
 /// Finished tasks the record keeps (the newest by id), with their results and the
 /// request ids that made them; older ones are forgotten.

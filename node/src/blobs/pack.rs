@@ -52,8 +52,9 @@ const RECORD_HEAD: u64 = 8 + 32;
 /// 256 KiB (data format 6) a task's 256 KiB result took 1.65-2.1 ms to keep here
 /// and on a second node, and 1.24-1.43 ms packed (`gpumesh bench mesh --result-kib
 /// 256`, five pairs). A larger limit would make a record written under the tail's
-/// lock hold the appends behind it longer.
-pub const PACK_MAX: u64 = 4 << 20;
+/// lock hold the appends behind it longer. 4 MiB and a little: a shard's result of
+/// 4 MiB is that and the few bytes that say where it goes.
+pub const PACK_MAX: u64 = (4 << 20) + 4096;
 /// The largest stretch of zeros written ahead at once; the first ones are smaller
 /// (each the size of the pack so far), so a store holding a few blobs stays small.
 const ZERO_AHEAD: u64 = 4 << 20;
