@@ -67,9 +67,10 @@ fn has_file(root: &Path, i: usize, id: &BlobId) -> bool {
         .is_file()
 }
 
-/// Words of a blob in a file of its own (4 MiB and 4 KiB, over the pack's 4 MiB);
-/// the actor below has a state of that size, all of it changed by every call.
-const WORDS: u32 = (1 << 20) + 1024;
+/// Words of a blob in a file of its own (4 MiB and 8 KiB, over the pack's 4 MiB
+/// and 4 KiB); the actor below has a state of that size, all of it changed by every
+/// call.
+const WORDS: u32 = (1 << 20) + 2048;
 const STATE_BYTES: u64 = WORDS as u64 * 4;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -10,14 +10,17 @@ pub const REMEMBERED_REQUESTS: usize = 100_000;
 /// A task may be split into at most this many shards.
 pub const MAX_SHARDS_PER_TASK: u32 = 65_536;
 
-/// Bytes a shard result takes beyond its outputs', allowed on top of each limit on
-/// its size below, so that outputs of a round size (4 KiB, 16 KiB) are not just
-/// over it: the encoding's magic, and for each buffer where its bytes go (16 bytes
-/// in all for one buffer written whole).
+/// Bytes a shard result takes beyond its outputs', allowed on top of
+/// [`MAX_CARRIED_RESULT`] so that outputs of a round size (16 KiB) are not just over
+/// it: the encoding's magic, and for each buffer where its bytes go (16 bytes in
+/// all for one buffer written whole).
 pub const RESULT_HEAD: usize = 256;
 /// Largest shard result the record itself keeps (it rides in its `ShardResult`
-/// entry and stays in the record with its task).
-pub const MAX_INLINE_RESULT: usize = 4096 + RESULT_HEAD;
+/// entry and stays in the record with its task). Not raised by [`RESULT_HEAD`]
+/// with data format 7: replicas apply the entries of a log of format 6 with it, and
+/// one that applied an entry before the upgrade must have kept what one applying
+/// it after does (a 4 KiB result is carried, which costs the same here).
+pub const MAX_INLINE_RESULT: usize = 4096;
 /// Largest shard result carried in its `ShardResult` entry instead of a blob stored
 /// and copied before it is reported. One over [`MAX_INLINE_RESULT`] is not kept in
 /// the record: each replica stores it as a blob when applying the entry (see
