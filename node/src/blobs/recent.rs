@@ -1,5 +1,6 @@
-//! The bytes of the last blobs in files of their own that this node stored or
-//! read whole, kept in memory up to a budget. An actor's state is the case: each
+//! The bytes of the last blobs that this node stored or read whole for a reader
+//! who will want them again (packed or in files of their own), kept in memory up to
+//! a budget. An actor's state is the case: each
 //! call stores the state it leaves (on its host and on the node that keeps the
 //! second copy), and the next call reads it back on both to start from it; kept
 //! here, that read (the file, then its hash checked) is not made again.
@@ -15,9 +16,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use gpumesh_protocol::BlobId;
 
 /// What is kept at most, in bytes.
-pub(crate) const RECENT_BYTES: u64 = 64 << 20;
+const RECENT_BYTES: u64 = 64 << 20;
 /// A larger blob is not kept: it would push out everything else.
-pub(crate) const RECENT_LARGEST: u64 = RECENT_BYTES / 4;
+const RECENT_LARGEST: u64 = RECENT_BYTES / 4;
 
 #[derive(Debug, Default)]
 pub(super) struct Recent {
