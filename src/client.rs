@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use gpumesh_consensus::{RequestId, RequestIds};
 use gpumesh_node::api::{
     decode_run_binary, from_hex, ActorView, AttachedBytes, BlobReply, CallReply, CallRequest,
-    CreateActorRequest, ErrorBody, OutputView, RunReply, StateInit, StatusView, SubmitReply,
-    SubmitRequest, TaskState, TaskView, RUN_ATTACHED_BYTES, RUN_BINARY,
+    CreateActorRequest, ErrorBody, LeftView, OutputView, RunReply, StateInit, StatusView,
+    SubmitReply, SubmitRequest, TaskState, TaskView, RUN_ATTACHED_BYTES, RUN_BINARY,
 };
 use gpumesh_protocol::{ActorCall, BlobId, TaskSpec};
 
@@ -323,6 +323,13 @@ impl Client {
     pub async fn tasks(&self) -> ClientResult<Vec<TaskView>> {
         self.retrying(|| self.json(self.http.get(self.url("/v1/tasks"))))
             .await
+    }
+
+    /// Takes the node out of the mesh for good (`POST /v1/leave`): other members keep
+    /// what it holds, it is removed, and it stops. Not retried: a leave whose answer
+    /// was lost shows in `status` (the node is gone from it).
+    pub async fn leave(&self) -> ClientResult<LeftView> {
+        self.json(self.http.post(self.url("/v1/leave"))).await
     }
 
     /// The mesh as this node sees it; not retried (a status without a leader is

@@ -165,6 +165,44 @@ impl NodeProcess {
         }
     }
 
+    /// Sends it `signal` (`INT` as Ctrl-C does, `TERM` as a service manager stops it)
+    /// and waits up to `limit` for it to exit; its exit status, if it did.
+    pub fn stop_with(
+        &mut self,
+        signal: &str,
+        limit: Duration,
+    ) -> std::io::Result<Option<std::process::ExitStatus>> {
+        let Some(child) = self.child.as_mut() else {
+            return Ok(None);
+        };
+        Command::new("kill")
+            .args(["-s", signal, &child.id().to_string()])
+            .status()?;
+        self.wait_exit(limit)
+    }
+
+    /// Waits up to `limit` for it to exit by itself; its exit status, if it did (it
+    /// is then no longer started).
+    pub fn wait_exit(
+        &mut self,
+        limit: Duration,
+    ) -> std::io::Result<Option<std::process::ExitStatus>> {
+        let Some(child) = self.child.as_mut() else {
+            return Ok(None);
+        };
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = child.try_wait()? {
+                self.child = None;
+                return Ok(Some(status));
+            }
+            if Instant::now() > deadline {
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Whether it was started and has not exited.
     pub fn running(&mut self) -> bool {
         self.child

@@ -66,13 +66,27 @@ pub fn node(settings: NodeArgs) -> anyhow::Result<ExitCode> {
         }
         println!("  dashboard: http://{}/", node.api_addr);
         println!(
-            "  API on http://{}  (Ctrl-C leaves the mesh)",
+            "  API on http://{}  (Ctrl-C stops this node, which stays a member; `gpumesh leave` \
+             takes it out of the mesh)",
             node.api_addr
         );
         let _ = std::io::stdout().flush();
-        tokio::signal::ctrl_c().await?;
-        println!("leaving the mesh...");
-        node.leave().await;
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let left = node.left();
+        tokio::select! {
+            got = tokio::signal::ctrl_c() => got?,
+            _ = term.recv() => {}
+            () = left.cancelled() => {
+                println!("left the mesh (gpumesh leave); stopping");
+                node.stop().await;
+                return anyhow::Ok(());
+            }
+        }
+        println!(
+            "stopping; this node stays a member: start it again with --data-dir {} to come back",
+            data_dir.display()
+        );
+        node.shutdown().await;
         anyhow::Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
@@ -398,6 +412,28 @@ pub fn forget(id: &str, api: ApiArgs) -> anyhow::Result<ExitCode> {
     let client = api.client()?;
     tokio::runtime::Runtime::new()?.block_on(client.forget(id))?;
     println!("t{id} forgotten; its results go from every node within a minute");
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn leave(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
+    let client = api.client()?;
+    let left = tokio::runtime::Runtime::new()?.block_on(client.leave())?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&left)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "node {} left the mesh in {} ms and is stopping: {} blob(s), {} bytes, handed to {} \
+         other member(s) each{}",
+        node_name(left.node),
+        left.took_ms,
+        left.blobs_handed_off,
+        left.bytes_handed_off,
+        left.copies,
+        left.leadership_to
+            .map(|l| format!("; leadership handed to {}", node_name(l)))
+            .unwrap_or_default()
+    );
     Ok(ExitCode::SUCCESS)
 }
 

@@ -67,7 +67,8 @@ pub enum Command {
     /// Print a join ticket (last line) for the mesh of the node whose data dir is
     /// given: the cluster key and the members' addresses, for `node --join`.
     Ticket(crate::cli::mesh::TicketArgs),
-    /// Run a mesh node until Ctrl-C (then leave the mesh gracefully).
+    /// Run a mesh node until Ctrl-C or SIGTERM (it stays a member: started again on
+    /// its data dir it comes back) or until it leaves the mesh (`gpumesh leave`).
     ///
     /// Each setting comes from its flag, else its GPUMESH_* variable, else the
     /// --config file, else the default shown.
@@ -121,6 +122,15 @@ pub enum Command {
         task: String,
         #[command(flatten)]
         api: ApiArgs,
+    },
+    /// Take a node out of the mesh for good: other members keep the results and
+    /// actor states it holds, the mesh removes it, and it stops. (Ctrl-C only stops
+    /// a node; it stays a member.)
+    Leave {
+        #[command(flatten)]
+        api: ApiArgs,
+        #[arg(long)]
+        json: bool,
     },
     /// GPU actors: named state on a node's GPU, called from any node, surviving it.
     Actor {
@@ -358,6 +368,7 @@ pub fn execute(cli: Cli, matches: &ArgMatches) -> anyhow::Result<ExitCode> {
             json,
         } => mesh::cancel(&task, reason.as_deref(), api, json),
         Command::Forget { task, api } => mesh::forget(&task, api),
+        Command::Leave { api, json } => mesh::leave(api, json),
         Command::Completions { shell } => {
             clap_complete::generate(
                 shell,

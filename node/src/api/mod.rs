@@ -24,6 +24,7 @@
 //! | POST | /v1/actors/{name}/calls?timeout_ms=T | a call, answered once it ran and its state is durable |
 //! | GET | /v1/actors/{name}/state/{binding} | a state buffer as of the last acknowledged call |
 //! | GET | /v1/status | leader, term, members |
+//! | POST | /v1/leave | this node leaves the mesh for good (its blobs kept by others), then stops |
 //! | GET | /metrics | this node's Prometheus metrics, OpenMetrics text (see [`crate::metrics`]) |
 //!
 //! Any other path answers 404 and any other method on a known path 405, each with a
@@ -111,6 +112,7 @@ pub(crate) async fn serve(
         .route("/v1/actors/{name}/calls", post(actors::call))
         .route("/v1/actors/{name}/state/{binding}", get(actors::state))
         .route("/v1/status", get(status::status))
+        .route("/v1/leave", post(status::leave))
         .route("/", get(dashboard::page))
         .route("/v1/overview", get(dashboard::overview))
         .route("/metrics", get(status::metrics))

@@ -51,6 +51,8 @@ pub(crate) struct ApiState {
     pub calls: Option<CallSender>,
     /// Wakes requests waiting on a task or an actor when an entry about it applies.
     pub changes: Arc<Changes>,
+    /// Takes this node out of the mesh (`POST /v1/leave`).
+    pub leaving: Option<crate::mesh::Leaving>,
 }
 
 impl ApiState {
@@ -83,6 +85,7 @@ impl ApiState {
             run_here: None,
             calls: None,
             changes: Arc::default(),
+            leaving: None,
         }
     }
 }

@@ -1,4 +1,5 @@
-//! `GET /v1/status` (leader, term, members as this node sees them) and `GET /metrics`.
+//! `GET /v1/status` (leader, term, members as this node sees them), `GET /metrics`
+//! and `POST /v1/leave`.
 
 use std::sync::Arc;
 
@@ -7,9 +8,12 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
-use super::error::{unavailable, ApiResult};
+use axum::http::StatusCode;
+
+use super::error::{unavailable, ApiError, ApiResult};
 use super::state::ApiState;
-use super::views::{members, StatusView};
+use super::views::{members, LeftView, StatusView};
+use crate::mesh::NotLeft;
 
 pub(crate) async fn status(State(api): State<Arc<ApiState>>) -> ApiResult<Json<StatusView>> {
     let c = &api.consensus;
@@ -40,4 +44,20 @@ pub(crate) async fn metrics(State(api): State<Arc<ApiState>>) -> ApiResult<Respo
         .encode()
         .map_err(|e| unavailable(format!("could not encode the metrics: {e}")))?;
     Ok(([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response())
+}
+
+/// Takes this node out of the mesh for good (see `crate::mesh::leave`), then it
+/// stops. A refusal (the only voter, a leave under way) answers 409, a failure
+/// before the removal committed 503; either way the node stays a member.
+pub(crate) async fn leave(State(api): State<Arc<ApiState>>) -> ApiResult<Json<LeftView>> {
+    let Some(leaving) = &api.leaving else {
+        return Err(unavailable(
+            "this node cannot leave: it is not running as a mesh node",
+        ));
+    };
+    match leaving.leave().await {
+        Ok(left) => Ok(Json(left)),
+        Err(NotLeft::Refused(why)) => Err(ApiError(StatusCode::CONFLICT, why)),
+        Err(NotLeft::Failed(why)) => Err(unavailable(why)),
+    }
 }

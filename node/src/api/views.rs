@@ -340,6 +340,21 @@ pub struct MemberView {
     pub shards_done: u64,
 }
 
+/// `POST /v1/leave`: a node that has left its mesh (and is stopping).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LeftView {
+    /// Its raft id.
+    pub node: u64,
+    /// The blobs the record names that it held, each now kept by `copies` other
+    /// members (every other member where there are fewer).
+    pub blobs_handed_off: usize,
+    pub bytes_handed_off: u64,
+    pub copies: usize,
+    /// The voter it handed the leadership to, if it led.
+    pub leadership_to: Option<u64>,
+    pub took_ms: u64,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct StatusView {
     pub node: u64,

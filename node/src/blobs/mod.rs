@@ -229,6 +229,26 @@ impl BlobsHandle {
             .map_err(|reason| NodeError::NoSecondCopy { blob, reason })
     }
 
+    /// Has `copies` other members hold blob `id`, stored here (every other member
+    /// where the mesh has fewer): what a node leaving the mesh does with each blob
+    /// the record names, so that the copy it held is not the one lost. A small blob
+    /// goes in the request, a larger one is pulled from here. Returns how many
+    /// members keep it.
+    pub async fn hand_off(&self, id: BlobId, copies: usize) -> Result<usize> {
+        let small = self.store.size(&id).is_some_and(|n| n <= store::SENT_MAX);
+        let request = match small {
+            true => match self.read_local(id).await? {
+                Some(bytes) => NodeRequest::Keep { blob: id, bytes },
+                None => NodeRequest::Replicate { blob: id },
+            },
+            false => NodeRequest::Replicate { blob: id },
+        };
+        self.mover
+            .copy_to_many(&request, copies)
+            .await
+            .map_err(|reason| NodeError::NoSecondCopy { blob: id, reason })
+    }
+
     /// Has one other member keep an actor's next state, sending only what the call
     /// changed (blob `changes`, stored here): `prefer` (the member that holds the
     /// state before the call) first. Every buffer's `base` and `next` blob must be
@@ -331,17 +351,15 @@ impl Mover {
         Err(last)
     }
 
-    /// Asks one other member to keep a copy (`request` is a `Replicate` or an
-    /// `Advance`): `prefer` first, then every other connected member.
-    async fn copy_to_one(
-        &self,
-        request: &NodeRequest,
-        prefer: Option<PeerId>,
-    ) -> std::result::Result<Option<PeerId>, String> {
+    /// The other members to ask for a copy, `prefer` first (when it is one), then
+    /// the rest, connected ones only; and how many other members there are. With no
+    /// connection to any of them (this node just lost them, or is just back) it
+    /// tries to reach them first.
+    async fn targets(&self, prefer: Option<PeerId>) -> (usize, Vec<PeerId>) {
         let me = self.peers.me();
         let others: Vec<PeerId> = self.members().into_iter().filter(|p| *p != me).collect();
         if others.is_empty() {
-            return Ok(None);
+            return (0, Vec::new());
         }
         let mut connected = self.net.connected_peers();
         let unconnected: Vec<PeerId> = others
@@ -350,8 +368,6 @@ impl Mover {
             .filter(|p| !connected.contains(p))
             .collect();
         if unconnected.len() == others.len() {
-            // No connection to any other member (this node just lost them, or is
-            // just back): try to reach them before giving up.
             self.peers.connect(&connected, &unconnected).await;
             connected = self.net.connected_peers();
         }
@@ -364,6 +380,20 @@ impl Mover {
                 targets.push(*p);
             }
         }
+        (others.len(), targets)
+    }
+
+    /// Asks one other member to keep a copy (`request` is a `Replicate` or an
+    /// `Advance`): `prefer` first, then every other connected member.
+    async fn copy_to_one(
+        &self,
+        request: &NodeRequest,
+        prefer: Option<PeerId>,
+    ) -> std::result::Result<Option<PeerId>, String> {
+        let (n, targets) = self.targets(prefer).await;
+        if n == 0 {
+            return Ok(None);
+        }
         let reachable = targets.len();
         let mut refusals = Vec::new();
         for peer in targets {
@@ -374,16 +404,54 @@ impl Mover {
                 Err(e) => refusals.push(format!("{peer}: {e}")),
             }
         }
-        let n = others.len();
-        Err(if reachable == 0 {
-            format!("none of the {n} other member(s) of the mesh is reachable from this node")
-        } else {
-            format!(
-                "{reachable} of the {n} other member(s) are reachable, and none kept a copy \
-                 ({})",
-                refusals.join("; ")
-            )
-        })
+        Err(not_kept(n, reachable, &refusals))
+    }
+
+    /// Asks other members to keep a copy until `copies` of them have one (or every
+    /// other member has, where there are fewer): `request` is a `Keep` or a
+    /// `Replicate`, which a member that holds the blob already answers at once.
+    /// Returns how many keep it.
+    async fn copy_to_many(
+        &self,
+        request: &NodeRequest,
+        copies: usize,
+    ) -> std::result::Result<usize, String> {
+        let (n, targets) = self.targets(None).await;
+        let wanted = copies.min(n);
+        let reachable = targets.len();
+        let mut kept = 0;
+        let mut refusals = Vec::new();
+        for peer in targets {
+            if kept == wanted {
+                break;
+            }
+            match wire::call(&self.net, peer, request).await {
+                Ok(NodeReply::Replicated) => kept += 1,
+                Ok(NodeReply::Refused(why)) => refusals.push(format!("{peer}: {why}")),
+                Ok(other) => refusals.push(format!("{peer}: unexpected answer {other:?}")),
+                Err(e) => refusals.push(format!("{peer}: {e}")),
+            }
+        }
+        if kept < wanted {
+            return Err(format!(
+                "{kept} of the {wanted} copies wanted were kept: {}",
+                not_kept(n, reachable, &refusals)
+            ));
+        }
+        Ok(kept)
+    }
+}
+
+/// Why no other member kept a copy: `n` others, `reachable` of them asked.
+fn not_kept(n: usize, reachable: usize, refusals: &[String]) -> String {
+    if reachable == 0 {
+        format!("none of the {n} other member(s) of the mesh is reachable from this node")
+    } else {
+        format!(
+            "{reachable} of the {n} other member(s) are reachable, and not enough kept a \
+             copy ({})",
+            refusals.join("; ")
+        )
     }
 }
 

@@ -20,6 +20,7 @@ pub(super) async fn open_or_form(
     me: &Newcomer,
 ) -> Result<(RedbStorage, ClusterId, Option<PeerId>)> {
     let dir = &config.data_dir;
+    super::leave::refuse_if_left(dir)?;
     let raft_path = dir.join("raft.redb");
     let cluster_path = dir.join(CLUSTER_FILE);
     if let Ok(text) = std::fs::read_to_string(&cluster_path) {

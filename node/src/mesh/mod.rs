@@ -50,6 +50,7 @@ use crate::worker::{GpuHandle, ShardRunner, Worker};
 mod config;
 mod formation;
 mod heartbeats;
+mod leave;
 mod routing;
 
 pub use crate::admission::Formation;
@@ -57,6 +58,8 @@ pub use crate::worker::Faults;
 pub use config::NodeConfig;
 use formation::{join_through, open_or_form, Newcomer};
 use heartbeats::heartbeats;
+pub use leave::LEFT_FILE;
+pub(crate) use leave::{Leaving, NotLeft};
 use routing::{raft_sink, request_sink, Membership, Router};
 
 /// Raft frames to the peer behind a raft id, through the net actor.
@@ -87,6 +90,7 @@ pub struct MeshNode {
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
     gpu_thread: Option<std::thread::JoinHandle<()>>,
+    leaving: Leaving,
 }
 
 /// How long a member restarting on its data dir waits for a leader before serving.
@@ -351,6 +355,15 @@ impl MeshNode {
             config.timeline.clone(),
         );
         api.run_here = run_here;
+        let leaving = Leaving {
+            consensus: consensus.clone(),
+            blobs: api.blobs.clone(),
+            data_dir: config.data_dir.clone(),
+            cluster,
+            left: CancellationToken::new(),
+            once: Arc::default(),
+        };
+        api.leaving = Some(leaving.clone());
         api.results = made_outputs;
         api.calls = Some(crate::host::CallSender {
             me: raft_id,
@@ -376,6 +389,7 @@ impl MeshNode {
             cancel: cancel.clone(),
             tasks: std::mem::take(tasks),
             gpu_thread,
+            leaving,
         })
     }
 
@@ -448,26 +462,30 @@ impl MeshNode {
         }
     }
 
-    /// Leaves the mesh gracefully: hands leadership away, asks to be removed, stops.
-    pub async fn leave(self) {
-        let status = self.consensus.status().await.ok();
-        if let Some(st) = &status {
-            if st.leader_id == self.raft_id {
-                if let Some(&other) = st.voters.iter().find(|&&v| v != self.raft_id) {
-                    let _ = self.consensus.transfer_leader(other).await;
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                }
+    /// Leaves the mesh for good (see [`leave`]): other members keep what this node
+    /// holds, another voter leads, the mesh removes it and its data dir is marked;
+    /// then [`Self::left`] fires, and the caller stops it. An error leaves it a
+    /// member, running as it was.
+    pub async fn leave(&self) -> Result<crate::api::LeftView> {
+        Ok(self.leaving.leave().await?)
+    }
+
+    /// Fires once this node has left the mesh (through [`Self::leave`] or its API's
+    /// `POST /v1/leave`): what runs it should then [`Self::stop`] it.
+    pub fn left(&self) -> CancellationToken {
+        self.leaving.left.clone()
+    }
+
+    /// Stops, staying a member (Ctrl-C, SIGTERM): a leader first hands the
+    /// leadership to another voter, so the mesh does not wait out an election
+    /// timeout to go on without it. Started again on its data dir, it comes back.
+    pub async fn shutdown(self) {
+        let me = self.raft_id;
+        if let Ok(st) = self.consensus.status().await {
+            if st.leader_id == me {
+                let handed = self.leaving.hand_over_leadership(me, &st.voters).await;
+                tracing::info!(to = ?handed, "handed the leadership over before stopping");
             }
-        }
-        let removal = tokio::time::timeout(
-            Duration::from_secs(5),
-            self.consensus.propose(Command::NodeLeft {
-                raft_id: self.raft_id,
-            }),
-        )
-        .await;
-        if !matches!(removal, Ok(Ok(_))) {
-            tracing::warn!("could not confirm removal from the mesh before stopping");
         }
         self.stop().await;
     }

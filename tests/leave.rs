@@ -1,0 +1,296 @@
+//! Stopping and leaving, the way a user does them: three `gpumesh node` processes
+//! started as the README starts them, stopped with Ctrl-C (SIGINT) and started
+//! again; one taken out with `gpumesh leave` while it holds results and hosts an
+//! actor; the last voter asked to leave.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::procs::{three, three_voters, Proc};
+use common::{count_call, counted, have_any};
+use gpumesh::node::api::{StateInit, TaskState};
+use gpumesh::protocol::{
+    BindingRole, BindingSpec, BlobId, Grid, MergeRule, ShaderSource, TaskSpec,
+};
+use gpumesh::Client;
+
+/// Written the way WebGPU tutorials write a kernel: a bounds check for the ragged
+/// last workgroup.
+const KERNEL: &str = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i >= arrayLength(&out)) { return; }
+    out[i] = i * 2654435761u + SALTu;
+}
+";
+/// Words per task: each of its two shards' results (80 KB) is over what a Raft
+/// entry carries, so it is a blob kept on two nodes.
+const N: u32 = 40_003;
+
+fn spec(salt: u32) -> TaskSpec {
+    TaskSpec {
+        shader: ShaderSource::Wgsl(KERNEL.replace("SALT", &salt.to_string())),
+        entry_point: "main".into(),
+        bindings: vec![BindingSpec {
+            binding: 0,
+            role: BindingRole::Output {
+                size: u64::from(N) * 4,
+            },
+        }],
+        grid: Grid([N.div_ceil(64), 1, 1]),
+        shards: 2,
+        merge: MergeRule::Changes,
+        merges: Default::default(),
+        options: Default::default(),
+    }
+}
+
+/// The CPU's answer to [`spec`]`(salt)`.
+fn expected(salt: u32) -> Vec<u8> {
+    (0..N)
+        .flat_map(|i| {
+            i.wrapping_mul(2_654_435_761)
+                .wrapping_add(salt)
+                .to_le_bytes()
+        })
+        .collect()
+}
+
+/// Submits [`spec`]`(salt)` through `via`, waits for it and checks its output
+/// against the CPU through `fetch`; its id.
+async fn checked_task(via: &Client, fetch: &Client, salt: u32) -> u64 {
+    let id = via.submit(spec(salt), None).await.unwrap();
+    let view = tokio::time::timeout(Duration::from_secs(120), via.wait(id, |_, _| {}))
+        .await
+        .expect("the task finished")
+        .unwrap();
+    assert_eq!(view.status, TaskState::Completed, "{view:#?}");
+    same_output(fetch, id, salt).await;
+    id
+}
+
+async fn same_output(fetch: &Client, id: u64, salt: u32) {
+    let out = fetch.results(id).await.unwrap().remove(&0).unwrap();
+    assert!(
+        out == expected(salt),
+        "t{id} differs from the CPU reference"
+    );
+}
+
+/// The blobs of task `id`'s shard results.
+async fn result_blobs(via: &Client, id: u64) -> Vec<BlobId> {
+    let view = via.task(id).await.unwrap();
+    let blobs: Vec<BlobId> = view
+        .shards
+        .iter()
+        .map(|s| {
+            s.output
+                .as_ref()
+                .expect("an accepted result")
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(blobs.len(), 2, "{view:#?}");
+    blobs
+}
+
+/// Waits until `via` knows a leader and `members` members, all alive.
+async fn members(via: &Client, members: usize) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(st) = via.status().await {
+            if st.leader != 0 && st.members.len() == members && st.members.iter().all(|m| m.alive) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "never {members} live members: {st:#?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn stopped_cleanly(p: &mut Proc, signal: &str) {
+    let status = p
+        .stop_with(signal, Duration::from_secs(30))
+        .unwrap()
+        .unwrap_or_else(|| panic!("node {} did not stop within 30 s of SIG{signal}", p.name));
+    assert!(
+        status.success(),
+        "node {} exited {status} on SIG{signal}",
+        p.name
+    );
+}
+
+/// Every node of the README's recipe stopped with Ctrl-C, then all started again on
+/// their data dirs (in the opposite order, the seed last): the mesh is back with
+/// its tasks, and takes new ones. (Ctrl-C used to take each node out of the mesh,
+/// and a mesh whose nodes all left this way never came back.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mesh_stopped_node_by_node_with_ctrl_c_comes_back_whole() {
+    if !have_any() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let mut procs = three(root.path());
+    three_voters(&procs).await;
+    let clients: Vec<Client> = procs.iter().map(|p| p.client().unwrap()).collect();
+    let before = checked_task(&clients[1], &clients[2], 7).await;
+
+    for p in procs.iter_mut() {
+        stopped_cleanly(p, "INT");
+    }
+    for p in procs.iter_mut().rev() {
+        p.start(&[]).unwrap();
+    }
+    three_voters(&procs).await;
+    // The task from before, through the node that stopped first; a new one.
+    same_output(&clients[0], before, 7).await;
+    checked_task(&clients[0], &clients[1], 8).await;
+    // SIGTERM, as a service manager stops it, keeps it a member too.
+    stopped_cleanly(&mut procs[2], "TERM");
+    procs[2].start(&[]).unwrap();
+    three_voters(&procs).await;
+    same_output(&clients[2], before, 7).await;
+}
+
+/// `gpumesh leave` on the node that hosts an actor and holds task results: it
+/// hands them to the other two, leaves, exits by itself; the mesh goes on with two
+/// members, the actor moves and counts on, and each of the two keeps every result.
+/// Its data dir is refused afterwards, with what to do instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_leaves_hands_off_what_it_holds_and_stays_out() {
+    if !have_any() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let mut procs = three(root.path());
+    three_voters(&procs).await;
+    let clients: Vec<Client> = procs.iter().map(|p| p.client().unwrap()).collect();
+    // Over what the record keeps itself: a blob on two nodes.
+    const WORDS: u32 = 8192;
+    let zeros = vec![StateInit {
+        binding: 0,
+        size: u64::from(WORDS) * 4,
+        blob: None,
+    }];
+    clients[0]
+        .create_actor("counter", zeros, None)
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        clients[1]
+            .call_actor("counter", count_call(WORDS), None)
+            .await
+            .unwrap();
+    }
+    let mut tasks = Vec::new();
+    for salt in 0..4 {
+        tasks.push((
+            checked_task(&clients[salt as usize % 3], &clients[0], salt).await,
+            salt,
+        ));
+    }
+    let mut blobs = Vec::new();
+    for (id, _) in &tasks {
+        blobs.extend(result_blobs(&clients[0], *id).await);
+    }
+    let host = clients[0].actor("counter").await.unwrap();
+    let leaver = procs
+        .iter()
+        .position(|p| p.seed.ends_with(&host.node))
+        .unwrap_or_else(|| panic!("no process hosts {host:?}"));
+    let stays: Vec<usize> = (0..3).filter(|i| *i != leaver).collect();
+
+    let out = std::process::Command::new(&procs[leaver].bin)
+        .args(["leave", "--json", "--api", &procs[leaver].api_addr()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "gpumesh leave: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let left: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        left["blobs_handed_off"].as_u64().unwrap() >= 1,
+        "the actor's host held its state: {left}"
+    );
+    let status = procs[leaver]
+        .wait_exit(Duration::from_secs(30))
+        .unwrap()
+        .expect("the node stops once it has left");
+    assert!(status.success(), "exited {status}");
+    assert!(procs[leaver]
+        .dir
+        .join(gpumesh::node::mesh::LEFT_FILE)
+        .exists());
+
+    let (b, c) = (&clients[stays[0]], &clients[stays[1]]);
+    members(b, 2).await;
+    // The actor moves off the node that left and counts on from where it was.
+    for via in [b, c] {
+        via.call_actor("counter", count_call(WORDS), None)
+            .await
+            .unwrap();
+    }
+    let moved = b.actor("counter").await.unwrap();
+    assert_ne!(moved.node, host.node, "{moved:?}");
+    counted(c, "counter", WORDS, 5).await;
+    for (id, salt) in &tasks {
+        same_output(b, *id, *salt).await;
+    }
+    checked_task(b, c, 9).await;
+
+    // Its data dir is refused, saying what happened and what to do.
+    let err = procs[leaver].start(&[]).unwrap_err().to_string();
+    assert!(
+        err.contains("left mesh") && err.contains("--data-dir"),
+        "{err}"
+    );
+    members(b, 2).await;
+
+    // Each of the two keeps every task result: either could now be lost alone.
+    for i in &stays {
+        stopped_cleanly(&mut procs[*i], "INT");
+        let store =
+            gpumesh::node::blobs::BlobStore::open(procs[*i].dir.join("blobs"), u64::MAX).unwrap();
+        for blob in &blobs {
+            assert!(
+                store.has(blob),
+                "{} lacks result blob {blob}",
+                procs[*i].name
+            );
+        }
+    }
+}
+
+/// The only voter of a mesh cannot leave it: refused with what to do, still serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_only_voter_cannot_leave() {
+    let root = tempfile::tempdir().unwrap();
+    let nodes = common::mesh(root.path(), 1).await;
+    let client = common::client(&nodes[0]);
+    let err = client.leave().await.unwrap_err().to_string();
+    assert!(
+        err.contains("only voter") && err.contains("Ctrl-C"),
+        "{err}"
+    );
+    let st = client.status().await.unwrap();
+    assert_eq!(st.members.len(), 1);
+    assert!(!nodes[0].left().is_cancelled());
+    assert!(!root
+        .path()
+        .join("n0")
+        .join(gpumesh::node::mesh::LEFT_FILE)
+        .exists());
+    common::still_serves(&nodes[0], &nodes[0]).await;
+    common::stop(nodes).await;
+}
