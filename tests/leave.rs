@@ -143,9 +143,24 @@ async fn a_mesh_stopped_node_by_node_with_ctrl_c_comes_back_whole() {
     let clients: Vec<Client> = procs.iter().map(|p| p.client().unwrap()).collect();
     let before = checked_task(&clients[1], &clients[2], 7).await;
 
-    for p in procs.iter_mut() {
-        stopped_cleanly(p, "INT");
+    stopped_cleanly(&mut procs[0], "INT");
+    stopped_cleanly(&mut procs[1], "INT");
+    // The one left says why nothing is served, and what to do.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = std::process::Command::new(&procs[2].bin)
+            .args(["status", "--api", &procs[2].api_addr()])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        if text.contains("no quorum: 1 of the 3 voters run") {
+            assert!(text.contains("comes back on its --data-dir"), "{text}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "gpumesh status: {text}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
     }
+    stopped_cleanly(&mut procs[2], "INT");
     for p in procs.iter_mut().rev() {
         p.start(&[]).unwrap();
     }

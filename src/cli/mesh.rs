@@ -281,7 +281,7 @@ pub fn status(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let leader = if st.leader == 0 {
-        "none (an election is under way, or no quorum is reachable)".to_string()
+        "none".to_string()
     } else {
         format!("{:x}", st.leader)
     };
@@ -289,6 +289,25 @@ pub fn status(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
         "leader {leader}, term {}, commit {}, data format {}",
         st.term, st.commit_index, st.data_format
     );
+    if st.leader == 0 {
+        let voters: Vec<_> = st.members.iter().filter(|m| m.role == "voter").collect();
+        // This node is running, whatever its own entries say.
+        let running = voters
+            .iter()
+            .filter(|m| m.alive || m.raft_id == st.node)
+            .count();
+        let majority = voters.len() / 2 + 1;
+        if running < majority {
+            println!(
+                "no quorum: {running} of the {} voters run as this node sees them, and {majority} \
+                 must; start the others (a stopped node stays a member and comes back on its \
+                 --data-dir)",
+                voters.len()
+            );
+        } else {
+            println!("an election is under way");
+        }
+    }
     println!(
         "{:<17} {:<54} {:<8} {:<16} {:<34} {:<7} {:>8} {:>6} {:>5}",
         "raft id", "peer id", "role", "alive", "adapter", "backend", "GFLOP/s", "GB/s", "queue"
