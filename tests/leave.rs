@@ -178,7 +178,8 @@ async fn a_mesh_stopped_node_by_node_with_ctrl_c_comes_back_whole() {
 /// `gpumesh leave` on the node that hosts an actor and holds task results: it
 /// hands them to the other two, leaves, exits by itself; the mesh goes on with two
 /// members, the actor moves and counts on, and each of the two keeps every result.
-/// Its data dir is refused afterwards, with what to do instead.
+/// Its data dir is refused afterwards, with what to do instead; that (a new data dir)
+/// joins again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_that_leaves_hands_off_what_it_holds_and_stays_out() {
     if !have_any() {
@@ -271,6 +272,12 @@ async fn a_node_that_leaves_hands_off_what_it_holds_and_stays_out() {
         "{err}"
     );
     members(b, 2).await;
+    // What it says to do: a new data dir joins again, as a new node.
+    let ticket = procs[stays[0]].ticket().unwrap();
+    procs[leaver].dir = root.path().join("again");
+    procs[leaver].start(&["--join", &ticket]).unwrap();
+    members(b, 3).await;
+    checked_task(&clients[leaver], b, 10).await;
 
     // Each of the two keeps every task result: either could now be lost alone.
     for i in &stays {
