@@ -37,6 +37,8 @@ const READS_AS_IS: [u16; 1] = [6];
 /// mesh state yet; an error names the format found and what to do.
 pub fn check_or_stamp(dir: &Path) -> Result<()> {
     let path = dir.join(FORMAT_FILE);
+    // A stamp cut short by a crash before its rename: the stamp is whole either way.
+    let _ = std::fs::remove_file(dir.join(format!("{FORMAT_FILE}.tmp")));
     match std::fs::read_to_string(&path) {
         Ok(text) => {
             let found = parse(&text).ok_or_else(|| {
@@ -125,7 +127,14 @@ mod tests {
         let text = std::fs::read_to_string(dir.path().join(FORMAT_FILE)).unwrap();
         assert_eq!(parse(&text), Some(FORMAT));
         std::fs::create_dir(dir.path().join("blobs")).unwrap();
+        // A stamp cut short by a crash (written, not yet renamed) goes at the next
+        // opening; the stamp stays.
+        let cut = dir.path().join(format!("{FORMAT_FILE}.tmp"));
+        std::fs::write(&cut, "gpumesh data fo").unwrap();
         check_or_stamp(dir.path()).unwrap();
+        assert!(!cut.exists());
+        let again = std::fs::read_to_string(dir.path().join(FORMAT_FILE)).unwrap();
+        assert_eq!(again, text);
     }
 
     #[test]

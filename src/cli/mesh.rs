@@ -325,6 +325,9 @@ pub fn status(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
             role,
             if m.alive {
                 "yes"
+            } else if m.raft_id == st.node {
+                // Nothing of its own applied lately (no quorum), but it answers.
+                "yes (this node)"
             } else if m.unreachable {
                 "NO (unreachable)"
             } else {
