@@ -316,3 +316,37 @@ async fn the_only_voter_cannot_leave() {
     common::still_serves(&nodes[0], &nodes[0]).await;
     common::stop(nodes).await;
 }
+
+/// One of three nodes stopped (it stays a member): a second leaving would leave the
+/// mesh a configuration of two voters with one of them gone, so no quorum; refused,
+/// saying so, and the mesh goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leave_that_would_cost_the_quorum_is_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = common::mesh(root.path(), 3).await;
+    let stopped = nodes.pop().unwrap();
+    let gone = stopped.raft_id;
+    stopped.stop().await;
+    let client = common::client(&nodes[1]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let st = client.status().await.unwrap();
+        if st.members.iter().any(|m| m.raft_id == gone && !m.alive) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the stopped node still looks alive"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let err = client.leave().await.unwrap_err().to_string();
+    assert!(
+        err.contains("without a quorum") && err.contains("of the 2 other voters 1 run"),
+        "{err}"
+    );
+    assert!(!nodes[1].left().is_cancelled());
+    assert_eq!(client.status().await.unwrap().members.len(), 3);
+    common::still_serves(&nodes[1], &nodes[0]).await;
+    common::stop(nodes).await;
+}

@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::LeftView;
 use crate::blobs::BlobsHandle;
 use crate::error::{NodeError, Result};
+use crate::liveness::LivenessHandle;
 
 /// The file in a data dir whose node has left its mesh.
 pub const LEFT_FILE: &str = "left";
@@ -65,6 +66,7 @@ impl From<NotLeft> for NodeError {
 pub(crate) struct Leaving {
     pub consensus: ConsensusHandle,
     pub blobs: BlobsHandle,
+    pub liveness: LivenessHandle,
     pub data_dir: PathBuf,
     pub cluster: ClusterId,
     /// Cancelled once this node has left: whoever runs it then stops it.
@@ -104,6 +106,20 @@ impl Leaving {
                  back with its state), or start more nodes first"
                     .into(),
             ));
+        }
+        // Raft would remove it even so, and the mesh would then wait for voters
+        // that are not there.
+        let others: Vec<u64> = status.voters.iter().copied().filter(|&v| v != me).collect();
+        let view = self.liveness.view();
+        let running = others.iter().filter(|&&v| view.is_alive(v)).count();
+        let majority = others.len() / 2 + 1;
+        if running < majority {
+            return Err(NotLeft::Refused(format!(
+                "leaving now would leave the mesh without a quorum: of the {} other voters {running} \
+                 run, and {majority} must; start the others first (or stop this node with Ctrl-C \
+                 instead: it stays a member)",
+                others.len()
+            )));
         }
         let started = Instant::now();
         let mut handed = HashSet::new();

@@ -358,6 +358,7 @@ impl MeshNode {
         let leaving = Leaving {
             consensus: consensus.clone(),
             blobs: api.blobs.clone(),
+            liveness: api.liveness.clone(),
             data_dir: config.data_dir.clone(),
             cluster,
             left: CancellationToken::new(),
