@@ -332,6 +332,14 @@ impl Client {
         self.json(self.http.post(self.url("/v1/leave"))).await
     }
 
+    /// Removes member `raft_id` (gone for good: its machine lost) from the mesh
+    /// (`DELETE /v1/members/ID`); refused for the node asked and for a member that
+    /// runs (`leave` on it instead).
+    pub async fn remove_member(&self, raft_id: u64) -> ClientResult<()> {
+        let url = self.url(&format!("/v1/members/{raft_id:x}"));
+        self.send(self.http.delete(url)).await.map(|_| ())
+    }
+
     /// The mesh as this node sees it; not retried (a status without a leader is
     /// still an answer).
     pub async fn status(&self) -> ClientResult<StatusView> {

@@ -319,9 +319,11 @@ async fn the_only_voter_cannot_leave() {
 
 /// One of three nodes stopped (it stays a member): a second leaving would leave the
 /// mesh a configuration of two voters with one of them gone, so no quorum; refused,
-/// saying so, and the mesh goes on.
+/// saying so, and the mesh goes on. The stopped one, gone for good, is removed
+/// through another node (refused for a running member, for the node asked and for
+/// an unknown id).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_leave_that_would_cost_the_quorum_is_refused() {
+async fn a_leave_that_would_cost_the_quorum_is_refused_and_a_member_gone_is_removed() {
     let root = tempfile::tempdir().unwrap();
     let mut nodes = common::mesh(root.path(), 3).await;
     let stopped = nodes.pop().unwrap();
@@ -348,5 +350,21 @@ async fn a_leave_that_would_cost_the_quorum_is_refused() {
     assert!(!nodes[1].left().is_cancelled());
     assert_eq!(client.status().await.unwrap().members.len(), 3);
     common::still_serves(&nodes[1], &nodes[0]).await;
+
+    for (id, says) in [
+        (nodes[0].raft_id, "runs"),
+        (nodes[1].raft_id, "gpumesh leave"),
+        (0x1234, "no member 1234"),
+    ] {
+        let err = client.remove_member(id).await.unwrap_err().to_string();
+        assert!(err.contains(says), "{id:x}: {err}");
+    }
+    assert_eq!(client.status().await.unwrap().members.len(), 3);
+    client.remove_member(gone).await.unwrap();
+    let st = client.status().await.unwrap();
+    assert_eq!(st.members.len(), 2, "{st:#?}");
+    assert!(st.members.iter().all(|m| m.raft_id != gone && m.alive));
+    // Two voters, both running: the mesh goes on.
+    common::still_serves(&nodes[0], &nodes[1]).await;
     common::stop(nodes).await;
 }

@@ -459,6 +459,19 @@ pub fn leave(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+pub fn remove(node: &str, api: ApiArgs) -> anyhow::Result<ExitCode> {
+    let Ok(raft_id) = u64::from_str_radix(node.trim_start_matches("0x"), 16) else {
+        bail!("{node:?} is not a raft id: give it in hex, as `gpumesh status` shows it");
+    };
+    let client = api.client()?;
+    tokio::runtime::Runtime::new()?.block_on(client.remove_member(raft_id))?;
+    println!(
+        "member {} removed; start that machine again only with a new --data-dir (and --join)",
+        node_name(raft_id)
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
 /// A raft id as `gpumesh status` shows it.
 fn node_name(id: u64) -> String {
     format!("{id:x}")

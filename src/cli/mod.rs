@@ -132,6 +132,16 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Remove a member that is gone for good (its machine lost) so the mesh's
+    /// quorum no longer counts on it; refused for a member that runs (`gpumesh
+    /// leave` on it hands its data off first). Never start a removed node on its old
+    /// data dir again: start it with a new one.
+    Remove {
+        /// Its raft id, in hex as `gpumesh status` shows it.
+        node: String,
+        #[command(flatten)]
+        api: ApiArgs,
+    },
     /// GPU actors: named state on a node's GPU, called from any node, surviving it.
     Actor {
         #[command(subcommand)]
@@ -369,6 +379,7 @@ pub fn execute(cli: Cli, matches: &ArgMatches) -> anyhow::Result<ExitCode> {
         } => mesh::cancel(&task, reason.as_deref(), api, json),
         Command::Forget { task, api } => mesh::forget(&task, api),
         Command::Leave { api, json } => mesh::leave(api, json),
+        Command::Remove { node, api } => mesh::remove(&node, api),
         Command::Completions { shell } => {
             clap_complete::generate(
                 shell,

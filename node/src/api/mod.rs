@@ -25,6 +25,7 @@
 //! | GET | /v1/actors/{name}/state/{binding} | a state buffer as of the last acknowledged call |
 //! | GET | /v1/status | leader, term, members |
 //! | POST | /v1/leave | this node leaves the mesh for good (its blobs kept by others), then stops |
+//! | DELETE | /v1/members/{id} | remove a member gone for good (raft id in hex); refused if it runs |
 //! | GET | /metrics | this node's Prometheus metrics, OpenMetrics text (see [`crate::metrics`]) |
 //!
 //! Any other path answers 404 and any other method on a known path 405, each with a
@@ -113,6 +114,10 @@ pub(crate) async fn serve(
         .route("/v1/actors/{name}/state/{binding}", get(actors::state))
         .route("/v1/status", get(status::status))
         .route("/v1/leave", post(status::leave))
+        .route(
+            "/v1/members/{id}",
+            axum::routing::delete(status::remove_member),
+        )
         .route("/", get(dashboard::page))
         .route("/v1/overview", get(dashboard::overview))
         .route("/metrics", get(status::metrics))

@@ -1,9 +1,9 @@
-//! `GET /v1/status` (leader, term, members as this node sees them), `GET /metrics`
-//! and `POST /v1/leave`.
+//! `GET /v1/status` (leader, term, members as this node sees them), `GET /metrics`,
+//! `POST /v1/leave` and `DELETE /v1/members/{id}`.
 
 use std::sync::Arc;
 
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -59,5 +59,62 @@ pub(crate) async fn leave(State(api): State<Arc<ApiState>>) -> ApiResult<Json<Le
         Ok(left) => Ok(Json(left)),
         Err(NotLeft::Refused(why)) => Err(ApiError(StatusCode::CONFLICT, why)),
         Err(NotLeft::Failed(why)) => Err(unavailable(why)),
+    }
+}
+
+/// How long a removal may take to commit.
+const REMOVAL_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Removes a member that is gone for good (its machine lost), named by its raft id
+/// in hex as `gpumesh status` shows it: the mesh's quorum stops counting on it.
+/// Refused for this node itself and for a member that runs (`gpumesh leave` on it
+/// hands its data off first).
+pub(crate) async fn remove_member(
+    State(api): State<Arc<ApiState>>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    let raft_id = u64::from_str_radix(id.trim_start_matches("0x"), 16).map_err(|_| {
+        super::error::bad(format!(
+            "{id:?} is not a raft id: give it in hex, as `gpumesh status` shows it"
+        ))
+    })?;
+    if raft_id == api.raft_id {
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            "that is this node: `gpumesh leave` takes it out of the mesh (its results and actor \
+             states handed to other members first)"
+                .into(),
+        ));
+    }
+    if !api
+        .consensus
+        .read_local(move |s| s.member(raft_id).is_some())
+    {
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("no member {raft_id:x}; `gpumesh status` lists the members"),
+        ));
+    }
+    if api.liveness.view().is_alive(raft_id) {
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            format!(
+                "member {raft_id:x} runs, as this node sees it: `gpumesh leave --api ITS_API` takes \
+                 it out with its results and actor states handed to other members first; remove \
+                 is for a member that is gone for good"
+            ),
+        ));
+    }
+    match tokio::time::timeout(REMOVAL_WAIT, api.consensus.remove(raft_id)).await {
+        Ok(Ok(_)) => Ok(Json(
+            serde_json::json!({ "removed": format!("{raft_id:x}") }),
+        )),
+        Ok(Err(e)) => Err(unavailable(format!(
+            "member {raft_id:x} was not removed: {e}"
+        ))),
+        Err(_) => Err(unavailable(format!(
+            "member {raft_id:x} was not removed within {REMOVAL_WAIT:?} (is a majority of the \
+             voters running?); it may yet be: see `gpumesh status`"
+        ))),
     }
 }

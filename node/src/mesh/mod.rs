@@ -431,7 +431,9 @@ impl MeshNode {
             }
             tracing::warn!(
                 "no Raft leader within {wait:?} of restarting: serving anyway; the API \
-                 answers 503 until a majority of the mesh's voters is reachable"
+                 answers 503 until a majority of the mesh's voters is reachable (a node \
+                 removed from its mesh with `gpumesh remove` never hears from it again: start \
+                 it with a new --data-dir)"
             );
         }
         Ok(())
