@@ -321,11 +321,21 @@ async fn the_only_voter_cannot_leave() {
 /// mesh a configuration of two voters with one of them gone, so no quorum; refused,
 /// saying so, and the mesh goes on. The stopped one, gone for good, is removed
 /// through another node (refused for a running member, for the node asked and for
-/// an unknown id).
+/// an unknown id), and the copies of results it held are made again on the others.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leave_that_would_cost_the_quorum_is_refused_and_a_member_gone_is_removed() {
     let root = tempfile::tempdir().unwrap();
     let mut nodes = common::mesh(root.path(), 3).await;
+    // Results kept on two of the three nodes each: some on the one to be removed
+    // (submitted and fetched through it, so no other node pulls them to merge).
+    let mut blobs = Vec::new();
+    if have_any() {
+        let via = common::client(&nodes[2]);
+        for salt in 0..4 {
+            let id = checked_task(&via, &via, 100 + salt).await;
+            blobs.extend(result_blobs(&via, id).await);
+        }
+    }
     let stopped = nodes.pop().unwrap();
     let gone = stopped.raft_id;
     stopped.stop().await;
@@ -364,6 +374,19 @@ async fn a_leave_that_would_cost_the_quorum_is_refused_and_a_member_gone_is_remo
     let st = client.status().await.unwrap();
     assert_eq!(st.members.len(), 2, "{st:#?}");
     assert!(st.members.iter().all(|m| m.raft_id != gone && m.alive));
+    // Each of the two now holds every result: the removed node's copies are made
+    // again.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !blobs
+        .iter()
+        .all(|b| nodes[0].blobs.has(b) && nodes[1].blobs.has(b))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the removed node's copies were not made again"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     // Two voters, both running: the mesh goes on.
     common::still_serves(&nodes[0], &nodes[1]).await;
     common::stop(nodes).await;

@@ -27,6 +27,7 @@ use crate::wire::{self, Changes, NextState, NodeReply, NodeRequest};
 mod next_state;
 mod pack;
 mod recent;
+pub mod repair;
 pub mod store;
 pub mod sweep;
 
@@ -245,6 +246,16 @@ impl BlobsHandle {
         };
         self.mover
             .copy_to_many(&request, copies)
+            .await
+            .map_err(|reason| NodeError::NoSecondCopy { blob: id, reason })
+    }
+
+    /// Makes sure one other member holds blob `id`, stored here: the first other
+    /// member asked pulls it from here unless it has it already. What each member
+    /// does for its blobs once another member is removed (see [`repair`]).
+    pub async fn ensure_copy(&self, id: BlobId) -> Result<usize> {
+        self.mover
+            .copy_to_many(&NodeRequest::Replicate { blob: id }, 1)
             .await
             .map_err(|reason| NodeError::NoSecondCopy { blob: id, reason })
     }

@@ -228,6 +228,11 @@ impl MeshNode {
             cancel.clone(),
         );
         tasks.push(blobs_task);
+        tasks.push(tokio::spawn(crate::blobs::repair::run(
+            blobs.clone(),
+            consensus.clone(),
+            cancel.clone(),
+        )));
         let made_outputs = Arc::new(crate::outputs::ResultCache::default());
         let sweep_metrics = crate::metrics::SweepMetrics::default();
         tasks.push(tokio::spawn(crate::blobs::sweep::run(
