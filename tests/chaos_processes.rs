@@ -28,49 +28,20 @@ use common::procs::Proc;
 use common::{accepted_once, have_any};
 use gpumesh::consensus::RequestId;
 use gpumesh::node::api::TaskState;
-use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource, TaskSpec};
+use gpumesh::protocol::TaskSpec;
 use gpumesh::Client;
 
-const KERNEL: &str = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let i = gid.x;
-    if (i >= arrayLength(&out)) { return; }
-    out[i] = i * 2654435761u + SALTu;
-}
-";
 /// Values per task: each of its two shards' results (12 KB) is over what the record
 /// keeps, so it is carried in its Raft entry and stored as a blob (in each node's
 /// pack) by every node applying it, through the kills and restarts.
 const N: u32 = 6000;
 
 fn spec(salt: u32) -> TaskSpec {
-    TaskSpec {
-        shader: ShaderSource::Wgsl(KERNEL.replace("SALT", &salt.to_string())),
-        entry_point: "main".into(),
-        bindings: vec![BindingSpec {
-            binding: 0,
-            role: BindingRole::Output {
-                size: u64::from(N) * 4,
-            },
-        }],
-        grid: Grid([N.div_ceil(64), 1, 1]),
-        shards: 2,
-        merge: MergeRule::Changes,
-        merges: Default::default(),
-        options: Default::default(),
-    }
+    common::salted_spec(N, salt)
 }
 
-/// The CPU reference; word 0 is the salt, which names the submission.
 fn expected(salt: u32) -> Vec<u8> {
-    (0..N)
-        .flat_map(|i| {
-            i.wrapping_mul(2_654_435_761)
-                .wrapping_add(salt)
-                .to_le_bytes()
-        })
-        .collect()
+    common::salted_expected(N, salt)
 }
 
 /// SplitMix64: the schedule from the seed alone.

@@ -12,52 +12,19 @@ use std::time::{Duration, Instant};
 use common::procs::{three, three_voters, Proc};
 use common::{count_call, counted, have_any};
 use gpumesh::node::api::{StateInit, TaskState};
-use gpumesh::protocol::{
-    BindingRole, BindingSpec, BlobId, Grid, MergeRule, ShaderSource, TaskSpec,
-};
+use gpumesh::protocol::{BlobId, TaskSpec};
 use gpumesh::Client;
 
-/// Written the way WebGPU tutorials write a kernel: a bounds check for the ragged
-/// last workgroup.
-const KERNEL: &str = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let i = gid.x;
-    if (i >= arrayLength(&out)) { return; }
-    out[i] = i * 2654435761u + SALTu;
-}
-";
 /// Words per task: each of its two shards' results (80 KB) is over what a Raft
 /// entry carries, so it is a blob kept on two nodes.
 const N: u32 = 40_003;
 
 fn spec(salt: u32) -> TaskSpec {
-    TaskSpec {
-        shader: ShaderSource::Wgsl(KERNEL.replace("SALT", &salt.to_string())),
-        entry_point: "main".into(),
-        bindings: vec![BindingSpec {
-            binding: 0,
-            role: BindingRole::Output {
-                size: u64::from(N) * 4,
-            },
-        }],
-        grid: Grid([N.div_ceil(64), 1, 1]),
-        shards: 2,
-        merge: MergeRule::Changes,
-        merges: Default::default(),
-        options: Default::default(),
-    }
+    common::salted_spec(N, salt)
 }
 
-/// The CPU's answer to [`spec`]`(salt)`.
 fn expected(salt: u32) -> Vec<u8> {
-    (0..N)
-        .flat_map(|i| {
-            i.wrapping_mul(2_654_435_761)
-                .wrapping_add(salt)
-                .to_le_bytes()
-        })
-        .collect()
+    common::salted_expected(N, salt)
 }
 
 /// Submits [`spec`]`(salt)` through `via`, waits for it and checks its output

@@ -468,3 +468,46 @@ pub async fn lcg_finished_right(via: &Client, task: u64, groups: u32) {
         "t{task} differs from the CPU reference"
     );
 }
+
+/// Written the way WebGPU tutorials write a kernel, a bounds check for the ragged
+/// last workgroup: word `i` of its output is a hash of `i` plus a salt, which
+/// names the submission.
+pub const SALTED: &str = "@group(0) @binding(0) var<storage, read_write> out: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i >= arrayLength(&out)) { return; }
+    out[i] = i * 2654435761u + SALTu;
+}
+";
+
+/// [`SALTED`] over `n` words in two shards, with `salt`.
+pub fn salted_spec(n: u32, salt: u32) -> gpumesh::protocol::TaskSpec {
+    use gpumesh::protocol::{BindingRole, BindingSpec, Grid, MergeRule, ShaderSource};
+    gpumesh::protocol::TaskSpec {
+        shader: ShaderSource::Wgsl(SALTED.replace("SALT", &salt.to_string())),
+        entry_point: "main".into(),
+        bindings: vec![BindingSpec {
+            binding: 0,
+            role: BindingRole::Output {
+                size: u64::from(n) * 4,
+            },
+        }],
+        grid: Grid([n.div_ceil(64), 1, 1]),
+        shards: 2,
+        merge: MergeRule::Changes,
+        merges: Default::default(),
+        options: Default::default(),
+    }
+}
+
+/// The CPU's answer to [`salted_spec`].
+pub fn salted_expected(n: u32, salt: u32) -> Vec<u8> {
+    (0..n)
+        .flat_map(|i| {
+            i.wrapping_mul(2_654_435_761)
+                .wrapping_add(salt)
+                .to_le_bytes()
+        })
+        .collect()
+}
