@@ -202,9 +202,13 @@ impl Leaving {
         Ok((todo.len(), bytes))
     }
 
-    /// Has another voter take the leadership over; which one did, if any did in time.
+    /// Has another running voter take the leadership over; which one did, if any did
+    /// in time.
     pub async fn hand_over_leadership(&self, me: u64, voters: &[u64]) -> Option<u64> {
-        let to = *voters.iter().find(|&&v| v != me)?;
+        // One that runs, as this node sees it: a transfer to one that does not
+        // would only hold the leadership back until it times out.
+        let view = self.liveness.view();
+        let to = *voters.iter().find(|&&v| v != me && view.is_alive(v))?;
         self.consensus.transfer_leader(to).await.ok()?;
         let mut status = self.consensus.watch_status();
         let moved = tokio::time::timeout(HAND_OVER_WAIT, async {
