@@ -134,6 +134,17 @@ impl Mesh {
         })
     }
 
+    /// Stops node `i` as Ctrl-C does: a leader hands the leadership over first. The
+    /// returned task finishes once it has stopped.
+    fn shut_down(&mut self, i: usize) -> tokio::task::JoinHandle<()> {
+        let node = self.nodes[i].take();
+        tokio::spawn(async move {
+            if let Some(n) = node {
+                n.shutdown().await;
+            }
+        })
+    }
+
     /// Starts node `i` again from its data directory and waits for the mesh.
     async fn restart(&mut self, i: usize) -> anyhow::Result<()> {
         let peers = self.live().map(seed).collect::<anyhow::Result<Vec<_>>>()?;
@@ -175,13 +186,23 @@ async fn next_task(
     Ok((acked, t0.elapsed()))
 }
 
-/// Kills the leader; times the next task submitted through a surviving node.
-async fn leader_failover(mesh: &mut Mesh, round: u64) -> anyhow::Result<(Duration, Duration)> {
+/// Kills the leader (or, with `hand_over`, stops it as Ctrl-C does); times the next
+/// task submitted through a surviving node.
+async fn leader_failover(
+    mesh: &mut Mesh,
+    round: u64,
+    hand_over: bool,
+) -> anyhow::Result<(Duration, Duration)> {
     let leader = mesh.leader().ok_or_else(|| anyhow::anyhow!("no leader"))?;
     let via = mesh.client((leader + 1) % 3)?;
     let t0 = Instant::now();
-    let stopped = mesh.kill(leader);
-    let times = next_task(&via, RequestId::new(0xFA11_0000 + round, 1), t0).await?;
+    let stopped = if hand_over {
+        mesh.shut_down(leader)
+    } else {
+        mesh.kill(leader)
+    };
+    let id = RequestId::new(0xFA11_0000 + round * 2 + u64::from(hand_over), 1);
+    let times = next_task(&via, id, t0).await?;
     stopped.await?;
     mesh.restart(leader).await?;
     Ok(times)
@@ -319,10 +340,12 @@ async fn run(args: FaultsBenchArgs) -> anyhow::Result<ExitCode> {
     let mut mesh = Mesh::start(root.clone()).await?;
     let mut acked = Vec::new();
     let mut completed = Vec::new();
+    let mut handed = Vec::new();
     for round in 0..rounds {
-        let (a, c) = leader_failover(&mut mesh, round as u64).await?;
+        let (a, c) = leader_failover(&mut mesh, round as u64, false).await?;
         acked.push(a);
         completed.push(c);
+        handed.push(leader_failover(&mut mesh, round as u64, true).await?.0);
     }
     let mut placed = Vec::new();
     let mut moved = Vec::new();
@@ -361,11 +384,16 @@ async fn run(args: FaultsBenchArgs) -> anyhow::Result<ExitCode> {
             procs.iter().map(|r| r.shown_down).collect(),
         ),
     ];
-    let inproc_rows: [(&str, &str, Vec<Duration>); 4] = [
+    let inproc_rows: [(&str, &str, Vec<Duration>); 5] = [
         (
             "leader_killed_next_task_acknowledged",
             "leader killed → next task acknowledged",
             acked,
+        ),
+        (
+            "leader_stopped_next_task_acknowledged",
+            "leader stopped as Ctrl-C does (hand-over) → next task acked",
+            handed,
         ),
         (
             "leader_killed_task_completed",
