@@ -358,3 +358,42 @@ async fn a_leave_that_would_cost_the_quorum_is_refused_and_a_member_gone_is_remo
     common::still_serves(&nodes[0], &nodes[1]).await;
     common::stop(nodes).await;
 }
+
+/// A member down (stopped; still a member) for `--repair-after`: the others make the
+/// copies it held again, so each result is on two running members.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_copies_a_member_down_held_are_made_again_on_the_others() {
+    if !have_any() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let mut nodes = common::mesh_with(root.path(), 3, |_, c| {
+        c.repair_after = Duration::from_secs(1);
+    })
+    .await;
+    // Submitted and fetched through the node to be stopped, so no other node pulls
+    // its results to merge them.
+    let via = common::client(&nodes[2]);
+    let mut blobs = Vec::new();
+    for salt in 0..4 {
+        let id = checked_task(&via, &via, 200 + salt).await;
+        blobs.extend(result_blobs(&via, id).await);
+    }
+    let down = nodes.pop().unwrap();
+    down.stop().await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !blobs
+        .iter()
+        .all(|b| nodes[0].blobs.has(b) && nodes[1].blobs.has(b))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the copies the stopped node held were not made again"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Still a member: it is down, not removed.
+    let st = common::client(&nodes[0]).status().await.unwrap();
+    assert_eq!(st.members.len(), 3);
+    common::stop(nodes).await;
+}

@@ -195,6 +195,12 @@ pub struct NodeArgs {
     #[arg(long, env = "GPUMESH_KEEP_UNUSED_BLOBS", value_name = "SECONDS",
           default_value_t = NodeConfig::new("").blob_sweep.keep_unused.as_secs_f64())]
     pub keep_unused_blobs: f64,
+    /// Seconds a member may be down before the others make the copies of results
+    /// and actor states it held again on running members (a member removed with
+    /// `gpumesh remove`: at once).
+    #[arg(long, env = "GPUMESH_REPAIR_AFTER", value_name = "SECONDS",
+          default_value_t = NodeConfig::new("").repair_after.as_secs_f64())]
+    pub repair_after: f64,
     /// `gpumesh run` tasks (one shard, one replica) run on this node's GPU at once,
     /// recorded with their result in one commit, while fewer than this many are
     /// under way here; beyond, and with 0, the mesh places them.
@@ -409,6 +415,7 @@ impl NodeArgs {
             ("straggler_min", self.straggler_min),
             ("default_deadline", self.default_deadline),
             ("keep_unused_blobs", self.keep_unused_blobs),
+            ("repair_after", self.repair_after),
         ] {
             seconds(key, secs)?;
         }
@@ -518,6 +525,7 @@ impl NodeArgs {
         config.scheduler.straggler_min = seconds("straggler_min", self.straggler_min)?;
         config.default_deadline = seconds("default_deadline", self.default_deadline)?;
         config.blob_sweep.keep_unused = seconds("keep_unused_blobs", self.keep_unused_blobs)?;
+        config.repair_after = seconds("repair_after", self.repair_after)?;
         config.run_here_slots = self.run_here_slots;
         Ok(config)
     }

@@ -43,6 +43,9 @@ pub struct NodeConfig {
     /// GPU at once, without a placement round, while fewer than this many are under
     /// way here (0: every task is placed by the mesh).
     pub run_here_slots: usize,
+    /// How long a member may be down before the others make the copies it held
+    /// again on running members ([`crate::blobs::repair`]).
+    pub repair_after: Duration,
     /// When this node removes the blobs nothing needs any more.
     pub blob_sweep: crate::blobs::sweep::SweepConfig,
     /// Faults to inject, for tests and `gpumesh bench faults`; none by default.
@@ -70,6 +73,7 @@ impl NodeConfig {
             scheduler: SchedulerConfig::default(),
             default_deadline: Duration::from_secs(60),
             run_here_slots: crate::run_here::DEFAULT_SLOTS,
+            repair_after: crate::blobs::repair::DEFAULT_REPAIR_AFTER,
             blob_sweep: Default::default(),
             faults: Faults::default(),
             timeline: Default::default(),

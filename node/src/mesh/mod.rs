@@ -231,6 +231,7 @@ impl MeshNode {
         tasks.push(tokio::spawn(crate::blobs::repair::run(
             blobs.clone(),
             consensus.clone(),
+            config.repair_after,
             cancel.clone(),
         )));
         let made_outputs = Arc::new(crate::outputs::ResultCache::default());
