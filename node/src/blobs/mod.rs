@@ -421,13 +421,24 @@ impl Mover {
     /// Asks other members to keep a copy until `copies` of them have one (or every
     /// other member has, where there are fewer): `request` is a `Keep` or a
     /// `Replicate`, which a member that holds the blob already answers at once.
-    /// Returns how many keep it.
+    /// Members the record holds down are not asked, nor counted: a copy there is
+    /// out of reach. Returns how many keep it.
     async fn copy_to_many(
         &self,
         request: &NodeRequest,
         copies: usize,
     ) -> std::result::Result<usize, String> {
-        let (n, targets) = self.targets(None).await;
+        let down = self.consensus.read_local(|s| s.down().clone());
+        let up = |p: &PeerId| !down.contains(&crate::identity::raft_id(p));
+        let (n, mut targets) = self.targets(None).await;
+        let me = self.peers.me();
+        let n = n - self
+            .members()
+            .iter()
+            .filter(|p| **p != me && !up(p))
+            .count()
+            .min(n);
+        targets.retain(up);
         let wanted = copies.min(n);
         let reachable = targets.len();
         let mut kept = 0;
