@@ -397,3 +397,67 @@ async fn the_copies_a_member_down_held_are_made_again_on_the_others() {
     assert_eq!(st.members.len(), 3);
     common::stop(nodes).await;
 }
+
+/// The README's recipe, then the seed lost for good: killed with SIGKILL and removed
+/// with `gpumesh remove` through another node. The two left each hold every result
+/// the seed had a copy of, and go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_seed_killed_and_removed_leaves_every_result_on_both_others() {
+    if !have_any() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let mut procs = three(root.path());
+    three_voters(&procs).await;
+    let clients: Vec<Client> = procs.iter().map(|p| p.client().unwrap()).collect();
+    let mut tasks = Vec::new();
+    let mut blobs = Vec::new();
+    for salt in 0..4 {
+        // Through the seed, so that no other node pulls the results to merge them.
+        let id = checked_task(&clients[0], &clients[0], 300 + salt).await;
+        blobs.extend(result_blobs(&clients[0], id).await);
+        tasks.push((id, 300 + salt));
+    }
+    let seed = procs[0].raft_id;
+    procs[0].kill9();
+    let remove = |via: &Proc| {
+        std::process::Command::new(&via.bin)
+            .args(["remove", &format!("{seed:x}"), "--api", &via.api_addr()])
+            .output()
+            .unwrap()
+    };
+    // Refused while the others still count it as running; done once it is down.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = remove(&procs[1]);
+        if out.status.success() {
+            break;
+        }
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("runs"), "gpumesh remove: {err}");
+        assert!(Instant::now() < deadline, "never removed: {err}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    members(&clients[1], 2).await;
+    for (id, salt) in &tasks {
+        same_output(&clients[2], *id, *salt).await;
+    }
+    checked_task(&clients[1], &clients[2], 310).await;
+    // The copies are made in the background, each node saying so when done.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !procs[1..].iter().all(|p| {
+        std::fs::read_to_string(p.log_path())
+            .unwrap_or_default()
+            .contains("made sure another running member holds each blob here")
+    }) {
+        assert!(Instant::now() < deadline, "no repair pass logged");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for p in &mut procs[1..] {
+        stopped_cleanly(p, "INT");
+        let store = gpumesh::node::blobs::BlobStore::open(p.dir.join("blobs"), u64::MAX).unwrap();
+        for blob in &blobs {
+            assert!(store.has(blob), "{} lacks result blob {blob}", p.name);
+        }
+    }
+}
