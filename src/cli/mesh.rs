@@ -83,9 +83,17 @@ pub fn node(settings: NodeArgs) -> anyhow::Result<ExitCode> {
             }
         }
         println!(
-            "stopping; this node stays a member: start it again with --data-dir {} to come back",
+            "stopping; this node stays a member: start it again with --data-dir {} to come back \
+             (Ctrl-C again: stop at once, as a crash would; nothing acknowledged is lost)",
             data_dir.display()
         );
+        let _ = std::io::stdout().flush();
+        tokio::spawn(async {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                eprintln!("gpumesh: stopped at once (second Ctrl-C)");
+                std::process::exit(130);
+            }
+        });
         node.shutdown().await;
         anyhow::Ok(())
     })?;
