@@ -420,6 +420,21 @@ async fn the_seed_killed_and_removed_leaves_every_result_on_both_others() {
     }
     let seed = procs[0].raft_id;
     procs[0].kill9();
+    // Status says what to do about a member down.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = std::process::Command::new(&procs[1].bin)
+            .args(["status", "--api", &procs[1].api_addr()])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        if text.contains(&format!("down: {seed:x}")) {
+            assert!(text.contains("gpumesh remove RAFT_ID"), "{text}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "gpumesh status: {text}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let remove = |via: &Proc| {
         std::process::Command::new(&via.bin)
             .args(["remove", &format!("{seed:x}"), "--api", &via.api_addr()])

@@ -348,6 +348,20 @@ pub fn status(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
             m.queue
         );
     }
+    let down: Vec<String> = st
+        .members
+        .iter()
+        .filter(|m| !m.alive && m.raft_id != st.node)
+        .map(|m| node_name(m.raft_id))
+        .collect();
+    if st.leader != 0 && !down.is_empty() {
+        println!(
+            "down: {} — a stopped node comes back when started on its --data-dir; one whose \
+             machine is gone for good: `gpumesh remove RAFT_ID` (its copies are made again \
+             elsewhere)",
+            down.join(", ")
+        );
+    }
     if !st.actors.is_empty() {
         println!();
         println!(
