@@ -13,7 +13,7 @@ use axum::http::StatusCode;
 use super::error::{unavailable, ApiError, ApiResult};
 use super::state::ApiState;
 use super::views::{members, LeftView, StatusView};
-use crate::mesh::NotLeft;
+use crate::mesh::{NotLeft, REMOVAL_WAIT};
 
 pub(crate) async fn status(State(api): State<Arc<ApiState>>) -> ApiResult<Json<StatusView>> {
     let c = &api.consensus;
@@ -61,9 +61,6 @@ pub(crate) async fn leave(State(api): State<Arc<ApiState>>) -> ApiResult<Json<Le
         Err(NotLeft::Failed(why)) => Err(unavailable(why)),
     }
 }
-
-/// How long a removal may take to commit.
-const REMOVAL_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Removes a member that is gone for good (its machine lost), named by its raft id
 /// in hex as `gpumesh status` shows it: the mesh's quorum stops counting on it.

@@ -250,6 +250,17 @@ impl BlobsHandle {
             .map_err(|reason| NodeError::NoSecondCopy { blob: id, reason })
     }
 
+    /// The blobs stored here that the record (as applied here) names: what a node
+    /// leaving hands off, and what it checks for second copies once a member is lost.
+    pub async fn named_here(&self) -> Result<Vec<BlobId>> {
+        let named = self.mover.consensus.read_local(|s| s.blobs_in_use());
+        let store = self.store.clone();
+        let here = tokio::task::spawn_blocking(move || store.all_blobs())
+            .await
+            .map_err(|_| NodeError::Stopping)??;
+        Ok(here.into_iter().filter(|b| named.contains(b)).collect())
+    }
+
     /// Makes sure one other member holds blob `id`, stored here: the first other
     /// member asked pulls it from here unless it has it already. What each member
     /// does for its blobs once another member is removed (see [`repair`]).

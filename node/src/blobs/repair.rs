@@ -70,7 +70,7 @@ pub async fn run(
         };
         tokio::select! {
             _ = cancel.cancelled() => return,
-            () = pass(&blobs, &consensus, &why) => {}
+            () = pass(&blobs, &why) => {}
         }
     }
 }
@@ -105,13 +105,10 @@ impl Outages {
 }
 
 /// One other member for every blob stored here that the record names.
-async fn pass(blobs: &BlobsHandle, consensus: &ConsensusHandle, why: &str) {
-    let named = consensus.read_local(|s| s.blobs_in_use());
-    let store = blobs.store().clone();
-    let Ok(Ok(here)) = tokio::task::spawn_blocking(move || store.all_blobs()).await else {
+async fn pass(blobs: &BlobsHandle, why: &str) {
+    let Ok(todo) = blobs.named_here().await else {
         return;
     };
-    let todo: Vec<_> = here.into_iter().filter(|b| named.contains(b)).collect();
     let mut done = futures::stream::iter(todo.iter().copied())
         .map(|id| async move { (id, blobs.ensure_copy(id).await) })
         .buffer_unordered(AT_ONCE);

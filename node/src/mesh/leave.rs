@@ -32,8 +32,8 @@ pub const LEFT_FILE: &str = "left";
 const COPIES: usize = 2;
 /// How many blobs are handed off at once.
 const HAND_OFF_AT_ONCE: usize = 8;
-/// How long the removal may take to commit.
-const REMOVAL_WAIT: Duration = Duration::from_secs(10);
+/// How long a removal (this node's, or one asked of it) may take to commit.
+pub(crate) const REMOVAL_WAIT: Duration = Duration::from_secs(10);
 /// How long a leader waits for another voter to take over before it goes on.
 const HAND_OVER_WAIT: Duration = Duration::from_secs(3);
 
@@ -176,15 +176,8 @@ impl Leaving {
     /// Has other members keep every blob stored here that the record names and that
     /// `handed` does not hold yet; adds them to it. Their count and bytes.
     async fn hand_off(&self, handed: &mut HashSet<BlobId>) -> Result<(usize, u64)> {
-        let named = self.consensus.read_local(|s| s.blobs_in_use());
-        let store = self.blobs.store().clone();
-        let here = tokio::task::spawn_blocking(move || store.all_blobs())
-            .await
-            .map_err(|_| NodeError::Stopping)??;
-        let todo: Vec<BlobId> = here
-            .into_iter()
-            .filter(|b| named.contains(b) && !handed.contains(b))
-            .collect();
+        let mut todo = self.blobs.named_here().await?;
+        todo.retain(|b| !handed.contains(b));
         let mut done = futures::stream::iter(todo.iter().copied())
             .map(|id| async move { (id, self.blobs.hand_off(id, COPIES).await) })
             .buffer_unordered(HAND_OFF_AT_ONCE);

@@ -59,7 +59,7 @@ pub use config::NodeConfig;
 use formation::{join_through, open_or_form, Newcomer};
 use heartbeats::heartbeats;
 pub use leave::LEFT_FILE;
-pub(crate) use leave::{Leaving, NotLeft};
+pub(crate) use leave::{Leaving, NotLeft, REMOVAL_WAIT};
 use routing::{raft_sink, request_sink, Membership, Router};
 
 /// Raft frames to the peer behind a raft id, through the net actor.
