@@ -95,6 +95,57 @@ fn stopped_cleanly(p: &mut Proc, signal: &str) {
     );
 }
 
+/// Tasks [`spec`]`(salt)` for each salt, submitted and fetched through `via` (so no
+/// other node pulls their results to merge them), each checked: `(id, salt)`s, and
+/// their shard results' blobs.
+async fn tasks_through(
+    via: &Client,
+    salts: std::ops::Range<u32>,
+) -> (Vec<(u64, u32)>, Vec<BlobId>) {
+    let (mut tasks, mut blobs) = (Vec::new(), Vec::new());
+    for salt in salts {
+        let id = checked_task(via, via, salt).await;
+        blobs.extend(result_blobs(via, id).await);
+        tasks.push((id, salt));
+    }
+    (tasks, blobs)
+}
+
+/// Waits (30 s at most) until `gpumesh status` through `p` prints `what`; its text.
+async fn status_says(p: &Proc, what: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = std::process::Command::new(&p.bin)
+            .args(["status", "--api", &p.api_addr()])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        if text.contains(what) {
+            return text;
+        }
+        assert!(Instant::now() < deadline, "gpumesh status: {text}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits (30 s at most) until each of `nodes` stores every one of `blobs`.
+async fn all_hold(nodes: &[gpumesh::node::MeshNode], blobs: &[BlobId], why: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !blobs.iter().all(|b| nodes.iter().all(|n| n.blobs.has(b))) {
+        assert!(Instant::now() < deadline, "{why}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Stops `p` with Ctrl-C, then asserts that its store holds every one of `blobs`.
+fn stopped_holding(p: &mut Proc, blobs: &[BlobId]) {
+    stopped_cleanly(p, "INT");
+    let store = gpumesh::node::blobs::BlobStore::open(p.dir.join("blobs"), u64::MAX).unwrap();
+    for blob in blobs {
+        assert!(store.has(blob), "{} lacks result blob {blob}", p.name);
+    }
+}
+
 /// Every node of the README's recipe stopped with Ctrl-C, then all started again on
 /// their data dirs (in the opposite order, the seed last): the mesh is back with
 /// its tasks, and takes new ones. (Ctrl-C used to take each node out of the mesh,
@@ -113,20 +164,8 @@ async fn a_mesh_stopped_node_by_node_with_ctrl_c_comes_back_whole() {
     stopped_cleanly(&mut procs[0], "INT");
     stopped_cleanly(&mut procs[1], "INT");
     // The one left says why nothing is served, and what to do.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let out = std::process::Command::new(&procs[2].bin)
-            .args(["status", "--api", &procs[2].api_addr()])
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        if text.contains("no quorum: 1 of the 3 voters run") {
-            assert!(text.contains("comes back on its --data-dir"), "{text}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "gpumesh status: {text}");
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+    let text = status_says(&procs[2], "no quorum: 1 of the 3 voters run").await;
+    assert!(text.contains("comes back on its --data-dir"), "{text}");
     stopped_cleanly(&mut procs[2], "INT");
     for p in procs.iter_mut().rev() {
         p.start(&[]).unwrap();
@@ -248,16 +287,7 @@ async fn a_node_that_leaves_hands_off_what_it_holds_and_stays_out() {
 
     // Each of the two keeps every task result: either could now be lost alone.
     for i in &stays {
-        stopped_cleanly(&mut procs[*i], "INT");
-        let store =
-            gpumesh::node::blobs::BlobStore::open(procs[*i].dir.join("blobs"), u64::MAX).unwrap();
-        for blob in &blobs {
-            assert!(
-                store.has(blob),
-                "{} lacks result blob {blob}",
-                procs[*i].name
-            );
-        }
+        stopped_holding(&mut procs[*i], &blobs);
     }
 }
 
@@ -294,14 +324,10 @@ async fn a_leave_that_would_cost_the_quorum_is_refused_and_a_member_gone_is_remo
     let root = tempfile::tempdir().unwrap();
     let mut nodes = common::mesh(root.path(), 3).await;
     // Results kept on two of the three nodes each: some on the one to be removed
-    // (submitted and fetched through it, so no other node pulls them to merge).
+    // (submitted and fetched through it).
     let mut blobs = Vec::new();
     if have_any() {
-        let via = common::client(&nodes[2]);
-        for salt in 0..4 {
-            let id = checked_task(&via, &via, 100 + salt).await;
-            blobs.extend(result_blobs(&via, id).await);
-        }
+        blobs = tasks_through(&common::client(&nodes[2]), 100..104).await.1;
     }
     let stopped = nodes.pop().unwrap();
     let gone = stopped.raft_id;
@@ -343,17 +369,12 @@ async fn a_leave_that_would_cost_the_quorum_is_refused_and_a_member_gone_is_remo
     assert!(st.members.iter().all(|m| m.raft_id != gone && m.alive));
     // Each of the two now holds every result: the removed node's copies are made
     // again.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !blobs
-        .iter()
-        .all(|b| nodes[0].blobs.has(b) && nodes[1].blobs.has(b))
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the removed node's copies were not made again"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    all_hold(
+        &nodes,
+        &blobs,
+        "the removed node's copies were not made again",
+    )
+    .await;
     // Two voters, both running: the mesh goes on.
     common::still_serves(&nodes[0], &nodes[1]).await;
     common::stop(nodes).await;
@@ -371,27 +392,16 @@ async fn the_copies_a_member_down_held_are_made_again_on_the_others() {
         c.repair_after = Duration::from_secs(1);
     })
     .await;
-    // Submitted and fetched through the node to be stopped, so no other node pulls
-    // its results to merge them.
-    let via = common::client(&nodes[2]);
-    let mut blobs = Vec::new();
-    for salt in 0..4 {
-        let id = checked_task(&via, &via, 200 + salt).await;
-        blobs.extend(result_blobs(&via, id).await);
-    }
+    // Through the node to be stopped: no other node pulls its results.
+    let (_, blobs) = tasks_through(&common::client(&nodes[2]), 200..204).await;
     let down = nodes.pop().unwrap();
     down.stop().await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !blobs
-        .iter()
-        .all(|b| nodes[0].blobs.has(b) && nodes[1].blobs.has(b))
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the copies the stopped node held were not made again"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    all_hold(
+        &nodes,
+        &blobs,
+        "the copies the stopped node held were not made again",
+    )
+    .await;
     // Still a member: it is down, not removed.
     let st = common::client(&nodes[0]).status().await.unwrap();
     assert_eq!(st.members.len(), 3);
@@ -410,31 +420,13 @@ async fn the_seed_killed_and_removed_leaves_every_result_on_both_others() {
     let mut procs = three(root.path());
     three_voters(&procs).await;
     let clients: Vec<Client> = procs.iter().map(|p| p.client().unwrap()).collect();
-    let mut tasks = Vec::new();
-    let mut blobs = Vec::new();
-    for salt in 0..4 {
-        // Through the seed, so that no other node pulls the results to merge them.
-        let id = checked_task(&clients[0], &clients[0], 300 + salt).await;
-        blobs.extend(result_blobs(&clients[0], id).await);
-        tasks.push((id, 300 + salt));
-    }
+    // Through the seed: no other node pulls the results to merge them.
+    let (tasks, blobs) = tasks_through(&clients[0], 300..304).await;
     let seed = procs[0].raft_id;
     procs[0].kill9();
     // Status says what to do about a member down.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let out = std::process::Command::new(&procs[1].bin)
-            .args(["status", "--api", &procs[1].api_addr()])
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        if text.contains(&format!("down: {seed:x}")) {
-            assert!(text.contains("gpumesh remove RAFT_ID"), "{text}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "gpumesh status: {text}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let text = status_says(&procs[1], &format!("down: {seed:x}")).await;
+    assert!(text.contains("gpumesh remove RAFT_ID"), "{text}");
     let remove = |via: &Proc| {
         std::process::Command::new(&via.bin)
             .args(["remove", &format!("{seed:x}"), "--api", &via.api_addr()])
@@ -469,10 +461,6 @@ async fn the_seed_killed_and_removed_leaves_every_result_on_both_others() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     for p in &mut procs[1..] {
-        stopped_cleanly(p, "INT");
-        let store = gpumesh::node::blobs::BlobStore::open(p.dir.join("blobs"), u64::MAX).unwrap();
-        for blob in &blobs {
-            assert!(store.has(blob), "{} lacks result blob {blob}", p.name);
-        }
+        stopped_holding(p, &blobs);
     }
 }
