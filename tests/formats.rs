@@ -185,19 +185,26 @@ async fn a_data_dir_of_another_format_is_refused_and_left_as_it_was() {
             "a refused start changed the directory"
         );
 
-        // Format 6, which this build reads as it is (6 packed blobs of up to 256 KiB,
-        // 7 of up to 4 MiB): opened and stamped with this one; the node comes back
-        // with what it had.
-        std::fs::write(data.join(FORMAT_FILE), "gpumesh data format 6\n").unwrap();
-        let a = MeshNode::start(config(&data, Formation::Init, &[]))
-            .await
+        // Formats 6 and 7, which this build reads as they are (6 packed blobs of up
+        // to 256 KiB, 7 of up to 4 MiB; 8 added a node request): opened and stamped
+        // with this one; the node comes back with what it had.
+        for older in [6, 7] {
+            std::fs::write(
+                data.join(FORMAT_FILE),
+                format!("gpumesh data format {older}\n"),
+            )
             .unwrap();
-        assert_eq!(client(&a).task(task).await.unwrap().id, task);
-        stop(vec![a]).await;
-        assert_eq!(
-            std::fs::read_to_string(data.join(FORMAT_FILE)).unwrap(),
-            stamp
-        );
+            let a = MeshNode::start(config(&data, Formation::Init, &[]))
+                .await
+                .unwrap();
+            assert_eq!(client(&a).task(task).await.unwrap().id, task);
+            stop(vec![a]).await;
+            assert_eq!(
+                std::fs::read_to_string(data.join(FORMAT_FILE)).unwrap(),
+                stamp,
+                "format {older}"
+            );
+        }
 
         // Its own format again: the node comes back with what it had.
         let a = MeshNode::start(config(&data, Formation::Init, &[]))

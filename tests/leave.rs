@@ -410,7 +410,8 @@ async fn the_copies_a_member_down_held_are_made_again_on_the_others() {
 
 /// The README's recipe, then the seed lost for good: killed with SIGKILL and removed
 /// with `gpumesh remove` through another node. The two left each hold every result
-/// the seed had a copy of, and go on.
+/// the seed had a copy of, and go on; the seed started again on its old data dir
+/// learns it was removed and stops, saying so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_seed_killed_and_removed_leaves_every_result_on_both_others() {
     if !have_any() {
@@ -460,6 +461,30 @@ async fn the_seed_killed_and_removed_leaves_every_result_on_both_others() {
         assert!(Instant::now() < deadline, "no repair pass logged");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+
+    // Started again on its old data dir, the removed seed hears no leader (the
+    // others no longer answer it), asks them whether it is still a member, learns
+    // that it is not, marks its data dir and stops, saying what to do.
+    procs[0].start(&[]).unwrap();
+    let exit = procs[0].wait_exit(Duration::from_secs(60)).unwrap();
+    let log = std::fs::read_to_string(procs[0].log_path()).unwrap();
+    assert!(
+        exit.is_some_and(|s| !s.success()),
+        "the removed seed did not stop by itself ({exit:?}): {log}"
+    );
+    assert!(
+        log.contains("no longer a member of its mesh") && log.contains("new --data-dir"),
+        "{log}"
+    );
+    // The next start on that dir is refused at once, naming the removal.
+    let err = procs[0].start(&[]).unwrap_err().to_string();
+    assert!(
+        err.contains("was removed from mesh") && err.contains("--data-dir"),
+        "{err}"
+    );
+    members(&clients[1], 2).await;
+    checked_task(&clients[1], &clients[2], 311).await;
+
     for p in &mut procs[1..] {
         stopped_holding(p, &blobs);
     }

@@ -29,9 +29,10 @@ pub const FORMAT_FILE: &str = "data-format";
 const STATE: [&str; 3] = [CLUSTER_FILE, "raft.redb", "blobs"];
 
 /// Older formats whose directories this build reads as they are, stamped with
-/// [`FORMAT`] on opening: 6 differs from 7 only in the largest blob its pack
-/// takes (256 KiB, now 4 MiB), so a pack of 6 is one of 7.
-const READS_AS_IS: [u16; 1] = [6];
+/// [`FORMAT`] on opening: 7 differs from 8 only on the wire (a node request
+/// added), and 6 from 7 only in the largest blob its pack takes (256 KiB, then
+/// 4 MiB), so a directory of either is one of 8.
+const READS_AS_IS: [u16; 2] = [6, 7];
 
 /// Checks that `dir` was written by this data format, stamping it if it holds no
 /// mesh state yet; an error names the format found and what to do.

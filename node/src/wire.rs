@@ -41,6 +41,10 @@ pub enum NodeRequest {
         call: gpumesh_protocol::ActorCall,
         request: gpumesh_consensus::RequestId,
     },
+    /// Am I (the authenticated sender) a member of the mesh you know? Asked by a
+    /// member that hears no leader, to learn whether it was removed while it could
+    /// not hear (see the node's `mesh::removed`).
+    Membership,
 }
 
 /// What a call changed in an actor's state (`ShardChanges`, encoded).
@@ -78,6 +82,13 @@ pub enum NodeReply {
     /// What came of a [`NodeRequest::Call`].
     Called(CallAnswer),
     Refused(String),
+    /// What the answering node's record says of the asker: whether it is a member,
+    /// as of the entries the answerer has applied (`applied`), in mesh `cluster`.
+    Membership {
+        cluster: u64,
+        applied: u64,
+        member: bool,
+    },
 }
 
 /// How a call sent to the host ended.

@@ -77,6 +77,14 @@ pub fn node(settings: NodeArgs) -> anyhow::Result<ExitCode> {
             got = tokio::signal::ctrl_c() => got?,
             _ = term.recv() => {}
             () = left.cancelled() => {
+                if let Some(why) = node.removed() {
+                    node.stop().await;
+                    bail!(
+                        "this node is no longer a member of its mesh: {why}. Its data dir is \
+                         marked as one that left; to be a member again, start it with a new \
+                         --data-dir and --join TICKET (or --peer ADDRESS of a member)"
+                    );
+                }
                 println!("left the mesh (gpumesh leave); stopping");
                 node.stop().await;
                 return anyhow::Ok(());

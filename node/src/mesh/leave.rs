@@ -135,7 +135,7 @@ impl Leaving {
         // Marked first: the removal may commit without this node ever applying it
         // (the leader stops sending to a node it removed), and a node started again
         // on this data dir would then campaign unheard for ever.
-        mark_left(&self.data_dir, self.cluster).map_err(failed)?;
+        mark_left(&self.data_dir, self.cluster, None).map_err(failed)?;
         let removal = tokio::time::timeout(
             REMOVAL_WAIT,
             self.consensus.propose(Command::NodeLeft { raft_id: me }),
@@ -224,20 +224,23 @@ fn failed(e: impl std::fmt::Display) -> NotLeft {
     NotLeft::Failed(e.to_string())
 }
 
-/// Marks `dir` as the data dir of a node that left mesh `cluster`.
-fn mark_left(dir: &Path, cluster: ClusterId) -> Result<()> {
+/// Marks `dir` as the data dir of a node that left mesh `cluster`: by leaving, or
+/// removed by another member (`removed`: how this node learned of it; see
+/// [`super::removed`]).
+pub(super) fn mark_left(dir: &Path, cluster: ClusterId, removed: Option<&str>) -> Result<()> {
     let at = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
     let path = dir.join(LEFT_FILE);
     let file = std::fs::File::create(&path).map_err(|e| NodeError::io(&path, e))?;
-    std::io::Write::write_all(
-        &mut &file,
-        format!("mesh {:x}\nat {at}\n", cluster.0).as_bytes(),
-    )
-    .and_then(|()| file.sync_all())
-    .map_err(|e| NodeError::io(&path, e))
+    let mut text = format!("mesh {:x}\nat {at}\n", cluster.0);
+    if let Some(how) = removed {
+        text.push_str(&format!("removed {}\n", how.replace('\n', " ")));
+    }
+    std::io::Write::write_all(&mut &file, text.as_bytes())
+        .and_then(|()| file.sync_all())
+        .map_err(|e| NodeError::io(&path, e))
 }
 
 /// Refuses a data dir whose node left its mesh, saying so and what to do instead.
@@ -262,12 +265,21 @@ pub(super) fn refuse_if_left(dir: &Path) -> Result<()> {
             Some(format!(" {} s ago", now.saturating_sub(at)))
         })
         .unwrap_or_default();
+    let again = "to be a member again, start it with a new --data-dir and --join TICKET (or \
+                 --peer ADDRESS of a member)";
+    if let Some(how) = text.lines().find_map(|l| l.strip_prefix("removed ")) {
+        return Err(NodeError::Config(format!(
+            "the node of this data dir ({}) was removed from mesh {}{ago}: {}; a removed node \
+             does not come back on its old data dir; {again}",
+            dir.display(),
+            field("mesh "),
+            how.trim(),
+        )));
+    }
     Err(NodeError::Config(format!(
         "the node of this data dir ({}) left mesh {}{ago} (gpumesh leave): a node that left does \
-         not come back on its old data dir; to be a member again, start it with a new \
-         --data-dir and --join TICKET (or --peer ADDRESS of a member). (Only if it stopped \
-         while leaving and `gpumesh status` on a member still lists it: remove {} and start \
-         it again.)",
+         not come back on its old data dir; {again}. (Only if it stopped while leaving and \
+         `gpumesh status` on a member still lists it: remove {} and start it again.)",
         dir.display(),
         field("mesh "),
         path.display(),

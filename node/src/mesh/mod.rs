@@ -51,6 +51,7 @@ mod config;
 mod formation;
 mod heartbeats;
 mod leave;
+mod removed;
 mod routing;
 
 pub use crate::admission::Formation;
@@ -91,6 +92,7 @@ pub struct MeshNode {
     tasks: Vec<JoinHandle<()>>,
     gpu_thread: Option<std::thread::JoinHandle<()>>,
     leaving: Leaving,
+    removal: removed::Removal,
 }
 
 /// How long a member restarting on its data dir waits for a leader before serving.
@@ -265,11 +267,25 @@ impl MeshNode {
             config.data_dir.clone(),
             cancel.clone(),
         )));
+        // Cancelled once this node has left, or finds it was removed.
+        let left = CancellationToken::new();
+        let removal = removed::Removal::default();
+        tasks.push(tokio::spawn(
+            removed::Watch {
+                consensus: consensus.clone(),
+                net: net.clone(),
+                cluster,
+                data_dir: config.data_dir.clone(),
+                left: left.clone(),
+                removal: removal.clone(),
+            }
+            .run(cancel.clone()),
+        ));
         let joining = joined_through.is_some();
         if let Some(peer) = joined_through {
             join_through(&newcomer, peer, config.join_timeout).await?;
         }
-        Self::wait_until_serving(&consensus, &config, restarting).await?;
+        Self::wait_until_serving(&consensus, &config, restarting, &left).await?;
         if joining {
             Self::wait_until_voting(&consensus, config.join_timeout.min(PROMOTION_WAIT)).await;
         }
@@ -367,7 +383,7 @@ impl MeshNode {
             liveness: api.liveness.clone(),
             data_dir: config.data_dir.clone(),
             cluster,
-            left: CancellationToken::new(),
+            left,
             once: Arc::default(),
         };
         api.leaving = Some(leaving.clone());
@@ -397,6 +413,7 @@ impl MeshNode {
             tasks: std::mem::take(tasks),
             gpu_thread,
             leaving,
+            removal,
         })
     }
 
@@ -409,6 +426,7 @@ impl MeshNode {
         consensus: &ConsensusHandle,
         config: &NodeConfig,
         restarting: bool,
+        left: &CancellationToken,
     ) -> Result<()> {
         let me = consensus.id();
         let wait = if restarting {
@@ -420,7 +438,10 @@ impl MeshNode {
         let ready = tokio::time::timeout(wait, async {
             loop {
                 let leader = status.borrow_and_update().leader_id;
-                if leader != 0 && consensus.read_local(move |s| s.member(me).is_some()) {
+                // Removed while it was down: it stops as soon as it is up.
+                if left.is_cancelled()
+                    || (leader != 0 && consensus.read_local(move |s| s.member(me).is_some()))
+                {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -438,8 +459,7 @@ impl MeshNode {
             tracing::warn!(
                 "no Raft leader within {wait:?} of restarting: serving anyway; the API \
                  answers 503 until a majority of the mesh's voters is reachable (a node \
-                 removed from its mesh with `gpumesh remove` never hears from it again: start \
-                 it with a new --data-dir)"
+                 removed from its mesh with `gpumesh remove` stops once a member says so)"
             );
         }
         Ok(())
@@ -480,9 +500,17 @@ impl MeshNode {
     }
 
     /// Fires once this node has left the mesh (through [`Self::leave`] or its API's
-    /// `POST /v1/leave`): what runs it should then [`Self::stop`] it.
+    /// `POST /v1/leave`), or has found it was removed ([`Self::removed`]): what runs
+    /// it should then [`Self::stop`] it.
     pub fn left(&self) -> CancellationToken {
         self.leaving.left.clone()
+    }
+
+    /// Why this node is no longer a member, if it found it was removed by another
+    /// (`gpumesh remove` while it was down or cut off) rather than left; its data
+    /// dir is then marked as one that left (see [`removed`]).
+    pub fn removed(&self) -> Option<String> {
+        self.removal.get().cloned()
     }
 
     /// Stops, staying a member (Ctrl-C, SIGTERM): a leader first hands the

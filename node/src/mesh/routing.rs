@@ -220,6 +220,20 @@ impl Answering {
                 Some(m),
             ) => NodeReply::Called(crate::host::ask(&m.calls, name, call, request, from).await),
             (NodeRequest::Peers, _) => NodeReply::Peers(self.peers.view().book()),
+            (NodeRequest::Membership, None) => {
+                NodeReply::Refused("this node is not in a mesh yet".into())
+            }
+            (NodeRequest::Membership, Some(m)) => {
+                let asker = identity::raft_id(&from);
+                let (applied, member) = m
+                    .consensus
+                    .read_local(move |s| (s.applied_index(), s.member(asker).is_some()));
+                NodeReply::Membership {
+                    cluster: m.cluster.0,
+                    applied,
+                    member,
+                }
+            }
         };
         match wire::encode(&reply) {
             Ok(bytes) => MeshResponse::Node(bytes),
