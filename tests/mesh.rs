@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{client, config, have, have_any, mesh, seed, stop, submit, LIMIT};
+use common::{client, config, have, have_any, mesh, salted_spec, seed, stop, submit, LIMIT};
 use gpumesh::node::api::TaskState;
 use gpumesh::node::{Formation, MeshNode, Multiaddr, NodeConfig};
 use gpumesh::protocol::{BackendKind, ShaderSource};
@@ -42,6 +42,46 @@ async fn three_nodes_submit_from_each_and_fetch_from_each() {
         let status = client(&nodes[2]).status().await.unwrap();
         assert_eq!(status.members.len(), 3);
         assert!(status.leader != 0);
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
+/// Read your writes through any node: a task finished through one node is shown
+/// finished by every other at once (`gpumesh task`, `gpumesh tasks`), not as a
+/// node that has not applied its last entries yet has it. Read from the node's own
+/// copy of the record (before), a read here showed the task still running within
+/// the first 150 in each of two runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_task_finished_through_one_node_is_finished_through_every_other() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let nodes = mesh(dir.path(), 3).await;
+        let via: Vec<_> = nodes.iter().map(client).collect();
+        for salt in 0..150u32 {
+            let (from, read) = (&via[salt as usize % 3], &via[(salt as usize + 1) % 3]);
+            let id = from.submit(salted_spec(1024, salt), None).await.unwrap();
+            let done = from.wait(id, |_, _| {}).await.unwrap();
+            assert_eq!(done.status, TaskState::Completed, "{done:?}");
+            let seen = if salt % 2 == 0 {
+                read.task(id).await.unwrap().status
+            } else {
+                let all = read.tasks().await.unwrap();
+                all.into_iter()
+                    .find(|t| t.id == id)
+                    .map(|t| t.status)
+                    .unwrap()
+            };
+            assert_eq!(
+                seen,
+                TaskState::Completed,
+                "t{id} read through another node"
+            );
+        }
         stop(nodes).await;
     })
     .await

@@ -400,9 +400,11 @@ pub(crate) async fn forget(
 /// The longest reason a cancel may record.
 const MAX_CANCEL_REASON: usize = 1024;
 
+/// Every task the record keeps, as of the leader's commit index when it confirms it
+/// within a second: a task submitted or finished through another node is listed as
+/// it is there, not as this node last applied it.
 pub(crate) async fn list_tasks(State(api): State<Arc<ApiState>>) -> ApiResult<Json<Vec<TaskView>>> {
-    let c = &api.consensus;
-    let tasks = c.read_local(|s| s.tasks().map(view).collect::<Vec<_>>());
+    let tasks = read_current(&api.consensus, |s| s.tasks().map(view).collect::<Vec<_>>()).await?;
     Ok(Json(tasks))
 }
 
@@ -411,11 +413,12 @@ pub(crate) async fn get_task(
     Path(id): Path<u64>,
 ) -> ApiResult<Json<TaskView>> {
     let c = &api.consensus;
-    // This replica's state (waiting clients long-poll on local applies); a task this
-    // node has not applied yet is looked for at the leader's commit index.
+    // A finished task as this replica has it (it changes no more); else as of the
+    // leader's commit index: this node may not have applied yet what another
+    // already answered (its submit, or its last result).
     match c.read_local(move |s| s.task(TaskId(id)).map(view)) {
-        Some(v) => Ok(Json(v)),
-        None => read_current(c, move |s: &StateMachine| s.task(TaskId(id)).map(view))
+        Some(v) if v.status.is_finished() => Ok(Json(v)),
+        _ => read_current(c, move |s: &StateMachine| s.task(TaskId(id)).map(view))
             .await?
             .map(Json)
             .ok_or_else(|| not_found(id)),

@@ -143,10 +143,7 @@ impl Watch {
         if let Err(e) = super::leave::mark_left(&self.data_dir, self.cluster, Some(&why)) {
             tracing::warn!(error = %e, "could not mark the data dir of a removed node");
         }
-        tracing::error!(
-            "this node is no longer a member of its mesh: {why}; stopping (start it with a new \
-             --data-dir and --join TICKET to be a member again)"
-        );
+        tracing::warn!(%why, "this node is no longer a member of its mesh; stopping");
         let _ = self.removal.set(why);
         self.left.cancel();
     }
