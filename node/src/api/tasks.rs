@@ -412,17 +412,14 @@ pub(crate) async fn get_task(
     State(api): State<Arc<ApiState>>,
     Path(id): Path<u64>,
 ) -> ApiResult<Json<TaskView>> {
-    let c = &api.consensus;
-    // A finished task as this replica has it (it changes no more); else as of the
-    // leader's commit index: this node may not have applied yet what another
-    // already answered (its submit, or its last result).
-    match c.read_local(move |s| s.task(TaskId(id)).map(view)) {
-        Some(v) if v.status.is_finished() => Ok(Json(v)),
-        _ => read_current(c, move |s: &StateMachine| s.task(TaskId(id)).map(view))
-            .await?
-            .map(Json)
-            .ok_or_else(|| not_found(id)),
-    }
+    // As of the leader's commit index: this node may not have applied yet what
+    // another already answered (the task's submit, its last result, its forgetting).
+    read_current(&api.consensus, move |s: &StateMachine| {
+        s.task(TaskId(id)).map(view)
+    })
+    .await?
+    .map(Json)
+    .ok_or_else(|| not_found(id))
 }
 
 #[derive(Deserialize)]
