@@ -9,7 +9,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::procs::{three, three_voters, Proc};
+use common::procs::{node, three, three_and_ticket, three_voters, Proc};
 use common::{count_call, counted, have_any};
 use gpumesh::node::api::{StateInit, TaskState};
 use gpumesh::protocol::{BlobId, TaskSpec};
@@ -418,7 +418,7 @@ async fn the_seed_killed_and_removed_leaves_every_result_on_both_others() {
         return;
     }
     let root = tempfile::tempdir().unwrap();
-    let mut procs = three(root.path());
+    let (mut procs, first_ticket) = three_and_ticket(root.path());
     three_voters(&procs).await;
     let clients: Vec<Client> = procs.iter().map(|p| p.client().unwrap()).collect();
     // Through the seed: no other node pulls the results to merge them.
@@ -484,6 +484,23 @@ async fn the_seed_killed_and_removed_leaves_every_result_on_both_others() {
     );
     members(&clients[1], 2).await;
     checked_task(&clients[1], &clients[2], 311).await;
+
+    // A new machine given the ticket the others joined with (the seed's, naming the
+    // seed alone) is told why it cannot join and to make a fresh ticket; one made on
+    // b names every member, and with it the same data dir joins.
+    let mut d = node(root.path(), "d");
+    let err = d
+        .start(&["--join", &first_ticket, "--join-timeout", "3"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("no mesh member answered") && err.contains("make a fresh one"),
+        "{err}"
+    );
+    d.start(&["--join", &procs[1].ticket().unwrap()]).unwrap();
+    members(&clients[1], 3).await;
+    checked_task(&d.client().unwrap(), &clients[2], 312).await;
+    d.stop_with("INT", Duration::from_secs(30)).unwrap();
 
     for p in &mut procs[1..] {
         stopped_holding(p, &blobs);

@@ -16,13 +16,19 @@ pub fn node(root: &Path, name: &str) -> Proc {
 /// Three node processes, a, b and c, as the README starts them: a forms the mesh
 /// (`--init`), b and c join it with a's ticket.
 pub fn three(root: &Path) -> Vec<Proc> {
+    three_and_ticket(root).0
+}
+
+/// [`three`], and the ticket b and c joined with (a's, made before they joined: it
+/// names a alone).
+pub fn three_and_ticket(root: &Path) -> (Vec<Proc>, String) {
     let mut procs: Vec<Proc> = ["a", "b", "c"].iter().map(|n| node(root, n)).collect();
     procs[0].start(&["--init"]).unwrap();
     let ticket = procs[0].ticket().unwrap();
     for p in &mut procs[1..] {
         p.start(&["--join", &ticket]).unwrap();
     }
-    procs
+    (procs, ticket)
 }
 
 /// Waits until one leader counts three live voters with adapters; their status.

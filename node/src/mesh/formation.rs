@@ -166,7 +166,11 @@ pub(super) async fn find_mesh(
                 )
             } else {
                 format!(
-                    "no mesh member answered within {:?}: {}",
+                    "no mesh member answered within {:?}: {}. A join ticket names the members \
+                     its node knew when it was made (the first node's, made before the others \
+                     joined, names that node alone); if they are gone, make a fresh one on any \
+                     running member (`gpumesh ticket --data-dir ITS_DIR`: it names every \
+                     member), or give --peer ADDRESS of one",
                     config.join_timeout,
                     why.join("; ")
                 )
