@@ -575,6 +575,43 @@ async fn bad_requests_get_clear_errors_and_nothing_is_committed() {
     .expect("bounded");
 }
 
+/// An API or listen address another program holds: refused with the address and
+/// the reason, and what to do. Taken first, the API address leaves the data dir
+/// as it was (nothing of a mesh made in it); with a free address it forms one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn addresses_in_use_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port();
+
+    let mut c = config(&dir.path().join("api"), Formation::Init, &[]);
+    c.api = format!("127.0.0.1:{port}").parse().unwrap();
+    let err = common::refused(c).await;
+    assert!(
+        err.contains(&format!("127.0.0.1:{port}"))
+            && err.contains("in use")
+            && err.contains("another --api"),
+        "{err}"
+    );
+    assert!(!dir.path().join("api").exists(), "the data dir was written");
+
+    let mut c = config(&dir.path().join("listen"), Formation::Init, &[]);
+    c.listen = vec![format!("/ip4/127.0.0.1/tcp/{port}").parse().unwrap()];
+    let err = common::refused(c).await;
+    assert!(
+        err.contains(&format!("/tcp/{port}"))
+            && err.contains("in use")
+            && err.contains("another --listen"),
+        "{err}"
+    );
+    drop(held);
+    let node = MeshNode::start(config(&dir.path().join("listen"), Formation::Init, &[]))
+        .await
+        .unwrap();
+    assert_eq!(client(&node).status().await.unwrap().members.len(), 1);
+    stop(vec![node]).await;
+}
+
 #[tokio::test]
 async fn an_unreachable_api_is_named() {
     let err = Client::new("127.0.0.1:9").status().await.unwrap_err();

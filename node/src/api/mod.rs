@@ -73,11 +73,23 @@ pub use views::*;
 use error::{ApiError, ApiResult};
 use gate::{BodyCaps, Gate};
 
-/// Serves the API on `addr` until `cancel`; returns the bound address. On a loopback address anyone on this machine may call
-/// it, as before; on any other every request but the dashboard's page must carry
-/// `Authorization: Bearer TOKEN` (the node's `api.token`).
+/// Binds the API's address, before the node forms or joins a mesh: an address in
+/// use is refused before anything is written for a mesh. Connections made before
+/// [`serve`] wait for it.
+pub(crate) async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        NodeError::Config(format!(
+            "cannot serve the API on {addr}: {e}; pick another --api address"
+        ))
+    })
+}
+
+/// Serves the API on `listener` (see [`bind`]) until `cancel`; returns the bound
+/// address. On a loopback address anyone on this machine may call it; on any other
+/// every request but the dashboard's page must carry `Authorization: Bearer TOKEN`
+/// (the node's `api.token`).
 pub(crate) async fn serve(
-    addr: SocketAddr,
+    listener: tokio::net::TcpListener,
     token: String,
     api: ApiState,
     cancel: CancellationToken,
@@ -92,8 +104,11 @@ pub(crate) async fn serve(
         .changes
         .clone()
         .follow(api.consensus.clone(), cancel.clone());
+    let bound = listener
+        .local_addr()
+        .map_err(|e| NodeError::Config(e.to_string()))?;
     let gate = Gate {
-        token: (!addr.ip().is_loopback()).then(|| Arc::new(token)),
+        token: (!bound.ip().is_loopback()).then(|| Arc::new(token)),
     };
     let app = Router::new()
         .route(
@@ -128,14 +143,6 @@ pub(crate) async fn serve(
         .layer(middleware::from_fn_with_state(caps, gate::announced_within))
         .layer(middleware::from_fn_with_state(gate, gate::bearer))
         .with_state(Arc::new(api));
-    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
-        NodeError::Config(format!(
-            "cannot serve the API on {addr}: {e}; pick another --api address"
-        ))
-    })?;
-    let bound = listener
-        .local_addr()
-        .map_err(|e| NodeError::Config(e.to_string()))?;
     // Answers go out as soon as they are written, not held back by Nagle's
     // algorithm behind an unacknowledged segment.
     let listener = axum::serve::ListenerExt::tap_io(listener, |socket| {

@@ -127,6 +127,8 @@ impl MeshNode {
         cancel: &CancellationToken,
         tasks: &mut Vec<JoinHandle<()>>,
     ) -> Result<MeshNode> {
+        // First: an address in use is refused before anything is written.
+        let api_listener = crate::api::bind(config.api).await?;
         let dir = &config.data_dir;
         std::fs::create_dir_all(dir).map_err(|e| NodeError::io(dir, e))?;
         crate::data_dir::check_or_stamp(dir)?;
@@ -396,7 +398,7 @@ impl MeshNode {
             consensus: consensus.clone(),
         });
         let (api_addr, api_task) =
-            crate::api::serve(config.api, api_token, api, cancel.clone()).await?;
+            crate::api::serve(api_listener, api_token, api, cancel.clone()).await?;
         tasks.push(api_task);
         tracing::info!(%peer_id, raft_id, %api_addr, "node started");
         Ok(MeshNode {

@@ -154,9 +154,12 @@ pub(super) fn build_swarm(config: &NetConfig) -> Result<Swarm<MeshBehaviour>> {
 pub(super) async fn listen(swarm: &mut Swarm<MeshBehaviour>, addrs: &[Multiaddr]) -> Result<()> {
     let mut waiting: Vec<(ListenerId, Multiaddr)> = Vec::new();
     for addr in addrs {
-        let id = swarm
-            .listen_on(addr.clone())
-            .map_err(|e| NodeError::NetSetup(format!("listen on {addr}: {e}")))?;
+        let id = swarm.listen_on(addr.clone()).map_err(|e| {
+            NodeError::NetSetup(format!(
+                "listen on {addr}: {}; pick another --listen address",
+                innermost(&e)
+            ))
+        })?;
         waiting.push((id, addr.clone()));
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -202,18 +205,23 @@ pub(super) fn peer_of(addr: &Multiaddr) -> Option<PeerId> {
     }
 }
 
+/// The innermost cause of `error` ("Connection refused", "Address already in use"):
+/// the useful part of a transport's error, whose outer layers may print nothing.
+fn innermost(error: &dyn std::error::Error) -> String {
+    let mut cause = error;
+    while let Some(inner) = cause.source() {
+        cause = inner;
+    }
+    cause.to_string()
+}
+
 /// Why a dial failed, in words, without repeating the address the caller named.
 pub(super) fn dial_reason(error: &DialError) -> String {
     match error {
         DialError::Transport(errors) => {
             let mut reasons: Vec<String> = Vec::new();
             for (_, e) in errors {
-                // The innermost cause ("Connection refused") is the useful part.
-                let mut cause: &dyn std::error::Error = e;
-                while let Some(inner) = cause.source() {
-                    cause = inner;
-                }
-                let text = cause.to_string();
+                let text = innermost(e);
                 if !reasons.contains(&text) {
                     reasons.push(text);
                 }
