@@ -612,6 +612,32 @@ async fn addresses_in_use_are_refused_by_name() {
     stop(vec![node]).await;
 }
 
+/// A second node started on a running node's data dir is refused before it reads
+/// or writes anything there (it opened the blob store, which a running node is
+/// appending to, before the Raft store's own lock refused it); the first serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_data_dir_in_use_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = MeshNode::start(config(dir.path(), Formation::Init, &[]))
+        .await
+        .unwrap();
+    let before = std::fs::read_dir(dir.path()).unwrap().count();
+    let err = common::refused(config(dir.path(), Formation::Init, &[])).await;
+    assert!(
+        err.contains("in use by another gpumesh node") && err.contains("--data-dir"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), before);
+    assert_eq!(client(&first).status().await.unwrap().members.len(), 1);
+    stop(vec![first]).await;
+    // Stopped, it lets the directory go: the same node starts on it again.
+    let again = MeshNode::start(config(dir.path(), Formation::Init, &[]))
+        .await
+        .unwrap();
+    assert_eq!(client(&again).status().await.unwrap().members.len(), 1);
+    stop(vec![again]).await;
+}
+
 #[tokio::test]
 async fn an_unreachable_api_is_named() {
     let err = Client::new("127.0.0.1:9").status().await.unwrap_err();

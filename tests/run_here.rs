@@ -490,7 +490,7 @@ fn burst_task(k: u32, blob: gpumesh::protocol::BlobId, input: &[u32]) -> (TaskSp
     let param = |words: [u32; 4]| BindingRole::Param {
         data: bytes(&words),
     };
-    if k % 2 == 0 {
+    if k.is_multiple_of(2) {
         let (mul, add) = (k + 2, 1000 * k + 1);
         let cpu: Vec<u32> = input
             .iter()

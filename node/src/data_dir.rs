@@ -34,6 +34,27 @@ const STATE: [&str; 3] = [CLUSTER_FILE, "raft.redb", "blobs"];
 /// 4 MiB), so a directory of either is one of 8.
 const READS_AS_IS: [u16; 2] = [6, 7];
 
+/// A running node's hold on its data dir (an exclusive `flock` of the directory
+/// itself, so nothing is written for it): a second node started on the same
+/// directory is refused before it reads or writes anything there. It goes when
+/// dropped, or with the process, however that ends.
+#[derive(Debug)]
+pub struct DirLock(#[allow(dead_code)] std::fs::File);
+
+/// Takes `dir`'s [`DirLock`], or says that another node holds it.
+pub fn lock(dir: &Path) -> Result<DirLock> {
+    let handle = std::fs::File::open(dir).map_err(|e| NodeError::io(dir, e))?;
+    match handle.try_lock() {
+        Ok(()) => Ok(DirLock(handle)),
+        Err(std::fs::TryLockError::WouldBlock) => Err(NodeError::Config(format!(
+            "the data dir {} is in use by another gpumesh node; stop that node first, or start \
+             this one with another --data-dir",
+            dir.display()
+        ))),
+        Err(std::fs::TryLockError::Error(e)) => Err(NodeError::io(dir, e)),
+    }
+}
+
 /// Checks that `dir` was written by this data format, stamping it if it holds no
 /// mesh state yet; an error names the format found and what to do.
 pub fn check_or_stamp(dir: &Path) -> Result<()> {

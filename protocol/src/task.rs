@@ -273,7 +273,7 @@ pub(crate) fn values_agree(a: &[u8], b: &[u8], tolerance: Option<f32>) -> bool {
         None => a == b,
         Some(tol) => {
             a.len() == b.len()
-                && a.len() % 4 == 0
+                && a.len().is_multiple_of(4)
                 && a.chunks_exact(4).zip(b.chunks_exact(4)).all(|(x, y)| {
                     let x = f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
                     let y = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);

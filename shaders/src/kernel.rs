@@ -72,7 +72,7 @@ impl DeclaredBinding {
                         self.fixed_size + stride
                     ));
                 }
-                if (size - self.fixed_size) % stride != 0 {
+                if !(size - self.fixed_size).is_multiple_of(stride) {
                     return Err(format!(
                         "{size} bytes is not a whole number of {stride}-byte elements of {ty}"
                     ));

@@ -318,7 +318,7 @@ impl Actor {
 
         self.expire_reads(now);
 
-        if self.cfg.auto_promote && self.is_leader() && self.ticks % 5 == 0 {
+        if self.cfg.auto_promote && self.is_leader() && self.ticks.is_multiple_of(5) {
             self.maybe_promote();
         }
         if now.duration_since(self.workload_since) >= FOLLOW_WINDOW {

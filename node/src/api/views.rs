@@ -222,7 +222,7 @@ const HEX_VALUE: [u8; 256] = {
 
 /// The bytes of lower-case or upper-case hex, or why it is not hex.
 pub fn from_hex(text: &str) -> Result<Vec<u8>, String> {
-    if text.len() % 2 != 0 {
+    if !text.len().is_multiple_of(2) {
         return Err(format!("{} hex digits: not whole bytes", text.len()));
     }
     let mut out = Vec::with_capacity(text.len() / 2);

@@ -1192,7 +1192,7 @@ mod tests {
             })
             .collect();
         // Every third blob is removed once written (its writer's choice).
-        let removed = |i: usize| i % 3 == 0;
+        let removed = |i: usize| i.is_multiple_of(3);
         let done = std::sync::atomic::AtomicBool::new(false);
         let compactions = std::sync::atomic::AtomicU64::new(0);
         std::thread::scope(|s| {

@@ -93,6 +93,8 @@ pub struct MeshNode {
     gpu_thread: Option<std::thread::JoinHandle<()>>,
     leaving: Leaving,
     removal: removed::Removal,
+    /// Held while the node runs: no second node starts on its data dir.
+    _dir_lock: crate::data_dir::DirLock,
 }
 
 /// How long a member restarting on its data dir waits for a leader before serving.
@@ -131,6 +133,7 @@ impl MeshNode {
         let api_listener = crate::api::bind(config.api).await?;
         let dir = &config.data_dir;
         std::fs::create_dir_all(dir).map_err(|e| NodeError::io(dir, e))?;
+        let dir_lock = crate::data_dir::lock(dir)?;
         crate::data_dir::check_or_stamp(dir)?;
         let cluster_key =
             crate::admission::settle_key(dir, config.cluster_key, config.open, config.formation)?;
@@ -416,6 +419,7 @@ impl MeshNode {
             gpu_thread,
             leaving,
             removal,
+            _dir_lock: dir_lock,
         })
     }
 

@@ -87,7 +87,11 @@ pub fn test_image(width: u32, height: u32, seed: u64) -> Vec<u32> {
             let d = ((fx - 0.5).powi(2) + (fy - 0.5).powi(2)).sqrt();
             let r = (255.0 * fx) as u32;
             let g = (255.0 * fy) as u32;
-            let b = if (d * 24.0) as u32 % 2 == 0 { 230 } else { 40 };
+            let b = if ((d * 24.0) as u32).is_multiple_of(2) {
+                230
+            } else {
+                40
+            };
             let noise = rng.next_u32() & 0x1f;
             out.push(r | (g << 8) | ((b ^ noise) << 16) | (255 << 24));
         }
