@@ -251,7 +251,10 @@ async fn unmergeable_kernels_fail_with_the_conflict_or_are_refused_and_the_mesh_
             .await
             .unwrap_err()
             .to_string();
-        assert!(e.contains("atomics") && e.contains("--shards 1"), "{e}");
+        assert!(
+            e.contains("slots an atomic hands out") && e.contains("--shards 1"),
+            "{e}"
+        );
         assert_eq!(c.tasks().await.unwrap().len(), before);
         // ...and runs whole, with the CPU's count and items.
         let id = append.submit(&c, APPEND, [10, 1, 1], 1).await.unwrap();

@@ -54,6 +54,9 @@ pub struct DeclaredBinding {
     pub atomic: bool,
     /// Whether the type holds an atomic anywhere (a counter beside an array, say).
     pub has_atomics: bool,
+    /// Whether the kernel writes it at slots an atomic hands out (an append: see
+    /// [`crate::slots`]); such a buffer cannot be split into shards.
+    pub appended: bool,
 }
 
 impl DeclaredBinding {
@@ -387,11 +390,26 @@ impl Kernel {
     /// What makes a kernel's writable buffers impossible to merge from shards without
     /// risking an answer that differs from the unsharded one.
     fn check_splittable(&self, spec: &TaskSpec) -> Result<()> {
-        for b in spec.bindings.iter().filter(|b| b.role.is_writable()) {
-            let Some(declared) = self.interface.bindings.get(&b.binding) else {
-                continue;
-            };
-            let name = declared.name.as_deref().unwrap_or("_");
+        let writable = || {
+            spec.bindings
+                .iter()
+                .filter(|b| b.role.is_writable())
+                .filter_map(|b| {
+                    let declared = self.interface.bindings.get(&b.binding)?;
+                    Some((b, declared, declared.name.as_deref().unwrap_or("_")))
+                })
+        };
+        // First: no merge rule helps here, so it is the one thing to say.
+        if let Some((b, _, name)) = writable().find(|(_, d, _)| d.appended) {
+            return Err(ExecError::Unsplittable(format!(
+                "binding {binding} ({name}) is written at slots an atomic hands out (an append: \
+                 `out[atomicAdd(&count, 1u)] = ...`): every shard's counter starts from the same \
+                 value, so shards would write the same slots and one shard's entries would hide \
+                 another's, whatever the merge. Run it with --shards 1",
+                binding = b.binding
+            )));
+        }
+        for (b, declared, name) in writable() {
             let rule = spec.merge_of(b.binding);
             match (rule, &b.role) {
                 // Shards counting from the same start would each report their own
@@ -518,6 +536,7 @@ fn reflect(
     }
     let uses = info.get_entry_point(index);
     let gctx = module.to_ctx();
+    let appended = crate::slots::written_at_atomic_slots(module);
     let mut bindings = BTreeMap::new();
     for (handle, var) in module.global_variables.iter() {
         let Some(rb) = &var.binding else { continue };
@@ -566,6 +585,7 @@ fn reflect(
                 elem,
                 atomic,
                 has_atomics,
+                appended: appended.contains(&rb.binding),
             },
         );
     }

@@ -26,6 +26,7 @@ pub mod kernel_cache;
 pub mod merge;
 mod pin;
 pub mod shard;
+mod slots;
 mod turns;
 mod zero;
 

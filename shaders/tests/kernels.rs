@@ -384,16 +384,61 @@ fn an_atomic_append_runs_whole_and_is_refused_when_split() {
         got.sort_unstable(); // appended in whatever order the invocations ran
         assert_eq!(got, want);
     }
+    // Split, under any merge: the shards would fill the same slots (a sum of them
+    // is garbage; equal entries look like agreement to the word-by-word merge).
     for shards in 2..=7 {
-        let e = task
-            .job(APPEND, [16, 1, 1], shards, MergeRule::Changes)
-            .unwrap_err();
-        let text = e.to_string();
-        assert!(matches!(e, ExecError::Unsplittable(_)), "{text}");
-        assert!(
-            text.contains("binding 1") && text.contains("atomics") && text.contains("--shards 1"),
-            "{text}"
-        );
+        for rule in [MergeRule::Changes, MergeRule::Sum(ElemType::U32)] {
+            let e = task.job(APPEND, [16, 1, 1], shards, rule).unwrap_err();
+            let text = e.to_string();
+            assert!(matches!(e, ExecError::Unsplittable(_)), "{text}");
+            assert!(
+                text.contains("binding 1")
+                    && text.contains("slots an atomic hands out")
+                    && text.contains("--shards 1"),
+                "{text}"
+            );
+        }
+    }
+}
+
+/// The append with its counter and entries apart: whole, the CPU's entries; split,
+/// refused even with the counter merged as a sum (as the refusal of a lone counter
+/// advises), before anything runs. Before, the entries merged word by word: where
+/// every entry was the same value, 640 counted and 256 kept, and no error.
+#[test]
+fn an_append_apart_from_its_counter_is_refused_split_whatever_the_merges() {
+    for values in [(0..640).collect::<Vec<u32>>(), vec![3; 640]] {
+        let mut want: Vec<u32> = values.iter().copied().filter(|v| v % 7 == 3).collect();
+        want.sort_unstable();
+        let task = Task::default()
+            .input(0, u32_bytes(&values))
+            .output(1, 4)
+            .output(2, 4 * 640)
+            .merge(1, MergeRule::Sum(ElemType::U32));
+        for adapter in common::adapters() {
+            let mut executor = common::lock(adapter);
+            let job = task
+                .job(APPEND_APART, [10, 1, 1], 1, MergeRule::Changes)
+                .unwrap();
+            let out = executor.run(&job, None).unwrap();
+            let count = u32s(&out.outputs[&1])[0] as usize;
+            let mut got = u32s(&out.outputs[&2])[..count].to_vec();
+            got.sort_unstable();
+            assert_eq!(got, want, "on {}", adapter.backend.name());
+        }
+        for shards in 2..=5 {
+            for rule in [MergeRule::Changes, MergeRule::Sum(ElemType::U32)] {
+                let e = task
+                    .job(APPEND_APART, [10, 1, 1], shards, rule)
+                    .unwrap_err();
+                let text = e.to_string();
+                assert!(matches!(e, ExecError::Unsplittable(_)), "{text}");
+                assert!(
+                    text.contains("binding 2 (items)") && text.contains("slots an atomic"),
+                    "{text}"
+                );
+            }
+        }
     }
 }
 

@@ -373,6 +373,26 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
+/// The same append with its counter and its entries in buffers of their own: the
+/// counter alone merges as a sum, the entries do not merge at all.
+pub const APPEND_APART: &str = r#"
+@group(0) @binding(0) var<storage, read> values: array<u32>;
+@group(0) @binding(1) var<storage, read_write> count: atomic<u32>;
+@group(0) @binding(2) var<storage, read_write> items: array<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i >= arrayLength(&values)) {
+        return;
+    }
+    let v = values[i];
+    if (v % 7u == 3u) {
+        items[atomicAdd(&count, 1u)] = v;
+    }
+}
+"#;
+
 /// A lone atomic counter.
 pub const COUNTER: &str = r#"
 @group(0) @binding(0) var<storage, read> values: array<u32>;

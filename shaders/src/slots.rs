@@ -1,0 +1,319 @@
+//! Buffers a kernel writes at slots an atomic hands out: the append (stream
+//! compaction) pattern of WebGPU tutorials,
+//!
+//! ```wgsl
+//! let slot = atomicAdd(&count, 1u);
+//! out[slot] = value;
+//! ```
+//!
+//! Run in shards, every shard's counter starts from the same value, so the shards
+//! write the same slots: their entries land on top of one another. Where two of them
+//! wrote the same value at a slot, a word-by-word merge sees agreement, and the
+//! merged buffer silently holds fewer entries than the counter says; where they
+//! differ, it fails with a conflict only after the work is done. Such a buffer
+//! cannot be split into shards at all, whatever the merge rule, and the task is
+//! refused up front (see `Kernel::check`).
+//!
+//! The analysis follows values, not control flow: a value is a slot if it is an
+//! atomic operation's result (`atomicAdd`, `atomicSub`, `atomicMax`, `atomicExchange`,
+//! ...) or is computed from one, through expressions, local variables, function
+//! arguments and return values, in any function of the module. A store (or an atomic
+//! operation) through a pointer into a `@group(0)` buffer whose index is a slot marks
+//! that buffer. It errs towards marking: a slot used only, say, to pick a bin
+//! through a condition is not followed, but one used in arithmetic for an index is.
+
+use std::collections::{BTreeSet, HashSet};
+
+use naga::{Block, Expression, Function, Handle, Module, Statement};
+
+/// The `@group(0)` binding numbers of the buffers `module` writes at an index computed
+/// from an atomic operation's result.
+pub(crate) fn written_at_atomic_slots(module: &Module) -> BTreeSet<u32> {
+    let functions: Vec<(Option<Handle<Function>>, &Function)> = module
+        .functions
+        .iter()
+        .map(|(h, f)| (Some(h), f))
+        .chain(module.entry_points.iter().map(|ep| (None, &ep.function)))
+        .collect();
+    let mut state: Vec<Taint> = functions.iter().map(|(_, f)| Taint::new(f)).collect();
+    // Arguments a caller passes a slot in, and functions that return one.
+    let mut slot_args: HashSet<(Handle<Function>, u32)> = HashSet::new();
+    let mut slot_returns: HashSet<Handle<Function>> = HashSet::new();
+    let mut marked = BTreeSet::new();
+    // Each round can only add; a module has finitely many of everything.
+    loop {
+        let mut changed = false;
+        for (i, (handle, f)) in functions.iter().enumerate() {
+            let t = &mut state[i];
+            changed |= t.expressions(f, *handle, &slot_args, &slot_returns);
+            let mut found = Found::default();
+            t.statements(f, &f.body, &mut found);
+            changed |= t.locals_changed(found.locals);
+            for call in found.args {
+                changed |= slot_args.insert(call);
+            }
+            if found.returns {
+                if let Some(h) = handle {
+                    changed |= slot_returns.insert(*h);
+                }
+            }
+            for global in found.stores {
+                if let Some(rb) = &module.global_variables[global].binding {
+                    if rb.group == 0 {
+                        marked.insert(rb.binding);
+                    }
+                }
+            }
+        }
+        if !changed {
+            return marked;
+        }
+    }
+}
+
+/// What one function's values are slots.
+struct Taint {
+    expressions: Vec<bool>,
+    locals: HashSet<Handle<naga::LocalVariable>>,
+}
+
+/// What a walk of one function's statements found.
+#[derive(Default)]
+struct Found {
+    locals: HashSet<Handle<naga::LocalVariable>>,
+    args: Vec<(Handle<Function>, u32)>,
+    returns: bool,
+    stores: Vec<Handle<naga::GlobalVariable>>,
+}
+
+impl Taint {
+    fn new(f: &Function) -> Self {
+        Taint {
+            expressions: vec![false; f.expressions.len()],
+            locals: HashSet::new(),
+        }
+    }
+
+    fn is(&self, e: Handle<Expression>) -> bool {
+        self.expressions[e.index()]
+    }
+
+    /// Marks the expressions that are slots, given the locals, arguments and
+    /// returns known to be; whether any is new. Operands come before the
+    /// expressions that use them in the arena, so one pass in order suffices.
+    fn expressions(
+        &mut self,
+        f: &Function,
+        me: Option<Handle<Function>>,
+        slot_args: &HashSet<(Handle<Function>, u32)>,
+        slot_returns: &HashSet<Handle<Function>>,
+    ) -> bool {
+        let mut changed = false;
+        for (h, e) in f.expressions.iter() {
+            if self.expressions[h.index()] {
+                continue;
+            }
+            let any = |hs: &[Option<Handle<Expression>>]| hs.iter().flatten().any(|&x| self.is(x));
+            let slot = match *e {
+                Expression::AtomicResult { .. } => true,
+                Expression::FunctionArgument(i) => me.is_some_and(|m| slot_args.contains(&(m, i))),
+                Expression::CallResult(callee) => slot_returns.contains(&callee),
+                Expression::LocalVariable(lv) => self.locals.contains(&lv),
+                Expression::Load { pointer } => any(&[Some(pointer)]),
+                Expression::Access { base, index } => any(&[Some(base), Some(index)]),
+                Expression::AccessIndex { base, .. } => any(&[Some(base)]),
+                Expression::Splat { value, .. } => any(&[Some(value)]),
+                Expression::Swizzle { vector, .. } => any(&[Some(vector)]),
+                Expression::Compose { ref components, .. } => {
+                    components.iter().any(|&c| self.is(c))
+                }
+                Expression::Unary { expr, .. } | Expression::As { expr, .. } => any(&[Some(expr)]),
+                Expression::Binary { left, right, .. } => any(&[Some(left), Some(right)]),
+                Expression::Select { accept, reject, .. } => any(&[Some(accept), Some(reject)]),
+                Expression::Math {
+                    arg,
+                    arg1,
+                    arg2,
+                    arg3,
+                    ..
+                } => any(&[Some(arg), arg1, arg2, arg3]),
+                _ => false,
+            };
+            if slot {
+                self.expressions[h.index()] = true;
+                changed = true;
+            }
+        }
+        changed
+    }
+
+    fn locals_changed(&mut self, found: HashSet<Handle<naga::LocalVariable>>) -> bool {
+        let before = self.locals.len();
+        self.locals.extend(found);
+        self.locals.len() != before
+    }
+
+    /// Walks `block`: stores of slots into locals, slots passed to calls or
+    /// returned, and writes into buffers at a slot.
+    fn statements(&self, f: &Function, block: &Block, found: &mut Found) {
+        for s in block.iter() {
+            match s {
+                Statement::Block(b) => self.statements(f, b, found),
+                Statement::If { accept, reject, .. } => {
+                    self.statements(f, accept, found);
+                    self.statements(f, reject, found);
+                }
+                Statement::Switch { cases, .. } => {
+                    for c in cases {
+                        self.statements(f, &c.body, found);
+                    }
+                }
+                Statement::Loop {
+                    body, continuing, ..
+                } => {
+                    self.statements(f, body, found);
+                    self.statements(f, continuing, found);
+                }
+                Statement::Store { pointer, value } => {
+                    if let Some(lv) = local_root(f, *pointer) {
+                        if self.is(*value) {
+                            found.locals.insert(lv);
+                        }
+                    } else if let Some(global) = self.indexed_by_slot(f, *pointer) {
+                        found.stores.push(global);
+                    }
+                }
+                Statement::Atomic { pointer, .. } => {
+                    if let Some(global) = self.indexed_by_slot(f, *pointer) {
+                        found.stores.push(global);
+                    }
+                }
+                Statement::Call {
+                    function,
+                    arguments,
+                    ..
+                } => {
+                    for (i, &a) in arguments.iter().enumerate() {
+                        if self.is(a) {
+                            found.args.push((*function, i as u32));
+                        }
+                    }
+                }
+                Statement::Return { value: Some(v) } if self.is(*v) => found.returns = true,
+                _ => {}
+            }
+        }
+    }
+
+    /// The global variable `pointer` points into, if an index on the way is a slot.
+    fn indexed_by_slot(
+        &self,
+        f: &Function,
+        mut pointer: Handle<Expression>,
+    ) -> Option<Handle<naga::GlobalVariable>> {
+        let mut by_slot = false;
+        loop {
+            match f.expressions[pointer] {
+                Expression::Access { base, index } => {
+                    by_slot |= self.is(index);
+                    pointer = base;
+                }
+                Expression::AccessIndex { base, .. } => pointer = base,
+                Expression::GlobalVariable(g) => return by_slot.then_some(g),
+                _ => return None,
+            }
+        }
+    }
+}
+
+/// The local variable `pointer` points into, if any.
+fn local_root(
+    f: &Function,
+    mut pointer: Handle<Expression>,
+) -> Option<Handle<naga::LocalVariable>> {
+    loop {
+        match f.expressions[pointer] {
+            Expression::Access { base, .. } | Expression::AccessIndex { base, .. } => {
+                pointer = base;
+            }
+            Expression::LocalVariable(lv) => return Some(lv),
+            _ => return None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn marked(src: &str) -> BTreeSet<u32> {
+        let module = naga::front::wgsl::parse_str(src).unwrap();
+        written_at_atomic_slots(&module)
+    }
+
+    const HEAD: &str = "
+@group(0) @binding(0) var<storage, read> input: array<u32>;
+@group(0) @binding(1) var<storage, read_write> count: atomic<u32>;
+@group(0) @binding(2) var<storage, read_write> out: array<u32>;
+";
+
+    #[test]
+    fn an_append_is_found_however_the_slot_travels() {
+        // Straight, through a `var`, and through arithmetic.
+        for body in [
+            "let slot = atomicAdd(&count, 1u); out[slot] = input[i];",
+            "var slot: u32; slot = atomicAdd(&count, 1u); out[slot] = input[i];",
+            "let slot = atomicAdd(&count, 2u); out[slot + 1u] = input[i];",
+            "out[atomicAdd(&count, 1u)] = input[i];",
+        ] {
+            let src = format!(
+                "{HEAD}
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
+    let i = gid.x;
+    if (i >= arrayLength(&input)) {{ return; }}
+    if (input[i] % 3u == 0u) {{ {body} }}
+}}"
+            );
+            assert_eq!(marked(&src), BTreeSet::from([2]), "{body}");
+        }
+        // Through a helper's argument, and a helper's return value.
+        let src = format!(
+            "{HEAD}
+fn put(slot: u32, v: u32) {{ out[slot] = v; }}
+fn take() -> u32 {{ return atomicAdd(&count, 1u); }}
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
+    put(take(), input[gid.x]);
+}}"
+        );
+        assert_eq!(marked(&src), BTreeSet::from([2]));
+        // A struct holding the counter beside its entries.
+        let src = "
+struct List { n: atomic<u32>, items: array<u32> }
+@group(0) @binding(3) var<storage, read_write> list: List;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let s = atomicAdd(&list.n, 1u);
+    list.items[s] = gid.x;
+}";
+        assert_eq!(marked(src), BTreeSet::from([3]));
+    }
+
+    #[test]
+    fn counters_histograms_and_plain_writes_are_not_appends() {
+        let src = format!(
+            "{HEAD}
+@group(0) @binding(3) var<storage, read_write> bins: array<atomic<u32>>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
+    let i = gid.x;
+    if (i >= arrayLength(&input)) {{ return; }}
+    atomicAdd(&bins[input[i] % 16u], 1u);
+    let seen = atomicAdd(&count, 1u);
+    out[i] = input[i] * 2u;
+}}"
+        );
+        assert!(marked(&src).is_empty());
+    }
+}
