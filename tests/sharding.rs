@@ -256,6 +256,19 @@ async fn unmergeable_kernels_fail_with_the_conflict_or_are_refused_and_the_mesh_
             "{e}"
         );
         assert_eq!(c.tasks().await.unwrap().len(), before);
+        // So is one whose counter is a buffer of its own, merged as a sum.
+        let apart = Task::default()
+            .input(0, u32_bytes(&values))
+            .output(1, 4)
+            .output(2, 4 * 640)
+            .merge(1, MergeRule::Sum(gpumesh::protocol::ElemType::U32));
+        let e = apart
+            .submit(&c, APPEND_APART, [10, 1, 1], 3)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("binding 2 (items)"), "{e}");
+        assert_eq!(c.tasks().await.unwrap().len(), before);
         // ...and runs whole, with the CPU's count and items.
         let id = append.submit(&c, APPEND, [10, 1, 1], 1).await.unwrap();
         c.wait(id, |_, _| {}).await.unwrap();
