@@ -464,3 +464,76 @@ async fn forgotten_small_results_leave_the_pack_and_the_rest_stay_right() {
     .await
     .expect("bounded");
 }
+
+/// A forgotten task's small result leaves its bytes in no pack on any node within
+/// seconds of being let go, with no compaction (the dead records are overwritten),
+/// and a node's store opened again does not find it: before, the bytes stayed in
+/// the file until a compaction, and a store opened again found the blob again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_forgotten_small_result_is_erased_from_the_packs_and_stays_gone() {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    tokio::time::timeout(LIMIT, async {
+        let no_compaction = SweepConfig {
+            compact_min_dead: u64::MAX,
+            ..let_go_only()
+        };
+        let nodes = mesh_with(root, 2, |_, c| c.blob_sweep = no_compaction).await;
+        let (a, b) = (client(&nodes[0]), client(&nodes[1]));
+        // 40 KiB results: stored as blobs in the packs of both nodes.
+        const N: u32 = 10 << 10;
+        let mut results = Vec::new();
+        for seed in 0..3 {
+            let input = words(200 + seed, N);
+            let id = b.upload(input.clone()).await.unwrap();
+            let task = b.submit(plus_one(id, N, 1), None).await.unwrap();
+            b.wait(task, |_, _| {}).await.unwrap();
+            let got = a.results(task).await.unwrap().remove(&1).unwrap();
+            assert_eq!(got, plus_one_cpu(&input));
+            results.push((task, got));
+        }
+        let pack = |i: usize| root.join(format!("n{i}")).join("blobs").join("small.pack");
+        let holds = |i: usize, bytes: &[u8]| {
+            std::fs::read(pack(i))
+                .unwrap()
+                .windows(4096)
+                .any(|w| w == &bytes[..4096])
+        };
+        for (_, bytes) in &results {
+            assert!(
+                (0..2).all(|i| holds(i, bytes)),
+                "a result is not in both packs"
+            );
+        }
+        for (task, _) in &results {
+            a.forget(*task).await.unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while results
+            .iter()
+            .any(|(_, bytes)| (0..2).any(|i| holds(i, bytes)))
+        {
+            assert!(
+                Instant::now() < deadline,
+                "a forgotten result's bytes are still in a pack"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        stop(nodes).await;
+        for i in 0..2 {
+            let store = gpumesh::node::blobs::BlobStore::open(
+                root.join(format!("n{i}")).join("blobs"),
+                1 << 30,
+            )
+            .unwrap();
+            for (_, bytes) in &results {
+                assert!(!store.has(&BlobId::of(bytes)), "found again on node {i}");
+            }
+        }
+    })
+    .await
+    .expect("bounded");
+}

@@ -28,9 +28,12 @@
 //! Blobs nothing needs any more are removed ([`Pack::remove_unused`], called by the
 //! blob sweeper): no longer found, their records stay in the file, dead, until a
 //! compaction ([`Pack::compact`]) copies the live records into a new file and
-//! renames it over the pack. A dead record still in the file when the node starts
-//! again is found again (its bytes are still its id's): harmless, since nothing
-//! named it, and removed again by the next sweep.
+//! renames it over the pack. Before that, a few seconds after it died, a dead
+//! record is overwritten with zeros from its id on ([`Pack::erase_dead`], on the
+//! sweeper's next round), so a removed blob's bytes (a forgotten task's result)
+//! leave the disk, and a node started again finds the record erased (an id of
+//! zeros) rather than the blob. Only a record that died in the seconds before a
+//! crash is found again: nothing names it, and the next sweep removes it again.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
@@ -39,7 +42,7 @@ use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use gpumesh_consensus::{write_paced, ZerosAhead};
 use gpumesh_protocol::BlobId;
@@ -47,7 +50,9 @@ use gpumesh_protocol::BlobId;
 const MAGIC: &[u8; 16] = b"gpumesh-blobpak1";
 const HEADER: u64 = MAGIC.len() as u64;
 /// Length and id in front of each record's bytes.
-const RECORD_HEAD: u64 = 8 + 32;
+const RECORD_HEAD: u64 = LEN_BYTES + 32;
+/// The length at the head of a record.
+const LEN_BYTES: u64 = 8;
 /// Blobs of at most this many bytes are packed; larger ones get a file each. At
 /// 256 KiB (data format 6) a task's 256 KiB result took 1.65-2.1 ms to keep here
 /// and on a second node, and 1.24-1.43 ms packed (`gpumesh bench mesh --result-kib
@@ -59,6 +64,8 @@ pub const PACK_MAX: u64 = (4 << 20) + 4096;
 /// (each the size of the pack so far), so a store holding a few blobs stays small.
 const ZERO_AHEAD: u64 = 4 << 20;
 const FIRST_ZEROS: u64 = 64 << 10;
+/// Dead records are overwritten this many bytes at a time.
+const ERASE_STEP: u64 = 256 << 10;
 /// A compaction writes the records it keeps this many bytes at a time.
 const COPY_BATCH: usize = 1 << 20;
 /// The file a compaction replaced is given back this many bytes at a time.
@@ -102,6 +109,9 @@ struct State {
     dead: HashSet<u64>,
     /// Their bytes, heads included.
     dead_bytes: u64,
+    /// Dead records of the current file whose bytes are still there, and since
+    /// when they are dead: [`Pack::erase_dead`] overwrites them.
+    erase: Vec<(Slot, Instant)>,
 }
 
 #[derive(Debug)]
@@ -192,6 +202,7 @@ impl Pack {
             index: HashMap::new(),
             dead: HashSet::new(),
             dead_bytes: 0,
+            erase: Vec::new(),
         };
         let (end, zeroed) = match OpenOptions::new().read(true).write(true).open(&path) {
             Ok(file) if never_written(&file)? => {
@@ -357,6 +368,57 @@ impl Pack {
         let len = entry.slot.len;
         state.remove(id);
         Removed::Yes(len)
+    }
+
+    /// Overwrites with zeros the records dead for at least `grace` (removed, or a
+    /// blob's older record), the id in their head included, and syncs them: a
+    /// removed blob's bytes leave the disk, and at the next opening the record is
+    /// known erased rather than found again. `grace` outlasts any read that found
+    /// such a record before it died. Left for the next call while a compaction
+    /// runs (it copies from the file); how many records were erased.
+    pub fn erase_dead(&self, grace: std::time::Duration) -> io::Result<usize> {
+        let Ok(_one) = self.compacting.try_lock() else {
+            return Ok(0);
+        };
+        let (file, due) = {
+            let mut state = self.state.write().map_err(|_| poisoned())?;
+            let Some(file) = state.file.clone() else {
+                return Ok(0);
+            };
+            let now = Instant::now();
+            let (due, wait): (Vec<_>, Vec<_>) = std::mem::take(&mut state.erase)
+                .into_iter()
+                .partition(|(_, since)| now.duration_since(*since) >= grace);
+            state.erase = wait;
+            (file, due)
+        };
+        let zeros = vec![0u8; ERASE_STEP as usize];
+        let erased = || -> io::Result<()> {
+            for (slot, _) in &due {
+                // From the id on (the length stays, so the records after it are found).
+                let (mut at, end) = (slot.at - (RECORD_HEAD - LEN_BYTES), slot.at + slot.len);
+                while at < end {
+                    let n = (end - at).min(zeros.len() as u64);
+                    file.write_all_at(&zeros[..n as usize], at)?;
+                    at += n;
+                }
+            }
+            if due.is_empty() {
+                Ok(())
+            } else {
+                file.sync_data()
+            }
+        };
+        match erased() {
+            Ok(()) => Ok(due.len()),
+            Err(e) => {
+                // Tried again next time (no compaction ran meanwhile: this holds it off).
+                if let Ok(mut state) = self.state.write() {
+                    state.erase.extend(due);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// The blobs packed here.
@@ -536,8 +598,15 @@ impl State {
         }
     }
 
-    /// Counts the record at `slot` dead: left out by the next compaction.
+    /// Counts the record at `slot` dead: left out by the next compaction, and its
+    /// bytes erased before then ([`Pack::erase_dead`]).
     fn bury(&mut self, slot: Slot) {
+        self.bury_erased(slot);
+        self.erase.push((slot, Instant::now()));
+    }
+
+    /// Counts the record at `slot` dead, its bytes erased already.
+    fn bury_erased(&mut self, slot: Slot) {
         self.dead.insert(slot.at);
         self.dead_bytes += RECORD_HEAD + slot.len;
     }
@@ -568,11 +637,13 @@ impl State {
         }
         let mut dead = HashSet::new();
         let mut dead_bytes = 0;
+        let mut moved_dead = Vec::new();
         for (old_at, (id, slot)) in moved {
             if self.dead.contains(&old_at) || index.contains_key(&id) {
                 // Removed while it was copied, or a second record of a blob found.
                 dead.insert(slot.at);
                 dead_bytes += RECORD_HEAD + slot.len;
+                moved_dead.push(slot);
             } else {
                 // Appended and synced here, its writer not yet back to find it (it
                 // sees the new generation and leaves that to this).
@@ -587,6 +658,10 @@ impl State {
                 + dead_bytes,
             end - HEADER
         );
+        // The old file's dead records were not copied; those copied and dead
+        // here are erased in this one.
+        let now = Instant::now();
+        self.erase = moved_dead.into_iter().map(|slot| (slot, now)).collect();
         self.file = Some(file);
         self.generation += 1;
         self.index = index;
@@ -632,7 +707,7 @@ impl Copy<'_> {
                 ));
             }
             let body = at + RECORD_HEAD;
-            if dead.contains(&body) {
+            if dead.contains(&body) || id.0 == [0; 32] {
                 self.dropped += 1;
                 at = next;
                 continue;
@@ -775,6 +850,15 @@ fn read_records(file: &File, path: &Path, state: &mut State) -> io::Result<(u64,
             break None;
         }
         let fits = len <= PACK_MAX && at + RECORD_HEAD + len <= size;
+        if fits && id.0 == [0; 32] {
+            // Erased once dead (see `Pack::erase_dead`).
+            state.bury_erased(Slot {
+                at: at + RECORD_HEAD,
+                len,
+            });
+            at += RECORD_HEAD + len;
+            continue;
+        }
         let mut bytes = vec![0u8; if fits { len as usize } else { 0 }];
         if !fits || file.read_exact_at(&mut bytes, at + RECORD_HEAD).is_err() {
             break Some(at);
@@ -1076,6 +1160,72 @@ mod tests {
         pack.remove_unused(&BlobId::of(b), ahead)
     }
 
+    /// Whether `needle` appears anywhere in the file at `path`.
+    fn file_holds(path: &Path, needle: &[u8]) -> bool {
+        std::fs::read(path)
+            .unwrap()
+            .windows(needle.len())
+            .any(|w| w == needle)
+    }
+
+    #[test]
+    fn a_removed_blob_is_erased_from_the_file_and_not_found_again_on_opening() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("small.pack");
+        let pack = Pack::open(path.clone()).unwrap();
+        let blobs: Vec<Vec<u8>> = (0..6)
+            .map(|i| blob(5_000 + 700 * i, 40 + i as u8))
+            .collect();
+        for b in &blobs {
+            pack.append(BlobId::of(b), b).unwrap();
+        }
+        let (gone, kept) = (&blobs[1..3], [&blobs[0], &blobs[3], &blobs[4], &blobs[5]]);
+        for b in gone {
+            assert_eq!(remove(&pack, b), Removed::Yes(b.len() as u64));
+        }
+        // Within the grace, the bytes stay (a read that found them may be under way),
+        // and a node started again then finds them again.
+        assert_eq!(
+            pack.erase_dead(std::time::Duration::from_secs(60)).unwrap(),
+            0
+        );
+        assert!(file_holds(&path, &gone[0]));
+        assert!(Pack::open(path.clone())
+            .unwrap()
+            .get(&BlobId::of(&gone[0]))
+            .is_some());
+        // After it, gone from the file, id and bytes; not found again on opening.
+        assert_eq!(pack.erase_dead(std::time::Duration::ZERO).unwrap(), 2);
+        assert_eq!(pack.erase_dead(std::time::Duration::ZERO).unwrap(), 0);
+        for b in gone {
+            assert!(
+                !file_holds(&path, b),
+                "a removed blob's bytes are still in the file"
+            );
+            assert!(!file_holds(&path, &BlobId::of(b).0));
+        }
+        let again = Pack::open(path.clone()).unwrap();
+        assert_eq!(again.stats(), pack.stats());
+        assert_eq!(again.garbage(), pack.garbage());
+        for b in gone {
+            assert!(again.get(&BlobId::of(b)).is_none());
+        }
+        for b in kept {
+            assert_eq!(&bytes_of(&again, b), b);
+        }
+        // Erased records are left out by a compaction, and the rest kept.
+        let done = again.compact().unwrap();
+        assert_eq!((done.kept, done.dropped), (4, 2));
+        for b in kept {
+            assert_eq!(&bytes_of(&again, b), b);
+        }
+        // In the compacted file too.
+        remove(&again, &blobs[0]);
+        assert_eq!(again.erase_dead(std::time::Duration::ZERO).unwrap(), 1);
+        assert!(!file_holds(&path, &blobs[0]));
+        assert_eq!(&bytes_of(&Pack::open(path).unwrap(), &blobs[5]), &blobs[5]);
+    }
+
     #[test]
     fn a_compaction_keeps_the_records_found_and_gives_back_the_rest() {
         let dir = tempfile::tempdir().unwrap();
@@ -1201,6 +1351,10 @@ mod tests {
                     if pack.compact().unwrap().kept > 0 {
                         compactions.fetch_add(1, Ordering::Relaxed);
                     }
+                    // Dead records erased between compactions, at once (nothing
+                    // here reads a blob once it is removed): in whichever file
+                    // holds them, never a live one.
+                    pack.erase_dead(std::time::Duration::ZERO).unwrap();
                 }
             });
             // Stops the compactions however the writers end (a failed assertion too).

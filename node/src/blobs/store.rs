@@ -406,6 +406,14 @@ impl BlobStore {
             .map_err(|e| NodeError::io(self.pack.path(), e))
     }
 
+    /// Overwrites the pack's records dead for at least `grace` (see
+    /// [`Pack::erase_dead`]); how many.
+    pub(crate) fn erase_dead(&self, grace: std::time::Duration) -> Result<usize> {
+        self.pack
+            .erase_dead(grace)
+            .map_err(|e| NodeError::io(self.pack.path(), e))
+    }
+
     /// (live, dead) bytes of the pack's records (see [`Pack::garbage`]).
     pub fn pack_garbage(&self) -> (u64, u64) {
         self.pack.garbage()

@@ -177,6 +177,7 @@ pub async fn run(
                     sweep(&store, &consensus, due, since, Sweep::LetGo, &metrics).await;
                     compact(&store, config.compact_min_dead, &metrics, &mut compact_failed).await;
                 }
+                erase(&store).await;
             }
             _ = unused.tick() => {
                 // Only with the record current: a leader known and all it has
@@ -244,6 +245,24 @@ const COMPACT_RETRY: Duration = Duration::from_secs(600);
 /// Compacts the store's pack if enough of it is dead (see
 /// [`BlobStore::compact_if_due`]), off the runtime's threads; after a failure,
 /// not again for [`COMPACT_RETRY`] (`failed` is when the last one failed).
+/// How long a dead record of the pack keeps its bytes: far longer than a read that
+/// found it before it died takes.
+const ERASE_GRACE: Duration = Duration::from_secs(5);
+
+/// Overwrites the pack's records dead for [`ERASE_GRACE`] (removed blobs' bytes).
+async fn erase(store: &BlobStore) {
+    let store = store.clone();
+    match tokio::task::spawn_blocking(move || store.erase_dead(ERASE_GRACE)).await {
+        Ok(Ok(0)) => {}
+        Ok(Ok(n)) => tracing::debug!(records = n, "erased dead records of the blob pack"),
+        Ok(Err(e)) => tracing::warn!(
+            error = %e,
+            "could not erase the blob pack's dead records (tried again in a few seconds)"
+        ),
+        Err(e) => tracing::warn!(error = %e, "erasing the blob pack's dead records panicked"),
+    }
+}
+
 async fn compact(
     store: &BlobStore,
     min_dead: u64,
