@@ -29,8 +29,8 @@
 //! blob sweeper): no longer found, their records stay in the file, dead, until a
 //! compaction ([`Pack::compact`]) copies the live records into a new file and
 //! renames it over the pack. Before that, a few seconds after it died, a dead
-//! record is overwritten with zeros from its id on ([`Pack::erase_dead`], on the
-//! sweeper's next round), so a removed blob's bytes (a forgotten task's result)
+//! record is erased from its id on, a hole punched in the file (or zeros written)
+//! ([`Pack::erase_dead`], on the sweeper's next round), so a removed blob's bytes (a forgotten task's result)
 //! leave the disk, and a node started again finds the record erased (an id of
 //! zeros) rather than the blob. Only a record that died in the seconds before a
 //! crash is found again: nothing names it, and the next sweep removes it again.
@@ -64,7 +64,7 @@ pub const PACK_MAX: u64 = (4 << 20) + 4096;
 /// (each the size of the pack so far), so a store holding a few blobs stays small.
 const ZERO_AHEAD: u64 = 4 << 20;
 const FIRST_ZEROS: u64 = 64 << 10;
-/// Dead records are overwritten this many bytes at a time.
+/// Dead records are overwritten this many bytes at a time where no hole is punched.
 const ERASE_STEP: u64 = 256 << 10;
 /// A compaction writes the records it keeps this many bytes at a time.
 const COPY_BATCH: usize = 1 << 20;
@@ -370,8 +370,9 @@ impl Pack {
         Removed::Yes(len)
     }
 
-    /// Overwrites with zeros the records dead for at least `grace` (removed, or a
-    /// blob's older record), the id in their head included, and syncs them: a
+    /// Erases the records dead for at least `grace` (removed, or a blob's older
+    /// record), the id in their head included: a hole punched, or zeros written
+    /// ([`erase`]); then syncs: a
     /// removed blob's bytes leave the disk, and at the next opening the record is
     /// known erased rather than found again. `grace` outlasts any read that found
     /// such a record before it died. Left for the next call while a compaction
@@ -392,16 +393,11 @@ impl Pack {
             state.erase = wait;
             (file, due)
         };
-        let zeros = vec![0u8; ERASE_STEP as usize];
         let erased = || -> io::Result<()> {
             for (slot, _) in &due {
                 // From the id on (the length stays, so the records after it are found).
-                let (mut at, end) = (slot.at - (RECORD_HEAD - LEN_BYTES), slot.at + slot.len);
-                while at < end {
-                    let n = (end - at).min(zeros.len() as u64);
-                    file.write_all_at(&zeros[..n as usize], at)?;
-                    at += n;
-                }
+                let at = slot.at - (RECORD_HEAD - LEN_BYTES);
+                erase(&file, at, RECORD_HEAD - LEN_BYTES + slot.len)?;
             }
             if due.is_empty() {
                 Ok(())
@@ -895,6 +891,54 @@ fn read_records(file: &File, path: &Path, state: &mut State) -> io::Result<(u64,
     Ok((at, size))
 }
 
+/// Makes `len` bytes of `file` from `at` read as zeros: a hole punched in the file
+/// where the file system can (its whole blocks given back to the disk, no data
+/// written: a removed actor state of megabytes costs no second write), else zeros
+/// written.
+fn erase(file: &File, at: u64, len: u64) -> io::Result<()> {
+    if punch_hole(file, at, len) {
+        return Ok(());
+    }
+    write_zeros(file, at, len)
+}
+
+fn write_zeros(file: &File, at: u64, len: u64) -> io::Result<()> {
+    let zeros = vec![0u8; len.min(ERASE_STEP) as usize];
+    let (mut at, end) = (at, at + len);
+    while at < end {
+        let n = (end - at).min(zeros.len() as u64);
+        file.write_all_at(&zeros[..n as usize], at)?;
+        at += n;
+    }
+    Ok(())
+}
+
+/// `fallocate(PUNCH_HOLE | KEEP_SIZE)`; whether it was done.
+#[cfg(target_os = "linux")]
+fn punch_hole(file: &File, at: u64, len: u64) -> bool {
+    use std::os::fd::AsRawFd;
+    let (Ok(at), Ok(len)) = (libc::off_t::try_from(at), libc::off_t::try_from(len)) else {
+        return false;
+    };
+    // SAFETY: the descriptor is `file`'s, open for the whole call, and the other
+    // arguments are integers. The call reads and writes no memory of ours.
+    #[allow(unsafe_code)]
+    let done = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            at,
+            len,
+        )
+    };
+    done == 0
+}
+
+#[cfg(not(target_os = "linux"))]
+fn punch_hole(_: &File, _: u64, _: u64) -> bool {
+    false
+}
+
 fn poisoned() -> io::Error {
     io::Error::other("the blob pack's lock was poisoned")
 }
@@ -1158,6 +1202,34 @@ mod tests {
     fn remove(pack: &Pack, b: &[u8]) -> Removed {
         let ahead = SystemTime::now() + std::time::Duration::from_secs(3600);
         pack.remove_unused(&BlobId::of(b), ahead)
+    }
+
+    #[test]
+    fn erasing_zeros_the_range_and_nothing_else_by_hole_or_by_writing() {
+        let dir = tempfile::tempdir().unwrap();
+        let len = 3 * ERASE_STEP as usize + 12_345;
+        let bytes = blob(len, 9);
+        for punch in [true, false] {
+            let path = dir.path().join(format!("f{punch}"));
+            std::fs::write(&path, &bytes).unwrap();
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .unwrap();
+            let (at, n) = (1_000u64, 2 * ERASE_STEP + 7_777);
+            if punch {
+                erase(&file, at, n).unwrap();
+            } else {
+                write_zeros(&file, at, n).unwrap();
+            }
+            let after = std::fs::read(&path).unwrap();
+            assert_eq!(after.len(), len);
+            let (a, b) = (at as usize, (at + n) as usize);
+            assert_eq!(after[..a], bytes[..a]);
+            assert!(after[a..b].iter().all(|&x| x == 0));
+            assert_eq!(after[b..], bytes[b..]);
+        }
     }
 
     /// Whether `needle` appears anywhere in the file at `path`.
