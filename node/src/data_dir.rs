@@ -41,7 +41,8 @@ const READS_AS_IS: [u16; 2] = [6, 7];
 #[derive(Debug)]
 pub struct DirLock(#[allow(dead_code)] std::fs::File);
 
-/// Takes `dir`'s [`DirLock`], or says that another node holds it.
+/// Takes `dir`'s [`DirLock`], or says that another node holds it. Where the file
+/// system takes no locks, a warning, and no lock.
 pub fn lock(dir: &Path) -> Result<DirLock> {
     let handle = std::fs::File::open(dir).map_err(|e| NodeError::io(dir, e))?;
     match handle.try_lock() {
@@ -51,7 +52,17 @@ pub fn lock(dir: &Path) -> Result<DirLock> {
              this one with another --data-dir",
             dir.display()
         ))),
-        Err(std::fs::TryLockError::Error(e)) => Err(NodeError::io(dir, e)),
+        // A file system without locks (some network ones): the node starts, as it
+        // did before there was a lock, and says so.
+        Err(std::fs::TryLockError::Error(e)) => {
+            tracing::warn!(
+                dir = %dir.display(),
+                error = %e,
+                "could not lock the data dir; starting without the lock: make sure no other \
+                 gpumesh node uses it"
+            );
+            Ok(DirLock(handle))
+        }
     }
 }
 
