@@ -28,7 +28,8 @@ use crate::wire::{self, NodeReply, NodeRequest};
 
 /// How long a member hears no leader before it asks whether it is still one.
 const LEADERLESS: Duration = Duration::from_secs(2);
-/// How often it asks again while it hears none.
+/// How long it waits after asking before it looks again (and, hearing no leader
+/// for [`LEADERLESS`] more, asks again: every 5 s or so).
 const ASK_EVERY: Duration = Duration::from_secs(3);
 /// How long one peer has to answer.
 const ANSWER_WAIT: Duration = Duration::from_secs(2);
