@@ -14,9 +14,11 @@
 //! cannot be split into shards at all, whatever the merge rule, and the task is
 //! refused up front (see `Kernel::check`).
 //!
-//! The analysis follows values, not control flow: a value is a slot if it is an
-//! atomic operation's result (`atomicAdd`, `atomicSub`, `atomicMax`, `atomicExchange`,
-//! ...) or is computed from one, through expressions, local variables, function
+//! The analysis follows values, not control flow: a value is a slot if it is the
+//! result of an atomic operation on a buffer (`atomicAdd`, `atomicSub`, `atomicMax`,
+//! `atomicExchange`, ... on a `var<storage>`; one on a `var<workgroup>` hands out
+//! the workgroup's own slots, and a shard runs whole workgroups) or is computed
+//! from one, through expressions, local variables, function
 //! arguments and return values, in any function of the module. A store (or an atomic
 //! operation) through a pointer into a `@group(0)` buffer whose index is a slot marks
 //! that buffer. It errs towards marking: a slot used only, say, to pick a bin
@@ -35,7 +37,10 @@ pub(crate) fn written_at_atomic_slots(module: &Module) -> BTreeSet<u32> {
         .map(|(h, f)| (Some(h), f))
         .chain(module.entry_points.iter().map(|ep| (None, &ep.function)))
         .collect();
-    let mut state: Vec<Taint> = functions.iter().map(|(_, f)| Taint::new(f)).collect();
+    let mut state: Vec<Taint> = functions
+        .iter()
+        .map(|(_, f)| Taint::new(module, f))
+        .collect();
     // Arguments a caller passes a slot in, and functions that return one.
     let mut slot_args: HashSet<(Handle<Function>, u32)> = HashSet::new();
     let mut slot_returns: HashSet<Handle<Function>> = HashSet::new();
@@ -75,6 +80,10 @@ pub(crate) fn written_at_atomic_slots(module: &Module) -> BTreeSet<u32> {
 struct Taint {
     expressions: Vec<bool>,
     locals: HashSet<Handle<naga::LocalVariable>>,
+    /// The results of atomic operations on buffers (`var<storage>`): where slots
+    /// come from. One on a `var<workgroup>` counts within a workgroup, which a
+    /// shard runs whole, so the slots it hands out are the workgroup's own.
+    sources: HashSet<Handle<Expression>>,
 }
 
 /// What a walk of one function's statements found.
@@ -87,10 +96,13 @@ struct Found {
 }
 
 impl Taint {
-    fn new(f: &Function) -> Self {
+    fn new(module: &Module, f: &Function) -> Self {
+        let mut sources = HashSet::new();
+        storage_atomics(module, f, &f.body, &mut sources);
         Taint {
             expressions: vec![false; f.expressions.len()],
             locals: HashSet::new(),
+            sources,
         }
     }
 
@@ -115,7 +127,7 @@ impl Taint {
             }
             let any = |hs: &[Option<Handle<Expression>>]| hs.iter().flatten().any(|&x| self.is(x));
             let slot = match *e {
-                Expression::AtomicResult { .. } => true,
+                Expression::AtomicResult { .. } => self.sources.contains(&h),
                 Expression::FunctionArgument(i) => me.is_some_and(|m| slot_args.contains(&(m, i))),
                 Expression::CallResult(callee) => slot_returns.contains(&callee),
                 Expression::LocalVariable(lv) => self.locals.contains(&lv),
@@ -226,6 +238,62 @@ impl Taint {
     }
 }
 
+/// Collects into `sources` the results of the atomic operations in `block` on
+/// buffers in `var<storage>` (through a pointer rooted at the variable itself; one
+/// through a function's pointer argument is not followed).
+fn storage_atomics(
+    module: &Module,
+    f: &Function,
+    block: &Block,
+    sources: &mut HashSet<Handle<Expression>>,
+) {
+    for s in block.iter() {
+        match s {
+            Statement::Block(b) => storage_atomics(module, f, b, sources),
+            Statement::If { accept, reject, .. } => {
+                storage_atomics(module, f, accept, sources);
+                storage_atomics(module, f, reject, sources);
+            }
+            Statement::Switch { cases, .. } => {
+                for c in cases {
+                    storage_atomics(module, f, &c.body, sources);
+                }
+            }
+            Statement::Loop {
+                body, continuing, ..
+            } => {
+                storage_atomics(module, f, body, sources);
+                storage_atomics(module, f, continuing, sources);
+            }
+            Statement::Atomic {
+                pointer,
+                result: Some(r),
+                ..
+            } => {
+                let mut p = *pointer;
+                let global = loop {
+                    match f.expressions[p] {
+                        Expression::Access { base, .. } | Expression::AccessIndex { base, .. } => {
+                            p = base;
+                        }
+                        Expression::GlobalVariable(g) => break Some(g),
+                        _ => break None,
+                    }
+                };
+                if global.is_some_and(|g| {
+                    matches!(
+                        module.global_variables[g].space,
+                        naga::AddressSpace::Storage { .. }
+                    )
+                }) {
+                    sources.insert(*r);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
 /// The local variable `pointer` points into, if any.
 fn local_root(
     f: &Function,
@@ -298,6 +366,23 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     list.items[s] = gid.x;
 }";
         assert_eq!(marked(src), BTreeSet::from([3]));
+    }
+
+    #[test]
+    fn a_workgroups_own_counter_hands_out_its_own_slots() {
+        let src = "
+@group(0) @binding(0) var<storage, read> input: array<u32>;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+var<workgroup> n: atomic<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>,
+        @builtin(workgroup_id) wid: vec3<u32>) {
+    if (input[gid.x] % 3u == 0u) {
+        let slot = atomicAdd(&n, 1u);
+        out[wid.x * 64u + slot] = input[gid.x];
+    }
+}";
+        assert!(marked(src).is_empty());
     }
 
     #[test]

@@ -442,6 +442,50 @@ fn an_append_apart_from_its_counter_is_refused_split_whatever_the_merges() {
     }
 }
 
+/// A workgroup compacting into its own slots on its own counter (`var<workgroup>`)
+/// is no append across the grid: split into any number of shards, on every adapter,
+/// each workgroup keeps the CPU's entries of its own elements, in some order.
+#[test]
+fn a_compaction_within_each_workgroup_splits_and_matches_the_cpu() {
+    let n = 1000;
+    let mut rng = Rng(21);
+    let values: Vec<u32> = (0..n).map(|_| rng.below(1 << 16)).collect();
+    let groups = 16usize;
+    let task = Task::default()
+        .input(0, u32_bytes(&values))
+        .output(1, (groups * 64 * 4) as u64)
+        .output(2, (groups * 4) as u64);
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        for shards in 1..=5 {
+            let job = task
+                .job(
+                    COMPACT_PER_WORKGROUP,
+                    [groups as u32, 1, 1],
+                    shards,
+                    MergeRule::Changes,
+                )
+                .unwrap();
+            let out = executor.run(&job, None).unwrap();
+            let (kept, counts) = (u32s(&out.outputs[&1]), u32s(&out.outputs[&2]));
+            for w in 0..groups {
+                let own = &values[(w * 64).min(n)..((w + 1) * 64).min(n)];
+                let mut want: Vec<u32> = own.iter().copied().filter(|v| v % 7 == 3).collect();
+                let c = counts[w] as usize;
+                let mut got = kept[w * 64..w * 64 + c].to_vec();
+                want.sort_unstable();
+                got.sort_unstable();
+                assert_eq!(
+                    got,
+                    want,
+                    "workgroup {w}, {shards} shards, on {}",
+                    adapter.backend.name()
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn an_atomic_counter_runs_whole_and_is_refused_split_under_changes() {
     let values: Vec<u32> = (0..900).collect();

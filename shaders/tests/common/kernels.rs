@@ -393,6 +393,30 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
+/// Compaction within each workgroup, on a workgroup's own counter: the slots are
+/// the workgroup's, so it splits into shards like any kernel.
+pub const COMPACT_PER_WORKGROUP: &str = r#"
+@group(0) @binding(0) var<storage, read> values: array<u32>;
+@group(0) @binding(1) var<storage, read_write> kept: array<u32>;
+@group(0) @binding(2) var<storage, read_write> counts: array<u32>;
+var<workgroup> n: atomic<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32,
+        @builtin(workgroup_id) wid: vec3<u32>) {
+    let i = gid.x;
+    if (i < arrayLength(&values) && values[i] % 7u == 3u) {
+        let slot = atomicAdd(&n, 1u);
+        kept[wid.x * 64u + slot] = values[i];
+    }
+    workgroupBarrier();
+    if (lid == 0u) {
+        counts[wid.x] = atomicLoad(&n);
+    }
+}
+"#;
+
 /// A lone atomic counter.
 pub const COUNTER: &str = r#"
 @group(0) @binding(0) var<storage, read> values: array<u32>;
