@@ -18,8 +18,10 @@
 //! result of an atomic operation on a buffer (`atomicAdd`, `atomicSub`, `atomicMax`,
 //! `atomicExchange`, ... on a `var<storage>`; one on a `var<workgroup>` hands out
 //! the workgroup's own slots, and a shard runs whole workgroups) or is computed
-//! from one, through expressions, local variables, function
-//! arguments and return values, in any function of the module. A store (or an atomic
+//! from one, through expressions, local variables, `var<workgroup>` and
+//! `var<private>` variables (a workgroup's base in the output, reserved by one
+//! invocation for all), function arguments and return values, in any function of
+//! the module. A store (or an atomic
 //! operation) through a pointer into a `@group(0)` buffer whose index is a slot marks
 //! that buffer. It errs towards marking: a slot used only, say, to pick a bin
 //! through a condition is not followed, but one used in arithmetic for an index is.
@@ -41,19 +43,26 @@ pub(crate) fn written_at_atomic_slots(module: &Module) -> BTreeSet<u32> {
         .iter()
         .map(|(_, f)| Taint::new(module, f))
         .collect();
-    // Arguments a caller passes a slot in, and functions that return one.
+    // Arguments a caller passes a slot in, functions that return one, and
+    // `var<workgroup>` / `var<private>` variables one is stored in (a workgroup's
+    // base in the output, reserved by one invocation for all).
     let mut slot_args: HashSet<(Handle<Function>, u32)> = HashSet::new();
     let mut slot_returns: HashSet<Handle<Function>> = HashSet::new();
+    let mut slot_globals: HashSet<Handle<naga::GlobalVariable>> = HashSet::new();
     let mut marked = BTreeSet::new();
     // Each round can only add; a module has finitely many of everything.
     loop {
         let mut changed = false;
         for (i, (handle, f)) in functions.iter().enumerate() {
             let t = &mut state[i];
-            changed |= t.expressions(f, *handle, &slot_args, &slot_returns);
+            changed |= t.expressions(f, *handle, &slot_args, &slot_returns, &slot_globals);
             let mut found = Found::default();
-            t.statements(f, &f.body, &mut found);
+            t.statements(module, f, &f.body, &mut found);
             changed |= t.locals_changed(found.locals);
+            changed |= t.uniform_loads_changed(found.uniform_loads);
+            for global in found.globals {
+                changed |= slot_globals.insert(global);
+            }
             for call in found.args {
                 changed |= slot_args.insert(call);
             }
@@ -84,12 +93,16 @@ struct Taint {
     /// come from. One on a `var<workgroup>` counts within a workgroup, which a
     /// shard runs whole, so the slots it hands out are the workgroup's own.
     sources: HashSet<Handle<Expression>>,
+    /// `workgroupUniformLoad` results of a variable holding a slot.
+    uniform_loads: HashSet<Handle<Expression>>,
 }
 
 /// What a walk of one function's statements found.
 #[derive(Default)]
 struct Found {
     locals: HashSet<Handle<naga::LocalVariable>>,
+    globals: HashSet<Handle<naga::GlobalVariable>>,
+    uniform_loads: HashSet<Handle<Expression>>,
     args: Vec<(Handle<Function>, u32)>,
     returns: bool,
     stores: Vec<Handle<naga::GlobalVariable>>,
@@ -103,6 +116,7 @@ impl Taint {
             expressions: vec![false; f.expressions.len()],
             locals: HashSet::new(),
             sources,
+            uniform_loads: HashSet::new(),
         }
     }
 
@@ -119,6 +133,7 @@ impl Taint {
         me: Option<Handle<Function>>,
         slot_args: &HashSet<(Handle<Function>, u32)>,
         slot_returns: &HashSet<Handle<Function>>,
+        slot_globals: &HashSet<Handle<naga::GlobalVariable>>,
     ) -> bool {
         let mut changed = false;
         for (h, e) in f.expressions.iter() {
@@ -131,6 +146,8 @@ impl Taint {
                 Expression::FunctionArgument(i) => me.is_some_and(|m| slot_args.contains(&(m, i))),
                 Expression::CallResult(callee) => slot_returns.contains(&callee),
                 Expression::LocalVariable(lv) => self.locals.contains(&lv),
+                Expression::GlobalVariable(g) => slot_globals.contains(&g),
+                Expression::WorkGroupUniformLoadResult { .. } => self.uniform_loads.contains(&h),
                 Expression::Load { pointer } => any(&[Some(pointer)]),
                 Expression::Access { base, index } => any(&[Some(base), Some(index)]),
                 Expression::AccessIndex { base, .. } => any(&[Some(base)]),
@@ -165,26 +182,32 @@ impl Taint {
         self.locals.len() != before
     }
 
+    fn uniform_loads_changed(&mut self, found: HashSet<Handle<Expression>>) -> bool {
+        let before = self.uniform_loads.len();
+        self.uniform_loads.extend(found);
+        self.uniform_loads.len() != before
+    }
+
     /// Walks `block`: stores of slots into locals, slots passed to calls or
     /// returned, and writes into buffers at a slot.
-    fn statements(&self, f: &Function, block: &Block, found: &mut Found) {
+    fn statements(&self, module: &Module, f: &Function, block: &Block, found: &mut Found) {
         for s in block.iter() {
             match s {
-                Statement::Block(b) => self.statements(f, b, found),
+                Statement::Block(b) => self.statements(module, f, b, found),
                 Statement::If { accept, reject, .. } => {
-                    self.statements(f, accept, found);
-                    self.statements(f, reject, found);
+                    self.statements(module, f, accept, found);
+                    self.statements(module, f, reject, found);
                 }
                 Statement::Switch { cases, .. } => {
                     for c in cases {
-                        self.statements(f, &c.body, found);
+                        self.statements(module, f, &c.body, found);
                     }
                 }
                 Statement::Loop {
                     body, continuing, ..
                 } => {
-                    self.statements(f, body, found);
-                    self.statements(f, continuing, found);
+                    self.statements(module, f, body, found);
+                    self.statements(module, f, continuing, found);
                 }
                 Statement::Store { pointer, value } => {
                     if let Some(lv) = local_root(f, *pointer) {
@@ -193,6 +216,15 @@ impl Taint {
                         }
                     } else if let Some(global) = self.indexed_by_slot(f, *pointer) {
                         found.stores.push(global);
+                    } else if let Some(g) = private_root(module, f, *pointer) {
+                        if self.is(*value) {
+                            found.globals.insert(g);
+                        }
+                    }
+                }
+                Statement::WorkGroupUniformLoad { pointer, result } => {
+                    if self.is(*pointer) {
+                        found.uniform_loads.insert(*result);
                     }
                 }
                 Statement::Atomic { pointer, .. } => {
@@ -294,6 +326,29 @@ fn storage_atomics(
     }
 }
 
+/// The `var<workgroup>` or `var<private>` variable `pointer` points into, if any.
+fn private_root(
+    module: &Module,
+    f: &Function,
+    mut pointer: Handle<Expression>,
+) -> Option<Handle<naga::GlobalVariable>> {
+    loop {
+        match f.expressions[pointer] {
+            Expression::Access { base, .. } | Expression::AccessIndex { base, .. } => {
+                pointer = base;
+            }
+            Expression::GlobalVariable(g) => {
+                return matches!(
+                    module.global_variables[g].space,
+                    naga::AddressSpace::WorkGroup | naga::AddressSpace::Private
+                )
+                .then_some(g);
+            }
+            _ => return None,
+        }
+    }
+}
+
 /// The local variable `pointer` points into, if any.
 fn local_root(
     f: &Function,
@@ -366,6 +421,33 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     list.items[s] = gid.x;
 }";
         assert_eq!(marked(src), BTreeSet::from([3]));
+    }
+
+    #[test]
+    fn a_range_reserved_for_a_workgroup_is_followed_through_workgroup_memory() {
+        for load in ["workgroupUniformLoad(&base)", "base"] {
+            let src = format!(
+                "
+@group(0) @binding(0) var<storage, read> input: array<u32>;
+@group(0) @binding(1) var<storage, read_write> total: atomic<u32>;
+@group(0) @binding(2) var<storage, read_write> out: array<u32>;
+var<workgroup> local_n: atomic<u32>;
+var<workgroup> base: u32;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {{
+    let keep = input[gid.x] % 3u == 0u;
+    var slot = 0u;
+    if (keep) {{ slot = atomicAdd(&local_n, 1u); }}
+    workgroupBarrier();
+    if (lid == 0u) {{ base = atomicAdd(&total, atomicLoad(&local_n)); }}
+    workgroupBarrier();
+    let b = {load};
+    if (keep) {{ out[b + slot] = input[gid.x]; }}
+}}"
+            );
+            assert_eq!(marked(&src), BTreeSet::from([2]), "{load}");
+        }
     }
 
     #[test]

@@ -442,6 +442,44 @@ fn an_append_apart_from_its_counter_is_refused_split_whatever_the_merges() {
     }
 }
 
+/// The two-level append (a range reserved per workgroup on the global total, its
+/// base passed on in workgroup memory): whole, the CPU's entries on every adapter;
+/// split, refused under any merge, the total merged as a sum or not.
+#[test]
+fn an_append_by_workgroup_ranges_runs_whole_and_is_refused_split() {
+    let values: Vec<u32> = (0..1000).map(|i| i * 5 + 3).collect();
+    let mut want: Vec<u32> = values.iter().copied().filter(|v| v % 7 == 3).collect();
+    want.sort_unstable();
+    let task = Task::default()
+        .input(0, u32_bytes(&values))
+        .output(1, 4)
+        .output(2, 4 * 1000)
+        .merge(1, MergeRule::Sum(ElemType::U32));
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let job = task
+            .job(APPEND_BY_WORKGROUP, [16, 1, 1], 1, MergeRule::Changes)
+            .unwrap();
+        let out = executor.run(&job, None).unwrap();
+        let count = u32s(&out.outputs[&1])[0] as usize;
+        let mut got = u32s(&out.outputs[&2])[..count].to_vec();
+        got.sort_unstable();
+        assert_eq!(got, want, "on {}", adapter.backend.name());
+    }
+    for shards in 2..=4 {
+        for rule in [MergeRule::Changes, MergeRule::Sum(ElemType::U32)] {
+            let e = task
+                .job(APPEND_BY_WORKGROUP, [16, 1, 1], shards, rule)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("binding 2 (items)") && e.contains("slots an atomic"),
+                "{e}"
+            );
+        }
+    }
+}
+
 /// A workgroup compacting into its own slots on its own counter (`var<workgroup>`)
 /// is no append across the grid: split into any number of shards, on every adapter,
 /// each workgroup keeps the CPU's entries of its own elements, in some order.

@@ -393,6 +393,37 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
+/// Compaction in two levels, as tuned kernels write it: each workgroup counts its
+/// entries on its own counter, one invocation reserves the workgroup's range in
+/// the output with one atomicAdd on the global total, and every invocation writes
+/// at that base plus its own slot.
+pub const APPEND_BY_WORKGROUP: &str = r#"
+@group(0) @binding(0) var<storage, read> values: array<u32>;
+@group(0) @binding(1) var<storage, read_write> total: atomic<u32>;
+@group(0) @binding(2) var<storage, read_write> items: array<u32>;
+var<workgroup> local_n: atomic<u32>;
+var<workgroup> base: u32;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+    let i = gid.x;
+    let keep = i < arrayLength(&values) && values[i] % 7u == 3u;
+    var slot = 0u;
+    if (keep) {
+        slot = atomicAdd(&local_n, 1u);
+    }
+    workgroupBarrier();
+    if (lid == 0u) {
+        base = atomicAdd(&total, atomicLoad(&local_n));
+    }
+    let b = workgroupUniformLoad(&base);
+    if (keep) {
+        items[b + slot] = values[i];
+    }
+}
+"#;
+
 /// Compaction within each workgroup, on a workgroup's own counter: the slots are
 /// the workgroup's, so it splits into shards like any kernel.
 pub const COMPACT_PER_WORKGROUP: &str = r#"
