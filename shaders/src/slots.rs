@@ -222,10 +222,8 @@ impl Taint {
                         }
                     }
                 }
-                Statement::WorkGroupUniformLoad { pointer, result } => {
-                    if self.is(*pointer) {
-                        found.uniform_loads.insert(*result);
-                    }
+                Statement::WorkGroupUniformLoad { pointer, result } if self.is(*pointer) => {
+                    found.uniform_loads.insert(*result);
                 }
                 Statement::Atomic { pointer, .. } => {
                     if let Some(global) = self.indexed_by_slot(f, *pointer) {
