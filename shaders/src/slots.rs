@@ -191,60 +191,42 @@ impl Taint {
     /// Walks `block`: stores of slots into locals, slots passed to calls or
     /// returned, and writes into buffers at a slot.
     fn statements(&self, module: &Module, f: &Function, block: &Block, found: &mut Found) {
-        for s in block.iter() {
-            match s {
-                Statement::Block(b) => self.statements(module, f, b, found),
-                Statement::If { accept, reject, .. } => {
-                    self.statements(module, f, accept, found);
-                    self.statements(module, f, reject, found);
+        each_statement(block, &mut |s| match s {
+            Statement::Store { pointer, value } => match root(f, *pointer) {
+                Some(Root::Local(lv)) if self.is(*value) => {
+                    found.locals.insert(lv);
                 }
-                Statement::Switch { cases, .. } => {
-                    for c in cases {
-                        self.statements(module, f, &c.body, found);
-                    }
-                }
-                Statement::Loop {
-                    body, continuing, ..
-                } => {
-                    self.statements(module, f, body, found);
-                    self.statements(module, f, continuing, found);
-                }
-                Statement::Store { pointer, value } => {
-                    if let Some(lv) = local_root(f, *pointer) {
-                        if self.is(*value) {
-                            found.locals.insert(lv);
-                        }
-                    } else if let Some(global) = self.indexed_by_slot(f, *pointer) {
-                        found.stores.push(global);
-                    } else if let Some(g) = private_root(module, f, *pointer) {
-                        if self.is(*value) {
-                            found.globals.insert(g);
-                        }
-                    }
-                }
-                Statement::WorkGroupUniformLoad { pointer, result } if self.is(*pointer) => {
-                    found.uniform_loads.insert(*result);
-                }
-                Statement::Atomic { pointer, .. } => {
+                Some(Root::Global(g)) => {
                     if let Some(global) = self.indexed_by_slot(f, *pointer) {
                         found.stores.push(global);
+                    } else if self.is(*value) && in_space(module, g, private) {
+                        found.globals.insert(g);
                     }
                 }
-                Statement::Call {
-                    function,
-                    arguments,
-                    ..
-                } => {
-                    for (i, &a) in arguments.iter().enumerate() {
-                        if self.is(a) {
-                            found.args.push((*function, i as u32));
-                        }
-                    }
-                }
-                Statement::Return { value: Some(v) } if self.is(*v) => found.returns = true,
                 _ => {}
+            },
+            Statement::WorkGroupUniformLoad { pointer, result } if self.is(*pointer) => {
+                found.uniform_loads.insert(*result);
             }
-        }
+            Statement::Atomic { pointer, .. } => {
+                if let Some(global) = self.indexed_by_slot(f, *pointer) {
+                    found.stores.push(global);
+                }
+            }
+            Statement::Call {
+                function,
+                arguments,
+                ..
+            } => {
+                for (i, &a) in arguments.iter().enumerate() {
+                    if self.is(a) {
+                        found.args.push((*function, i as u32));
+                    }
+                }
+            }
+            Statement::Return { value: Some(v) } if self.is(*v) => found.returns = true,
+            _ => {}
+        });
     }
 
     /// The global variable `pointer` points into, if an index on the way is a slot.
@@ -277,90 +259,85 @@ fn storage_atomics(
     block: &Block,
     sources: &mut HashSet<Handle<Expression>>,
 ) {
+    each_statement(block, &mut |s| {
+        if let Statement::Atomic {
+            pointer,
+            result: Some(r),
+            ..
+        } = s
+        {
+            if let Some(Root::Global(g)) = root(f, *pointer) {
+                if in_space(module, g, |space| {
+                    matches!(space, naga::AddressSpace::Storage { .. })
+                }) {
+                    sources.insert(*r);
+                }
+            }
+        }
+    });
+}
+
+/// Calls `visit` with every statement of `block`, those of nested blocks included.
+fn each_statement<'a>(block: &'a Block, visit: &mut impl FnMut(&'a Statement)) {
     for s in block.iter() {
+        visit(s);
         match s {
-            Statement::Block(b) => storage_atomics(module, f, b, sources),
+            Statement::Block(b) => each_statement(b, visit),
             Statement::If { accept, reject, .. } => {
-                storage_atomics(module, f, accept, sources);
-                storage_atomics(module, f, reject, sources);
+                each_statement(accept, visit);
+                each_statement(reject, visit);
             }
             Statement::Switch { cases, .. } => {
                 for c in cases {
-                    storage_atomics(module, f, &c.body, sources);
+                    each_statement(&c.body, visit);
                 }
             }
             Statement::Loop {
                 body, continuing, ..
             } => {
-                storage_atomics(module, f, body, sources);
-                storage_atomics(module, f, continuing, sources);
-            }
-            Statement::Atomic {
-                pointer,
-                result: Some(r),
-                ..
-            } => {
-                let mut p = *pointer;
-                let global = loop {
-                    match f.expressions[p] {
-                        Expression::Access { base, .. } | Expression::AccessIndex { base, .. } => {
-                            p = base;
-                        }
-                        Expression::GlobalVariable(g) => break Some(g),
-                        _ => break None,
-                    }
-                };
-                if global.is_some_and(|g| {
-                    matches!(
-                        module.global_variables[g].space,
-                        naga::AddressSpace::Storage { .. }
-                    )
-                }) {
-                    sources.insert(*r);
-                }
+                each_statement(body, visit);
+                each_statement(continuing, visit);
             }
             _ => {}
         }
     }
 }
 
-/// The `var<workgroup>` or `var<private>` variable `pointer` points into, if any.
-fn private_root(
-    module: &Module,
-    f: &Function,
-    mut pointer: Handle<Expression>,
-) -> Option<Handle<naga::GlobalVariable>> {
+/// What a pointer points into.
+enum Root {
+    Local(Handle<naga::LocalVariable>),
+    Global(Handle<naga::GlobalVariable>),
+}
+
+/// The variable `pointer` points into, through any indexing; `None` for a
+/// function's pointer argument.
+fn root(f: &Function, mut pointer: Handle<Expression>) -> Option<Root> {
     loop {
         match f.expressions[pointer] {
             Expression::Access { base, .. } | Expression::AccessIndex { base, .. } => {
                 pointer = base;
             }
-            Expression::GlobalVariable(g) => {
-                return matches!(
-                    module.global_variables[g].space,
-                    naga::AddressSpace::WorkGroup | naga::AddressSpace::Private
-                )
-                .then_some(g);
-            }
+            Expression::LocalVariable(lv) => return Some(Root::Local(lv)),
+            Expression::GlobalVariable(g) => return Some(Root::Global(g)),
             _ => return None,
         }
     }
 }
 
-/// The local variable `pointer` points into, if any.
-fn local_root(
-    f: &Function,
-    mut pointer: Handle<Expression>,
-) -> Option<Handle<naga::LocalVariable>> {
-    loop {
-        match f.expressions[pointer] {
-            Expression::Access { base, .. } | Expression::AccessIndex { base, .. } => {
-                pointer = base;
-            }
-            Expression::LocalVariable(lv) => return Some(lv),
-            _ => return None,
-        }
-    }
+fn in_space(
+    module: &Module,
+    g: Handle<naga::GlobalVariable>,
+    space: impl Fn(naga::AddressSpace) -> bool,
+) -> bool {
+    space(module.global_variables[g].space)
+}
+
+/// `var<workgroup>` and `var<private>`: where a slot may be kept for later.
+fn private(space: naga::AddressSpace) -> bool {
+    matches!(
+        space,
+        naga::AddressSpace::WorkGroup | naga::AddressSpace::Private
+    )
 }
 
 #[cfg(test)]
