@@ -401,6 +401,42 @@ fn an_atomic_append_runs_whole_and_is_refused_when_split() {
     }
 }
 
+/// An append kernel with its counter at binding 1 (merged as a sum) and its entries
+/// at binding 2, run over `values` in `groups` workgroups: whole, on every adapter,
+/// the CPU's entries (those ≡ 3 mod 7, in some order); split into 2..=`shards`,
+/// refused under any merge, before anything runs.
+fn append_runs_whole_and_is_refused_split(kernel: &str, values: &[u32], groups: u32, shards: u32) {
+    let mut want: Vec<u32> = values.iter().copied().filter(|v| v % 7 == 3).collect();
+    want.sort_unstable();
+    let task = Task::default()
+        .input(0, u32_bytes(values))
+        .output(1, 4)
+        .output(2, 4 * values.len() as u64)
+        .merge(1, MergeRule::Sum(ElemType::U32));
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let job = task
+            .job(kernel, [groups, 1, 1], 1, MergeRule::Changes)
+            .unwrap();
+        let out = executor.run(&job, None).unwrap();
+        let count = u32s(&out.outputs[&1])[0] as usize;
+        let mut got = u32s(&out.outputs[&2])[..count].to_vec();
+        got.sort_unstable();
+        assert_eq!(got, want, "on {}", adapter.backend.name());
+    }
+    for shards in 2..=shards {
+        for rule in [MergeRule::Changes, MergeRule::Sum(ElemType::U32)] {
+            let e = task.job(kernel, [groups, 1, 1], shards, rule).unwrap_err();
+            let text = e.to_string();
+            assert!(matches!(e, ExecError::Unsplittable(_)), "{text}");
+            assert!(
+                text.contains("binding 2 (items)") && text.contains("slots an atomic"),
+                "{text}"
+            );
+        }
+    }
+}
+
 /// The append with its counter and entries apart: whole, the CPU's entries; split,
 /// refused even with the counter merged as a sum (as the refusal of a lone counter
 /// advises), before anything runs. Before, the entries merged word by word: where
@@ -408,37 +444,7 @@ fn an_atomic_append_runs_whole_and_is_refused_when_split() {
 #[test]
 fn an_append_apart_from_its_counter_is_refused_split_whatever_the_merges() {
     for values in [(0..640).collect::<Vec<u32>>(), vec![3; 640]] {
-        let mut want: Vec<u32> = values.iter().copied().filter(|v| v % 7 == 3).collect();
-        want.sort_unstable();
-        let task = Task::default()
-            .input(0, u32_bytes(&values))
-            .output(1, 4)
-            .output(2, 4 * 640)
-            .merge(1, MergeRule::Sum(ElemType::U32));
-        for adapter in common::adapters() {
-            let mut executor = common::lock(adapter);
-            let job = task
-                .job(APPEND_APART, [10, 1, 1], 1, MergeRule::Changes)
-                .unwrap();
-            let out = executor.run(&job, None).unwrap();
-            let count = u32s(&out.outputs[&1])[0] as usize;
-            let mut got = u32s(&out.outputs[&2])[..count].to_vec();
-            got.sort_unstable();
-            assert_eq!(got, want, "on {}", adapter.backend.name());
-        }
-        for shards in 2..=5 {
-            for rule in [MergeRule::Changes, MergeRule::Sum(ElemType::U32)] {
-                let e = task
-                    .job(APPEND_APART, [10, 1, 1], shards, rule)
-                    .unwrap_err();
-                let text = e.to_string();
-                assert!(matches!(e, ExecError::Unsplittable(_)), "{text}");
-                assert!(
-                    text.contains("binding 2 (items)") && text.contains("slots an atomic"),
-                    "{text}"
-                );
-            }
-        }
+        append_runs_whole_and_is_refused_split(APPEND_APART, &values, 10, 5);
     }
 }
 
@@ -448,36 +454,7 @@ fn an_append_apart_from_its_counter_is_refused_split_whatever_the_merges() {
 #[test]
 fn an_append_by_workgroup_ranges_runs_whole_and_is_refused_split() {
     let values: Vec<u32> = (0..1000).map(|i| i * 5 + 3).collect();
-    let mut want: Vec<u32> = values.iter().copied().filter(|v| v % 7 == 3).collect();
-    want.sort_unstable();
-    let task = Task::default()
-        .input(0, u32_bytes(&values))
-        .output(1, 4)
-        .output(2, 4 * 1000)
-        .merge(1, MergeRule::Sum(ElemType::U32));
-    for adapter in common::adapters() {
-        let mut executor = common::lock(adapter);
-        let job = task
-            .job(APPEND_BY_WORKGROUP, [16, 1, 1], 1, MergeRule::Changes)
-            .unwrap();
-        let out = executor.run(&job, None).unwrap();
-        let count = u32s(&out.outputs[&1])[0] as usize;
-        let mut got = u32s(&out.outputs[&2])[..count].to_vec();
-        got.sort_unstable();
-        assert_eq!(got, want, "on {}", adapter.backend.name());
-    }
-    for shards in 2..=4 {
-        for rule in [MergeRule::Changes, MergeRule::Sum(ElemType::U32)] {
-            let e = task
-                .job(APPEND_BY_WORKGROUP, [16, 1, 1], shards, rule)
-                .unwrap_err()
-                .to_string();
-            assert!(
-                e.contains("binding 2 (items)") && e.contains("slots an atomic"),
-                "{e}"
-            );
-        }
-    }
+    append_runs_whole_and_is_refused_split(APPEND_BY_WORKGROUP, &values, 16, 4);
 }
 
 /// A workgroup compacting into its own slots on its own counter (`var<workgroup>`)
