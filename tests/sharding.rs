@@ -269,6 +269,31 @@ async fn unmergeable_kernels_fail_with_the_conflict_or_are_refused_and_the_mesh_
             .to_string();
         assert!(e.contains("binding 2 (items)"), "{e}");
         assert_eq!(c.tasks().await.unwrap().len(), before);
+        // So is a sum the last workgroup to take a ticket finishes, its counter
+        // merged as a sum; whole, it is the CPU's sum.
+        let last = Task::default()
+            .input(0, u32_bytes(&values))
+            .output(1, 4 * 10)
+            .output(2, 4)
+            .output(3, 4)
+            .merge(2, MergeRule::Sum(gpumesh::protocol::ElemType::U32));
+        let e = last
+            .submit(&c, LAST_WORKGROUP_SUM, [10, 1, 1], 2)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("binding 3 (total)") && e.contains("--shards 1"),
+            "{e}"
+        );
+        assert_eq!(c.tasks().await.unwrap().len(), before);
+        let id = last
+            .submit(&c, LAST_WORKGROUP_SUM, [10, 1, 1], 1)
+            .await
+            .unwrap();
+        c.wait(id, |_, _| {}).await.unwrap();
+        let total = u32s(&client(&nodes[2]).results(id).await.unwrap()[&3]);
+        assert_eq!(total, [values.iter().sum::<u32>()]);
         // ...and runs whole, with the CPU's count and items.
         let id = append.submit(&c, APPEND, [10, 1, 1], 1).await.unwrap();
         c.wait(id, |_, _| {}).await.unwrap();

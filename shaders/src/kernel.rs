@@ -57,6 +57,10 @@ pub struct DeclaredBinding {
     /// Whether the kernel writes it at slots an atomic hands out (an append: see
     /// [`crate::slots`]); such a buffer cannot be split into shards.
     pub appended: bool,
+    /// Whether the kernel writes it with a value an atomic on a buffer answered, or
+    /// only where one said so (the last workgroup to finish sums the partials of
+    /// all: see [`crate::slots`]); such a buffer cannot be split into shards either.
+    pub steered: bool,
 }
 
 impl DeclaredBinding {
@@ -409,6 +413,17 @@ impl Kernel {
                 binding = b.binding
             )));
         }
+        if let Some((b, _, name)) = writable().find(|(_, d, _)| d.steered) {
+            return Err(ExecError::Unsplittable(format!(
+                "binding {binding} ({name}) is written with what an atomic on a buffer \
+                 answered, or only where one said so (the last workgroup to finish sums \
+                 the others' partials: `if (atomicAdd(&done, 1u) == last) {{ ... }}`): a \
+                 shard sees only its own workgroups' updates, so split, the answer would \
+                 not be the one the whole grid gives, whatever the merge. Run it with \
+                 --shards 1",
+                binding = b.binding
+            )));
+        }
         for (b, declared, name) in writable() {
             let rule = spec.merge_of(b.binding);
             match (rule, &b.role) {
@@ -536,7 +551,7 @@ fn reflect(
     }
     let uses = info.get_entry_point(index);
     let gctx = module.to_ctx();
-    let appended = crate::slots::written_at_atomic_slots(module);
+    let atomic_uses = crate::slots::atomic_uses(module);
     let mut bindings = BTreeMap::new();
     for (handle, var) in module.global_variables.iter() {
         let Some(rb) = &var.binding else { continue };
@@ -585,7 +600,8 @@ fn reflect(
                 elem,
                 atomic,
                 has_atomics,
-                appended: appended.contains(&rb.binding),
+                appended: atomic_uses.appended.contains(&rb.binding),
+                steered: atomic_uses.steered.contains(&rb.binding),
             },
         );
     }

@@ -1,5 +1,6 @@
-//! Buffers a kernel writes at slots an atomic hands out: the append (stream
-//! compaction) pattern of WebGPU tutorials,
+//! Buffers a kernel writes where, or with what, an atomic on a buffer answered.
+//!
+//! An append (stream compaction, as WebGPU tutorials write it):
 //!
 //! ```wgsl
 //! let slot = atomicAdd(&count, 1u);
@@ -11,112 +12,246 @@
 //! wrote the same value at a slot, a word-by-word merge sees agreement, and the
 //! merged buffer silently holds fewer entries than the counter says; where they
 //! differ, it fails with a conflict only after the work is done. Such a buffer
-//! cannot be split into shards at all, whatever the merge rule, and the task is
-//! refused up front (see `Kernel::check`).
+//! cannot be split into shards at all, whatever the merge rule ([`AtomicUses::appended`]).
 //!
-//! The analysis follows values, not control flow: a value is a slot if it is the
-//! result of an atomic operation on a buffer (`atomicAdd`, `atomicSub`, `atomicMax`,
-//! `atomicExchange`, ... on a `var<storage>`; one on a `var<workgroup>` hands out
-//! the workgroup's own slots, and a shard runs whole workgroups) or is computed
-//! from one, through expressions, local variables, `var<workgroup>` and
-//! `var<private>` variables (a workgroup's base in the output, reserved by one
-//! invocation for all), function arguments and return values, in any function of
-//! the module. A store (or an atomic
-//! operation) through a pointer into a `@group(0)` buffer whose index is a slot marks
-//! that buffer. It errs towards marking: a slot used only, say, to pick a bin
-//! through a condition is not followed, but one used in arithmetic for an index is.
+//! A workgroup that acts on what the others did (the last one to finish sums the
+//! partials of all, as reductions in one pass write it):
+//!
+//! ```wgsl
+//! let ticket = atomicAdd(&done, 1u);
+//! if (ticket == n.x - 1u) { total[0] = sum_of(partials); }
+//! ```
+//!
+//! A shard sees only its own workgroups' updates: no shard's ticket reaches the
+//! last, `total` is never written, and the merge returns it as it started. Nor can
+//! a value an atomic answered be stored and merged: each shard counted from the
+//! start. A buffer written with such a value, or only under a condition on one,
+//! cannot be split either ([`AtomicUses::steered`]).
+//!
+//! The analysis follows values: one comes from an atomic if it is the result of an
+//! atomic operation on a buffer (`atomicAdd`, `atomicSub`, `atomicMax`,
+//! `atomicExchange`, ... on a `var<storage>`; one on a `var<workgroup>` counts
+//! within a workgroup, which a shard runs whole), an `atomicLoad` of a buffer the
+//! kernel updates, or is computed from one, through expressions, local variables,
+//! `var<workgroup>` and `var<private>` variables (a workgroup's base in the output,
+//! reserved by one invocation for all), function arguments and return values, in
+//! any function of the module. It follows control too: what is stored under a
+//! condition (`if`, `switch`, a loop's `break if`) on such a value, after a
+//! `return`, `break` or `continue` taken under one, or in a function called under
+//! one, counts as computed from it. A store (or an atomic operation) through a
+//! pointer into a `@group(0)` buffer at an index from an atomic makes that buffer
+//! appended; with a value from one (an atomic's operand included), or under a
+//! condition on one, steered. What follows a loop whose turns depend on one (a
+//! spin until a flag is set) does not count: it runs once the loop ends, however
+//! often it turned. It errs towards marking.
 
 use std::collections::{BTreeSet, HashSet};
 
-use naga::{Block, Expression, Function, Handle, Module, Statement};
+use naga::{Block, Expression, Function, Handle, Module, Statement, TypeInner};
 
-/// The `@group(0)` binding numbers of the buffers `module` writes at an index computed
-/// from an atomic operation's result.
-pub(crate) fn written_at_atomic_slots(module: &Module) -> BTreeSet<u32> {
+/// The `@group(0)` bindings a kernel writes where, or with what, an atomic on a
+/// buffer answered (see the module's documentation).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct AtomicUses {
+    /// Written at an index computed from an atomic's result: an append.
+    pub appended: BTreeSet<u32>,
+    /// Written with a value computed from one, or only where one said so.
+    pub steered: BTreeSet<u32>,
+}
+
+type Global = Handle<naga::GlobalVariable>;
+
+/// How `module`'s `@group(0)` buffers depend on its atomics on buffers.
+pub(crate) fn atomic_uses(module: &Module) -> AtomicUses {
     let functions: Vec<(Option<Handle<Function>>, &Function)> = module
         .functions
         .iter()
         .map(|(h, f)| (Some(h), f))
         .chain(module.entry_points.iter().map(|ep| (None, &ep.function)))
         .collect();
-    let mut state: Vec<Taint> = functions
-        .iter()
-        .map(|(_, f)| Taint::new(module, f))
-        .collect();
-    // Arguments a caller passes a slot in, functions that return one, and
-    // `var<workgroup>` / `var<private>` variables one is stored in (a workgroup's
-    // base in the output, reserved by one invocation for all).
-    let mut slot_args: HashSet<(Handle<Function>, u32)> = HashSet::new();
-    let mut slot_returns: HashSet<Handle<Function>> = HashSet::new();
-    let mut slot_globals: HashSet<Handle<naga::GlobalVariable>> = HashSet::new();
-    let mut marked = BTreeSet::new();
-    // Each round can only add; a module has finitely many of everything.
-    loop {
-        let mut changed = false;
-        for (i, (handle, f)) in functions.iter().enumerate() {
-            let t = &mut state[i];
-            changed |= t.expressions(f, *handle, &slot_args, &slot_returns, &slot_globals);
-            let mut found = Found::default();
-            t.statements(module, f, &f.body, &mut found);
-            changed |= t.locals_changed(found.locals);
-            changed |= t.uniform_loads_changed(found.uniform_loads);
-            for global in found.globals {
-                changed |= slot_globals.insert(global);
-            }
-            for call in found.args {
-                changed |= slot_args.insert(call);
-            }
-            if found.returns {
-                if let Some(h) = handle {
-                    changed |= slot_returns.insert(*h);
+    let updated = updated_buffers(module, &functions);
+    let binding = |g: &Global| {
+        let rb = module.global_variables[*g].binding.as_ref()?;
+        (rb.group == 0).then_some(rb.binding)
+    };
+    let all = Marks::of(module, &functions, &updated, None);
+    let mut uses = AtomicUses {
+        appended: all.appended.iter().filter_map(binding).collect(),
+        steered: all.steered.iter().filter_map(binding).collect(),
+    };
+    // An atomic update of a buffer from what its own atomics answered is its own
+    // reduction (a float sum by compare-exchange: a shard sums its part from the
+    // identity, and the merge adds the parts): steered only if it still is with
+    // that buffer's atomics left out.
+    for g in &all.updated_steered {
+        if Marks::of(module, &functions, &updated, Some(*g))
+            .updated_steered
+            .contains(g)
+        {
+            uses.steered.extend(binding(g));
+        }
+    }
+    uses
+}
+
+/// The buffers written at a tainted index, and with a tainted value or under a
+/// tainted condition (by a store, and by an atomic operation).
+#[derive(Default)]
+struct Marks {
+    appended: HashSet<Global>,
+    steered: HashSet<Global>,
+    updated_steered: HashSet<Global>,
+}
+
+impl Marks {
+    /// With the atomics on `ignore`, if any, not counted as where taint comes from.
+    fn of(
+        module: &Module,
+        functions: &[(Option<Handle<Function>>, &Function)],
+        updated: &HashSet<Global>,
+        ignore: Option<Global>,
+    ) -> Marks {
+        let mut state: Vec<Taint> = functions
+            .iter()
+            .map(|(_, f)| Taint::new(module, f, updated, ignore))
+            .collect();
+        // Arguments a caller passes a tainted value in, functions that return one
+        // (or return under a condition on one), functions called under such a
+        // condition, and `var<workgroup>` / `var<private>` variables one is stored
+        // in (a workgroup's base in the output, reserved by one invocation for all).
+        let mut tainted_args: HashSet<(Handle<Function>, u32)> = HashSet::new();
+        let mut tainted_returns: HashSet<Handle<Function>> = HashSet::new();
+        let mut called_under: HashSet<Handle<Function>> = HashSet::new();
+        let mut tainted_globals: HashSet<Global> = HashSet::new();
+        let mut marks = Marks::default();
+        // Each round can only add; a module has finitely many of everything.
+        loop {
+            let mut changed = false;
+            for (i, (handle, f)) in functions.iter().enumerate() {
+                let t = &mut state[i];
+                changed |= t.expressions(
+                    f,
+                    *handle,
+                    &tainted_args,
+                    &tainted_returns,
+                    &tainted_globals,
+                );
+                let mut found = Found::default();
+                let under = handle.is_some_and(|h| called_under.contains(&h));
+                t.walk(module, f, &f.body, under, &mut found);
+                changed |= t.locals_changed(found.locals);
+                changed |= t.results_changed(found.results);
+                for global in found.globals {
+                    changed |= tainted_globals.insert(global);
                 }
-            }
-            for global in found.stores {
-                if let Some(rb) = &module.global_variables[global].binding {
-                    if rb.group == 0 {
-                        marked.insert(rb.binding);
+                for call in found.args {
+                    changed |= tainted_args.insert(call);
+                }
+                for callee in found.calls_under {
+                    changed |= called_under.insert(callee);
+                }
+                if found.returns {
+                    if let Some(h) = handle {
+                        changed |= tainted_returns.insert(*h);
                     }
                 }
+                marks.appended.extend(found.appended);
+                marks.steered.extend(found.steered);
+                marks.updated_steered.extend(found.updated_steered);
             }
-        }
-        if !changed {
-            return marked;
+            if !changed {
+                return marks;
+            }
         }
     }
 }
 
-/// What one function's values are slots.
+/// Which of one function's values come from an atomic on a buffer.
 struct Taint {
     expressions: Vec<bool>,
     locals: HashSet<Handle<naga::LocalVariable>>,
-    /// The results of atomic operations on buffers (`var<storage>`): where slots
-    /// come from. One on a `var<workgroup>` counts within a workgroup, which a
-    /// shard runs whole, so the slots it hands out are the workgroup's own.
+    /// The results of atomic operations on buffers (`var<storage>`), and the
+    /// `atomicLoad`s of buffers the kernel updates: where tainted values come
+    /// from. An atomic on a `var<workgroup>` counts within a workgroup, which a
+    /// shard runs whole, so what it answers is the workgroup's own.
     sources: HashSet<Handle<Expression>>,
-    /// `workgroupUniformLoad` results of a variable holding a slot.
-    uniform_loads: HashSet<Handle<Expression>>,
+    /// Results of statements (`workgroupUniformLoad`, an atomic on a variable
+    /// holding a tainted value) that are tainted.
+    results: HashSet<Handle<Expression>>,
 }
 
 /// What a walk of one function's statements found.
 #[derive(Default)]
 struct Found {
     locals: HashSet<Handle<naga::LocalVariable>>,
-    globals: HashSet<Handle<naga::GlobalVariable>>,
-    uniform_loads: HashSet<Handle<Expression>>,
+    globals: HashSet<Global>,
+    results: HashSet<Handle<Expression>>,
     args: Vec<(Handle<Function>, u32)>,
+    calls_under: Vec<Handle<Function>>,
     returns: bool,
-    stores: Vec<Handle<naga::GlobalVariable>>,
+    appended: Vec<Global>,
+    steered: Vec<Global>,
+    /// Steered by an atomic operation rather than a store.
+    updated_steered: Vec<Global>,
+}
+
+/// Jumps taken under a tainted condition in a block: after one, what follows in
+/// the enclosing loop (`break`, `continue`) or function (`return`) runs or not
+/// as the condition says.
+#[derive(Clone, Copy, Default)]
+struct Jumps {
+    out_of_loop: bool,
+    out_of_function: bool,
+}
+
+impl Jumps {
+    fn any(self) -> bool {
+        self.out_of_loop || self.out_of_function
+    }
+
+    fn or(self, other: Jumps) -> Jumps {
+        Jumps {
+            out_of_loop: self.out_of_loop || other.out_of_loop,
+            out_of_function: self.out_of_function || other.out_of_function,
+        }
+    }
 }
 
 impl Taint {
-    fn new(module: &Module, f: &Function) -> Self {
+    fn new(
+        module: &Module,
+        f: &Function,
+        updated: &HashSet<Global>,
+        ignore: Option<Global>,
+    ) -> Self {
+        let counted = |g: &Global| Some(*g) != ignore;
         let mut sources = HashSet::new();
-        storage_atomics(module, f, &f.body, &mut sources);
+        each_statement(&f.body, &mut |s| {
+            if let Statement::Atomic {
+                pointer,
+                result: Some(r),
+                ..
+            } = s
+            {
+                let root = root_global(f, *pointer).filter(counted);
+                if root.is_some_and(|g| in_storage(module, g)) {
+                    sources.insert(*r);
+                }
+            }
+        });
+        for (h, e) in f.expressions.iter() {
+            if let Expression::Load { pointer } = *e {
+                let loaded = root_global(f, pointer).filter(|g| updated.contains(g) && counted(g));
+                if loaded.is_some() && points_at_atomic(module, f, pointer) {
+                    sources.insert(h);
+                }
+            }
+        }
         Taint {
             expressions: vec![false; f.expressions.len()],
             locals: HashSet::new(),
             sources,
-            uniform_loads: HashSet::new(),
+            results: HashSet::new(),
         }
     }
 
@@ -124,16 +259,16 @@ impl Taint {
         self.expressions[e.index()]
     }
 
-    /// Marks the expressions that are slots, given the locals, arguments and
+    /// Marks the expressions that are tainted, given the locals, arguments and
     /// returns known to be; whether any is new. Operands come before the
     /// expressions that use them in the arena, so one pass in order suffices.
     fn expressions(
         &mut self,
         f: &Function,
         me: Option<Handle<Function>>,
-        slot_args: &HashSet<(Handle<Function>, u32)>,
-        slot_returns: &HashSet<Handle<Function>>,
-        slot_globals: &HashSet<Handle<naga::GlobalVariable>>,
+        tainted_args: &HashSet<(Handle<Function>, u32)>,
+        tainted_returns: &HashSet<Handle<Function>>,
+        tainted_globals: &HashSet<Global>,
     ) -> bool {
         let mut changed = false;
         for (h, e) in f.expressions.iter() {
@@ -141,34 +276,44 @@ impl Taint {
                 continue;
             }
             let any = |hs: &[Option<Handle<Expression>>]| hs.iter().flatten().any(|&x| self.is(x));
-            let slot = match *e {
-                Expression::AtomicResult { .. } => self.sources.contains(&h),
-                Expression::FunctionArgument(i) => me.is_some_and(|m| slot_args.contains(&(m, i))),
-                Expression::CallResult(callee) => slot_returns.contains(&callee),
-                Expression::LocalVariable(lv) => self.locals.contains(&lv),
-                Expression::GlobalVariable(g) => slot_globals.contains(&g),
-                Expression::WorkGroupUniformLoadResult { .. } => self.uniform_loads.contains(&h),
-                Expression::Load { pointer } => any(&[Some(pointer)]),
-                Expression::Access { base, index } => any(&[Some(base), Some(index)]),
-                Expression::AccessIndex { base, .. } => any(&[Some(base)]),
-                Expression::Splat { value, .. } => any(&[Some(value)]),
-                Expression::Swizzle { vector, .. } => any(&[Some(vector)]),
-                Expression::Compose { ref components, .. } => {
-                    components.iter().any(|&c| self.is(c))
-                }
-                Expression::Unary { expr, .. } | Expression::As { expr, .. } => any(&[Some(expr)]),
-                Expression::Binary { left, right, .. } => any(&[Some(left), Some(right)]),
-                Expression::Select { accept, reject, .. } => any(&[Some(accept), Some(reject)]),
-                Expression::Math {
-                    arg,
-                    arg1,
-                    arg2,
-                    arg3,
-                    ..
-                } => any(&[Some(arg), arg1, arg2, arg3]),
-                _ => false,
-            };
-            if slot {
+            let tainted = self.sources.contains(&h)
+                || match *e {
+                    Expression::AtomicResult { .. }
+                    | Expression::WorkGroupUniformLoadResult { .. } => self.results.contains(&h),
+                    Expression::FunctionArgument(i) => {
+                        me.is_some_and(|m| tainted_args.contains(&(m, i)))
+                    }
+                    Expression::CallResult(callee) => tainted_returns.contains(&callee),
+                    Expression::LocalVariable(lv) => self.locals.contains(&lv),
+                    Expression::GlobalVariable(g) => tainted_globals.contains(&g),
+                    Expression::Load { pointer } => any(&[Some(pointer)]),
+                    Expression::Access { base, index } => any(&[Some(base), Some(index)]),
+                    Expression::AccessIndex { base, .. } => any(&[Some(base)]),
+                    Expression::Splat { value, .. } => any(&[Some(value)]),
+                    Expression::Swizzle { vector, .. } => any(&[Some(vector)]),
+                    Expression::Compose { ref components, .. } => {
+                        components.iter().any(|&c| self.is(c))
+                    }
+                    Expression::Unary { expr, .. } | Expression::As { expr, .. } => {
+                        any(&[Some(expr)])
+                    }
+                    Expression::Binary { left, right, .. } => any(&[Some(left), Some(right)]),
+                    Expression::Select {
+                        condition,
+                        accept,
+                        reject,
+                    } => any(&[Some(condition), Some(accept), Some(reject)]),
+                    Expression::Relational { argument, .. } => any(&[Some(argument)]),
+                    Expression::Math {
+                        arg,
+                        arg1,
+                        arg2,
+                        arg3,
+                        ..
+                    } => any(&[Some(arg), arg1, arg2, arg3]),
+                    _ => false,
+                };
+            if tainted {
                 self.expressions[h.index()] = true;
                 changed = true;
             }
@@ -182,99 +327,228 @@ impl Taint {
         self.locals.len() != before
     }
 
-    fn uniform_loads_changed(&mut self, found: HashSet<Handle<Expression>>) -> bool {
-        let before = self.uniform_loads.len();
-        self.uniform_loads.extend(found);
-        self.uniform_loads.len() != before
+    fn results_changed(&mut self, found: HashSet<Handle<Expression>>) -> bool {
+        let before = self.results.len();
+        self.results.extend(found);
+        self.results.len() != before
     }
 
-    /// Walks `block`: stores of slots into locals, slots passed to calls or
-    /// returned, and writes into buffers at a slot.
-    fn statements(&self, module: &Module, f: &Function, block: &Block, found: &mut Found) {
-        each_statement(block, &mut |s| match s {
-            Statement::Store { pointer, value } => match root(f, *pointer) {
-                Some(Root::Local(lv)) if self.is(*value) => {
+    /// Walks `block`, `under` a tainted condition or not: tainted values (or any
+    /// value, under one) stored into variables, passed to calls or returned, and
+    /// writes into buffers at a tainted index, of a tainted value, or under a
+    /// tainted condition. Returns the jumps taken under one.
+    fn walk(
+        &self,
+        module: &Module,
+        f: &Function,
+        block: &Block,
+        mut under: bool,
+        found: &mut Found,
+    ) -> Jumps {
+        let mut jumps = Jumps::default();
+        for s in block.iter() {
+            let inner = match s {
+                Statement::Store { pointer, value } => {
+                    self.write(module, f, *pointer, under || self.is(*value), false, found);
+                    Jumps::default()
+                }
+                Statement::Atomic {
+                    pointer,
+                    fun,
+                    value,
+                    result,
+                } => {
+                    let compare = match fun {
+                        naga::AtomicFunction::Exchange { compare: Some(c) } => self.is(*c),
+                        _ => false,
+                    };
+                    let tainted = under || self.is(*value) || compare;
+                    self.write(module, f, *pointer, tainted, true, found);
+                    if let Some(r) = result {
+                        if self.is(*pointer) {
+                            found.results.insert(*r);
+                        }
+                    }
+                    Jumps::default()
+                }
+                Statement::WorkGroupUniformLoad { pointer, result } => {
+                    if self.is(*pointer) {
+                        found.results.insert(*result);
+                    }
+                    Jumps::default()
+                }
+                Statement::Call {
+                    function,
+                    arguments,
+                    ..
+                } => {
+                    for (i, &a) in arguments.iter().enumerate() {
+                        if self.is(a) {
+                            found.args.push((*function, i as u32));
+                        }
+                    }
+                    if under {
+                        found.calls_under.push(*function);
+                    }
+                    Jumps::default()
+                }
+                Statement::Return { value } => {
+                    if under || value.is_some_and(|v| self.is(v)) {
+                        found.returns = true;
+                    }
+                    Jumps {
+                        out_of_function: under,
+                        ..Jumps::default()
+                    }
+                }
+                Statement::Break | Statement::Continue => Jumps {
+                    out_of_loop: under,
+                    ..Jumps::default()
+                },
+                Statement::Block(b) => self.walk(module, f, b, under, found),
+                Statement::If {
+                    condition,
+                    accept,
+                    reject,
+                } => {
+                    let cond = under || self.is(*condition);
+                    self.walk(module, f, accept, cond, found)
+                        .or(self.walk(module, f, reject, cond, found))
+                }
+                Statement::Switch { selector, cases } => {
+                    let cond = under || self.is(*selector);
+                    cases.iter().fold(Jumps::default(), |j, c| {
+                        j.or(self.walk(module, f, &c.body, cond, found))
+                    })
+                }
+                Statement::Loop {
+                    body,
+                    continuing,
+                    break_if,
+                } => {
+                    let cond = under || break_if.is_some_and(|b| self.is(b));
+                    let mut j = self
+                        .walk(module, f, body, cond, found)
+                        .or(self.walk(module, f, continuing, cond, found));
+                    if j.any() && !cond {
+                        // Its turns depend on a tainted value: everything in it does.
+                        self.walk(module, f, body, true, found);
+                        self.walk(module, f, continuing, true, found);
+                    }
+                    // A break or continue ends here; what follows runs once it does.
+                    j.out_of_loop = false;
+                    j
+                }
+                _ => Jumps::default(),
+            };
+            if inner.any() {
+                under = true;
+                jumps = jumps.or(inner);
+            }
+        }
+        jumps
+    }
+
+    /// A store or (if `atomic`) an atomic operation through `pointer`, of a tainted
+    /// value or under a tainted condition if `tainted`.
+    fn write(
+        &self,
+        module: &Module,
+        f: &Function,
+        pointer: Handle<Expression>,
+        tainted: bool,
+        atomic: bool,
+        found: &mut Found,
+    ) {
+        let Some((root, by_index)) = self.root_and_index(f, pointer) else {
+            return;
+        };
+        match root {
+            Root::Local(lv) => {
+                if tainted || by_index {
                     found.locals.insert(lv);
                 }
-                Some(Root::Global(g)) => {
-                    if let Some(global) = self.indexed_by_slot(f, *pointer) {
-                        found.stores.push(global);
-                    } else if self.is(*value) && in_space(module, g, private) {
-                        found.globals.insert(g);
-                    }
-                }
-                _ => {}
-            },
-            Statement::WorkGroupUniformLoad { pointer, result } if self.is(*pointer) => {
-                found.uniform_loads.insert(*result);
             }
-            Statement::Atomic { pointer, .. } => {
-                if let Some(global) = self.indexed_by_slot(f, *pointer) {
-                    found.stores.push(global);
+            Root::Global(g) if in_space(module, g, private) => {
+                if tainted || by_index {
+                    found.globals.insert(g);
                 }
             }
-            Statement::Call {
-                function,
-                arguments,
-                ..
-            } => {
-                for (i, &a) in arguments.iter().enumerate() {
-                    if self.is(a) {
-                        found.args.push((*function, i as u32));
-                    }
+            Root::Global(g) => {
+                if by_index {
+                    found.appended.push(g);
+                } else if tainted && atomic {
+                    found.updated_steered.push(g);
+                } else if tainted {
+                    found.steered.push(g);
                 }
             }
-            Statement::Return { value: Some(v) } if self.is(*v) => found.returns = true,
-            _ => {}
-        });
+        }
     }
 
-    /// The global variable `pointer` points into, if an index on the way is a slot.
-    fn indexed_by_slot(
+    /// The variable `pointer` points into, and whether an index on the way is
+    /// tainted; `None` for a function's pointer argument.
+    fn root_and_index(
         &self,
         f: &Function,
         mut pointer: Handle<Expression>,
-    ) -> Option<Handle<naga::GlobalVariable>> {
-        let mut by_slot = false;
+    ) -> Option<(Root, bool)> {
+        let mut by_index = false;
         loop {
             match f.expressions[pointer] {
                 Expression::Access { base, index } => {
-                    by_slot |= self.is(index);
+                    by_index |= self.is(index);
                     pointer = base;
                 }
                 Expression::AccessIndex { base, .. } => pointer = base,
-                Expression::GlobalVariable(g) => return by_slot.then_some(g),
+                Expression::LocalVariable(lv) => return Some((Root::Local(lv), by_index)),
+                Expression::GlobalVariable(g) => return Some((Root::Global(g), by_index)),
                 _ => return None,
             }
         }
     }
 }
 
-/// Collects into `sources` the results of the atomic operations in `block` on
-/// buffers in `var<storage>` (through a pointer rooted at the variable itself; one
-/// through a function's pointer argument is not followed).
-fn storage_atomics(
+/// The buffers (`var<storage>`) some function of the module stores into or updates
+/// with an atomic: an `atomicLoad` of one may see other workgroups' updates.
+fn updated_buffers(
     module: &Module,
-    f: &Function,
-    block: &Block,
-    sources: &mut HashSet<Handle<Expression>>,
-) {
-    each_statement(block, &mut |s| {
-        if let Statement::Atomic {
-            pointer,
-            result: Some(r),
-            ..
-        } = s
-        {
-            if let Some(Root::Global(g)) = root(f, *pointer) {
-                if in_space(module, g, |space| {
-                    matches!(space, naga::AddressSpace::Storage { .. })
-                }) {
-                    sources.insert(*r);
+    functions: &[(Option<Handle<Function>>, &Function)],
+) -> HashSet<Global> {
+    let mut updated = HashSet::new();
+    for (_, f) in functions {
+        each_statement(&f.body, &mut |s| {
+            if let Statement::Store { pointer, .. } | Statement::Atomic { pointer, .. } = s {
+                if let Some(g) = root_global(f, *pointer).filter(|&g| in_storage(module, g)) {
+                    updated.insert(g);
                 }
             }
+        });
+    }
+    updated
+}
+
+/// Whether `pointer` (a chain of accesses from a global) points at an atomic.
+fn points_at_atomic(module: &Module, f: &Function, pointer: Handle<Expression>) -> bool {
+    fn pointee(module: &Module, f: &Function, p: Handle<Expression>) -> Option<Handle<naga::Type>> {
+        let inner = |ty: Handle<naga::Type>, member: Option<u32>| match &module.types[ty].inner {
+            TypeInner::Array { base, .. } | TypeInner::BindingArray { base, .. } => Some(*base),
+            TypeInner::Struct { members, .. } => {
+                member.and_then(|i| members.get(i as usize)).map(|m| m.ty)
+            }
+            _ => None,
+        };
+        match f.expressions[p] {
+            Expression::GlobalVariable(g) => Some(module.global_variables[g].ty),
+            Expression::Access { base, .. } => inner(pointee(module, f, base)?, None),
+            Expression::AccessIndex { base, index } => {
+                inner(pointee(module, f, base)?, Some(index))
+            }
+            _ => None,
         }
-    });
+    }
+    pointee(module, f, pointer)
+        .is_some_and(|ty| matches!(module.types[ty].inner, TypeInner::Atomic(_)))
 }
 
 /// Calls `visit` with every statement of `block`, those of nested blocks included.
@@ -306,33 +580,33 @@ fn each_statement<'a>(block: &'a Block, visit: &mut impl FnMut(&'a Statement)) {
 /// What a pointer points into.
 enum Root {
     Local(Handle<naga::LocalVariable>),
-    Global(Handle<naga::GlobalVariable>),
+    Global(Global),
 }
 
-/// The variable `pointer` points into, through any indexing; `None` for a
-/// function's pointer argument.
-fn root(f: &Function, mut pointer: Handle<Expression>) -> Option<Root> {
+/// The global variable `pointer` points into, through any indexing.
+fn root_global(f: &Function, mut pointer: Handle<Expression>) -> Option<Global> {
     loop {
         match f.expressions[pointer] {
             Expression::Access { base, .. } | Expression::AccessIndex { base, .. } => {
                 pointer = base;
             }
-            Expression::LocalVariable(lv) => return Some(Root::Local(lv)),
-            Expression::GlobalVariable(g) => return Some(Root::Global(g)),
+            Expression::GlobalVariable(g) => return Some(g),
             _ => return None,
         }
     }
 }
 
-fn in_space(
-    module: &Module,
-    g: Handle<naga::GlobalVariable>,
-    space: impl Fn(naga::AddressSpace) -> bool,
-) -> bool {
+fn in_space(module: &Module, g: Global, space: impl Fn(naga::AddressSpace) -> bool) -> bool {
     space(module.global_variables[g].space)
 }
 
-/// `var<workgroup>` and `var<private>`: where a slot may be kept for later.
+fn in_storage(module: &Module, g: Global) -> bool {
+    in_space(module, g, |space| {
+        matches!(space, naga::AddressSpace::Storage { .. })
+    })
+}
+
+/// `var<workgroup>` and `var<private>`: where a value may be kept for later.
 fn private(space: naga::AddressSpace) -> bool {
     matches!(
         space,
@@ -344,9 +618,13 @@ fn private(space: naga::AddressSpace) -> bool {
 mod tests {
     use super::*;
 
-    fn marked(src: &str) -> BTreeSet<u32> {
+    fn uses(src: &str) -> AtomicUses {
         let module = naga::front::wgsl::parse_str(src).unwrap();
-        written_at_atomic_slots(&module)
+        atomic_uses(&module)
+    }
+
+    fn marked(src: &str) -> BTreeSet<u32> {
+        uses(src).appended
     }
 
     const HEAD: &str = "
@@ -439,7 +717,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
         out[wid.x * 64u + slot] = input[gid.x];
     }
 }";
-        assert!(marked(src).is_empty());
+        assert_eq!(uses(src), AtomicUses::default());
     }
 
     #[test]
@@ -456,6 +734,107 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
     out[i] = input[i] * 2u;
 }}"
         );
-        assert!(marked(&src).is_empty());
+        assert_eq!(uses(&src), AtomicUses::default());
+    }
+
+    fn steered(src: &str) -> BTreeSet<u32> {
+        let u = uses(src);
+        assert!(u.appended.is_empty(), "{:?}", u.appended);
+        u.steered
+    }
+
+    fn kernel(body: &str) -> String {
+        format!(
+            "{HEAD}
+@group(0) @binding(3) var<storage, read_write> flag: atomic<u32>;
+fn put(i: u32) {{ out[i] = 1u; }}
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
+    let i = gid.x;
+    {body}
+}}"
+        )
+    }
+
+    #[test]
+    fn what_an_atomic_answered_is_followed_into_values_and_conditions() {
+        for body in [
+            // The last to take a ticket finishes the job.
+            "if (atomicAdd(&count, 1u) == 63u) { out[0] = 1u; }",
+            // A ticket kept.
+            "out[i] = atomicAdd(&count, 1u);",
+            // A flag another invocation set, read back.
+            "atomicStore(&flag, 1u); out[i] = atomicLoad(&flag);",
+            // Through a local set under the condition.
+            "var first = 0u; if (atomicAdd(&count, 1u) == 0u) { first = 1u; } out[i] = first;",
+            // After a return taken under it.
+            "if (atomicLoad(&flag) != 0u) { return; } atomicStore(&flag, 1u); out[i] = 2u;",
+            // In a helper called under it, and under a switch on it.
+            "if (atomicMax(&count, i) < i) { put(i); }",
+            "switch (atomicAdd(&count, 1u) % 2u) { case 0u: { out[i] = 1u; } default: {} }",
+            // Through a select's condition.
+            "out[i] = select(1u, 2u, atomicAdd(&count, 1u) == 0u);",
+        ] {
+            let steered = steered(&kernel(body));
+            assert!(
+                steered.contains(&2) && !steered.contains(&0),
+                "{body}: {steered:?}"
+            );
+        }
+        // In a loop a break under it ends: its counter, set under it, indexes the
+        // store, which is taken for an append (refused split all the same).
+        let body = "for (var k = 0u; k < 4u; k++) { out[i + k] = k; if (atomicAdd(&count, 1u) > 9u) { break; } }";
+        assert_eq!(uses(&kernel(body)).appended, BTreeSet::from([2]));
+    }
+
+    #[test]
+    fn atomics_whose_answers_go_nowhere_steer_nothing() {
+        for body in [
+            // Counters and bins; an atomicLoad of a buffer nothing here updates.
+            "atomicAdd(&count, 1u); out[i] = input[i] * 2u;",
+            "let seen = atomicAdd(&count, 1u); out[i] = 3u;",
+            // What follows a spin on a flag runs once, however long it spun.
+            "loop { if (atomicLoad(&flag) == 1u) { break; } } out[i] = input[i];",
+        ] {
+            assert!(steered(&kernel(body)).is_empty(), "{body}");
+        }
+        let src = "
+@group(0) @binding(0) var<storage, read_write> counts: array<atomic<u32>>;
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    out[gid.x] = atomicLoad(&counts[gid.x]) * 2u;
+}";
+        assert!(steered(src).is_empty());
+    }
+
+    #[test]
+    fn a_buffers_own_compare_exchange_loop_is_its_reduction_not_steered() {
+        let cas = |value: &str| {
+            format!(
+                "
+@group(0) @binding(0) var<storage, read_write> sum: array<atomic<u32>>;
+@group(0) @binding(1) var<storage, read_write> other: atomic<u32>;
+fn add(j: u32, v: f32) {{
+    var old = atomicLoad(&sum[j]);
+    loop {{
+        let r = atomicCompareExchangeWeak(&sum[j], old, bitcast<u32>(bitcast<f32>(old) + {value}));
+        if (r.exchanged) {{ break; }}
+        old = r.old_value;
+    }}
+}}
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
+    add(gid.x % 4u, 1.5);
+}}"
+            )
+        };
+        assert!(steered(&cas("v")).is_empty());
+        // Adding what another buffer's atomic answered is steered, and so is that
+        // buffer: it counts the loop's retries.
+        assert_eq!(
+            steered(&cas("f32(atomicAdd(&other, 1u))")),
+            BTreeSet::from([0, 1])
+        );
     }
 }

@@ -457,6 +457,56 @@ fn an_append_by_workgroup_ranges_runs_whole_and_is_refused_split() {
     append_runs_whole_and_is_refused_split(APPEND_BY_WORKGROUP, &values, 16, 4);
 }
 
+/// The last workgroup to take a ticket sums every partial: whole, on every adapter,
+/// the CPU's sum and a ticket per workgroup; split, refused under any merge of the
+/// counter, before anything runs. Before, split in two with the counter merged as
+/// a sum, `total` came back 0 (no shard's tickets reached the last), and no error.
+#[test]
+fn a_sum_finished_by_the_last_workgroup_runs_whole_and_is_refused_split() {
+    let values: Vec<u32> = (0..1000).map(|i| i * 3 + 1).collect();
+    let groups = 16u32;
+    let task = Task::default()
+        .input(0, u32_bytes(&values))
+        .output(1, 4 * u64::from(groups))
+        .output(2, 4)
+        .output(3, 4);
+    let want: u32 = values.iter().sum();
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let job = task
+            .clone()
+            .merge(2, MergeRule::Sum(ElemType::U32))
+            .job(LAST_WORKGROUP_SUM, [groups, 1, 1], 1, MergeRule::Changes)
+            .unwrap();
+        let out = executor.run(&job, None).unwrap();
+        let name = adapter.backend.name();
+        assert_eq!(u32s(&out.outputs[&3]), [want], "on {name}");
+        assert_eq!(u32s(&out.outputs[&2]), [groups], "on {name}");
+    }
+    for shards in 2..=4 {
+        for done in [MergeRule::Changes, MergeRule::Sum(ElemType::U32)] {
+            let e = task
+                .clone()
+                .merge(2, done)
+                .job(
+                    LAST_WORKGROUP_SUM,
+                    [groups, 1, 1],
+                    shards,
+                    MergeRule::Changes,
+                )
+                .unwrap_err();
+            let text = e.to_string();
+            assert!(matches!(e, ExecError::Unsplittable(_)), "{text}");
+            assert!(
+                text.contains("binding 3 (total)")
+                    && text.contains("what an atomic on a buffer answered")
+                    && text.contains("--shards 1"),
+                "{text}"
+            );
+        }
+    }
+}
+
 /// A workgroup compacting into its own slots on its own counter (`var<workgroup>`)
 /// is no append across the grid: split into any number of shards, on every adapter,
 /// each workgroup keeps the CPU's entries of its own elements, in some order.

@@ -448,6 +448,52 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
 }
 "#;
 
+/// A sum in one pass, as reductions without a second dispatch write it: each
+/// workgroup stores its partial, takes a ticket on a counter in a buffer, and the
+/// workgroup with the last ticket adds up every partial into `total`. Split into
+/// shards, no shard's tickets reach the last: `total` would never be written.
+pub const LAST_WORKGROUP_SUM: &str = r#"
+@group(0) @binding(0) var<storage, read> input: array<u32>;
+@group(0) @binding(1) var<storage, read_write> partials: array<u32>;
+@group(0) @binding(2) var<storage, read_write> done: atomic<u32>;
+@group(0) @binding(3) var<storage, read_write> total: array<u32>;
+
+var<workgroup> sums: array<u32, 64>;
+var<workgroup> last: u32;
+
+@compute @workgroup_size(64)
+fn main(@builtin(local_invocation_index) l: u32,
+        @builtin(workgroup_id) w: vec3<u32>,
+        @builtin(num_workgroups) n: vec3<u32>) {
+    let i = w.x * 64u + l;
+    var v = 0u;
+    if (i < arrayLength(&input)) {
+        v = input[i];
+    }
+    sums[l] = v;
+    workgroupBarrier();
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        if (l < s) {
+            sums[l] += sums[l + s];
+        }
+        workgroupBarrier();
+    }
+    if (l == 0u) {
+        partials[w.x] = sums[0];
+        storageBarrier();
+        let ticket = atomicAdd(&done, 1u);
+        last = select(0u, 1u, ticket == n.x - 1u);
+    }
+    if (workgroupUniformLoad(&last) == 1u && l == 0u) {
+        var t = 0u;
+        for (var k = 0u; k < n.x; k++) {
+            t += partials[k];
+        }
+        total[0] = t;
+    }
+}
+"#;
+
 /// A lone atomic counter.
 pub const COUNTER: &str = r#"
 @group(0) @binding(0) var<storage, read> values: array<u32>;
