@@ -42,19 +42,31 @@ impl ShardRange {
     }
 }
 
-/// The axis a grid is split along: the outermost with more than one workgroup.
-pub fn split_axis(grid: Grid) -> usize {
-    (0..3).rev().find(|&a| grid.0[a] > 1).unwrap_or(0)
+/// The axis a grid is split into `shards` along: the outermost with more than one
+/// workgroup, or where that one has fewer workgroups than shards, the outermost
+/// that has as many (a grid of 4 x 3 x 2 workgroups splits into 2 along z, into 3
+/// along y, into 4 along x).
+pub fn split_axis(grid: Grid, shards: u32) -> usize {
+    let outermost = (0..3).rev().find(|&a| grid.0[a] > 1).unwrap_or(0);
+    if grid.0[outermost] >= shards {
+        return outermost;
+    }
+    (0..3)
+        .rev()
+        .find(|&a| grid.0[a] >= shards)
+        .unwrap_or(outermost)
 }
 
 /// Splits `grid` into `shards` contiguous ranges as equal as possible.
 pub fn plan(grid: Grid, shards: u32) -> Result<Vec<ShardRange>> {
-    let axis = split_axis(grid);
+    let axis = split_axis(grid, shards);
     let total = grid.0[axis];
     if shards == 0 || shards > total {
+        let most = grid.0.iter().copied().max().unwrap_or(1);
+        let [x, y, z] = grid.0;
         return Err(ExecError::Task(format!(
-            "cannot split {total} workgroups along {} into {shards} shards; use 1..={total} shards",
-            ["x", "y", "z"][axis]
+            "cannot split a grid of {x} x {y} x {z} workgroups into {shards} shards: a \
+             shard is a range along one dimension; use 1..={most} shards"
         )));
     }
     let (base, extra) = (total / shards, total % shards);
@@ -367,11 +379,33 @@ mod tests {
     }
 
     #[test]
-    fn split_axis_is_outermost_with_more_than_one_group() {
-        assert_eq!(split_axis(Grid([8, 1, 1])), 0);
-        assert_eq!(split_axis(Grid([8, 2, 1])), 1);
-        assert_eq!(split_axis(Grid([8, 2, 3])), 2);
-        assert_eq!(split_axis(Grid([1, 1, 1])), 0);
+    fn split_axis_is_outermost_with_more_than_one_group_and_enough() {
+        assert_eq!(split_axis(Grid([8, 1, 1]), 2), 0);
+        assert_eq!(split_axis(Grid([8, 2, 1]), 2), 1);
+        assert_eq!(split_axis(Grid([8, 2, 3]), 3), 2);
+        assert_eq!(split_axis(Grid([1, 1, 1]), 1), 0);
+        // Fewer along the outermost than shards: the next that has as many.
+        assert_eq!(split_axis(Grid([4, 3, 2]), 3), 1);
+        assert_eq!(split_axis(Grid([4, 3, 2]), 4), 0);
+        assert_eq!(split_axis(Grid([4, 3, 2]), 5), 2);
+    }
+
+    #[test]
+    fn every_shard_count_up_to_the_longest_dimension_plans_and_covers_the_grid() {
+        for grid in [[4, 3, 2], [2, 5, 3], [7, 1, 2], [1, 6, 1]] {
+            let most = *grid.iter().max().unwrap();
+            for shards in 1..=most {
+                let p = plan(Grid(grid), shards).unwrap();
+                assert_eq!(p.len() as u32, shards);
+                let covered: u32 = p
+                    .iter()
+                    .map(|r| r.grid(Grid(grid)).iter().product::<u32>())
+                    .sum();
+                assert_eq!(covered, grid.iter().product::<u32>(), "{grid:?} {shards}");
+            }
+            let e = plan(Grid(grid), most + 1).unwrap_err().to_string();
+            assert!(e.contains(&format!("use 1..={most} shards")), "{e}");
+        }
     }
 
     #[test]

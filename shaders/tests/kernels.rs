@@ -238,6 +238,81 @@ fn a_2d_grid_with_ragged_edges_writing_transposed() {
 }
 
 // ---------------------------------------------------------------------------------
+// A 3-D grid of 3-D workgroups with fewer workgroups along z than shards.
+
+/// The ids each invocation of a grid of 4 x 3 x 2 workgroups of 2 x 3 x 4 records:
+/// whole, the CPU's on every adapter; split 2 ways (along z), 3 (along y) and 4
+/// (along x), the same bytes. Before, 3 and 4 shards were refused (only z was split);
+/// 5 still is, naming the most.
+#[test]
+fn a_3d_grid_splits_along_whichever_dimension_has_enough_workgroups() {
+    let (grid, size) = ([4u32, 3, 2], [2u32, 3, 4]);
+    let invocations = grid.iter().chain(&size).product::<u32>() as usize;
+    let mut want: [Vec<u32>; 3] = Default::default();
+    for w in want.iter_mut() {
+        w.resize(invocations * 4, 0);
+    }
+    for (wz, wy, wx) in cells(grid) {
+        for (lz, ly, lx) in cells(size) {
+            let workgroup = wx + wy * grid[0] + wz * grid[0] * grid[1];
+            let local = lx + ly * size[0] + lz * size[0] * size[1];
+            let at = (workgroup * 24 + local) as usize * 4;
+            let ids = [
+                [wx, wy, wz],
+                [lx, ly, lz],
+                [wx * size[0] + lx, wy * size[1] + ly, wz * size[2] + lz],
+            ];
+            for (w, id) in want.iter_mut().zip(ids) {
+                w[at..at + 3].copy_from_slice(&id);
+            }
+        }
+    }
+    let bytes = invocations as u64 * 16;
+    let task = Task::default()
+        .output(0, bytes)
+        .output(1, bytes)
+        .output(2, bytes);
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let backend = adapter.backend.name();
+        let whole = executor
+            .run(
+                &task
+                    .job(WORKGROUP_IDS, grid, 1, MergeRule::Changes)
+                    .unwrap(),
+                None,
+            )
+            .unwrap()
+            .outputs;
+        for (b, w) in want.iter().enumerate() {
+            assert_eq!(&u32s(&whole[&(b as u32)]), w, "binding {b} on {backend}");
+        }
+        for (shards, axis) in [(2, 2), (3, 1), (4, 0)] {
+            let job = task
+                .job(WORKGROUP_IDS, grid, shards, MergeRule::Changes)
+                .unwrap();
+            assert!(job.plan.iter().all(|r| r.axis == axis), "{shards} shards");
+            let out = executor.run(&job, None).unwrap().outputs;
+            assert!(out == whole, "{shards} shards on {backend}");
+        }
+    }
+    let e = task
+        .job(WORKGROUP_IDS, grid, 5, MergeRule::Changes)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("4 x 3 x 2") && e.contains("use 1..=4 shards"),
+        "{e}"
+    );
+}
+
+/// (z, y, x) over a box, x fastest.
+fn cells(dims: [u32; 3]) -> impl Iterator<Item = (u32, u32, u32)> {
+    (0..dims[2])
+        .flat_map(move |z| (0..dims[1]).flat_map(move |y| (0..dims[0]).map(move |x| (z, y, x))))
+}
+
+// ---------------------------------------------------------------------------------
 // Any number of inputs, uniforms, in-out buffers and outputs in one kernel.
 
 #[test]

@@ -313,6 +313,31 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
+/// Every invocation of a 3-D grid of 3-D workgroups records its three ids, as the
+/// tutorials that explain workgroups do: one `vec3<u32>` each (16 bytes with its
+/// padding) at its invocation's index, the workgroup's index made from
+/// `num_workgroups`.
+pub const WORKGROUP_IDS: &str = r#"
+@group(0) @binding(0) var<storage, read_write> workgroup_ids: array<vec3u>;
+@group(0) @binding(1) var<storage, read_write> local_ids: array<vec3u>;
+@group(0) @binding(2) var<storage, read_write> global_ids: array<vec3u>;
+
+@compute @workgroup_size(2, 3, 4)
+fn main(@builtin(workgroup_id) workgroup_id: vec3u,
+        @builtin(local_invocation_id) local_id: vec3u,
+        @builtin(global_invocation_id) global_id: vec3u,
+        @builtin(local_invocation_index) local_index: u32,
+        @builtin(num_workgroups) num_workgroups: vec3u) {
+    let workgroup_index = workgroup_id.x
+        + workgroup_id.y * num_workgroups.x
+        + workgroup_id.z * num_workgroups.x * num_workgroups.y;
+    let i = workgroup_index * 24u + local_index;
+    workgroup_ids[i] = workgroup_id;
+    local_ids[i] = local_id;
+    global_ids[i] = global_id;
+}
+"#;
+
 /// Any negative value sets one flag word: every shard that sees one writes the
 /// same 1, so shards agree and the word merges.
 pub const ANY_NEGATIVE: &str = r#"
