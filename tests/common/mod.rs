@@ -4,6 +4,7 @@
 // Each test file uses its own subset of these.
 #![allow(dead_code)]
 
+pub mod netns;
 pub mod procs;
 
 use std::collections::BTreeMap;

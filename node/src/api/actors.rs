@@ -16,9 +16,9 @@ use serde::Deserialize;
 use super::changes::Topic;
 use super::error::{bad, unavailable, ApiError, ApiResult};
 use super::gate::BodyCaps;
-use super::read_current;
 use super::state::ApiState;
 use super::views::{ActorView, CallReply, CallRequest, CreateActorRequest, OutputView};
+use super::{read_confirmed, read_current};
 use crate::host::CallAnswer;
 use crate::timeline::CallStage;
 
@@ -172,7 +172,7 @@ pub(crate) async fn create(
 /// Every actor, as of the leader's commit index when it confirms it within a second.
 pub(crate) async fn list(State(api): State<Arc<ApiState>>) -> ApiResult<Json<Vec<ActorView>>> {
     let names = peer_names(&api);
-    read_current(&api.consensus, move |s| {
+    read_confirmed(&api.consensus, "the actors", move |s| {
         s.actors().map(|a| actor_view(a, &names)).collect()
     })
     .await
@@ -192,7 +192,7 @@ pub(crate) async fn one(
 ) -> ApiResult<Json<ActorView>> {
     let names = peer_names(&api);
     let n = name.clone();
-    read_current(&api.consensus, move |s| {
+    read_confirmed(&api.consensus, &format!("actor {name}"), move |s| {
         s.actor(&n).map(|a| actor_view(a, names.clone()))
     })
     .await?
@@ -400,7 +400,7 @@ pub(crate) async fn state(
     Path((name, binding)): Path<(String, u32)>,
 ) -> ApiResult<Vec<u8>> {
     let n = name.clone();
-    let found = read_current(&api.consensus, move |s| {
+    let found = read_confirmed(&api.consensus, &format!("actor {name}'s state"), move |s| {
         s.actor(&n).map(|a| {
             (
                 a.state

@@ -70,7 +70,7 @@ pub(crate) use state::ApiState;
 pub use throughput::{ThroughputPoint, THROUGHPUT_SAMPLES};
 pub use views::*;
 
-use error::{ApiError, ApiResult};
+use error::{unavailable, ApiError, ApiResult};
 use gate::{BodyCaps, Gate};
 
 /// Binds the API's address, before the node forms or joins a mesh: an address in
@@ -178,6 +178,30 @@ async fn no_such_method(method: axum::http::Method, uri: axum::http::Uri) -> Api
         StatusCode::METHOD_NOT_ALLOWED,
         format!("{} does not take {method}", uri.path()),
     )
+}
+
+/// A linearizable read (ReadIndex) when a leader confirms it within a second;
+/// otherwise 503 saying why, so that the client retries (through this node or
+/// another) rather than take this node's own copy, which may trail the mesh by
+/// any number of entries when it is cut off from the majority. For what a caller
+/// takes as the answer: an actor's state and where it stands.
+pub(crate) async fn read_confirmed<R: Send + 'static>(
+    c: &ConsensusHandle,
+    what: &str,
+    f: impl Fn(&StateMachine) -> R + Clone + Send + 'static,
+) -> ApiResult<R> {
+    let why = match tokio::time::timeout(std::time::Duration::from_secs(1), c.read_linearizable(f))
+        .await
+    {
+        Ok(Ok(r)) => return Ok(r),
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => "no leader confirmed a read within 1 s".to_string(),
+    };
+    Err(unavailable(format!(
+        "this node cannot confirm that its copy of {what} is current ({why}): an election \
+         is under way, or this node is cut off from most of the mesh. Retry, or ask another \
+         node"
+    )))
 }
 
 /// A linearizable read (ReadIndex) when the leader confirms it within a second;
