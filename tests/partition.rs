@@ -3,7 +3,8 @@
 //! by ticket as the README starts them. The two others move the actor and go on
 //! counting; the host, alive on the other side, acknowledges no call and serves no
 //! state or view it cannot confirm is current; mended, it serves the mesh's state,
-//! and every acknowledged call is counted once.
+//! and every acknowledged call is counted once. And a member removed while cut off
+//! learns it once mended, and stops.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
 
@@ -12,6 +13,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::netns::{nodes, Namespaces};
+use common::procs::Proc;
 use common::{count_call, counted, have_any};
 use gpumesh::consensus::RequestId;
 use gpumesh::node::api::StateInit;
@@ -34,12 +36,11 @@ async fn count(via: &Client, n: usize) -> Vec<u64> {
     versions
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_actors_host_cut_off_acknowledges_nothing_and_serves_no_stale_state() {
-    if !have_any() {
-        return;
-    }
-    let mut ns = match Namespaces::make(3) {
+/// Three node processes in namespaces of their own, joined as the README starts
+/// them, once one leader counts three live voters; `None` (said loudly) where
+/// namespaces cannot be made. The temporary directory holds their data dirs.
+async fn three_in_namespaces() -> Option<(Namespaces, Vec<Proc>, tempfile::TempDir)> {
+    let ns = match Namespaces::make(3) {
         Ok(ns) => ns,
         Err(why) => {
             assert!(
@@ -47,9 +48,9 @@ async fn an_actors_host_cut_off_acknowledges_nothing_and_serves_no_stale_state()
                 "GPUMESH_REQUIRE_NETNS is set but network namespaces cannot be made: {why}"
             );
             common::skipped(&format!(
-                "NO NETWORK NAMESPACES ({why}): the partition test did not run"
+                "NO NETWORK NAMESPACES ({why}): the partition tests did not run"
             ));
-            return;
+            return None;
         }
     };
     let root = tempfile::tempdir().unwrap();
@@ -60,6 +61,17 @@ async fn an_actors_host_cut_off_acknowledges_nothing_and_serves_no_stale_state()
         p.start(&["--join", &ticket]).unwrap();
     }
     common::procs::three_voters(&procs).await;
+    Some((ns, procs, root))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_actors_host_cut_off_acknowledges_nothing_and_serves_no_stale_state() {
+    if !have_any() {
+        return;
+    }
+    let Some((mut ns, mut procs, _root)) = three_in_namespaces().await else {
+        return;
+    };
     let clients: Vec<Client> = procs.iter().map(|p| p.client().unwrap()).collect();
 
     let zeros = vec![StateInit {
@@ -84,6 +96,12 @@ async fn an_actors_host_cut_off_acknowledges_nothing_and_serves_no_stale_state()
         ns.cut(h, o);
     }
     let cut_at = Instant::now();
+    let leader = clients[others[0]].status().await.unwrap().leader;
+    eprintln!(
+        "cut off node {h} (raft id {:x}, the leader: {})",
+        procs[h].raft_id,
+        leader == procs[h].raft_id
+    );
 
     // The majority moves the actor and counts on, through both of its nodes.
     let mut versions = vec![1, 2, 3];
@@ -147,6 +165,73 @@ async fn an_actors_host_cut_off_acknowledges_nothing_and_serves_no_stale_state()
     for c in &clients {
         counted(c, "counter", WORDS, 8).await;
     }
+    for p in &mut procs {
+        p.kill9();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_removed_while_cut_off_learns_it_once_mended_and_stops() {
+    if !have_any() {
+        return;
+    }
+    let Some((mut ns, mut procs, _root)) = three_in_namespaces().await else {
+        return;
+    };
+    let clients: Vec<Client> = procs.iter().map(|p| p.client().unwrap()).collect();
+    let gone = procs[2].raft_id;
+    ns.cut(2, 0);
+    ns.cut(2, 1);
+    // Refused while the others still count it as running; done once it is silent.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match clients[0].remove_member(gone).await {
+            Ok(()) => break,
+            Err(e) => {
+                let e = e.to_string();
+                assert!(Instant::now() < deadline, "never removed: {e}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while clients[1]
+        .status()
+        .await
+        .map_or(true, |st| st.members.len() != 2)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the removal never reached node 1"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Mended, the removed node hears no leader, asks the members whether it still
+    // is one, learns that it is not, marks its data dir and stops, saying so.
+    ns.mend_all();
+    let exit = procs[2].wait_exit(Duration::from_secs(60)).unwrap();
+    let log = std::fs::read_to_string(procs[2].log_path()).unwrap();
+    assert!(
+        exit.is_some_and(|s| !s.success()),
+        "the removed node did not stop by itself ({exit:?}): {log}"
+    );
+    assert!(log.contains("no longer a member of its mesh"), "{log}");
+    let err = procs[2].start(&[]).unwrap_err().to_string();
+    assert!(err.contains("was removed from mesh"), "{err}");
+    // The two go on: an actor made and called through each.
+    let zeros = vec![StateInit {
+        binding: 0,
+        size: u64::from(WORDS) * 4,
+        blob: None,
+    }];
+    clients[0]
+        .create_actor("counter", zeros, None)
+        .await
+        .unwrap();
+    count(&clients[0], 1).await;
+    count(&clients[1], 1).await;
+    counted(&clients[1], "counter", WORDS, 2).await;
     for p in &mut procs {
         p.kill9();
     }

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeSet;
 use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::procs::Proc;
 
@@ -24,7 +25,10 @@ pub struct Namespaces {
 impl Namespaces {
     /// Makes them, or says why it cannot (and leaves nothing behind).
     pub fn make(nodes: usize) -> Result<Namespaces, String> {
-        let tag = std::process::id() % 100_000;
+        // Unique to this instance: tests of one binary run at once, each with its
+        // own namespaces (and, from the tag, its own subnet).
+        static MADE: AtomicU32 = AtomicU32::new(0);
+        let tag = std::process::id() % 10_000 * 10 + MADE.fetch_add(1, Ordering::Relaxed) % 10;
         let ns = Namespaces {
             tag,
             nodes,

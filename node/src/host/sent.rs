@@ -17,6 +17,10 @@ use crate::peers::PeersHandle;
 pub use crate::wire::CallAnswer;
 use crate::wire::{self, NodeReply, NodeRequest};
 
+/// How long a call sent to another node's host is awaited before this node also
+/// watches its record for the actor moving off that host.
+const WATCH_FOR_MOVE_AFTER: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// A call handed to this node's actor host.
 pub(crate) struct SentCall {
     pub name: String,
@@ -117,21 +121,58 @@ impl CallSender {
             call,
             request,
         };
-        let mut answer = wire::call(&self.net, peer, &asked).await;
-        if let Err(NodeError::Unreached { .. }) = answer {
-            // No connection to the host yet (a mesh just formed, a connection
-            // lost): connect as the membership sweep would, at once, and send the
-            // call again (it was not sent), rather than the slow way, through the
-            // record.
-            let connected = self.net.connected_peers();
-            self.peers.connect(&connected, &[peer]).await;
-            answer = wire::call(&self.net, peer, &asked).await;
-        }
+        let sent = async {
+            let answer = wire::call(&self.net, peer, &asked).await;
+            if let Err(NodeError::Unreached { .. }) = answer {
+                // No connection to the host yet (a mesh just formed, a connection
+                // lost): connect as the membership sweep would, at once, and send
+                // the call again (it was not sent), rather than the slow way,
+                // through the record.
+                let connected = self.net.connected_peers();
+                self.peers.connect(&connected, &[peer]).await;
+                return wire::call(&self.net, peer, &asked).await;
+            }
+            answer
+        };
+        tokio::pin!(sent);
+        // A host cut off without its connection closing answers nothing until the
+        // request times out (30 s); once the record moves the actor, the call goes
+        // through the record to the new host instead. (Watched only past the time
+        // a call usually takes: every apply would wake each watcher.)
+        let answer = match tokio::time::timeout(WATCH_FOR_MOVE_AFTER, &mut sent).await {
+            Ok(answer) => answer,
+            Err(_) => tokio::select! {
+                answer = &mut sent => answer,
+                () = self.moved_off(name, host) => {
+                    return CallAnswer::NotRun(format!(
+                        "actor {name} moved off node {host:x} while the call waited for it"
+                    ));
+                }
+            },
+        };
         match answer {
             Ok(NodeReply::Called(answer)) => answer,
             Ok(NodeReply::Refused(why)) => CallAnswer::NotRun(why),
             Ok(other) => CallAnswer::NotRun(format!("the host answered {other:?}")),
             Err(e) => CallAnswer::NotRun(e.to_string()),
+        }
+    }
+
+    /// Returns once this node's record no longer has actor `name` on node `host`
+    /// (moved, or deleted); never if the record stops changing for good.
+    async fn moved_off(&self, name: &str, host: u64) {
+        let mut state = self.consensus.watch_state();
+        loop {
+            if state
+                .borrow_and_update()
+                .actor(name)
+                .is_none_or(|a| a.host != Some(host))
+            {
+                return;
+            }
+            if state.changed().await.is_err() {
+                return std::future::pending().await;
+            }
         }
     }
 }
