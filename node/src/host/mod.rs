@@ -427,6 +427,13 @@ impl ActorHost {
                     return TurnEnd::default();
                 }
             },
+            // Waited the proposal's whole deadline without a leader (this node is
+            // cut off, or the mesh lost its quorum): another batch would wait as
+            // long again. The calls go back to their callers at once.
+            Err(e @ gpumesh_consensus::ConsensusError::NoLeader) => {
+                not_run(replies, &format!("the host's batch was not recorded: {e}"));
+                return TurnEnd::default();
+            }
             Err(e) => e.to_string(),
         };
         tracing::debug!(actor = %name, %why, "a batch of sent calls was not recorded");
