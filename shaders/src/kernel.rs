@@ -148,10 +148,18 @@ impl Kernel {
         })?;
         let info = validate(&module).map_err(|e| {
             let loc = e.location(source);
+            let mut message = error_chain(e.as_inner());
+            if let Some(what) = optional_feature(&message) {
+                message = format!(
+                    "the kernel uses {what}, an optional WebGPU feature that not every \
+                     adapter has; gpumesh runs kernels of core WGSL, which every node of a \
+                     mesh can run ({message})"
+                );
+            }
             ExecError::Shader {
                 line: loc.map_or(0, |l| l.line_number),
                 column: loc.map_or(0, |l| l.line_position),
-                message: error_chain(e.as_inner()),
+                message,
                 rendered: e.emit_to_string(source),
             }
         })?;
@@ -473,6 +481,24 @@ fn validate(
     Validator::new(ValidationFlags::all(), Capabilities::default())
         .validate(module)
         .map_err(Box::new)
+}
+
+/// The optional WebGPU feature a validation error says a kernel needs, named as
+/// WGSL names it, if it is one.
+fn optional_feature(message: &str) -> Option<&'static str> {
+    [
+        ("FLOAT16", "f16 (`enable f16;`)"),
+        (
+            "SUBGROUP",
+            "subgroup operations (`subgroupAdd`, `subgroup_invocation_id`, ...)",
+        ),
+        ("SHADER_INT64", "64-bit integers"),
+        ("FLOAT64", "f64"),
+        ("DUAL_SOURCE_BLENDING", "dual-source blending"),
+    ]
+    .into_iter()
+    .find(|(flag, _)| message.contains(flag))
+    .map(|(_, what)| what)
 }
 
 /// An error and its sources, one line.

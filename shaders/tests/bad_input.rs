@@ -903,3 +903,29 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) { dst[gid.x] = gid.x * SC
         "the message names the override and what to do: {err}"
     );
 }
+
+/// Kernels using optional WebGPU features (f16, subgroups) are refused naming the
+/// feature, not a validator flag alone.
+#[test]
+fn kernels_needing_optional_features_are_refused_naming_them() {
+    for (source, what) in [
+        (
+            "enable f16;\n@group(0) @binding(0) var<storage, read_write> o: array<f16>;\n\
+             @compute @workgroup_size(64)\nfn main(@builtin(global_invocation_id) g: vec3u) \
+             { o[g.x] = f16(g.x) * 0.5h; }\n",
+            "f16",
+        ),
+        (
+            "@group(0) @binding(0) var<storage, read_write> o: array<u32>;\n\
+             @compute @workgroup_size(64)\nfn main(@builtin(global_invocation_id) g: vec3u) \
+             { o[g.x] = subgroupAdd(1u); }\n",
+            "subgroup operations",
+        ),
+    ] {
+        let err = Kernel::compile(source, "main").unwrap_err().to_string();
+        assert!(
+            err.contains(what) && err.contains("optional WebGPU feature"),
+            "{err}"
+        );
+    }
+}
