@@ -41,9 +41,11 @@
 //! one, counts as computed from it. A store (or an atomic operation) through a
 //! pointer into a `@group(0)` buffer at an index from an atomic makes that buffer
 //! appended; with a value from one (an atomic's operand included), or under a
-//! condition on one, steered. What follows a loop whose turns depend on one (a
-//! spin until a flag is set) does not count: it runs once the loop ends, however
-//! often it turned. It errs towards marking.
+//! condition on one, steered, except a compare-exchange loop on a buffer from
+//! that buffer's own answers (a float sum over `atomic<u32>`), which is the
+//! buffer's reduction and splits like `atomicAdd`. What follows a loop whose turns
+//! depend on one (a spin until a flag is set) does not count: it runs once the
+//! loop ends, however often it turned. It errs towards marking.
 
 use std::collections::{BTreeSet, HashSet};
 
@@ -79,13 +81,14 @@ pub(crate) fn atomic_uses(module: &Module) -> AtomicUses {
         appended: all.appended.iter().filter_map(binding).collect(),
         steered: all.steered.iter().filter_map(binding).collect(),
     };
-    // An atomic update of a buffer from what its own atomics answered is its own
-    // reduction (a float sum by compare-exchange: a shard sums its part from the
-    // identity, and the merge adds the parts): steered only if it still is with
-    // that buffer's atomics left out.
-    for g in &all.updated_steered {
+    // A compare-exchange loop on a buffer, from what that buffer's own atomics
+    // answered, is its own reduction (a float sum over `atomic<u32>`: a shard sums
+    // its part from the identity, and the merge adds the parts): steered only if
+    // it still is with that buffer's atomics left out. Any other atomic update
+    // under what an atomic answered (an add only while a count is low) is steered.
+    for g in &all.exchanged_steered {
         if Marks::of(module, &functions, &updated, Some(*g))
-            .updated_steered
+            .exchanged_steered
             .contains(g)
         {
             uses.steered.extend(binding(g));
@@ -95,12 +98,12 @@ pub(crate) fn atomic_uses(module: &Module) -> AtomicUses {
 }
 
 /// The buffers written at a tainted index, and with a tainted value or under a
-/// tainted condition (by a store, and by an atomic operation).
+/// tainted condition (by a store or an atomic, and by a compare-exchange).
 #[derive(Default)]
 struct Marks {
     appended: HashSet<Global>,
     steered: HashSet<Global>,
-    updated_steered: HashSet<Global>,
+    exchanged_steered: HashSet<Global>,
 }
 
 impl Marks {
@@ -157,7 +160,7 @@ impl Marks {
                 }
                 marks.appended.extend(found.appended);
                 marks.steered.extend(found.steered);
-                marks.updated_steered.extend(found.updated_steered);
+                marks.exchanged_steered.extend(found.exchanged_steered);
             }
             if !changed {
                 return marks;
@@ -191,8 +194,8 @@ struct Found {
     returns: bool,
     appended: Vec<Global>,
     steered: Vec<Global>,
-    /// Steered by an atomic operation rather than a store.
-    updated_steered: Vec<Global>,
+    /// Steered by a compare-exchange rather than a store or another atomic.
+    exchanged_steered: Vec<Global>,
 }
 
 /// Jumps taken under a tainted condition in a block: after one, what follows in
@@ -359,11 +362,11 @@ impl Taint {
                     result,
                 } => {
                     let compare = match fun {
-                        naga::AtomicFunction::Exchange { compare: Some(c) } => self.is(*c),
-                        _ => false,
+                        naga::AtomicFunction::Exchange { compare: Some(c) } => Some(self.is(*c)),
+                        _ => None,
                     };
-                    let tainted = under || self.is(*value) || compare;
-                    self.write(module, f, *pointer, tainted, true, found);
+                    let tainted = under || self.is(*value) || compare == Some(true);
+                    self.write(module, f, *pointer, tainted, compare.is_some(), found);
                     if let Some(r) = result {
                         if self.is(*pointer) {
                             found.results.insert(*r);
@@ -449,15 +452,15 @@ impl Taint {
         jumps
     }
 
-    /// A store or (if `atomic`) an atomic operation through `pointer`, of a tainted
-    /// value or under a tainted condition if `tainted`.
+    /// A store or atomic operation through `pointer` (a compare-exchange if
+    /// `exchange`), of a tainted value or under a tainted condition if `tainted`.
     fn write(
         &self,
         module: &Module,
         f: &Function,
         pointer: Handle<Expression>,
         tainted: bool,
-        atomic: bool,
+        exchange: bool,
         found: &mut Found,
     ) {
         let Some((root, by_index)) = self.root_and_index(f, pointer) else {
@@ -477,8 +480,8 @@ impl Taint {
             Root::Global(g) => {
                 if by_index {
                     found.appended.push(g);
-                } else if tainted && atomic {
-                    found.updated_steered.push(g);
+                } else if tainted && exchange {
+                    found.exchanged_steered.push(g);
                 } else if tainted {
                     found.steered.push(g);
                 }
@@ -830,6 +833,14 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
             )
         };
         assert!(steered(&cas("v")).is_empty());
+        // An add on a buffer only while its own count is low is steered.
+        let src = "
+@group(0) @binding(0) var<storage, read_write> counts: array<atomic<u32>>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (atomicAdd(&counts[0], 1u) < 100u) { atomicAdd(&counts[1], 1u); }
+}";
+        assert_eq!(steered(src), BTreeSet::from([0]));
         // Adding what another buffer's atomic answered is steered, and so is that
         // buffer: it counts the loop's retries.
         assert_eq!(
