@@ -9,7 +9,6 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{count_call, counted, have_any};
-use gpumesh::node::api::StateInit;
 use gpumesh::Client;
 
 const WORDS: u32 = 256;
@@ -49,15 +48,7 @@ async fn a_counter_survives_its_host_killed_and_counts_every_acknowledged_call_o
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    let zeros = vec![StateInit {
-        binding: 0,
-        size: u64::from(WORDS) * 4,
-        blob: None,
-    }];
-    clients[0]
-        .create_actor("counter", zeros, None)
-        .await
-        .unwrap();
+    common::create_counter(&clients[0], "counter", WORDS).await;
     let before = count(clients[1].clone(), 3).await;
     assert_eq!(before, vec![1, 2, 3]);
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::procs::{node, three, three_and_ticket, three_voters, Proc};
 use common::{count_call, counted, have_any};
-use gpumesh::node::api::{StateInit, TaskState};
+use gpumesh::node::api::TaskState;
 use gpumesh::protocol::{BlobId, TaskSpec};
 use gpumesh::Client;
 
@@ -197,15 +197,7 @@ async fn a_node_that_leaves_hands_off_what_it_holds_and_stays_out() {
     let clients: Vec<Client> = procs.iter().map(|p| p.client().unwrap()).collect();
     // Over what the record keeps itself: a blob on two nodes.
     const WORDS: u32 = 8192;
-    let zeros = vec![StateInit {
-        binding: 0,
-        size: u64::from(WORDS) * 4,
-        blob: None,
-    }];
-    clients[0]
-        .create_actor("counter", zeros, None)
-        .await
-        .unwrap();
+    common::create_counter(&clients[0], "counter", WORDS).await;
     for _ in 0..3 {
         clients[1]
             .call_actor("counter", count_call(WORDS), None)

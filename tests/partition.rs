@@ -16,7 +16,6 @@ use common::netns::{nodes, Namespaces};
 use common::procs::Proc;
 use common::{count_call, counted, have_any};
 use gpumesh::consensus::RequestId;
-use gpumesh::node::api::StateInit;
 use gpumesh::Client;
 
 const WORDS: u32 = 256;
@@ -37,9 +36,13 @@ async fn count(via: &Client, n: usize) -> Vec<u64> {
 }
 
 /// Three node processes in namespaces of their own, joined as the README starts
-/// them, once one leader counts three live voters; `None` (said loudly) where
-/// namespaces cannot be made. The temporary directory holds their data dirs.
-async fn three_in_namespaces() -> Option<(Namespaces, Vec<Proc>, tempfile::TempDir)> {
+/// them, and their clients, once one leader counts three live voters; `None` where
+/// there is no adapter, or (said loudly) where namespaces cannot be made. The
+/// temporary directory holds their data dirs.
+async fn three_in_namespaces() -> Option<(Namespaces, Vec<Proc>, Vec<Client>, tempfile::TempDir)> {
+    if !have_any() {
+        return None;
+    }
     let ns = match Namespaces::make(3) {
         Ok(ns) => ns,
         Err(why) => {
@@ -61,28 +64,17 @@ async fn three_in_namespaces() -> Option<(Namespaces, Vec<Proc>, tempfile::TempD
         p.start(&["--join", &ticket]).unwrap();
     }
     common::procs::three_voters(&procs).await;
-    Some((ns, procs, root))
+    let clients = procs.iter().map(|p| p.client().unwrap()).collect();
+    Some((ns, procs, clients, root))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_actors_host_cut_off_acknowledges_nothing_and_serves_no_stale_state() {
-    if !have_any() {
-        return;
-    }
-    let Some((mut ns, mut procs, _root)) = three_in_namespaces().await else {
+    let Some((mut ns, mut procs, clients, _root)) = three_in_namespaces().await else {
         return;
     };
-    let clients: Vec<Client> = procs.iter().map(|p| p.client().unwrap()).collect();
 
-    let zeros = vec![StateInit {
-        binding: 0,
-        size: u64::from(WORDS) * 4,
-        blob: None,
-    }];
-    clients[0]
-        .create_actor("counter", zeros, None)
-        .await
-        .unwrap();
+    common::create_counter(&clients[0], "counter", WORDS).await;
     assert_eq!(count(&clients[1], 3).await, vec![1, 2, 3]);
 
     // Cut the host off from both others: it runs on, unheard.
@@ -173,13 +165,9 @@ async fn an_actors_host_cut_off_acknowledges_nothing_and_serves_no_stale_state()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_removed_while_cut_off_learns_it_once_mended_and_stops() {
-    if !have_any() {
-        return;
-    }
-    let Some((mut ns, mut procs, _root)) = three_in_namespaces().await else {
+    let Some((mut ns, mut procs, clients, _root)) = three_in_namespaces().await else {
         return;
     };
-    let clients: Vec<Client> = procs.iter().map(|p| p.client().unwrap()).collect();
     let gone = procs[2].raft_id;
     ns.cut(2, 0);
     ns.cut(2, 1);
@@ -221,15 +209,7 @@ async fn a_member_removed_while_cut_off_learns_it_once_mended_and_stops() {
     let err = procs[2].start(&[]).unwrap_err().to_string();
     assert!(err.contains("was removed from mesh"), "{err}");
     // The two go on: an actor made and called through each.
-    let zeros = vec![StateInit {
-        binding: 0,
-        size: u64::from(WORDS) * 4,
-        blob: None,
-    }];
-    clients[0]
-        .create_actor("counter", zeros, None)
-        .await
-        .unwrap();
+    common::create_counter(&clients[0], "counter", WORDS).await;
     count(&clients[0], 1).await;
     count(&clients[1], 1).await;
     counted(&clients[1], "counter", WORDS, 2).await;

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use common::procs::three_voters as ready;
 use common::{count_call, counted, have_any, lcg_finished_right, lcg_spec};
-use gpumesh::node::api::{StateInit, TaskState};
+use gpumesh::node::api::TaskState;
 use gpumesh::Client;
 
 /// Workgroups of the task cut short: seconds of work on a software adapter.
@@ -36,15 +36,7 @@ async fn the_whole_mesh_killed_at_once_comes_back_with_every_acknowledged_task_a
     // acknowledged and running.
     let done = clients[1].submit(lcg_spec(64, 3), None).await.unwrap();
     lcg_finished_right(&clients[2], done, 64).await;
-    let zeros = vec![StateInit {
-        binding: 0,
-        size: u64::from(WORDS) * 4,
-        blob: None,
-    }];
-    clients[0]
-        .create_actor("counter", zeros, None)
-        .await
-        .unwrap();
+    common::create_counter(&clients[0], "counter", WORDS).await;
     for expect in 1..=3 {
         let reply = clients[expect as usize % 3]
             .call_actor("counter", count_call(WORDS), None)

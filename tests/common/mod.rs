@@ -400,6 +400,17 @@ pub fn count_call(words: u32) -> gpumesh::protocol::ActorCall {
     }
 }
 
+/// Creates actor `name` through `via`: one state buffer of `words` zero words at
+/// binding 0, for [`count_call`].
+pub async fn create_counter(via: &Client, name: &str, words: u32) {
+    let zeros = vec![gpumesh::node::api::StateInit {
+        binding: 0,
+        size: u64::from(words) * 4,
+        blob: None,
+    }];
+    via.create_actor(name, zeros, None).await.unwrap();
+}
+
 /// Starts a node expected not to start (kept out of a mesh, refused its data dir);
 /// returns its error message.
 pub async fn refused(c: NodeConfig) -> String {
