@@ -146,6 +146,7 @@ impl Kernel {
                 rendered: e.emit_to_string(source),
             }
         })?;
+        refuse_binding_arrays(&module)?;
         let info = validate(&module).map_err(|e| {
             let loc = e.location(source);
             let mut message = error_chain(e.as_inner());
@@ -481,6 +482,29 @@ fn validate(
     Validator::new(ValidationFlags::all(), Capabilities::default())
         .validate(module)
         .map_err(Box::new)
+}
+
+/// Refuses a `binding_array` (several buffers in one binding, as wgpu's example of
+/// buffers past the size limit uses) by name: the validator would say only that a
+/// type is invalid, without where.
+fn refuse_binding_arrays(module: &naga::Module) -> Result<()> {
+    for (_, var) in module.global_variables.iter() {
+        if let naga::TypeInner::BindingArray { .. } = module.types[var.ty].inner {
+            let name = var.name.as_deref().unwrap_or("_");
+            let problem = format!(
+                "({name}) is a binding_array, an optional WebGPU feature; gpumesh binds one \
+                 buffer per binding: give each buffer a @binding of its own"
+            );
+            return Err(match &var.binding {
+                Some(rb) => ExecError::Binding {
+                    binding: rb.binding,
+                    problem,
+                },
+                None => ExecError::Unsupported(format!("{name} {problem}")),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The optional WebGPU feature a validation error says a kernel needs, named as

@@ -904,8 +904,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) { dst[gid.x] = gid.x * SC
     );
 }
 
-/// Kernels using optional WebGPU features (f16, subgroups) are refused naming the
-/// feature, not a validator flag alone.
+/// Kernels using optional WebGPU features (f16, subgroups, binding arrays) are
+/// refused naming the feature, not a validator flag or an invalid type alone.
 #[test]
 fn kernels_needing_optional_features_are_refused_naming_them() {
     for (source, what) in [
@@ -920,6 +920,12 @@ fn kernels_needing_optional_features_are_refused_naming_them() {
              @compute @workgroup_size(64)\nfn main(@builtin(global_invocation_id) g: vec3u) \
              { o[g.x] = subgroupAdd(1u); }\n",
             "subgroup operations",
+        ),
+        (
+            "@group(0) @binding(3) var<storage, read_write> parts: binding_array<array<f32>, 2>;\n\
+             @compute @workgroup_size(64)\nfn main(@builtin(global_invocation_id) g: vec3u) \
+             { parts[0][g.x] = 1.0; }\n",
+            "binding 3: (parts) is a binding_array",
         ),
     ] {
         let err = Kernel::compile(source, "main").unwrap_err().to_string();
