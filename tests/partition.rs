@@ -1,8 +1,9 @@
 //! A GPU actor's host cut off by a real partition, not killed: three `gpumesh node`
 //! processes in network namespaces (root and `ip`; skipped loudly elsewhere), joined
 //! by ticket as the README starts them. The two others move the actor and go on
-//! counting; the host, alive on the other side, acknowledges no call and serves no
-//! state or view it cannot confirm is current; mended, it serves the mesh's state,
+//! counting and running tasks; the host, alive on the other side, acknowledges no
+//! call, serves no actor state or view it cannot confirm is current, and shows the
+//! tasks it knows marked as its own copy; mended, it serves the mesh's state,
 //! and every acknowledged call is counted once. And a member removed while cut off
 //! learns it once mended, and stops.
 
@@ -14,8 +15,9 @@ use std::time::{Duration, Instant};
 
 use common::netns::{nodes, Namespaces};
 use common::procs::Proc;
-use common::{count_call, counted, have_any};
+use common::{count_call, counted, have_any, salted_spec};
 use gpumesh::consensus::RequestId;
+use gpumesh::node::api::TaskState;
 use gpumesh::Client;
 
 const WORDS: u32 = 256;
@@ -76,6 +78,8 @@ async fn an_actors_host_cut_off_acknowledges_nothing_and_serves_no_stale_state()
 
     common::create_counter(&clients[0], "counter", WORDS).await;
     assert_eq!(count(&clients[1], 3).await, vec![1, 2, 3]);
+    let before = clients[1].submit(salted_spec(4096, 1), None).await.unwrap();
+    clients[1].wait(before, |_, _| {}).await.unwrap();
 
     // Cut the host off from both others: it runs on, unheard.
     let host = clients[0].actor("counter").await.unwrap();
@@ -101,6 +105,13 @@ async fn an_actors_host_cut_off_acknowledges_nothing_and_serves_no_stale_state()
     versions.extend(count(&clients[others[1]], 2).await);
     versions.sort_unstable();
     assert_eq!(versions, (1..=7).collect::<Vec<u64>>());
+    let after = clients[others[0]]
+        .submit(salted_spec(4096, 2), None)
+        .await
+        .unwrap();
+    let sent = Instant::now();
+    clients[others[0]].wait(after, |_, _| {}).await.unwrap();
+    eprintln!("a task through the majority in {:?}", sent.elapsed());
     let moved = clients[others[0]].actor("counter").await.unwrap();
     assert_ne!(
         moved.node, host.node,
@@ -135,17 +146,30 @@ async fn an_actors_host_cut_off_acknowledges_nothing_and_serves_no_stale_state()
         Ok(view) => panic!("the cut-off host served its view as current: {view:?}"),
         Err(e) => eprintln!("its view: {e}"),
     }
+    // A task it knows is shown as its own copy, marked so; one made since on the
+    // other side is not said never to have been made.
+    let known = cut_off.task(before).await.unwrap();
+    assert_eq!(known.status, TaskState::Completed);
+    assert!(known.unconfirmed.is_some(), "{known:?}");
+    let e = cut_off.task(after).await.unwrap_err().to_string();
+    assert!(e.contains(&format!("does not know task t{after}")), "{e}");
 
     // Mended, every node serves the mesh's state: the 7 calls, and the call tried
     // through the cut-off host at most once (its request id is one call).
     ns.mend_all();
     common::procs::three_voters(&procs).await;
-    let after = clients[h].actor("counter").await.unwrap();
+    let now = clients[h].actor("counter").await.unwrap();
     assert!(
-        after.version == 7 || after.version == 8,
-        "7 acknowledged calls and one unacknowledged: {after:?}"
+        now.version == 7 || now.version == 8,
+        "7 acknowledged calls and one unacknowledged: {now:?}"
     );
-    let calls = after.version as u32;
+    let calls = now.version as u32;
+    let task = clients[h].task(after).await.unwrap();
+    assert!(task.unconfirmed.is_none(), "{task:?}");
+    assert_eq!(
+        clients[h].results(after).await.unwrap()[&0],
+        common::salted_expected(4096, 2)
+    );
     for c in &clients {
         counted(c, "counter", WORDS, calls).await;
     }

@@ -395,6 +395,9 @@ pub fn status(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
 pub fn tasks(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
     let client = api.client()?;
     let tasks = tokio::runtime::Runtime::new()?.block_on(client.tasks())?;
+    if let Some(note) = tasks.iter().find_map(|t| t.unconfirmed.as_ref()) {
+        eprintln!("note: {note}");
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&tasks)?);
         return Ok(ExitCode::SUCCESS);
@@ -508,6 +511,9 @@ fn node_name(id: u64) -> String {
 }
 
 fn print_task(t: &TaskView) {
+    if let Some(note) = &t.unconfirmed {
+        eprintln!("note: {note}");
+    }
     println!(
         "t{} {}: {}, grid {}, merge {}, {}/{} shards done, replicas {}, mismatches {}",
         t.id,

@@ -211,16 +211,26 @@ pub(crate) async fn read_current<R: Send + 'static>(
     c: &ConsensusHandle,
     f: impl Fn(&StateMachine) -> R + Clone + Send + 'static,
 ) -> ApiResult<R> {
+    Ok(read_current_marked(c, f).await.0)
+}
+
+/// [`read_current`], and whether a leader confirmed the read: `false` where the
+/// value is this node's own copy, which trails the mesh by any number of entries
+/// when it is cut off from the majority.
+pub(crate) async fn read_current_marked<R: Send + 'static>(
+    c: &ConsensusHandle,
+    f: impl Fn(&StateMachine) -> R + Clone + Send + 'static,
+) -> (R, bool) {
     let g = f.clone();
     match tokio::time::timeout(std::time::Duration::from_secs(1), c.read_linearizable(f)).await {
-        Ok(Ok(r)) => Ok(r),
+        Ok(Ok(r)) => (r, true),
         Ok(Err(e)) => {
             tracing::debug!(error = %e, "linearizable read failed; reading locally");
-            Ok(c.read_local(g))
+            (c.read_local(g), false)
         }
         Err(_) => {
             tracing::debug!("linearizable read slow; reading locally");
-            Ok(c.read_local(g))
+            (c.read_local(g), false)
         }
     }
 }

@@ -20,13 +20,13 @@ use tokio::sync::oneshot;
 use super::changes::Topic;
 use super::error::{bad, not_found, too_large, unavailable, ApiError, ApiResult};
 use super::gate::BodyCaps;
-use super::read_current;
 use super::state::ApiState;
 use super::views::{
     encode_run_binary, encode_run_end, to_hex, view, OutputView, RunEnd, RunError, RunOutput,
     RunReply, SubmitReply, SubmitRequest, TaskState, TaskView, RUN_ATTACHED_BYTES, RUN_BINARY,
-    RUN_INLINE_BYTES,
+    RUN_INLINE_BYTES, UNCONFIRMED,
 };
+use super::{read_current, read_current_marked};
 use crate::limits::Limits;
 use crate::run_here::Early;
 use crate::timeline::Stage;
@@ -404,7 +404,13 @@ const MAX_CANCEL_REASON: usize = 1024;
 /// within a second: a task submitted or finished through another node is listed as
 /// it is there, not as this node last applied it.
 pub(crate) async fn list_tasks(State(api): State<Arc<ApiState>>) -> ApiResult<Json<Vec<TaskView>>> {
-    let tasks = read_current(&api.consensus, |s| s.tasks().map(view).collect::<Vec<_>>()).await?;
+    let (mut tasks, confirmed) =
+        read_current_marked(&api.consensus, |s| s.tasks().map(view).collect::<Vec<_>>()).await;
+    if !confirmed {
+        for t in &mut tasks {
+            t.unconfirmed = Some(UNCONFIRMED.to_string());
+        }
+    }
     Ok(Json(tasks))
 }
 
@@ -414,12 +420,25 @@ pub(crate) async fn get_task(
 ) -> ApiResult<Json<TaskView>> {
     // As of the leader's commit index: this node may not have applied yet what
     // another already answered (the task's submit, its last result, its forgetting).
-    read_current(&api.consensus, move |s: &StateMachine| {
+    // Without a leader's word, a task this node knows is shown marked as its own
+    // copy, and one it does not know is not said never to have been made.
+    let (found, confirmed) = read_current_marked(&api.consensus, move |s: &StateMachine| {
         s.task(TaskId(id)).map(view)
     })
-    .await?
-    .map(Json)
-    .ok_or_else(|| not_found(id))
+    .await;
+    match (found, confirmed) {
+        (Some(mut task), _) => {
+            if !confirmed {
+                task.unconfirmed = Some(UNCONFIRMED.to_string());
+            }
+            Ok(Json(task))
+        }
+        (None, true) => Err(not_found(id)),
+        (None, false) => Err(unavailable(format!(
+            "this node does not know task t{id}, and cannot confirm with a leader that the \
+             mesh does not ({UNCONFIRMED}). Retry, or ask another node"
+        ))),
+    }
 }
 
 #[derive(Deserialize)]

@@ -290,7 +290,15 @@ pub struct TaskView {
     /// Assignments, retries, replica comparisons, newest last.
     #[serde(default)]
     pub history: Vec<HistoryView>,
+    /// Set where no leader confirmed the read: the task as the node answering last
+    /// knew it (it may be cut off from the majority), and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unconfirmed: Option<String>,
 }
+
+/// What [`TaskView::unconfirmed`] says.
+pub(crate) const UNCONFIRMED: &str = "as this node last knew it: no leader confirmed the read \
+     within 1 s (an election, or this node is cut off from most of the mesh)";
 
 fn one() -> u32 {
     1
@@ -431,6 +439,7 @@ pub(crate) fn view(t: &gpumesh_consensus::Task) -> TaskView {
                 what: e.what.clone(),
             })
             .collect(),
+        unconfirmed: None,
     }
 }
 
@@ -559,6 +568,7 @@ mod tests {
                 replicas: 1,
                 mismatches: 0,
                 history: Vec::new(),
+                unconfirmed: None,
             },
             outputs: outputs
                 .iter()
