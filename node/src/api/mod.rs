@@ -206,7 +206,9 @@ pub(crate) async fn read_confirmed<R: Send + 'static>(
 
 /// A linearizable read (ReadIndex) when the leader confirms it within a second;
 /// otherwise this replica's own state, which may trail the leader by a few entries
-/// (the caller sees at worst a task a step behind, never a wrong one).
+/// (by any number while this node is cut off from the majority): for what stays
+/// true once recorded (a finished task's outputs) and for listings, which
+/// [`read_current_marked`] lets mark as this node's copy.
 pub(crate) async fn read_current<R: Send + 'static>(
     c: &ConsensusHandle,
     f: impl Fn(&StateMachine) -> R + Clone + Send + 'static,
