@@ -39,13 +39,14 @@
 //! condition (`if`, `switch`, a loop's `break if`) on such a value, after a
 //! `return`, `break` or `continue` taken under one, or in a function called under
 //! one, counts as computed from it. A store (or an atomic operation) through a
-//! pointer into a `@group(0)` buffer at an index from an atomic makes that buffer
-//! appended; with a value from one (an atomic's operand included), or under a
-//! condition on one, steered, except a compare-exchange loop on a buffer from
-//! that buffer's own answers (a float sum over `atomic<u32>`), which is the
-//! buffer's reduction and splits like `atomicAdd`. What follows a loop whose turns
-//! depend on one (a spin until a flag is set) does not count: it runs once the
-//! loop ends, however often it turned. It errs towards marking.
+//! pointer into a `@group(0)` buffer at an index computed from an atomic's value
+//! makes that buffer appended (one computed only under a condition on one, a
+//! loop's counter, makes it steered); with a value from one (an atomic's operand
+//! included), or under a condition on one, steered, except a compare-exchange loop
+//! on a buffer from that buffer's own answers (a float sum over `atomic<u32>`),
+//! which is the buffer's reduction and splits like `atomicAdd`. What follows a
+//! loop whose turns depend on one (a spin until a flag is set) does not count: it
+//! runs once the loop ends, however often it turned. It errs towards marking.
 
 use std::collections::{BTreeSet, HashSet};
 
