@@ -20,6 +20,7 @@ pub mod builtins;
 pub mod calibrate;
 mod error;
 pub mod executor;
+mod ir;
 pub mod job;
 pub mod kernel;
 pub mod kernel_cache;

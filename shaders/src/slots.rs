@@ -52,6 +52,8 @@ use std::collections::{BTreeSet, HashSet};
 
 use naga::{Block, Expression, Function, Handle, Module, Statement, TypeInner};
 
+use crate::ir::each_statement;
+
 /// The `@group(0)` bindings a kernel writes where, or with what, an atomic on a
 /// buffer answered (see the module's documentation).
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -572,32 +574,6 @@ fn points_at_atomic(module: &Module, f: &Function, pointer: Handle<Expression>) 
     }
     pointee(module, f, pointer)
         .is_some_and(|ty| matches!(module.types[ty].inner, TypeInner::Atomic(_)))
-}
-
-/// Calls `visit` with every statement of `block`, those of nested blocks included.
-fn each_statement<'a>(block: &'a Block, visit: &mut impl FnMut(&'a Statement)) {
-    for s in block.iter() {
-        visit(s);
-        match s {
-            Statement::Block(b) => each_statement(b, visit),
-            Statement::If { accept, reject, .. } => {
-                each_statement(accept, visit);
-                each_statement(reject, visit);
-            }
-            Statement::Switch { cases, .. } => {
-                for c in cases {
-                    each_statement(&c.body, visit);
-                }
-            }
-            Statement::Loop {
-                body, continuing, ..
-            } => {
-                each_statement(body, visit);
-                each_statement(continuing, visit);
-            }
-            _ => {}
-        }
-    }
 }
 
 /// What a pointer points into.

@@ -50,6 +50,7 @@ use naga::{
 };
 
 use crate::error::Result;
+use crate::ir::each_statement;
 
 /// The binding, in the shard-info group, of the counters the executor reads back.
 pub(crate) const TURNS_BINDING: u32 = 1;
@@ -77,49 +78,28 @@ pub(crate) fn has_loops(module: &Module) -> bool {
     loops(module, |_, _, _, _| true) > 0
 }
 
-/// The loops of `module` for which `which(body, continuing, function)` holds.
-type Which<'a> = &'a dyn Fn(&Block, &Block, Option<Handle<Expression>>, &Function) -> bool;
-
+/// The loops of `module` for which `which(body, continuing, break_if, function)`
+/// holds.
 fn loops(
     module: &Module,
     which: impl Fn(&Block, &Block, Option<Handle<Expression>>, &Function) -> bool,
 ) -> usize {
-    fn walk(block: &Block, f: &Function, which: Which) -> usize {
-        block
-            .iter()
-            .map(|s| match s {
-                Statement::Loop {
-                    body,
-                    continuing,
-                    break_if,
-                } => {
-                    usize::from(which(body, continuing, *break_if, f))
-                        + walk(body, f, which)
-                        + walk(continuing, f, which)
-                }
-                Statement::Block(b) => walk(b, f, which),
-                Statement::If { accept, reject, .. } => {
-                    walk(accept, f, which) + walk(reject, f, which)
-                }
-                Statement::Switch { cases, .. } => {
-                    cases.iter().map(|c| walk(&c.body, f, which)).sum()
-                }
-                _ => 0,
-            })
-            .sum()
+    let functions = module.functions.iter().map(|(_, f)| f);
+    let entry_points = module.entry_points.iter().map(|e| &e.function);
+    let mut n = 0;
+    for f in functions.chain(entry_points) {
+        each_statement(&f.body, &mut |s| {
+            if let Statement::Loop {
+                body,
+                continuing,
+                break_if,
+            } = s
+            {
+                n += usize::from(which(body, continuing, *break_if, f));
+            }
+        });
     }
-    let which: Which = &which;
-    module
-        .functions
-        .iter()
-        .map(|(_, f)| walk(&f.body, f, which))
-        .chain(
-            module
-                .entry_points
-                .iter()
-                .map(|e| walk(&e.function.body, &e.function, which)),
-        )
-        .sum()
+    n
 }
 
 /// A loop that runs a fixed number of turns, known when it starts.
@@ -353,31 +333,13 @@ impl Looked<'_> {
         stores: &mut usize,
         passed: &mut bool,
     ) {
-        for s in block.iter() {
-            match s {
-                Statement::Store { pointer, .. } if self.roots_at(*pointer, var) => *stores += 1,
-                Statement::Call { arguments, .. } => {
-                    *passed |= arguments.iter().any(|a| self.roots_at(*a, var));
-                }
-                Statement::Block(b) => self.uses(var, b, stores, passed),
-                Statement::If { accept, reject, .. } => {
-                    self.uses(var, accept, stores, passed);
-                    self.uses(var, reject, stores, passed);
-                }
-                Statement::Switch { cases, .. } => {
-                    for c in cases {
-                        self.uses(var, &c.body, stores, passed);
-                    }
-                }
-                Statement::Loop {
-                    body, continuing, ..
-                } => {
-                    self.uses(var, body, stores, passed);
-                    self.uses(var, continuing, stores, passed);
-                }
-                _ => {}
+        each_statement(block, &mut |s| match s {
+            Statement::Store { pointer, .. } if self.roots_at(*pointer, var) => *stores += 1,
+            Statement::Call { arguments, .. } => {
+                *passed |= arguments.iter().any(|a| self.roots_at(*a, var));
             }
-        }
+            _ => {}
+        });
     }
 
     fn is_var(&self, pointer: Handle<Expression>, var: Handle<LocalVariable>) -> bool {
@@ -441,28 +403,11 @@ fn continues(block: &Block) -> bool {
 
 /// The expressions `block` evaluates (its emits, nested blocks' included).
 fn emitted_in(block: &Block, out: &mut HashSet<Handle<Expression>>) {
-    for s in block.iter() {
-        match s {
-            Statement::Emit(range) => out.extend(range.clone()),
-            Statement::Block(b) => emitted_in(b, out),
-            Statement::If { accept, reject, .. } => {
-                emitted_in(accept, out);
-                emitted_in(reject, out);
-            }
-            Statement::Switch { cases, .. } => {
-                for c in cases {
-                    emitted_in(&c.body, out);
-                }
-            }
-            Statement::Loop {
-                body, continuing, ..
-            } => {
-                emitted_in(body, out);
-                emitted_in(continuing, out);
-            }
-            _ => {}
+    each_statement(block, &mut |s| {
+        if let Statement::Emit(range) = s {
+            out.extend(range.clone());
         }
-    }
+    });
 }
 
 /// Rewrites `module` (already instrumented for sharding, its one entry point a

@@ -405,8 +405,9 @@ impl Mover {
         // Members the record holds down last: one cut off without its connection
         // closing answers nothing until the request times out (30 s), which held a
         // merge that long after the leader was cut off by a partition.
-        let down = self.consensus.read_local(|s| s.down().clone());
-        targets.sort_by_key(|p| down.contains(&crate::identity::raft_id(p)));
+        self.consensus.read_local(|s| {
+            targets.sort_by_key(|p| s.down().contains(&crate::identity::raft_id(p)));
+        });
         (others.len(), targets)
     }
 

@@ -1,0 +1,29 @@
+//! Walks over a naga module's statements, shared by the passes that read them.
+
+use naga::{Block, Statement};
+
+/// Calls `visit` with every statement of `block`, those of nested blocks included.
+pub(crate) fn each_statement<'a>(block: &'a Block, visit: &mut impl FnMut(&'a Statement)) {
+    for s in block.iter() {
+        visit(s);
+        match s {
+            Statement::Block(b) => each_statement(b, visit),
+            Statement::If { accept, reject, .. } => {
+                each_statement(accept, visit);
+                each_statement(reject, visit);
+            }
+            Statement::Switch { cases, .. } => {
+                for c in cases {
+                    each_statement(&c.body, visit);
+                }
+            }
+            Statement::Loop {
+                body, continuing, ..
+            } => {
+                each_statement(body, visit);
+                each_statement(continuing, visit);
+            }
+            _ => {}
+        }
+    }
+}
