@@ -43,8 +43,8 @@
 //! makes that buffer appended (one computed only under a condition on one, a
 //! loop's counter, makes it steered); with a value from one (an atomic's operand
 //! included), or under a condition on one, steered, except a compare-exchange loop
-//! on a buffer from that buffer's own answers (a float sum over `atomic<u32>`),
-//! which is the buffer's reduction and splits like `atomicAdd`. What follows a
+//! on a location from what the atomics on that same location answered (a float
+//! sum over `atomic<u32>`), which is its reduction and splits like `atomicAdd`. What follows a
 //! loop whose turns depend on one (a spin until a flag is set) does not count: it
 //! runs once the loop ends, however often it turned. It errs towards marking.
 
@@ -93,17 +93,18 @@ pub(crate) fn atomic_uses(module: &Module) -> AtomicUses {
             .filter_map(binding)
             .collect(),
     };
-    // A compare-exchange loop on a buffer, from what that buffer's own atomics
-    // answered, is its own reduction (a float sum over `atomic<u32>`: a shard sums
-    // its part from the identity, and the merge adds the parts): steered only if
-    // it still is with that buffer's atomics left out. Any other atomic update
-    // under what an atomic answered (an add only while a count is low) is steered.
-    for g in &all.exchanged_steered {
-        if Marks::of(module, &functions, &updated, follow(Some(*g), true))
+    // A compare-exchange loop on a location, from what the atomics on that same
+    // location answered, is its own reduction (a float sum over `atomic<u32>`: a
+    // shard sums its part from the identity, and the merge adds the parts):
+    // steered only if it still is with the atomics on that location left out. Any
+    // other atomic update under what an atomic answered (an add only while a count
+    // is low, a word set from another word of the same buffer) is steered.
+    for site in &all.exchanged_steered {
+        if Marks::of(module, &functions, &updated, follow(Some(*site), true))
             .exchanged_steered
-            .contains(g)
+            .contains(site)
         {
-            uses.steered.extend(binding(g));
+            uses.steered.extend(binding(&site.global));
         }
     }
     uses
@@ -115,7 +116,16 @@ pub(crate) fn atomic_uses(module: &Module) -> AtomicUses {
 struct Marks {
     appended: HashSet<Global>,
     steered: HashSet<Global>,
-    exchanged_steered: HashSet<Global>,
+    exchanged_steered: HashSet<Site>,
+}
+
+/// Where an atomic operation is: the buffer, the function (its index in the
+/// analysis's list) and the pointer expression in it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct Site {
+    global: Global,
+    function: usize,
+    pointer: Handle<Expression>,
 }
 
 impl Marks {
@@ -127,7 +137,8 @@ impl Marks {
     ) -> Marks {
         let mut state: Vec<Taint> = functions
             .iter()
-            .map(|(_, f)| Taint::new(module, f, updated, follow))
+            .enumerate()
+            .map(|(i, (_, f))| Taint::new(module, i, f, updated, follow))
             .collect();
         // Arguments a caller passes a tainted value in, functions that return one
         // (or return under a condition on one), functions called under such a
@@ -171,7 +182,18 @@ impl Marks {
                 }
                 marks.appended.extend(found.appended);
                 marks.steered.extend(found.steered);
-                marks.exchanged_steered.extend(found.exchanged_steered);
+                marks
+                    .exchanged_steered
+                    .extend(
+                        found
+                            .exchanged_steered
+                            .into_iter()
+                            .map(|(global, pointer)| Site {
+                                global,
+                                function: i,
+                                pointer,
+                            }),
+                    );
             }
             if !changed {
                 return marks;
@@ -183,8 +205,10 @@ impl Marks {
 /// What an analysis follows.
 #[derive(Clone, Copy)]
 struct Follow {
-    /// A buffer whose atomics are not counted as where taint comes from.
-    ignore: Option<Global>,
+    /// A location whose atomics are not counted as where taint comes from: those
+    /// on the same buffer, in the same function, through a pointer that
+    /// [`same_location`] says is the site's.
+    ignore: Option<Site>,
     /// Whether conditions pass taint on to what runs under them.
     control: bool,
 }
@@ -215,8 +239,9 @@ struct Found {
     returns: bool,
     appended: Vec<Global>,
     steered: Vec<Global>,
-    /// Steered by a compare-exchange rather than a store or another atomic.
-    exchanged_steered: Vec<Global>,
+    /// Steered by a compare-exchange rather than a store or another atomic: the
+    /// buffer and the pointer.
+    exchanged_steered: Vec<(Global, Handle<Expression>)>,
 }
 
 /// Jumps taken under a tainted condition in a block: after one, what follows in
@@ -242,8 +267,20 @@ impl Jumps {
 }
 
 impl Taint {
-    fn new(module: &Module, f: &Function, updated: &HashSet<Global>, follow: Follow) -> Self {
-        let counted = |g: &Global| Some(*g) != follow.ignore;
+    fn new(
+        module: &Module,
+        index: usize,
+        f: &Function,
+        updated: &HashSet<Global>,
+        follow: Follow,
+    ) -> Self {
+        let counted = |pointer: Handle<Expression>| {
+            follow.ignore.is_none_or(|site| {
+                site.function != index
+                    || root_global(f, pointer) != Some(site.global)
+                    || !same_location(f, pointer, site.pointer)
+            })
+        };
         let mut sources = HashSet::new();
         each_statement(&f.body, &mut |s| {
             if let Statement::Atomic {
@@ -252,7 +289,7 @@ impl Taint {
                 ..
             } = s
             {
-                let root = root_global(f, *pointer).filter(counted);
+                let root = root_global(f, *pointer).filter(|_| counted(*pointer));
                 if root.is_some_and(|g| in_storage(module, g)) {
                     sources.insert(*r);
                 }
@@ -260,7 +297,8 @@ impl Taint {
         });
         for (h, e) in f.expressions.iter() {
             if let Expression::Load { pointer } = *e {
-                let loaded = root_global(f, pointer).filter(|g| updated.contains(g) && counted(g));
+                let loaded =
+                    root_global(f, pointer).filter(|g| updated.contains(g) && counted(pointer));
                 if loaded.is_some() && points_at_atomic(module, f, pointer) {
                     sources.insert(h);
                 }
@@ -503,7 +541,7 @@ impl Taint {
                 if by_index {
                     found.appended.push(g);
                 } else if tainted && exchange {
-                    found.exchanged_steered.push(g);
+                    found.exchanged_steered.push((g, pointer));
                 } else if tainted {
                     found.steered.push(g);
                 }
@@ -574,6 +612,70 @@ fn points_at_atomic(module: &Module, f: &Function, pointer: Handle<Expression>) 
     }
     pointee(module, f, pointer)
         .is_some_and(|ty| matches!(module.types[ty].inner, TypeInner::Atomic(_)))
+}
+
+/// Whether pointers `a` and `b` in `f` are the same location in every invocation:
+/// the same variable through the same members and indices, an index being the
+/// same expression, argument, literal or constant, or computed alike from those.
+/// A value loaded from a variable matches only itself (the variable may change
+/// in between). Errs towards "not the same".
+fn same_location(f: &Function, a: Handle<Expression>, b: Handle<Expression>) -> bool {
+    use Expression as E;
+    if a == b {
+        return true;
+    }
+    let same = |x, y| same_location(f, x, y);
+    match (&f.expressions[a], &f.expressions[b]) {
+        (E::GlobalVariable(x), E::GlobalVariable(y)) => x == y,
+        (E::FunctionArgument(x), E::FunctionArgument(y)) => x == y,
+        (E::Literal(x), E::Literal(y)) => x == y,
+        (E::Constant(x), E::Constant(y)) => x == y,
+        (
+            E::Access {
+                base: b1,
+                index: i1,
+            },
+            E::Access {
+                base: b2,
+                index: i2,
+            },
+        ) => same(*b1, *b2) && same(*i1, *i2),
+        (
+            E::AccessIndex {
+                base: b1,
+                index: i1,
+            },
+            E::AccessIndex {
+                base: b2,
+                index: i2,
+            },
+        ) => i1 == i2 && same(*b1, *b2),
+        (
+            E::Binary {
+                op: o1,
+                left: l1,
+                right: r1,
+            },
+            E::Binary {
+                op: o2,
+                left: l2,
+                right: r2,
+            },
+        ) => o1 == o2 && same(*l1, *l2) && same(*r1, *r2),
+        (
+            E::As {
+                expr: e1,
+                kind: k1,
+                convert: c1,
+            },
+            E::As {
+                expr: e2,
+                kind: k2,
+                convert: c2,
+            },
+        ) => k1 == k2 && c1 == c2 && same(*e1, *e2),
+        _ => false,
+    }
 }
 
 /// What a pointer points into.
@@ -843,5 +945,39 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
             steered(&cas("f32(atomicAdd(&other, 1u))")),
             BTreeSet::from([0, 1])
         );
+        // The same loop written inline at a location computed alike twice.
+        let inline = "
+@group(0) @binding(0) var<storage, read_write> sum: array<atomic<u32>>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var old = atomicLoad(&sum[gid.x % 4u]);
+    loop {
+        let r = atomicCompareExchangeWeak(&sum[gid.x % 4u], old, bitcast<u32>(bitcast<f32>(old) + 1.0));
+        if (r.exchanged) { break; }
+        old = r.old_value;
+    }
+}";
+        assert!(steered(inline).is_empty());
+        // A word of a buffer set, once, from what another word of it held: each
+        // shard copies its own count, and the merge adds the copies.
+        let other_word = |load: &str, target: &str| {
+            format!(
+                "
+@group(0) @binding(0) var<storage, read_write> words: array<atomic<u32>>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
+    atomicAdd(&words[0], 1u);
+    let seen = atomicLoad(&words[{load}]);
+    atomicCompareExchangeWeak(&words[{target}], 0u, seen);
+}}"
+            )
+        };
+        assert_eq!(steered(&other_word("0u", "1u")), BTreeSet::from([0]));
+        assert_eq!(
+            steered(&other_word("gid.x", "gid.x + 1u")),
+            BTreeSet::from([0])
+        );
+        // Set from what that same word held: its own loop, not steered.
+        assert_eq!(steered(&other_word("1u", "1u")), BTreeSet::new());
     }
 }
