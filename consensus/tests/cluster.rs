@@ -408,6 +408,37 @@ async fn linearizable_read_on_a_follower_sees_the_latest_commit() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_proposal_on_a_replica_long_without_a_leader_is_answered_no_leader_in_an_election() {
+    let c = Cluster::new(3, 9).await;
+    let leader = c.leader().await;
+    let follower = c
+        .ids()
+        .into_iter()
+        .find(|&i| i != leader)
+        .expect("follower");
+    c.net.isolate(follower, &c.ids());
+    // Long enough to have lost its leader and failed its elections (an election
+    // timeout is 100 ms here, the proposal deadline 3 s).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let made = tokio::time::Instant::now();
+    let r = c.node(follower).propose(submit(1)).await;
+    let waited = made.elapsed();
+    assert!(matches!(r, Err(ConsensusError::NoLeader)), "{r:?}");
+    assert!(
+        waited < Duration::from_millis(500),
+        "answered after {waited:?}, not within about an election timeout"
+    );
+    // Healed, the same replica's proposals commit again.
+    c.net.heal();
+    c.leader().await;
+    c.node(follower)
+        .propose(submit(2))
+        .await
+        .expect("commits once healed");
+    c.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn retry_with_the_same_request_id_applies_once() {
     let c = Cluster::new(3, 5).await;
     let leader = c.leader().await;

@@ -69,6 +69,7 @@ impl ConsensusHandle {
             ids: ids.clone(),
             ticks: 0,
             last_leader: 0,
+            leaderless_since: Some(Instant::now()),
             workload: HashMap::new(),
             workload_since: Instant::now(),
             followed_at: None,

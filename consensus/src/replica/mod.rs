@@ -93,7 +93,9 @@ pub struct ReplicaConfig {
     /// `log_retain` says: a compaction writes what it keeps into the log's next
     /// file, and entries carrying results make a thousand entries tens of MB.
     pub log_retain_bytes: u64,
-    /// How long a proposal may take before its caller gets an answer anyway.
+    /// How long a proposal may take before its caller gets an answer anyway
+    /// (sooner, NoLeader, where it could not be sent while the replica has known
+    /// no leader for [`LEADERLESS_ELECTIONS`] election timeouts).
     pub proposal_timeout: Duration,
     /// How long a linearizable read may wait for a quorum.
     pub read_timeout: Duration,
@@ -359,6 +361,8 @@ struct Pending {
     sent: bool,
     /// Sitting in the current batch of this (leading) replica.
     batched: bool,
+    /// When it was made.
+    made: Instant,
     deadline: Instant,
     next_retry: Instant,
 }
@@ -407,6 +411,8 @@ struct Actor {
     ticks: u64,
     /// The leader as last seen; a change re-sends unplaced proposals at once.
     last_leader: u64,
+    /// Since when this replica has known no leader (`None` while it knows one).
+    leaderless_since: Option<Instant>,
     /// Leader-side: proposals appended since `workload_since`, by the replica that
     /// made them (this one's own included).
     workload: HashMap<u64, u64>,
@@ -498,6 +504,12 @@ const FOLLOW_LAG: u64 = 256;
 
 /// Unanswered ReadIndex requests remembered per replica (each retry adds one).
 const MAX_READ_REQUESTS: usize = 16;
+
+/// Election timeouts without a known leader after which proposals that could not be
+/// sent are answered NoLeader before their deadline (each once it has waited one
+/// election timeout itself). An election ends within two; a replica still without a
+/// leader after three is cut off or without a majority.
+const LEADERLESS_ELECTIONS: u32 = 3;
 
 /// Waits for the snapshot file being written, if any (else forever).
 async fn written(compacting: &mut Option<oneshot::Receiver<()>>) {

@@ -25,6 +25,7 @@ impl Actor {
                 unacked: 0,
                 sent: false,
                 batched: false,
+                made: now,
                 deadline: now + self.cfg.proposal_timeout,
                 next_retry: now,
             },
