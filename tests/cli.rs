@@ -189,6 +189,44 @@ fn a_missing_entry_point_is_named() {
 }
 
 #[test]
+fn a_kernel_with_one_entry_point_runs_without_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = DOUBLE.replace("fn main(", "fn computeSomething(");
+    let kernel = write(dir.path(), "k.wgsl", source.as_bytes());
+    let words: Vec<u32> = (0..64).collect();
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let input = write(dir.path(), "in.bin", &bytes);
+    let out_dir = dir.path().join("out");
+    let o = gpumesh(&[
+        "run",
+        kernel.as_str(),
+        "--input",
+        &format!("0={input}"),
+        "--output",
+        "1:256",
+        "--grid",
+        "1",
+        "--out-dir",
+        out_dir.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = std::fs::read(out_dir.join("1.bin")).unwrap();
+    let got: Vec<u32> = out
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let want: Vec<u32> = words.iter().map(|&x| x * 3 + x).collect();
+    assert_eq!(got, want);
+    // Two entry points, neither `main`: refused, naming them.
+    let two = format!("{source}\n@compute @workgroup_size(1)\nfn other() {{}}\n");
+    let err = refused(&two, &["--output", "1:256", "--grid", "1"]);
+    assert!(
+        err.contains("computeSomething") && err.contains("--entry"),
+        "{err}"
+    );
+}
+
+#[test]
 fn an_undeclared_binding_is_named() {
     let err = refused(
         DOUBLE,

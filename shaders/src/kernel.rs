@@ -135,6 +135,34 @@ impl std::fmt::Debug for Kernel {
 pub(crate) const SHARD_INFO_GROUP: u32 = 1;
 
 impl Kernel {
+    /// The entry point to run when none is named: the shader's one compute entry
+    /// point, whatever it is called (`computeSomething`, `cs_main`), or `main`
+    /// among several. Several without a `main` is an error naming them. A shader
+    /// that does not parse, or has none, gets `main`, and compiling it says why.
+    pub fn entry_point_of(source: &str) -> Result<String> {
+        const MAIN: &str = "main";
+        let Ok(module) = naga::front::wgsl::parse_str(source) else {
+            return Ok(MAIN.into());
+        };
+        let computes: Vec<String> = module
+            .entry_points
+            .iter()
+            .filter(|ep| ep.stage == naga::ShaderStage::Compute)
+            .map(|ep| ep.name.clone())
+            .collect();
+        match computes.as_slice() {
+            [one] => Ok(one.clone()),
+            [] => Ok(MAIN.into()),
+            many if many.iter().any(|n| n == MAIN) => Ok(MAIN.into()),
+            many => Err(ExecError::Unsupported(format!(
+                "the shader has {} compute entry points ({}); name the one to run \
+                 (--entry NAME, or entry_point in the API)",
+                many.len(),
+                many.join(", ")
+            ))),
+        }
+    }
+
     /// Parses, validates and instruments `source`.
     pub fn compile(source: &str, entry_point: &str) -> Result<Self> {
         let module = naga::front::wgsl::parse_str(source).map_err(|e| {

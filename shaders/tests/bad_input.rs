@@ -145,6 +145,32 @@ fn missing_entry_point_lists_the_ones_there_are() {
 }
 
 #[test]
+fn the_entry_point_when_none_is_named_is_the_one_there_is_or_main() {
+    let named = |name: &str| COPY.replace("fn main(", &format!("fn {name}("));
+    // One compute entry point, however it is called (WebGPU tutorials' names).
+    let one = named("computeSomething");
+    assert_eq!(Kernel::entry_point_of(&one).unwrap(), "computeSomething");
+    assert!(Kernel::compile(&one, "computeSomething").is_ok());
+    // Several: `main` if one of them is.
+    let second = "\n@compute @workgroup_size(1)\nfn other() {}\n";
+    assert_eq!(
+        Kernel::entry_point_of(&format!("{COPY}{second}")).unwrap(),
+        "main"
+    );
+    // Several without a `main`: refused, naming them.
+    let err = Kernel::entry_point_of(&format!("{}{second}", named("cs_main")))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("cs_main") && err.contains("other") && err.contains("--entry"),
+        "{err}"
+    );
+    // None, or a shader that does not parse: `main`, and compiling says why.
+    assert_eq!(Kernel::entry_point_of("fn f() {}").unwrap(), "main");
+    assert_eq!(Kernel::entry_point_of("fn (").unwrap(), "main");
+}
+
+#[test]
 fn binding_the_shader_does_not_declare_is_named() {
     let data = [0u8; 256];
     let err = copy_job(

@@ -66,9 +66,10 @@ pub struct CallArgs {
     pub name: String,
     /// A WGSL file holding the kernel.
     pub kernel: PathBuf,
-    /// Entry point of the kernel.
-    #[arg(long, default_value = "main")]
-    pub entry: String,
+    /// Entry point of the kernel (default: its one compute entry point, or `main`
+    /// among several).
+    #[arg(long)]
+    pub entry: Option<String>,
     /// A read-only input: the bytes of FILE at @group(0) @binding(BINDING).
     #[arg(long = "input", value_name = "BINDING=FILE", value_parser = parse_input)]
     pub inputs: Vec<(u32, PathBuf)>,
@@ -209,6 +210,10 @@ async fn call(args: CallArgs) -> anyhow::Result<ExitCode> {
     let client = args.api.client()?;
     let source = std::fs::read_to_string(&args.kernel)
         .with_context(|| format!("cannot read the kernel {}", args.kernel.display()))?;
+    let entry_point = match &args.entry {
+        Some(name) => name.clone(),
+        None => gpumesh::shaders::Kernel::entry_point_of(&source)?,
+    };
     let mut bindings = Vec::new();
     for (binding, path) in &args.inputs {
         let bytes = read(path)?;
@@ -241,7 +246,7 @@ async fn call(args: CallArgs) -> anyhow::Result<ExitCode> {
     };
     let call = ActorCall {
         shader: ShaderSource::Wgsl(source),
-        entry_point: args.entry.clone(),
+        entry_point,
         bindings,
         grid: args.grid,
         deadline_ms,

@@ -195,9 +195,10 @@ pub struct TaskArgs {
     /// Problem size of a built-in kernel (its meaning depends on the kernel).
     #[arg(long, requires = "builtin")]
     pub size: Option<u32>,
-    /// Entry point of the kernel.
-    #[arg(long, default_value = "main")]
-    pub entry: String,
+    /// Entry point of the kernel (default: its one compute entry point, or `main`
+    /// among several).
+    #[arg(long)]
+    pub entry: Option<String>,
     /// An input: the bytes of FILE bound at @group(0) @binding(BINDING), a
     /// var<storage, read> or var<uniform> binding.
     #[arg(long = "input", value_name = "BINDING=FILE", value_parser = parse_input)]

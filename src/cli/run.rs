@@ -246,7 +246,11 @@ pub fn prepare(args: &TaskArgs) -> anyhow::Result<Prepared> {
         .context("give a WGSL file or --builtin NAME")?;
     let source = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read kernel file {}", path.display()))?;
-    let kernel = Kernel::compile(&source, &args.entry).map_err(|e| located(path, e))?;
+    let entry_point = match &args.entry {
+        Some(name) => name.clone(),
+        None => Kernel::entry_point_of(&source)?,
+    };
+    let kernel = Kernel::compile(&source, &entry_point).map_err(|e| located(path, e))?;
     let grid = args
         .grid
         .context("--grid X[,Y[,Z]] is required for a WGSL kernel")?;
@@ -294,7 +298,7 @@ pub fn prepare(args: &TaskArgs) -> anyhow::Result<Prepared> {
     }
     let spec = TaskSpec {
         shader: ShaderSource::Wgsl(source),
-        entry_point: args.entry.clone(),
+        entry_point,
         bindings,
         grid,
         shards: args.shards,
