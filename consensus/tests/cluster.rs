@@ -1024,3 +1024,127 @@ async fn a_carried_result_is_stored_on_apply_and_synced_before_the_log_drops_it(
     }
     c.shutdown().await;
 }
+
+/// A blob store for carried results on a disk that is full until told otherwise.
+#[derive(Debug, Default)]
+struct FullDisk {
+    full: std::sync::atomic::AtomicBool,
+    kept: CarriedLog,
+}
+
+impl gpumesh_consensus::CarriedStore for FullDisk {
+    fn keep(&self, blob: gpumesh_protocol::BlobId, bytes: &[u8]) -> Result<(), String> {
+        if self.full.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err("No space left on device (os error 28)".into());
+        }
+        self.kept.keep(blob, bytes)
+    }
+
+    fn sync(&self) -> Result<(), String> {
+        self.kept.sync()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_carried_result_that_finds_the_disk_full_is_stored_once_there_is_room() {
+    use std::sync::atomic::Ordering;
+    use std::sync::{Arc, OnceLock};
+    static STORES: OnceLock<[Arc<FullDisk>; 3]> = OnceLock::new();
+    fn carrying(id: u64) -> gpumesh_consensus::ReplicaConfig {
+        let mut c = test_config(id);
+        c.snapshot_interval = 20;
+        c.log_retain = 5;
+        let stores = STORES.get_or_init(Default::default);
+        c.carried = Some(stores[id as usize - 1].clone());
+        c
+    }
+    let stores = STORES.get_or_init(Default::default);
+    let c = Cluster::with(3, 6, carrying, 5).await;
+    let leader = c.leader().await;
+    let all = c.ids();
+    for s in stores {
+        s.full.store(true, Ordering::SeqCst);
+    }
+    let Outcome::TaskSubmitted { task } = c
+        .node(leader)
+        .propose(submit(4))
+        .await
+        .expect("submit")
+        .outcome
+    else {
+        panic!("not submitted")
+    };
+    c.node(leader)
+        .propose(Command::AssignShard {
+            task,
+            shard: 0,
+            node: leader,
+        })
+        .await
+        .expect("assign");
+    let bytes: Vec<u8> = (0..12_000u32).map(|i| (i % 251) as u8).collect();
+    let blob = gpumesh_protocol::BlobId::of(&bytes);
+    let result = c
+        .node(leader)
+        .propose(Command::ShardResult {
+            task,
+            shard: 0,
+            epoch: 1,
+            node: leader,
+            blob,
+            size: bytes.len() as u64,
+            inline: Some(bytes.clone()),
+        })
+        .await
+        .expect("result");
+    assert_eq!(result.outcome, Outcome::Applied);
+    // Past a snapshot's due point with the disk full: no replica stops, none
+    // compacts past the entry (its log still holds the result), and nothing stored.
+    let last = submit_60(&c, leader).await;
+    c.wait_applied(&all, last, 10 * SEC).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for id in &all {
+        let st = c.status(*id).await;
+        assert!(
+            st.first_index <= result.index,
+            "replica {id} compacted to {} with the result unstored",
+            st.first_index
+        );
+        assert!(stores[*id as usize - 1]
+            .kept
+            .kept
+            .lock()
+            .unwrap()
+            .is_empty());
+    }
+    c.node(leader)
+        .propose(submit(99))
+        .await
+        .expect("still commits");
+    // Room again: every replica stores it, and snapshots past it, synced.
+    for s in stores {
+        s.full.store(false, Ordering::SeqCst);
+    }
+    for id in &all {
+        let s = &stores[*id as usize - 1];
+        let _ = eventually(90 * SEC, || async {
+            (c.status(*id).await.first_index > result.index).then_some(())
+        })
+        .await;
+        assert_eq!(
+            *s.kept.kept.lock().unwrap(),
+            [blob],
+            "replica {id} stored it"
+        );
+        assert_eq!(
+            *s.kept.durable.lock().unwrap(),
+            [blob],
+            "replica {id} synced it"
+        );
+        assert!(
+            c.status(*id).await.first_index > result.index,
+            "replica {id}"
+        );
+    }
+    c.shutdown().await;
+}

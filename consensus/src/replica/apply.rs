@@ -21,7 +21,9 @@ impl Actor {
                     Ok(le) => {
                         // Stored before the record names it, so whoever reads the
                         // record here finds the blob here.
-                        self.keep_carried(index, &le.command);
+                        if !self.keep_carried(index, &le.command) {
+                            self.unkept.insert(index);
+                        }
                         let applied = self.state.change(|s| s.apply(index, term, &le));
                         self.finish(index, term, le, applied);
                     }
@@ -51,17 +53,51 @@ impl Actor {
     /// Stores the result `command` carries that the record does not keep, if any
     /// (see [`CarriedStore`]); not yet synced. One whose bytes are not its blob's is
     /// left out (the record refuses it too). A failure is logged: the entry stays in
-    /// the log, and the result is stored again before the log may lose it.
-    fn keep_carried(&self, index: u64, command: &Command) {
+    /// the log, and the result is stored again before the log may lose it, and
+    /// tried again meanwhile ([`Self::keep_unkept`]). False only for that failure.
+    fn keep_carried(&self, index: u64, command: &Command) -> bool {
         let (Some(store), Some((blob, bytes))) = (&self.cfg.carried, command.carried()) else {
-            return;
+            return true;
         };
         if bytes.len() > MAX_CARRIED_RESULT || !blob.matches(bytes) {
-            return;
+            return true;
         }
         if let Err(e) = store.keep(blob, bytes) {
             warn!(raft_id = self.cfg.id, index, %blob, "cannot store a carried result: {e}");
+            return false;
         }
+        true
+    }
+
+    /// Tries again to store the carried results that could not be stored when
+    /// applied (a full disk, since given room): until then this node cannot
+    /// serve them, though its log keeps them. One gone from the log was stored
+    /// before it went ([`Self::keep_carried_upto`]).
+    pub(super) fn keep_unkept(&mut self) {
+        let (Some(&last), Some(store)) = (self.unkept.last(), &self.cfg.carried) else {
+            return;
+        };
+        let held: Vec<(u64, gpumesh_protocol::BlobId, Vec<u8>)> = self
+            .raw
+            .store()
+            .held_entries(last)
+            .filter(|e| self.unkept.contains(&e.index))
+            .filter_map(|e| {
+                let le = codec::from_bytes::<LogEntry>(&e.data).ok()?;
+                let (blob, bytes) = le.command.carried()?;
+                Some((e.index, blob, bytes.to_vec()))
+            })
+            .collect();
+        let mut still = BTreeSet::new();
+        for (index, blob, bytes) in held {
+            // After one that still does not fit, the others wait for the next try.
+            if still.is_empty() && store.keep(blob, &bytes).is_ok() {
+                debug!(raft_id = self.cfg.id, index, %blob, "a carried result stored at last");
+                continue;
+            }
+            still.insert(index);
+        }
+        self.unkept = still;
     }
 
     /// Stores every result carried by an entry up to `upto` still in the log, and

@@ -14,6 +14,7 @@ pub struct ConsensusHandle {
     ids: Arc<RequestIds>,
     proposals: Arc<ProposalTally>,
     task: Arc<Mutex<Option<JoinHandle<()>>>>,
+    failure: watch::Receiver<Option<String>>,
 }
 
 impl std::fmt::Debug for ConsensusHandle {
@@ -49,6 +50,7 @@ impl ConsensusHandle {
         let (events, _) = broadcast::channel(config.event_capacity.max(16));
         let ids = Arc::new(RequestIds::new(config.id));
         let (published, state) = watch::channel(state);
+        let (failure_tx, failure) = watch::channel(None);
         let mut actor = Actor {
             cluster,
             raw,
@@ -58,6 +60,8 @@ impl ConsensusHandle {
             inbox,
             events: events.clone(),
             status_tx: None,
+            failure: failure_tx,
+            unkept: BTreeSet::new(),
             pending: BTreeMap::new(),
             placed_at: BTreeMap::new(),
             batch: Vec::new(),
@@ -104,6 +108,7 @@ impl ConsensusHandle {
             ids,
             proposals: Arc::default(),
             task: Arc::new(Mutex::new(Some(task))),
+            failure,
         })
     }
 
@@ -266,6 +271,21 @@ impl ConsensusHandle {
     /// other followers still hear it.
     pub async fn peer_unreachable(&self, id: u64) -> Result<()> {
         self.send(Msg::PeerUnreachable { id }).await
+    }
+
+    /// Waits until the replica stops on its own, because its storage failed (a
+    /// full disk, an I/O error): why. Never returns while it runs, or once it was
+    /// stopped on purpose ([`Self::shutdown`], [`Self::kill`]).
+    pub async fn failed(&self) -> String {
+        let mut failure = self.failure.clone();
+        let why = failure
+            .wait_for(Option::is_some)
+            .await
+            .map(|why| why.clone().unwrap_or_default());
+        match why {
+            Ok(why) => why,
+            Err(_) => std::future::pending().await,
+        }
     }
 
     /// Stops the actor and waits until its storage is closed. Everything already

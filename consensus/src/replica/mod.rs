@@ -30,7 +30,7 @@
 //! the leader ignores a context it already holds, and a restarted replica must not
 //! take an old answer for a new read.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -390,6 +390,11 @@ struct Actor {
     inbox: mpsc::Receiver<Msg>,
     events: broadcast::Sender<AppliedEvent>,
     status_tx: Option<watch::Sender<Status>>,
+    /// Why the replica stopped on its own (a storage failure), once it has.
+    failure: watch::Sender<Option<String>>,
+    /// Entries whose carried result could not be stored when applied (a full
+    /// disk): stored again every [`UNKEPT_RETRY_TICKS`] ticks until it is.
+    unkept: BTreeSet<u64>,
     pending: BTreeMap<RequestId, Pending>,
     /// Log index → proposals of ours a leader placed there.
     placed_at: BTreeMap<u64, Vec<RequestId>>,
@@ -511,6 +516,10 @@ const MAX_READ_REQUESTS: usize = 16;
 /// leader after three is cut off or without a majority.
 const LEADERLESS_ELECTIONS: u32 = 3;
 
+/// Ticks between tries to store the carried results that could not be stored
+/// when applied.
+const UNKEPT_RETRY_TICKS: u64 = 10;
+
 /// Waits for the snapshot file being written, if any (else forever).
 async fn written(compacting: &mut Option<oneshot::Receiver<()>>) {
     match compacting {
@@ -528,7 +537,7 @@ impl Actor {
         let mut shutdown = None;
         // Apply what an earlier run committed but had not applied.
         if let Err(e) = self.drive() {
-            error!(raft_id = self.cfg.id, "consensus stopped: {e}");
+            self.stopped_by(e);
             return;
         }
         loop {
@@ -538,7 +547,7 @@ impl Actor {
                 _ = ticker.tick() => self.on_tick(),
                 () = written(&mut self.compacting) => {
                     if let Err(e) = self.snapshot_stored() {
-                        error!(raft_id = self.cfg.id, "consensus stopped: {e}");
+                        self.stopped_by(e);
                         break;
                     }
                 }
@@ -565,7 +574,7 @@ impl Actor {
             self.flush_batch();
             if let Err(e) = self.drive_round(handled) {
                 // A storage failure leaves Raft unable to go on safely.
-                error!(raft_id = self.cfg.id, "consensus stopped: {e}");
+                self.stopped_by(e);
                 break;
             }
             // A new leader (an election, a handover): the proposals waiting to be
@@ -573,7 +582,7 @@ impl Actor {
             if self.leader_changed() {
                 self.flush_batch();
                 if let Err(e) = self.drive_round(handled) {
-                    error!(raft_id = self.cfg.id, "consensus stopped: {e}");
+                    self.stopped_by(e);
                     break;
                 }
             }
@@ -600,6 +609,13 @@ impl Actor {
         // one it did not take is not held on to.
         self.received = None;
         driven
+    }
+
+    /// Stops on `e` (a storage failure: Raft cannot go on safely): logged, and
+    /// told to whoever waits on [`ConsensusHandle::failed`].
+    fn stopped_by(&self, e: ConsensusError) {
+        error!(raft_id = self.cfg.id, "consensus stopped: {e}");
+        self.failure.send_replace(Some(e.to_string()));
     }
 
     fn is_leader(&self) -> bool {

@@ -326,6 +326,9 @@ impl Actor {
         }
 
         self.expire_reads(now);
+        if self.ticks.is_multiple_of(UNKEPT_RETRY_TICKS) {
+            self.keep_unkept();
+        }
 
         if self.cfg.auto_promote && self.is_leader() && self.ticks.is_multiple_of(5) {
             self.maybe_promote();

@@ -85,7 +85,12 @@ impl Actor {
     /// once they are.
     fn take_snapshot(&mut self, applied: u64) -> Result<()> {
         let began = std::time::Instant::now();
-        self.keep_carried_upto(applied)?;
+        if let Err(e) = self.keep_carried_upto(applied) {
+            // The entries stay in the log, which keeps their results, until the
+            // next try (a full disk: once there is room again).
+            self.snapshot_not_written(e);
+            return Ok(());
+        }
         let state = self.state.get().for_encoding();
         let mut meta = SnapshotMetadata {
             index: applied,
@@ -128,24 +133,26 @@ impl Actor {
                     "snapshot stored, log compacted"
                 );
             }
-            Compaction::NotWritten(e) => {
-                // The replica goes on with its log as it was (its appends are small
-                // next to a snapshot, and may still fit); the next snapshot waits,
-                // longer each time, up to a minute.
-                self.snapshot_failures += 1;
-                self.snapshot_failures_total += 1;
-                let wait = SNAPSHOT_RETRY * 2u32.pow(self.snapshot_failures.min(6) - 1);
-                let wait = wait.min(SNAPSHOT_RETRY_MAX);
-                self.snapshot_retry_at = Some(time::Instant::now() + wait);
-                warn!(
-                    raft_id = self.cfg.id,
-                    failures = self.snapshot_failures,
-                    retry_in_s = wait.as_secs_f64(),
-                    "a snapshot could not be written, the log is kept whole until the next try: {e}"
-                );
-            }
+            Compaction::NotWritten(e) => self.snapshot_not_written(e),
         }
         Ok(())
+    }
+
+    /// A snapshot could not be written (`e`): the replica goes on with its log as
+    /// it was (its appends are small next to a snapshot, and may still fit); the
+    /// next snapshot waits, longer each time, up to a minute.
+    fn snapshot_not_written(&mut self, e: impl std::fmt::Display) {
+        self.snapshot_failures += 1;
+        self.snapshot_failures_total += 1;
+        let wait = SNAPSHOT_RETRY * 2u32.pow(self.snapshot_failures.min(6) - 1);
+        let wait = wait.min(SNAPSHOT_RETRY_MAX);
+        self.snapshot_retry_at = Some(time::Instant::now() + wait);
+        warn!(
+            raft_id = self.cfg.id,
+            failures = self.snapshot_failures,
+            retry_in_s = wait.as_secs_f64(),
+            "a snapshot could not be written, the log is kept whole until the next try: {e}"
+        );
     }
 }
 
