@@ -73,9 +73,28 @@ pub fn node(settings: NodeArgs) -> anyhow::Result<ExitCode> {
         let _ = std::io::stdout().flush();
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let left = node.left();
+        let consensus = node.consensus.clone();
         tokio::select! {
             got = tokio::signal::ctrl_c() => got?,
             _ = term.recv() => {}
+            why = consensus.failed() => {
+                // Its Raft log or record cannot be written: the node stops, as a
+                // crash would, rather than run on as a member that records nothing.
+                node.stop().await;
+                let hint = if why.contains("No space left") {
+                    format!("free disk space on the file system of {} (files other than \
+                             the node's; once it runs again, `gpumesh forget` finished tasks \
+                             keeps its disk from filling), then ", data_dir.display())
+                } else {
+                    String::new()
+                };
+                bail!(
+                    "this node's Raft storage failed, so it stopped: {why}. Nothing it \
+                     acknowledged is lost; {hint}start it again with --data-dir {} to come \
+                     back as the member it was",
+                    data_dir.display()
+                );
+            }
             () = left.cancelled() => {
                 if let Some(why) = node.removed() {
                     node.stop().await;

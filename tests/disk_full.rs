@@ -1,0 +1,141 @@
+//! A node whose disk fills up, on a real (small) file system of its own: a `gpumesh
+//! node` process with its data dir on a tmpfs (root, to mount it; skipped loudly
+//! elsewhere). With the disk full a task fails with the disk's own error and the
+//! node still answers; once its Raft log cannot be written, the node stops with an
+//! exit status and a message saying what to do, rather than run on as a member
+//! that records nothing; given room and started again, it comes back with every
+//! result it had, and runs new tasks.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
+
+mod common;
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::procs;
+use common::{have_any, salted_expected, salted_spec};
+use gpumesh::protocol::ShaderSource;
+
+/// A tmpfs mounted for the test, unmounted when dropped.
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &Path, mib: u32) -> Result<Tmpfs, String> {
+        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).trim().to_string());
+        }
+        Ok(Tmpfs(dir.to_path_buf()))
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// Writes zeros into `path` until the file system has no room left.
+fn fill(path: &Path) {
+    let mut f = std::fs::File::create(path).unwrap();
+    let chunk = vec![0u8; 1 << 20];
+    while f.write_all(&chunk).and_then(|()| f.sync_data()).is_ok() {}
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_disk_fills_stops_when_its_log_cannot_be_written_and_comes_back_whole() {
+    if !have_any() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    // The node's data dir is the tmpfs; its log (beside it) is not.
+    let disk = match Tmpfs::mount(&root.path().join("a"), 24) {
+        Ok(disk) => disk,
+        Err(why) => {
+            assert!(
+                std::env::var("GPUMESH_REQUIRE_TMPFS").is_err(),
+                "GPUMESH_REQUIRE_TMPFS is set but a tmpfs cannot be mounted: {why}"
+            );
+            common::skipped(&format!("NO TMPFS ({why}): the full-disk test did not run"));
+            return;
+        }
+    };
+    let mut node = procs::node(root.path(), "a");
+    node.start(&["--init"]).unwrap();
+    let client = node.client().unwrap().retry_for(Duration::from_secs(10));
+    let before = client.submit(salted_spec(4096, 1), None).await.unwrap();
+    client.wait(before, |_, _| {}).await.unwrap();
+    assert_eq!(
+        client.results(before).await.unwrap()[&0],
+        salted_expected(4096, 1)
+    );
+
+    // Full: a task fails saying so, and the node still answers.
+    fill(&disk.0.join("filler"));
+    let full = client.submit(salted_spec(65_536, 2), None).await.unwrap();
+    let e = client.wait(full, |_, _| {}).await.unwrap_err().to_string();
+    assert!(e.contains("No space left on device"), "{e}");
+    assert!(node.running(), "the node stopped on a task's output");
+    client.status().await.unwrap();
+
+    // Submits whose specs (a long comment in the source) fill what the Raft log
+    // had room for: the node stops, saying why and what to do.
+    let quick = node.client().unwrap().retry_for(Duration::ZERO);
+    let padding = format!("\n// {}\n", "x".repeat(200_000));
+    let began = Instant::now();
+    let mut submits = 0;
+    while node.running() && submits < 200 {
+        let mut spec = salted_spec(128, 3 + submits);
+        if let ShaderSource::Wgsl(source) = &mut spec.shader {
+            source.push_str(&padding);
+        }
+        if let Err(e) = quick.submit(spec, None).await {
+            if submits < 3 {
+                eprintln!("submit {submits}: {e}");
+            }
+        }
+        submits += 1;
+    }
+    let status = node
+        .wait_exit(Duration::from_secs(30))
+        .unwrap()
+        .expect("the node stops once its Raft log cannot be written");
+    assert!(!status.success(), "{status:?}");
+    let log = std::fs::read_to_string(node.log_path()).unwrap();
+    assert!(
+        log.contains("Raft storage failed") && log.contains("free disk space"),
+        "{log}"
+    );
+    eprintln!(
+        "stopped after {submits} large submits, {:?}: {}",
+        began.elapsed(),
+        log.lines()
+            .rev()
+            .find(|l| l.contains("Raft storage failed"))
+            .unwrap_or_default()
+    );
+
+    // Room again: started on its data dir, it has every result and runs tasks.
+    std::fs::remove_file(disk.0.join("filler")).unwrap();
+    node.start(&[]).unwrap();
+    let client = node.client().unwrap().retry_for(Duration::from_secs(30));
+    assert_eq!(
+        client.results(before).await.unwrap()[&0],
+        salted_expected(4096, 1)
+    );
+    let after = client.submit(salted_spec(4096, 9), None).await.unwrap();
+    client.wait(after, |_, _| {}).await.unwrap();
+    assert_eq!(
+        client.results(after).await.unwrap()[&0],
+        salted_expected(4096, 9)
+    );
+    node.kill9();
+}
