@@ -1,7 +1,7 @@
 //! A node whose disk fills up, on a real (small) file system of its own: a `gpumesh
 //! node` process with its data dir on a tmpfs (root, to mount it; skipped loudly
-//! elsewhere). With the disk full a task fails with the disk's own error and the
-//! node still answers; once its Raft log cannot be written, the node stops with an
+//! elsewhere). With the disk full an upload is refused as such, a task fails with
+//! the disk's own error, and the node still answers; once its Raft log cannot be written, the node stops with an
 //! exit status and a message saying what to do, rather than run on as a member
 //! that records nothing; given room and started again, it comes back with every
 //! result it had, and runs new tasks.
@@ -78,8 +78,15 @@ async fn a_node_whose_disk_fills_stops_when_its_log_cannot_be_written_and_comes_
         salted_expected(4096, 1)
     );
 
-    // Full: a task fails saying so, and the node still answers.
+    // Full: an upload is refused at once as 507 (not retried as a 503 would be),
+    // a task fails saying so, and the node still answers.
     fill(&disk.0.join("filler"));
+    let e = client
+        .upload(vec![7u8; 1 << 20])
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("disk is full") && !e.contains("retrying"), "{e}");
     let full = client.submit(salted_spec(65_536, 2), None).await.unwrap();
     let e = client.wait(full, |_, _| {}).await.unwrap_err().to_string();
     assert!(e.contains("No space left on device"), "{e}");

@@ -74,6 +74,13 @@ impl NodeError {
             source,
         }
     }
+
+    /// Whether the file system had no room for a write (or the file grew past what
+    /// it allows): an error that retrying does not mend.
+    pub fn is_disk_full(&self) -> bool {
+        matches!(self, NodeError::Io { source, .. }
+            if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG)))
+    }
 }
 
 pub type Result<T, E = NodeError> = std::result::Result<T, E>;

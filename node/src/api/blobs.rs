@@ -9,7 +9,7 @@ use axum::http::StatusCode;
 use axum::Json;
 use gpumesh_protocol::BlobId;
 
-use super::error::{bad, too_large, unavailable, ApiError, ApiResult};
+use super::error::{bad, disk_full, too_large, unavailable, ApiError, ApiResult};
 use super::gate::BodyCaps;
 use super::state::ApiState;
 use super::views::BlobReply;
@@ -27,6 +27,7 @@ pub(crate) async fn put_blob(
         .map_err(unavailable)?
         .map_err(|e| match e {
             NodeError::Limit { .. } => too_large(e),
+            e if e.is_disk_full() => disk_full(format!("could not store the blob: {e}")),
             e => unavailable(format!("could not store the blob: {e}")),
         })?;
     Ok(Json(BlobReply {

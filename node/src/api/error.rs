@@ -22,6 +22,18 @@ pub(crate) fn too_large(e: impl std::fmt::Display) -> ApiError {
     ApiError(StatusCode::PAYLOAD_TOO_LARGE, e.to_string())
 }
 
+/// 507: the node's disk has no room for what was sent; retrying does not help
+/// until space is freed.
+pub(crate) fn disk_full(e: impl std::fmt::Display) -> ApiError {
+    ApiError(
+        StatusCode::INSUFFICIENT_STORAGE,
+        format!(
+            "{e}: this node's disk is full. Free space on it (`gpumesh forget` finished \
+             tasks; their results leave every disk), or send this to another node"
+        ),
+    )
+}
+
 pub(crate) fn unavailable(e: impl std::fmt::Display) -> ApiError {
     ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
 }
