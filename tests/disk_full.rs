@@ -146,3 +146,38 @@ async fn a_node_whose_disk_fills_stops_when_its_log_cannot_be_written_and_comes_
     );
     node.kill9();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disk_full_before_the_first_small_blob_does_not_keep_small_blobs_out_once_freed() {
+    if !have_any() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let Ok(disk) = Tmpfs::mount(&root.path().join("a"), 16) else {
+        // Said by the test above, which fails where a tmpfs is required.
+        return;
+    };
+    let mut node = procs::node(root.path(), "a");
+    node.start(&["--init"]).unwrap();
+    let client = node.client().unwrap().retry_for(Duration::from_secs(10));
+    // Full before this node kept any small blob (its pack is made with the first).
+    fill(&disk.0.join("filler"));
+    let e = client
+        .upload(vec![1u8; 4096])
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("disk is full"), "{e}");
+    // Room again, without a restart: small blobs are kept, and tasks run.
+    std::fs::remove_file(disk.0.join("filler")).unwrap();
+    let small = vec![2u8; 4096];
+    let id = client.upload(small.clone()).await.unwrap();
+    assert_eq!(id, gpumesh::protocol::BlobId::of(&small));
+    let task = client.submit(salted_spec(4096, 5), None).await.unwrap();
+    client.wait(task, |_, _| {}).await.unwrap();
+    assert_eq!(
+        client.results(task).await.unwrap()[&0],
+        salted_expected(4096, 5)
+    );
+    node.kill9();
+}

@@ -564,17 +564,39 @@ impl Pack {
         if let Some(file) = &state.file {
             return Ok((file.clone(), state.generation));
         }
-        let made = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&self.path)?;
+        let create = || {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&self.path)
+        };
+        let made = match create() {
+            // Left by a try whose header found no room (a full disk): no blob is in it.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                let left = OpenOptions::new().read(true).open(&self.path)?;
+                if !never_written(&left)? {
+                    return Err(e);
+                }
+                std::fs::remove_file(&self.path)?;
+                create()?
+            }
+            made => made?,
+        };
         let mut head = MAGIC.to_vec();
         head.resize(FIRST_ZEROS as usize, 0);
-        made.write_all_at(&head, 0)?;
-        made.sync_all()?;
-        if let Some(dir) = self.path.parent() {
-            File::open(dir)?.sync_all()?;
+        let begun = made
+            .write_all_at(&head, 0)
+            .and_then(|()| made.sync_all())
+            .and_then(|()| match self.path.parent() {
+                Some(dir) => File::open(dir)?.sync_all(),
+                None => Ok(()),
+            });
+        if let Err(e) = begun {
+            // Gone, so the next blob makes it afresh once there is room.
+            drop(made);
+            let _ = std::fs::remove_file(&self.path);
+            return Err(e);
         }
         *tail = Tail {
             end: HEADER,
