@@ -180,6 +180,24 @@ fn malformed_wgsl_is_reported_with_file_line_and_column() {
 }
 
 #[test]
+fn output_piped_into_a_reader_that_stops_ends_quietly() {
+    use std::io::Read as _;
+    use std::process::Stdio;
+    // As `gpumesh tasks | head -1` does: the reader closes after its first bytes.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gpumesh"))
+        .args(["completions", "bash"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 16];
+    child.stdout.take().unwrap().read_exact(&mut first).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
 fn a_missing_entry_point_is_named() {
     let err = refused(
         DOUBLE,

@@ -345,12 +345,29 @@ fn parse_merge(s: &str) -> Result<(Option<u32>, MergeRule), String> {
     Ok((binding, rule))
 }
 
+/// A command whose output is piped into one that stops reading (`gpumesh tasks |
+/// head`) ends there, quietly, as other command-line tools do, instead of
+/// panicking at its next line ("failed printing to stdout: Broken pipe"). Not for
+/// the commands that run nodes: their sockets report a closed peer as an error,
+/// which they handle.
+fn quiet_on_closed_stdout() {
+    // SAFETY: puts SIGPIPE's disposition back to the default before this command
+    // starts its work; no handler of ours is involved and no memory is touched.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 /// Runs the command; `matches` are what `cli` was parsed from, for where each of
 /// `gpumesh node`'s settings came from.
 pub fn execute(cli: Cli, matches: &ArgMatches) -> anyhow::Result<ExitCode> {
     // A node's log format may come from its config file, read first.
     if !matches!(cli.command, Command::Node(_)) {
         console::init_logs(cli.log_format);
+    }
+    if !matches!(cli.command, Command::Node(_) | Command::Bench { .. }) {
+        quiet_on_closed_stdout();
     }
     match cli.command {
         Command::Adapters { json, no_calibrate } => adapters::run(json, !no_calibrate),
