@@ -34,8 +34,15 @@ pub(crate) fn disk_full(e: impl std::fmt::Display) -> ApiError {
     )
 }
 
+/// 503: the node cannot serve this now; a client retries. Where the cause is this
+/// node's disk having no room (an I/O error's text says so; a result pulled here
+/// to be merged, say), 507 instead ([`disk_full`]): retrying would not mend it.
 pub(crate) fn unavailable(e: impl std::fmt::Display) -> ApiError {
-    ApiError(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+    let message = e.to_string();
+    if message.contains(&std::io::Error::from_raw_os_error(libc::ENOSPC).to_string()) {
+        return disk_full(message);
+    }
+    ApiError(StatusCode::SERVICE_UNAVAILABLE, message)
 }
 
 pub(crate) fn not_found(id: u64) -> ApiError {
