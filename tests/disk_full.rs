@@ -69,7 +69,8 @@ async fn a_node_whose_disk_fills_stops_when_its_log_cannot_be_written_and_comes_
         }
     };
     let mut node = procs::node(root.path(), "a");
-    node.start(&["--init"]).unwrap();
+    // No reserve: the disk fills to the last byte.
+    node.start(&["--init", "--disk-reserve", "0"]).unwrap();
     let client = node.client().unwrap().retry_for(Duration::from_secs(10));
     let before = client.submit(salted_spec(4096, 1), None).await.unwrap();
     client.wait(before, |_, _| {}).await.unwrap();
@@ -132,7 +133,7 @@ async fn a_node_whose_disk_fills_stops_when_its_log_cannot_be_written_and_comes_
 
     // Room again: started on its data dir, it has every result and runs tasks.
     std::fs::remove_file(disk.0.join("filler")).unwrap();
-    node.start(&[]).unwrap();
+    node.start(&["--disk-reserve", "0"]).unwrap();
     let client = node.client().unwrap().retry_for(Duration::from_secs(30));
     assert_eq!(
         client.results(before).await.unwrap()[&0],
@@ -158,7 +159,7 @@ async fn a_disk_full_before_the_first_small_blob_does_not_keep_small_blobs_out_o
         return;
     };
     let mut node = procs::node(root.path(), "a");
-    node.start(&["--init"]).unwrap();
+    node.start(&["--init", "--disk-reserve", "0"]).unwrap();
     let client = node.client().unwrap().retry_for(Duration::from_secs(10));
     // Full before this node kept any small blob (its pack is made with the first).
     fill(&disk.0.join("filler"));
@@ -179,5 +180,59 @@ async fn a_disk_full_before_the_first_small_blob_does_not_keep_small_blobs_out_o
         client.results(task).await.unwrap()[&0],
         salted_expected(4096, 5)
     );
+    node.kill9();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_at_its_disk_reserve_refuses_new_data_and_its_record_goes_on() {
+    if !have_any() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let Ok(disk) = Tmpfs::mount(&root.path().join("a"), 48) else {
+        return; // said by the first test
+    };
+    let mut node = procs::node(root.path(), "a");
+    // 48 MiB with 32 kept free: some 10 MiB for data once the log's files are made.
+    node.start(&["--init", "--disk-reserve", &(32u64 << 20).to_string()])
+        .unwrap();
+    let client = node.client().unwrap().retry_for(Duration::from_secs(10));
+    let before = client.submit(salted_spec(4096, 1), None).await.unwrap();
+    client.wait(before, |_, _| {}).await.unwrap();
+    // Uploads of 2 MiB each until one is refused, naming the reserve.
+    let mut refused = None;
+    for i in 0..20u8 {
+        match client.upload(vec![i; 2 << 20]).await {
+            Ok(_) => {}
+            Err(e) => {
+                refused = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    let e = refused.expect("uploads refused at the reserve");
+    assert!(
+        e.contains("disk reserve") && e.contains("--disk-reserve") && !e.contains("retrying"),
+        "{e}"
+    );
+    // The record goes on: a task is recorded, and fails saying why, through the
+    // reserve, not the disk; the result kept before is served.
+    // (4 MiB a shard: more than the under 2 MiB the uploads left above the reserve.)
+    let task = client.submit(salted_spec(2 << 20, 2), None).await.unwrap();
+    let e = client.wait(task, |_, _| {}).await.unwrap_err().to_string();
+    assert!(e.contains("disk reserve"), "{e}");
+    assert_eq!(
+        client.results(before).await.unwrap()[&0],
+        salted_expected(4096, 1)
+    );
+    let free = {
+        let out = Command::new("df").arg("-B1").arg(&disk.0).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    eprintln!(
+        "at the reserve: {}",
+        free.lines().last().unwrap_or_default()
+    );
+    assert!(node.running());
     node.kill9();
 }

@@ -26,6 +26,17 @@ pub enum NodeError {
         /// The `gpumesh node` flag that sets the limit.
         setting: &'static str,
     },
+    #[error(
+        "{path} has {free_mib} MiB free, under this node's disk reserve of {reserve_mib} MiB \
+         (--disk-reserve): new data is refused so that the mesh's record can still be \
+         written. `gpumesh forget` finished tasks (their results leave every disk), or free \
+         space on that disk"
+    )]
+    DiskReserve {
+        path: String,
+        free_mib: u64,
+        reserve_mib: u64,
+    },
     #[error("{0}")]
     Config(String),
     /// A node message that could not be encoded, or bytes that are not one (a peer
@@ -78,8 +89,14 @@ impl NodeError {
     /// Whether the file system had no room for a write (or the file grew past what
     /// it allows): an error that retrying does not mend.
     pub fn is_disk_full(&self) -> bool {
-        matches!(self, NodeError::Io { source, .. }
-            if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG)))
+        match self {
+            NodeError::DiskReserve { .. } => true,
+            NodeError::Io { source, .. } => matches!(
+                source.raw_os_error(),
+                Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG)
+            ),
+            _ => false,
+        }
     }
 }
 

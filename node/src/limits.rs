@@ -34,6 +34,11 @@ pub struct Limits {
     /// stopped and the run refused, on a GPU that does not stop them sooner itself
     /// (`--max-loop-turns`): a loop that never ends then ends, and the GPU is freed.
     pub max_loop_turns: u32,
+    /// Bytes left free on the data dir's disk: a new blob (an upload, an input or
+    /// result copied here, a shard's output, an actor's state) that would leave less
+    /// is refused, so that the Raft log can still be written when users' data has
+    /// filled the rest (`--disk-reserve`; 0: none).
+    pub disk_reserve: u64,
 }
 
 impl Default for Limits {
@@ -46,6 +51,7 @@ impl Default for Limits {
             max_request_bytes: 8 << 20,
             gpu_memory: 512 << 20,
             max_loop_turns: gpumesh_shaders::DEFAULT_LOOP_BOUND,
+            disk_reserve: 256 << 20,
         }
     }
 }

@@ -170,6 +170,13 @@ pub struct NodeArgs {
     #[arg(long, env = "GPUMESH_MAX_LOOP_TURNS", value_name = "N",
           default_value_t = Limits::default().max_loop_turns)]
     pub max_loop_turns: u32,
+    /// Bytes kept free on the data dir's disk: a new blob (an upload, an input or
+    /// result copied here, a shard's output, an actor's state) that would leave less
+    /// is refused (507 in the API), so that the Raft log can still be written once
+    /// users' data has filled the rest; 0 refuses none for it.
+    #[arg(long, env = "GPUMESH_DISK_RESERVE", value_name = "BYTES",
+          default_value_t = Limits::default().disk_reserve)]
+    pub disk_reserve: u64,
     /// Seconds a member may go without an entry of its own being applied before it
     /// counts as down: the leader moves its unfinished shards elsewhere and status
     /// shows it silent.
@@ -475,6 +482,7 @@ impl NodeArgs {
             max_request_bytes: self.max_request_bytes,
             gpu_memory: self.gpu_memory,
             max_loop_turns: self.max_loop_turns,
+            disk_reserve: self.disk_reserve,
         }
     }
 

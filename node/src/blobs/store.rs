@@ -41,6 +41,8 @@ const MARK_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 pub struct BlobStore {
     root: PathBuf,
     max_blob_bytes: u64,
+    /// See [`BlobStore::with_disk_reserve`].
+    disk_reserve: u64,
     pack: std::sync::Arc<Pack>,
     /// Blobs being written here, served from memory meanwhile (see [`Self::stage`]).
     staged: Arc<Mutex<HashMap<BlobId, Arc<Vec<u8>>>>>,
@@ -112,6 +114,7 @@ impl BlobStore {
         Ok(BlobStore {
             root,
             max_blob_bytes,
+            disk_reserve: 0,
             pack: std::sync::Arc::new(pack),
             staged: Default::default(),
             sweep: Default::default(),
@@ -143,6 +146,31 @@ impl BlobStore {
 
     pub fn max_blob_bytes(&self) -> u64 {
         self.max_blob_bytes
+    }
+
+    /// Refuses new blobs that would leave less than `bytes` free on the store's
+    /// file system (0: none refused for it): the room the Raft log, its snapshots
+    /// and the pack's compaction need to go on once users' data has filled the
+    /// rest. Results carried in the log are stored whatever is left.
+    pub fn with_disk_reserve(mut self, bytes: u64) -> Self {
+        self.disk_reserve = bytes;
+        self
+    }
+
+    /// Whether `adding` more bytes leave the disk reserve free.
+    fn room_for(&self, adding: u64) -> Result<()> {
+        if self.disk_reserve == 0 {
+            return Ok(());
+        }
+        let free = free_bytes(&self.root).map_err(|e| NodeError::io(&self.root, e))?;
+        if free.saturating_sub(adding) >= self.disk_reserve {
+            return Ok(());
+        }
+        Err(NodeError::DiskReserve {
+            path: self.root.display().to_string(),
+            free_mib: free >> 20,
+            reserve_mib: self.disk_reserve.div_ceil(1 << 20),
+        })
     }
 
     fn path(&self, id: &BlobId) -> PathBuf {
@@ -196,6 +224,7 @@ impl BlobStore {
                 setting: "--max-blob-bytes",
             });
         }
+        self.room_for(total)?;
         let tmp = self.tmp_path(&id);
         let sink = if total <= PACK_MAX {
             Sink::Packed {
@@ -252,6 +281,7 @@ impl BlobStore {
         if self.has(&id) {
             return Ok(());
         }
+        self.room_for(bytes.len() as u64)?;
         if bytes.len() as u64 <= PACK_MAX {
             let path = self.pack.path();
             return self
@@ -669,6 +699,26 @@ pub(crate) fn create_sized(path: &Path, len: u64) -> std::io::Result<File> {
         return Err(e);
     }
     Ok(file)
+}
+
+/// Bytes an unprivileged writer may still put on the file system holding `path`.
+fn free_bytes(path: &Path) -> std::io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c_path` is a NUL-terminated string that outlives the call, and
+    // `stat` points at memory for one `statvfs`, which the call fills on success
+    // (checked before it is read).
+    #[allow(unsafe_code)]
+    let stat = unsafe {
+        if libc::statvfs(c_path.as_ptr(), stat.as_mut_ptr()) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        stat.assume_init()
+    };
+    #[allow(clippy::unnecessary_cast)] // the fields' widths differ between targets
+    Ok((stat.f_bavail as u64).saturating_mul(stat.f_frsize as u64))
 }
 
 #[cfg(target_os = "linux")]

@@ -141,7 +141,8 @@ impl MeshNode {
         let keypair = identity::load_or_create(dir)?;
         let peer_id = keypair.public().to_peer_id();
         let raft_id = identity::raft_id(&peer_id);
-        let store = BlobStore::open(dir.join("blobs"), config.limits.max_blob_bytes)?;
+        let store = BlobStore::open(dir.join("blobs"), config.limits.max_blob_bytes)?
+            .with_disk_reserve(config.limits.disk_reserve);
 
         let backend = config.backend;
         let calibrate = config.calibrate;
