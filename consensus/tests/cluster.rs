@@ -923,6 +923,54 @@ async fn followers_learn_of_a_commit_only_the_leader_acts_on_with_its_next_heart
     }
 }
 
+/// A task of one shard submitted and assigned through `leader`, and its result of
+/// 12,000 bytes (cycling through 0..`modulus`: carried in its entry) recorded;
+/// the task, the result's blob, and its commit.
+async fn carry_a_result(
+    c: &Cluster,
+    leader: u64,
+    modulus: u32,
+) -> (
+    gpumesh_consensus::TaskId,
+    gpumesh_protocol::BlobId,
+    gpumesh_consensus::Committed,
+) {
+    let Outcome::TaskSubmitted { task } = c
+        .node(leader)
+        .propose(submit(4))
+        .await
+        .expect("submit")
+        .outcome
+    else {
+        panic!("not submitted")
+    };
+    c.node(leader)
+        .propose(Command::AssignShard {
+            task,
+            shard: 0,
+            node: leader,
+        })
+        .await
+        .expect("assign");
+    let bytes: Vec<u8> = (0..12_000u32).map(|i| (i % modulus) as u8).collect();
+    let blob = gpumesh_protocol::BlobId::of(&bytes);
+    let result = c
+        .node(leader)
+        .propose(Command::ShardResult {
+            task,
+            shard: 0,
+            epoch: 1,
+            node: leader,
+            blob,
+            size: bytes.len() as u64,
+            inline: Some(bytes),
+        })
+        .await
+        .expect("result");
+    assert_eq!(result.outcome, Outcome::Applied);
+    (task, blob, result)
+}
+
 /// A blob store for carried results that records what was kept and what synced.
 #[derive(Debug, Default)]
 struct CarriedLog {
@@ -962,39 +1010,7 @@ async fn a_carried_result_is_stored_on_apply_and_synced_before_the_log_drops_it(
     let stores = STORES.get_or_init(Default::default);
     let c = Cluster::with(3, 5, carrying, 5).await;
     let leader = c.leader().await;
-    let Outcome::TaskSubmitted { task } = c
-        .node(leader)
-        .propose(submit(4))
-        .await
-        .expect("submit")
-        .outcome
-    else {
-        panic!("not submitted")
-    };
-    c.node(leader)
-        .propose(Command::AssignShard {
-            task,
-            shard: 0,
-            node: leader,
-        })
-        .await
-        .expect("assign");
-    let bytes: Vec<u8> = (0..12_000u32).map(|i| (i % 253) as u8).collect();
-    let blob = gpumesh_protocol::BlobId::of(&bytes);
-    let result = c
-        .node(leader)
-        .propose(Command::ShardResult {
-            task,
-            shard: 0,
-            epoch: 1,
-            node: leader,
-            blob,
-            size: bytes.len() as u64,
-            inline: Some(bytes.clone()),
-        })
-        .await
-        .expect("result");
-    assert_eq!(result.outcome, Outcome::Applied);
+    let (task, blob, result) = carry_a_result(&c, leader, 253).await;
     let all = c.ids();
     c.wait_applied(&all, result.index, 10 * SEC).await;
     // Every replica stored it on applying it; the record names it without its bytes.
@@ -1065,39 +1081,7 @@ async fn a_carried_result_that_finds_the_disk_full_is_stored_once_there_is_room(
     for s in stores {
         s.full.store(true, Ordering::SeqCst);
     }
-    let Outcome::TaskSubmitted { task } = c
-        .node(leader)
-        .propose(submit(4))
-        .await
-        .expect("submit")
-        .outcome
-    else {
-        panic!("not submitted")
-    };
-    c.node(leader)
-        .propose(Command::AssignShard {
-            task,
-            shard: 0,
-            node: leader,
-        })
-        .await
-        .expect("assign");
-    let bytes: Vec<u8> = (0..12_000u32).map(|i| (i % 251) as u8).collect();
-    let blob = gpumesh_protocol::BlobId::of(&bytes);
-    let result = c
-        .node(leader)
-        .propose(Command::ShardResult {
-            task,
-            shard: 0,
-            epoch: 1,
-            node: leader,
-            blob,
-            size: bytes.len() as u64,
-            inline: Some(bytes.clone()),
-        })
-        .await
-        .expect("result");
-    assert_eq!(result.outcome, Outcome::Applied);
+    let (_, blob, result) = carry_a_result(&c, leader, 251).await;
     // Past a snapshot's due point with the disk full: no replica stops, none
     // compacts past the entry (its log still holds the result), and nothing stored.
     let last = submit_60(&c, leader).await;

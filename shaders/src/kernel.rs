@@ -144,13 +144,7 @@ impl Kernel {
         let Ok(module) = naga::front::wgsl::parse_str(source) else {
             return Ok(MAIN.into());
         };
-        let computes: Vec<String> = module
-            .entry_points
-            .iter()
-            .filter(|ep| ep.stage == naga::ShaderStage::Compute)
-            .map(|ep| ep.name.clone())
-            .collect();
-        match computes.as_slice() {
+        match compute_entry_points(&module).as_slice() {
             [one] => Ok(one.clone()),
             [] => Ok(MAIN.into()),
             many if many.iter().any(|n| n == MAIN) => Ok(MAIN.into()),
@@ -600,18 +594,22 @@ fn with_overrides_resolved(
     Ok((resolved.into_owned(), resolved_info.into_owned()))
 }
 
+/// The names of `module`'s compute entry points.
+fn compute_entry_points(module: &naga::Module) -> Vec<String> {
+    module
+        .entry_points
+        .iter()
+        .filter(|ep| ep.stage == naga::ShaderStage::Compute)
+        .map(|ep| ep.name.clone())
+        .collect()
+}
+
 /// The entry point's interface, and the workgroup variables it uses.
 fn reflect(
     module: &naga::Module,
     info: &ModuleInfo,
     entry_point: &str,
 ) -> Result<(Interface, Vec<naga::Handle<naga::GlobalVariable>>)> {
-    let computes: Vec<String> = module
-        .entry_points
-        .iter()
-        .filter(|ep| ep.stage == naga::ShaderStage::Compute)
-        .map(|ep| ep.name.clone())
-        .collect();
     let (index, ep) = module
         .entry_points
         .iter()
@@ -619,7 +617,7 @@ fn reflect(
         .find(|(_, ep)| ep.name == entry_point && ep.stage == naga::ShaderStage::Compute)
         .ok_or_else(|| ExecError::MissingEntryPoint {
             name: entry_point.to_string(),
-            available: computes,
+            available: compute_entry_points(module),
         })?;
     if ep.workgroup_size_overrides.is_some() {
         return Err(ExecError::Unsupported(format!(
