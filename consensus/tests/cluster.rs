@@ -976,10 +976,25 @@ async fn carry_a_result(
 struct CarriedLog {
     kept: std::sync::Mutex<Vec<gpumesh_protocol::BlobId>>,
     durable: std::sync::Mutex<Vec<gpumesh_protocol::BlobId>>,
+    /// While set, a keep fails as on a full disk.
+    full: std::sync::atomic::AtomicBool,
+}
+
+/// Replica `id`'s config for the carried-result tests: a snapshot every 20 entries,
+/// 5 kept behind it, its carried results in `stores`.
+fn carrying(id: u64, stores: &[std::sync::Arc<CarriedLog>; 3]) -> gpumesh_consensus::ReplicaConfig {
+    let mut c = test_config(id);
+    c.snapshot_interval = 20;
+    c.log_retain = 5;
+    c.carried = Some(stores[id as usize - 1].clone());
+    c
 }
 
 impl gpumesh_consensus::CarriedStore for CarriedLog {
     fn keep(&self, blob: gpumesh_protocol::BlobId, bytes: &[u8]) -> Result<(), String> {
+        if self.full.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err("No space left on device (os error 28)".into());
+        }
         assert!(blob.matches(bytes), "kept bytes that are not {blob}'s");
         let mut kept = self.kept.lock().expect("not poisoned");
         if !kept.contains(&blob) {
@@ -999,16 +1014,14 @@ impl gpumesh_consensus::CarriedStore for CarriedLog {
 async fn a_carried_result_is_stored_on_apply_and_synced_before_the_log_drops_it() {
     use std::sync::{Arc, OnceLock};
     static STORES: OnceLock<[Arc<CarriedLog>; 3]> = OnceLock::new();
-    fn carrying(id: u64) -> gpumesh_consensus::ReplicaConfig {
-        let mut c = test_config(id);
-        c.snapshot_interval = 20;
-        c.log_retain = 5;
-        let stores = STORES.get_or_init(Default::default);
-        c.carried = Some(stores[id as usize - 1].clone());
-        c
-    }
     let stores = STORES.get_or_init(Default::default);
-    let c = Cluster::with(3, 5, carrying, 5).await;
+    let c = Cluster::with(
+        3,
+        5,
+        |id| carrying(id, STORES.get_or_init(Default::default)),
+        5,
+    )
+    .await;
     let leader = c.leader().await;
     let (task, blob, result) = carry_a_result(&c, leader, 253).await;
     let all = c.ids();
@@ -1041,41 +1054,19 @@ async fn a_carried_result_is_stored_on_apply_and_synced_before_the_log_drops_it(
     c.shutdown().await;
 }
 
-/// A blob store for carried results on a disk that is full until told otherwise.
-#[derive(Debug, Default)]
-struct FullDisk {
-    full: std::sync::atomic::AtomicBool,
-    kept: CarriedLog,
-}
-
-impl gpumesh_consensus::CarriedStore for FullDisk {
-    fn keep(&self, blob: gpumesh_protocol::BlobId, bytes: &[u8]) -> Result<(), String> {
-        if self.full.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err("No space left on device (os error 28)".into());
-        }
-        self.kept.keep(blob, bytes)
-    }
-
-    fn sync(&self) -> Result<(), String> {
-        self.kept.sync()
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_carried_result_that_finds_the_disk_full_is_stored_once_there_is_room() {
     use std::sync::atomic::Ordering;
     use std::sync::{Arc, OnceLock};
-    static STORES: OnceLock<[Arc<FullDisk>; 3]> = OnceLock::new();
-    fn carrying(id: u64) -> gpumesh_consensus::ReplicaConfig {
-        let mut c = test_config(id);
-        c.snapshot_interval = 20;
-        c.log_retain = 5;
-        let stores = STORES.get_or_init(Default::default);
-        c.carried = Some(stores[id as usize - 1].clone());
-        c
-    }
+    static STORES: OnceLock<[Arc<CarriedLog>; 3]> = OnceLock::new();
     let stores = STORES.get_or_init(Default::default);
-    let c = Cluster::with(3, 6, carrying, 5).await;
+    let c = Cluster::with(
+        3,
+        6,
+        |id| carrying(id, STORES.get_or_init(Default::default)),
+        5,
+    )
+    .await;
     let leader = c.leader().await;
     let all = c.ids();
     for s in stores {
@@ -1094,12 +1085,7 @@ async fn a_carried_result_that_finds_the_disk_full_is_stored_once_there_is_room(
             "replica {id} compacted to {} with the result unstored",
             st.first_index
         );
-        assert!(stores[*id as usize - 1]
-            .kept
-            .kept
-            .lock()
-            .unwrap()
-            .is_empty());
+        assert!(stores[*id as usize - 1].kept.lock().unwrap().is_empty());
     }
     c.node(leader)
         .propose(submit(99))
@@ -1115,16 +1101,8 @@ async fn a_carried_result_that_finds_the_disk_full_is_stored_once_there_is_room(
             (c.status(*id).await.first_index > result.index).then_some(())
         })
         .await;
-        assert_eq!(
-            *s.kept.kept.lock().unwrap(),
-            [blob],
-            "replica {id} stored it"
-        );
-        assert_eq!(
-            *s.kept.durable.lock().unwrap(),
-            [blob],
-            "replica {id} synced it"
-        );
+        assert_eq!(*s.kept.lock().unwrap(), [blob], "replica {id} stored it");
+        assert_eq!(*s.durable.lock().unwrap(), [blob], "replica {id} synced it");
         assert!(
             c.status(*id).await.first_index > result.index,
             "replica {id}"
