@@ -50,28 +50,42 @@ fn fill(path: &Path) {
     while f.write_all(&chunk).and_then(|()| f.sync_data()).is_ok() {}
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_node_whose_disk_fills_stops_when_its_log_cannot_be_written_and_comes_back_whole() {
+/// A node, formed with `--init` and `--disk-reserve reserve`, whose data dir is a
+/// tmpfs of `mib` MiB of its own (its log, beside it, is not on it), with a
+/// client; `None` (said loudly) where there is no adapter or no tmpfs can be
+/// mounted. Dropped in reverse, the tmpfs goes before the directory holding it.
+fn node_on_tmpfs(
+    mib: u32,
+    reserve: u64,
+) -> Option<(tempfile::TempDir, Tmpfs, procs::Proc, gpumesh::Client)> {
     if !have_any() {
-        return;
+        return None;
     }
     let root = tempfile::tempdir().unwrap();
-    // The node's data dir is the tmpfs; its log (beside it) is not.
-    let disk = match Tmpfs::mount(&root.path().join("a"), 24) {
+    let disk = match Tmpfs::mount(&root.path().join("a"), mib) {
         Ok(disk) => disk,
         Err(why) => {
             assert!(
                 std::env::var("GPUMESH_REQUIRE_TMPFS").is_err(),
                 "GPUMESH_REQUIRE_TMPFS is set but a tmpfs cannot be mounted: {why}"
             );
-            common::skipped(&format!("NO TMPFS ({why}): the full-disk test did not run"));
-            return;
+            common::skipped(&format!("NO TMPFS ({why}): a full-disk test did not run"));
+            return None;
         }
     };
     let mut node = procs::node(root.path(), "a");
-    // No reserve: the disk fills to the last byte.
-    node.start(&["--init", "--disk-reserve", "0"]).unwrap();
+    node.start(&["--init", "--disk-reserve", &reserve.to_string()])
+        .unwrap();
     let client = node.client().unwrap().retry_for(Duration::from_secs(10));
+    Some((root, disk, node, client))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_disk_fills_stops_when_its_log_cannot_be_written_and_comes_back_whole() {
+    // No reserve: the disk fills to the last byte.
+    let Some((_root, disk, mut node, client)) = node_on_tmpfs(24, 0) else {
+        return;
+    };
     let before = client.submit(salted_spec(4096, 1), None).await.unwrap();
     client.wait(before, |_, _| {}).await.unwrap();
     assert_eq!(
@@ -150,17 +164,9 @@ async fn a_node_whose_disk_fills_stops_when_its_log_cannot_be_written_and_comes_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_disk_full_before_the_first_small_blob_does_not_keep_small_blobs_out_once_freed() {
-    if !have_any() {
-        return;
-    }
-    let root = tempfile::tempdir().unwrap();
-    let Ok(disk) = Tmpfs::mount(&root.path().join("a"), 16) else {
-        // Said by the test above, which fails where a tmpfs is required.
+    let Some((_root, disk, mut node, client)) = node_on_tmpfs(16, 0) else {
         return;
     };
-    let mut node = procs::node(root.path(), "a");
-    node.start(&["--init", "--disk-reserve", "0"]).unwrap();
-    let client = node.client().unwrap().retry_for(Duration::from_secs(10));
     // Full before this node kept any small blob (its pack is made with the first).
     fill(&disk.0.join("filler"));
     let e = client
@@ -185,18 +191,10 @@ async fn a_disk_full_before_the_first_small_blob_does_not_keep_small_blobs_out_o
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_at_its_disk_reserve_refuses_new_data_and_its_record_goes_on() {
-    if !have_any() {
-        return;
-    }
-    let root = tempfile::tempdir().unwrap();
-    let Ok(disk) = Tmpfs::mount(&root.path().join("a"), 48) else {
-        return; // said by the first test
-    };
-    let mut node = procs::node(root.path(), "a");
     // 48 MiB with 32 kept free: some 10 MiB for data once the log's files are made.
-    node.start(&["--init", "--disk-reserve", &(32u64 << 20).to_string()])
-        .unwrap();
-    let client = node.client().unwrap().retry_for(Duration::from_secs(10));
+    let Some((_root, disk, mut node, client)) = node_on_tmpfs(48, 32 << 20) else {
+        return;
+    };
     let before = client.submit(salted_spec(4096, 1), None).await.unwrap();
     client.wait(before, |_, _| {}).await.unwrap();
     // Uploads of 2 MiB each until one is refused, naming the reserve.
