@@ -1,6 +1,6 @@
 //! Walks over a naga module's statements, shared by the passes that read them.
 
-use naga::{Block, Statement};
+use naga::{Block, Expression, Function, GlobalVariable, Handle, Statement};
 
 /// Calls `visit` with every statement of `block`, those of nested blocks included.
 pub(crate) fn each_statement<'a>(block: &'a Block, visit: &mut impl FnMut(&'a Statement)) {
@@ -24,6 +24,23 @@ pub(crate) fn each_statement<'a>(block: &'a Block, visit: &mut impl FnMut(&'a St
                 each_statement(continuing, visit);
             }
             _ => {}
+        }
+    }
+}
+
+/// The global variable `pointer` points into, through any indexing; `None` for a
+/// pointer from elsewhere (a function's pointer argument).
+pub(crate) fn root_global(
+    f: &Function,
+    mut pointer: Handle<Expression>,
+) -> Option<Handle<GlobalVariable>> {
+    loop {
+        match f.expressions[pointer] {
+            Expression::Access { base, .. } | Expression::AccessIndex { base, .. } => {
+                pointer = base;
+            }
+            Expression::GlobalVariable(g) => return Some(g),
+            _ => return None,
         }
     }
 }

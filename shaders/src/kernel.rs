@@ -8,13 +8,14 @@
 //! results unmergeable: atomics under the `changes` merge, or an in-out buffer under a
 //! reduction.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use gpumesh_protocol::{
     AdapterLimits, BindingRole, ElemType, KernelNeeds, MergeRule, ShaderSource, TaskSpec,
 };
 use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
 
+pub use crate::atomic_ops::AtomicOp;
 use crate::builtins::sources;
 use crate::error::{ExecError, Result};
 use crate::shard::{self, ShardRange};
@@ -61,6 +62,9 @@ pub struct DeclaredBinding {
     /// only where one said so (the last workgroup to finish sums the partials of
     /// all: see [`crate::slots`]); such a buffer cannot be split into shards either.
     pub steered: bool,
+    /// The atomic functions the kernel applies to it (see `crate::atomic_ops`): a
+    /// reduction must fold what they compute.
+    pub atomic_ops: BTreeSet<AtomicOp>,
 }
 
 impl DeclaredBinding {
@@ -484,9 +488,79 @@ impl Kernel {
                 }
                 _ => {}
             }
+            if let Some(refusal) = unfolded(b.binding, name, rule, declared) {
+                return Err(refusal);
+            }
         }
         Ok(())
     }
+}
+
+/// Whether merge `rule` folds the partials that atomic `op` left in each shard into
+/// what `op` leaves over the whole grid. `float_bits`: the buffer holds f32 bit
+/// patterns in `atomic<u32>`, which an integer function would treat as integers.
+fn folds(rule: MergeRule, float_bits: bool, op: AtomicOp) -> bool {
+    use AtomicOp as A;
+    // Setting a word (a flag) gives the same word whichever shard's is kept.
+    let sets = matches!(op, A::Store | A::Exchange);
+    match rule {
+        // A compare-exchange loop on its own location is the reduction it computes
+        // (`crate::slots` refuses any other); `changes` takes no atomics at all.
+        MergeRule::Changes => false,
+        _ if op == A::CompareExchange => true,
+        MergeRule::Sum(_) => !float_bits && matches!(op, A::Add | A::Sub),
+        MergeRule::Min(_) => sets || (!float_bits && op == A::Min),
+        MergeRule::Max(_) => sets || (!float_bits && op == A::Max),
+    }
+}
+
+/// The refusal of a reduction that does not fold an atomic function the kernel
+/// applies to the binding (a maximum kept with `atomicMax`, merged with `sum`:
+/// the sum of every shard's maximum), naming a rule that would fold them all.
+fn unfolded(
+    binding: u32,
+    name: &str,
+    rule: MergeRule,
+    declared: &DeclaredBinding,
+) -> Option<ExecError> {
+    let elem = rule.elem()?;
+    let float_bits =
+        elem == ElemType::F32 && declared.atomic && declared.elem == Some(ElemType::U32);
+    let ops = &declared.atomic_ops;
+    let op = *ops.iter().find(|&&op| !folds(rule, float_bits, op))?;
+    let what = match rule {
+        _ if float_bits && op != AtomicOp::Store && op != AtomicOp::Exchange => {
+            return Some(ExecError::Unsplittable(format!(
+                "binding {binding} ({name}) holds f32 bit patterns in atomic<u32> and is \
+                 updated with {op}, which works on them as integers, while merge {rule} \
+                 folds them as floats: split, the answer would not be the one the whole \
+                 grid gives. Run it with --shards 1"
+            )))
+        }
+        MergeRule::Sum(_) => "adds the shards' partials up: split, the answer would be the sum",
+        MergeRule::Min(_) => {
+            "keeps the least of the shards' partials: split, the answer would be the least"
+        }
+        MergeRule::Max(_) => {
+            "keeps the greatest of the shards' partials: split, the answer would be the greatest"
+        }
+        MergeRule::Changes => return None,
+    };
+    let fix = [
+        MergeRule::Sum(elem),
+        MergeRule::Min(elem),
+        MergeRule::Max(elem),
+    ]
+    .into_iter()
+    .find(|&r| ops.iter().all(|&op| folds(r, float_bits, op)));
+    let fix = match fix {
+        Some(r) => format!("Merge it with --merge {binding}={r}, or run it with --shards 1"),
+        None => "Run it with --shards 1".to_string(),
+    };
+    Some(ExecError::Unsplittable(format!(
+        "binding {binding} ({name}) is updated with {op}, and merge {rule} {what} of what \
+         {op} left in each shard, not what it leaves over the whole grid. {fix}"
+    )))
 }
 
 fn list<'a>(items: impl Iterator<Item = &'a u32>) -> String {
@@ -628,6 +702,7 @@ fn reflect(
     let uses = info.get_entry_point(index);
     let gctx = module.to_ctx();
     let atomic_uses = crate::slots::atomic_uses(module);
+    let mut atomic_ops = crate::atomic_ops::atomic_ops(module, info);
     let mut bindings = BTreeMap::new();
     for (handle, var) in module.global_variables.iter() {
         let Some(rb) = &var.binding else { continue };
@@ -678,6 +753,7 @@ fn reflect(
                 has_atomics,
                 appended: atomic_uses.appended.contains(&rb.binding),
                 steered: atomic_uses.steered.contains(&rb.binding),
+                atomic_ops: atomic_ops.remove(&rb.binding).unwrap_or_default(),
             },
         );
     }

@@ -3,6 +3,8 @@
 //! - [`adapter`]: enumerate adapters, choose one (`--backend`), describe it.
 //! - [`kernel`]: parse and validate WGSL with naga (line:column errors), reflect the
 //!   entry point's `@group(0)` bindings, check a task against them.
+//! - `atomic_ops`: the atomic functions a kernel applies to each buffer, held
+//!   against its merge rule.
 //! - [`kernel_cache`]: compiled kernels by source hash, so a node compiles each once.
 //! - [`shard`]: split a grid into shards and rewrite the module (naga IR) so each
 //!   shard sees full-grid builtins; tile grids past the per-dimension limit.
@@ -16,6 +18,7 @@
 //! - [`calibrate`]: measure an adapter's GFLOP/s and GB/s.
 
 pub mod adapter;
+mod atomic_ops;
 pub mod builtins;
 pub mod calibrate;
 mod error;

@@ -52,7 +52,7 @@ use std::collections::{BTreeSet, HashSet};
 
 use naga::{Block, Expression, Function, Handle, Module, Statement, TypeInner};
 
-use crate::ir::each_statement;
+use crate::ir::{each_statement, root_global};
 
 /// The `@group(0)` bindings a kernel writes where, or with what, an atomic on a
 /// buffer answered (see the module's documentation).
@@ -682,19 +682,6 @@ fn same_location(f: &Function, a: Handle<Expression>, b: Handle<Expression>) -> 
 enum Root {
     Local(Handle<naga::LocalVariable>),
     Global(Global),
-}
-
-/// The global variable `pointer` points into, through any indexing.
-fn root_global(f: &Function, mut pointer: Handle<Expression>) -> Option<Global> {
-    loop {
-        match f.expressions[pointer] {
-            Expression::Access { base, .. } | Expression::AccessIndex { base, .. } => {
-                pointer = base;
-            }
-            Expression::GlobalVariable(g) => return Some(g),
-            _ => return None,
-        }
-    }
 }
 
 fn in_space(module: &Module, g: Global, space: impl Fn(naga::AddressSpace) -> bool) -> bool {

@@ -664,6 +664,96 @@ fn an_atomic_counter_sums_under_sum_u32() {
     );
 }
 
+/// A range kept with atomicMax and atomicMin: merged with max and min, each
+/// shard's extremes fold into the grid's; under a rule that does not fold what the
+/// atomic computes, refused split before anything runs, naming the rule that
+/// would. Before, `--merge 1=sum-i32` gave the sum of every shard's maximum, with
+/// no error.
+#[test]
+fn a_range_kept_with_atomic_max_and_min_splits_only_under_max_and_min() {
+    let mut rng = Rng(11);
+    let values: Vec<i32> = (0..1000)
+        .map(|_| rng.below(1 << 20) as i32 - (1 << 19))
+        .collect();
+    let (max, min) = (*values.iter().max().unwrap(), *values.iter().min().unwrap());
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let task = Task::default().input(0, bytes).output(1, 4).output(2, 4);
+    let word = |out: &Outputs, b: u32| i32::from_le_bytes(out[&b][..4].try_into().unwrap());
+    let fitting = task
+        .clone()
+        .merge(1, MergeRule::Max(ElemType::I32))
+        .merge(2, MergeRule::Min(ElemType::I32));
+    split_1_to_7(
+        "range",
+        RANGE,
+        &fitting,
+        [16, 1, 1],
+        MergeRule::Changes,
+        |out| {
+            assert_eq!((word(out, 1), word(out, 2)), (max, min));
+        },
+    );
+    for (rule, op, fix) in [
+        (
+            MergeRule::Sum(ElemType::I32),
+            "atomicMax",
+            "--merge 1=max-i32",
+        ),
+        (
+            MergeRule::Min(ElemType::I32),
+            "atomicMax",
+            "--merge 1=max-i32",
+        ),
+        (
+            MergeRule::Max(ElemType::I32),
+            "atomicMin",
+            "--merge 2=min-i32",
+        ),
+    ] {
+        for shards in 2..=7 {
+            let e = task.job(RANGE, [16, 1, 1], shards, rule).unwrap_err();
+            let text = e.to_string();
+            assert!(matches!(e, ExecError::Unsplittable(_)), "{text}");
+            assert!(
+                text.contains(op) && text.contains(&format!("merge {rule}")) && text.contains(fix),
+                "{rule}: {text}"
+            );
+        }
+        // Never refused whole: one partial, from the rule's identity.
+        assert!(task.job(RANGE, [16, 1, 1], 1, rule).is_ok(), "{rule}");
+    }
+}
+
+/// f32 bit patterns in `atomic<u32>` added with atomicAdd (integer addition of
+/// the bits, not a float sum): refused split under sum-f32, which would add the
+/// partials as floats; the compare-exchange loop of the float-sum idiom splits
+/// (linreg_grad in the sharding tests).
+#[test]
+fn float_bits_updated_with_integer_atomics_are_refused_split_as_floats() {
+    let source = r#"
+@group(0) @binding(0) var<storage, read> values: array<f32>;
+@group(0) @binding(1) var<storage, read_write> total: atomic<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x < arrayLength(&values)) {
+        atomicAdd(&total, bitcast<u32>(values[gid.x]));
+    }
+}
+"#;
+    let task = Task::default()
+        .input(0, f32_bytes(&[1.5; 640]))
+        .output(1, 4);
+    let e = task
+        .job(source, [10, 1, 1], 3, MergeRule::Sum(ElemType::F32))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("atomicAdd") && e.contains("f32 bit patterns") && e.contains("--shards 1"),
+        "{e}"
+    );
+}
+
 #[test]
 fn an_atomic_total_summed_beside_an_output_merged_by_changes() {
     let n = 1000u32;

@@ -90,6 +90,18 @@ fn custom(
     shards: u32,
     merge: MergeRule,
 ) -> Job {
+    custom_merged(source, bindings, grid, shards, merge, &[])
+}
+
+/// [`custom`] with some bindings merged by rules of their own.
+fn custom_merged(
+    source: &str,
+    bindings: Vec<BindingSpec>,
+    grid: [u32; 3],
+    shards: u32,
+    merge: MergeRule,
+    merges: &[(u32, MergeRule)],
+) -> Job {
     let spec = TaskSpec {
         shader: ShaderSource::Wgsl(source.into()),
         entry_point: "main".into(),
@@ -97,7 +109,7 @@ fn custom(
         grid: Grid(grid),
         shards,
         merge,
-        merges: Default::default(),
+        merges: merges.iter().copied().collect(),
         options: Default::default(),
     };
     let kernel = Arc::new(Kernel::compile(source, "main").unwrap());
@@ -212,33 +224,28 @@ fn minmax_reference(invocations: u32, max: bool) -> Vec<i32> {
 
 #[test]
 fn min_and_max_i32_partials() {
-    for (rule, max) in [
-        (MergeRule::Min(ElemType::I32), false),
-        (MergeRule::Max(ElemType::I32), true),
-    ] {
-        let want = minmax_reference(32 * 13, max);
-        // Both outputs merge with the same rule; only the matching one is checked
-        // against the reference, and both must be shard-invariant.
-        assert_shard_invariant(
-            &rule.to_string(),
-            |s| {
-                custom(
-                    MINMAX,
-                    vec![output(0, 64), output(1, 64)],
-                    [13, 1, 1],
-                    s,
-                    rule,
-                )
-            },
-            |out| {
-                let got: Vec<i32> = u32s(&out[&(u32::from(max))])
-                    .iter()
-                    .map(|&u| u as i32)
-                    .collect();
-                assert_eq!(got, want);
-            },
-        );
-    }
+    let (lo, hi) = (
+        minmax_reference(32 * 13, false),
+        minmax_reference(32 * 13, true),
+    );
+    let i32s = |bytes: &[u8]| -> Vec<i32> { u32s(bytes).iter().map(|&u| u as i32).collect() };
+    assert_shard_invariant(
+        "min-i32 and max-i32",
+        |s| {
+            custom_merged(
+                MINMAX,
+                vec![output(0, 64), output(1, 64)],
+                [13, 1, 1],
+                s,
+                MergeRule::Min(ElemType::I32),
+                &[(1, MergeRule::Max(ElemType::I32))],
+            )
+        },
+        |out| {
+            assert_eq!(i32s(&out[&0]), lo);
+            assert_eq!(i32s(&out[&1]), hi);
+        },
+    );
 }
 
 /// A grid past the per-dimension dispatch limit runs in tiles, each told its offset.

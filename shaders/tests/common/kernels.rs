@@ -532,6 +532,23 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
+/// The greatest and the least of signed values, kept with `atomicMax` and
+/// `atomicMin` in two words of one buffer, as tutorials find a range.
+pub const RANGE: &str = r#"
+@group(0) @binding(0) var<storage, read> values: array<i32>;
+@group(0) @binding(1) var<storage, read_write> greatest: atomic<i32>;
+@group(0) @binding(2) var<storage, read_write> least: atomic<i32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x >= arrayLength(&values)) {
+        return;
+    }
+    atomicMax(&greatest, values[gid.x]);
+    atomicMin(&least, values[gid.x]);
+}
+"#;
+
 /// A per-element output beside an atomic total: splittable when the total is merged
 /// as a sum (`--merge 2=sum-u32`) and the output by changes.
 pub const DOUBLE_AND_COUNT: &str = r#"
