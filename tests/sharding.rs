@@ -232,6 +232,48 @@ async fn unmergeable_kernels_fail_with_the_conflict_or_are_refused_and_the_mesh_
         assert_eq!(view.status, TaskState::Failed);
         let fetched = client(&nodes[2]).results(id).await.unwrap_err().to_string();
         assert!(fetched.contains("conflict"), "{fetched}");
+        // Summed, its word is still a value each shard stored: the leader's merge
+        // fails it, rather than adding the shards' maxima.
+        let summed = running_max
+            .clone()
+            .merge(1, MergeRule::Sum(gpumesh::protocol::ElemType::U32));
+        let id = summed.submit(&c, RUNNING_MAX, [10, 1, 1], 4).await.unwrap();
+        let e = c.wait(id, |_, _| {}).await.unwrap_err().to_string();
+        assert!(
+            e.contains("conflict") && e.contains("holds no atomics") && e.contains("sum-u32"),
+            "{e}"
+        );
+        // A flag several shards set, summed: 1, not one for each shard that set it.
+        let mut signed: Vec<i32> = (0..640).collect();
+        signed[3] = -1;
+        signed[600] = -1;
+        let bytes: Vec<u8> = signed.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let flag = Task::default()
+            .input(0, bytes)
+            .output(1, 4)
+            .merge(1, MergeRule::Sum(gpumesh::protocol::ElemType::U32));
+        let id = flag.submit(&c, ANY_NEGATIVE, [10, 1, 1], 3).await.unwrap();
+        c.wait(id, |_, _| {}).await.unwrap();
+        assert_eq!(u32s(&client(&nodes[2]).results(id).await.unwrap()[&1]), [1]);
+        // A maximum kept with atomicMax, merged as a sum: refused before anything
+        // is committed, naming the rule that folds it.
+        let before = c.tasks().await.unwrap().len();
+        let range = Task::default()
+            .input(0, u32_bytes(&values))
+            .output(1, 4)
+            .output(2, 4)
+            .merge(1, MergeRule::Sum(gpumesh::protocol::ElemType::I32))
+            .merge(2, MergeRule::Min(gpumesh::protocol::ElemType::I32));
+        let e = range
+            .submit(&c, RANGE, [10, 1, 1], 3)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("atomicMax") && e.contains("--merge 1=max-i32"),
+            "{e}"
+        );
+        assert_eq!(c.tasks().await.unwrap().len(), before);
         // Unsharded it is never refused.
         let id = running_max
             .submit(&c, RUNNING_MAX, [10, 1, 1], 1)

@@ -13,10 +13,11 @@
 //! and copies blobs), the blob store.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use gpumesh_consensus::{Command, ConsensusHandle, MergedOutput, Task, TaskId, TaskStatus};
 use gpumesh_protocol::{BlobId, ShardChanges, TaskSpec};
-use gpumesh_shaders::merge;
+use gpumesh_shaders::{merge, KernelCache};
 
 use crate::blobs::BlobsHandle;
 use crate::peers::PeersHandle;
@@ -130,6 +131,7 @@ pub(crate) async fn starts(
 pub(crate) async fn merge_shards(
     blobs: &BlobsHandle,
     peers: &PeersHandle,
+    kernels: &Arc<KernelCache>,
     task: &Task,
 ) -> Result<BTreeMap<u32, Vec<u8>>, MergeError> {
     let unavailable = MergeError::Unavailable;
@@ -147,13 +149,15 @@ pub(crate) async fn merge_shards(
             .map_err(|e| MergeError::Fatal(format!("the result of shard {i} is malformed: {e}")))?;
         shards.push(changes);
     }
-    merge_changes(blobs, &task.spec, &task.submitter, shards).await
+    merge_changes(blobs, kernels, &task.spec, &task.submitter, shards).await
 }
 
 /// [`merge_shards`] of results already in hand: `shards[i]` is shard `i`'s of a
-/// task of `spec` submitted through `submitter`.
+/// task of `spec` submitted through `submitter`. Results of several shards need the
+/// kernel (from `kernels`) to tell values stored from partials.
 pub(crate) async fn merge_changes<S>(
     blobs: &BlobsHandle,
+    kernels: &Arc<KernelCache>,
     spec: &TaskSpec,
     submitter: &str,
     shards: Vec<S>,
@@ -166,8 +170,19 @@ where
     let bytes = spec.binding_bytes();
     // Deterministic from here: the same results fail the same way on any node. Off
     // the async runtime unless small: a merge walks every changed word of every shard.
+    let kernels = kernels.clone();
     let merge = move || {
-        let targets = merge::targets(&spec, |b| starts.get(&b).map(Vec::as_slice));
+        // One shard's words are its values whatever they hold: no kernel needed.
+        let kernel = match shards.len() {
+            1 => None,
+            _ => Some(
+                kernels
+                    .get(&spec.shader, &spec.entry_point)
+                    .map_err(|e| MergeError::Fatal(format!("the task's kernel: {e}")))?,
+            ),
+        };
+        let stored = |b| kernel.as_ref().is_some_and(|k| k.interface.stored(b));
+        let targets = merge::targets(&spec, stored, |b| starts.get(&b).map(Vec::as_slice));
         let refs: Vec<&ShardChanges> = shards.iter().map(|s| s.borrow()).collect();
         merge::merge(&targets, &refs).map_err(|e| MergeError::Fatal(e.to_string()))
     };
@@ -191,6 +206,7 @@ pub(crate) async fn merge_and_record(
     consensus: &ConsensusHandle,
     blobs: &BlobsHandle,
     peers: &PeersHandle,
+    kernels: &Arc<KernelCache>,
     id: TaskId,
 ) -> Result<(), String> {
     let task = consensus
@@ -199,7 +215,7 @@ pub(crate) async fn merge_and_record(
     if task.status != TaskStatus::Merging {
         return Ok(());
     }
-    let command = match merge_shards(blobs, peers, &task).await {
+    let command = match merge_shards(blobs, peers, kernels, &task).await {
         Ok(merged) => {
             let mut outputs = Vec::with_capacity(merged.len());
             for (binding, bytes) in merged {
@@ -233,12 +249,13 @@ pub(crate) async fn merge_and_record(
 pub(crate) async fn task_outputs(
     blobs: &BlobsHandle,
     peers: &PeersHandle,
+    kernels: &Arc<KernelCache>,
     results: &ResultCache,
     task: &Task,
 ) -> Result<BTreeMap<u32, BlobId>, MergeError> {
     let mut ids = BTreeMap::new();
     if task.outputs.is_empty() {
-        for (binding, bytes) in merge_shards(blobs, peers, task).await? {
+        for (binding, bytes) in merge_shards(blobs, peers, kernels, task).await? {
             let id = blobs
                 .store()
                 .put(&bytes)

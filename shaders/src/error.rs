@@ -79,6 +79,23 @@ pub enum ExecError {
         /// What each of them changed it to.
         values: (u32, u32),
     },
+    #[error(
+        "conflict: binding {binding}, byte offset {offset}: shard {} stored {:#010x} in the word \
+         and shard {} {:#010x}; the binding holds no atomics, so its words are values a plain \
+         store set, not partials merge {rule} could fold, and no merge gives the unsharded \
+         answer. Update it with atomics (atomicAdd for a sum, atomicMin or atomicMax), or run \
+         it with --shards 1",
+        shards.0, values.0, shards.1, values.1
+    )]
+    StoredConflict {
+        binding: u32,
+        offset: u64,
+        /// The earlier and the later shard that stored into the word.
+        shards: (u32, u32),
+        /// What each of them stored.
+        values: (u32, u32),
+        rule: gpumesh_protocol::MergeRule,
+    },
     #[error("cannot be split into shards: {0}")]
     Unsplittable(String),
     #[error(transparent)]

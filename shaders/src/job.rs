@@ -165,10 +165,14 @@ impl Job {
 
     /// Merges shard results (in shard order) into the task's outputs.
     pub fn merge(&self, shards: &[&ShardChanges]) -> Result<BTreeMap<u32, Vec<u8>>> {
-        let targets = crate::merge::targets(&self.spec, |b| match &self.writable.get(&b)?.start {
-            Start::Blob(input) => Some(&input.bytes[..]),
-            Start::Fill(_) => None,
-        });
+        let targets = crate::merge::targets(
+            &self.spec,
+            |b| self.kernel.interface.stored(b),
+            |b| match &self.writable.get(&b)?.start {
+                Start::Blob(input) => Some(&input.bytes[..]),
+                Start::Fill(_) => None,
+            },
+        );
         crate::merge::merge(&targets, shards)
     }
 }

@@ -114,6 +114,14 @@ pub struct Interface {
     pub bindings: BTreeMap<u32, DeclaredBinding>,
 }
 
+impl Interface {
+    /// Whether the kernel writes `binding` with plain stores only (it holds no
+    /// atomics): its words are values, not partials a reduction could fold.
+    pub fn stored(&self, binding: u32) -> bool {
+        self.bindings.get(&binding).is_some_and(|d| !d.has_atomics)
+    }
+}
+
 /// A validated kernel, ready to be instrumented for sharded dispatch.
 pub struct Kernel {
     /// blake3 of the source and entry point: the pipeline cache key.

@@ -11,6 +11,10 @@
 //! - `sum`, `min`, `max`: every shard's buffers started from the rule's identity, so
 //!   each is a partial; partials fold elementwise in shard order (so float sums are
 //!   reproducible). A word one shard alone changed takes that shard's value as is.
+//!   A binding that holds no atomics is written with plain stores, so its words are
+//!   values, not partials: one that two shards changed merges as under `changes`
+//!   (a flag every shard set to 1 stays 1 under `sum`; different values are a
+//!   [`ExecError::StoredConflict`]).
 //!
 //! With one shard both rules give that shard's buffers exactly.
 
@@ -19,6 +23,8 @@ use std::collections::BTreeMap;
 use gpumesh_protocol::{Base, BufferChanges, ElemType, MergeRule, Run, ShardChanges, TaskSpec};
 
 use crate::error::{ExecError, Result};
+#[cfg(doc)]
+use crate::kernel::Interface;
 
 /// The 4 bytes every word of an output starts as under `rule`.
 pub fn identity(rule: MergeRule) -> [u8; 4] {
@@ -39,25 +45,53 @@ pub struct Target<'a> {
     pub rule: MergeRule,
     pub size: u64,
     pub base: Base<'a>,
+    /// Whether the kernel writes it with plain stores only (it holds no atomics).
+    pub stored: bool,
 }
 
-/// Every writable binding of `spec` as a merge target; `start` gives the bytes an
-/// in-out binding starts as (the others start as their rule's identity).
+/// Every writable binding of `spec` as a merge target; `stored` says which the
+/// kernel writes with plain stores only ([`Interface::stored`]), `start` gives the
+/// bytes an in-out binding starts as (the others start as their rule's identity).
 pub fn targets<'a>(
     spec: &TaskSpec,
+    stored: impl Fn(u32) -> bool,
     start: impl Fn(u32) -> Option<&'a [u8]>,
 ) -> BTreeMap<u32, Target<'a>> {
+    bases(spec, start)
+        .into_iter()
+        .map(|(binding, base)| {
+            let rule = spec.merge_of(binding);
+            let size = spec
+                .bindings
+                .iter()
+                .find(|b| b.binding == binding)
+                .map_or(0, |b| b.role.size());
+            let target = Target {
+                rule,
+                size,
+                base,
+                stored: stored(binding),
+            };
+            (binding, target)
+        })
+        .collect()
+}
+
+/// What each writable binding of `spec` starts as in every shard: the bytes
+/// `start` gives (an in-out binding's), else its rule's identity.
+pub fn bases<'a>(
+    spec: &TaskSpec,
+    start: impl Fn(u32) -> Option<&'a [u8]>,
+) -> BTreeMap<u32, Base<'a>> {
     spec.bindings
         .iter()
         .filter(|b| b.role.is_writable())
         .map(|b| {
-            let rule = spec.merge_of(b.binding);
             let base = match start(b.binding) {
                 Some(bytes) => Base::Bytes(bytes),
-                None => Base::Fill(identity(rule)),
+                None => Base::Fill(identity(spec.merge_of(b.binding))),
             };
-            let size = b.role.size();
-            (b.binding, Target { rule, size, base })
+            (b.binding, base)
         })
         .collect()
 }
@@ -72,7 +106,16 @@ pub fn merge(
         return Err(ExecError::Merge("no shard results to merge".into()));
     }
     let mut merged = BTreeMap::new();
-    for (&binding, &Target { rule, size, base }) in targets {
+    for (
+        &binding,
+        &Target {
+            rule,
+            size,
+            base,
+            stored,
+        },
+    ) in targets
+    {
         let fits = match base {
             Base::Bytes(b) => b.len() as u64 == size,
             Base::Fill(_) => true,
@@ -122,6 +165,18 @@ pub fn merge(
                             });
                         }
                         MergeRule::Changes => {}
+                        // Two shards stored a value here: not partials to fold.
+                        _ if stored && old != new => {
+                            let first = first_writer(&shards[..k], binding, w as u64);
+                            return Err(ExecError::StoredConflict {
+                                binding,
+                                offset: w as u64,
+                                shards: (first.unwrap_or(0), k as u32),
+                                values: (word_of(old), word_of(new)),
+                                rule,
+                            });
+                        }
+                        _ if stored => {}
                         _ => {
                             let r = fold(rule, word_of(old), word_of(new));
                             old.copy_from_slice(&r.to_le_bytes());
@@ -232,11 +287,22 @@ mod tests {
     }
 
     fn run(rule: MergeRule, start: &[u32], shards: &[ShardChanges]) -> Result<Vec<u32>> {
+        run_target(rule, false, start, shards)
+    }
+
+    /// [`run`], of a binding the kernel writes with plain stores when `stored`.
+    fn run_target(
+        rule: MergeRule,
+        stored: bool,
+        start: &[u32],
+        shards: &[ShardChanges],
+    ) -> Result<Vec<u32>> {
         let s = words(start);
         let target = Target {
             rule,
             size: s.len() as u64,
             base: Base::Bytes(&s),
+            stored,
         };
         let refs: Vec<&ShardChanges> = shards.iter().collect();
         let out = merge(&BTreeMap::from([(0, target)]), &refs)?;
@@ -314,6 +380,43 @@ mod tests {
         );
         assert!(
             text.contains("binding 0") && text.contains("byte offset 516"),
+            "{text}"
+        );
+    }
+
+    /// Under a reduction, a binding without atomics holds values, not partials: a
+    /// word two shards stored alike keeps its value (a flag under sum is 1, not 2),
+    /// different values are a conflict naming the rule. Before, the sum of the
+    /// shards' stores came back: 3 for a flag three shards set.
+    #[test]
+    fn words_stored_by_two_shards_are_values_not_partials() {
+        let id = [0; 3];
+        let flags = [
+            shard(&id, &[1, 5, 0]),
+            shard(&id, &[1, 0, 0]),
+            shard(&id, &[1, 0, 7]),
+        ];
+        let sum = MergeRule::Sum(ElemType::U32);
+        assert_eq!(run_target(sum, true, &id, &flags).unwrap(), [1, 5, 7]);
+        assert_eq!(run_target(sum, false, &id, &flags).unwrap(), [3, 5, 7]);
+        let differ = [shard(&id, &[0, 2, 0]), shard(&id, &[0, 3, 0])];
+        let e = run_target(sum, true, &id, &differ).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ExecError::StoredConflict {
+                    binding: 0,
+                    offset: 4,
+                    shards: (0, 1),
+                    values: (2, 3),
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("merge sum-u32") && text.contains("atomicAdd"),
             "{text}"
         );
     }

@@ -360,16 +360,24 @@ fn a_shared_flag_word_set_to_one_value_by_several_shards_merges() {
     values[650] = -9;
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     let task = Task::default().input(0, bytes).output(1, 4);
-    split_1_to_7(
-        "any negative",
-        ANY_NEGATIVE,
-        &task,
-        [11, 1, 1],
+    // Under a reduction too: the word is a value stored, not a partial, so a sum
+    // keeps the 1 (before: 2, one for each shard that saw a negative).
+    for rule in [
         MergeRule::Changes,
-        |out| {
-            assert_eq!(u32s(&out[&1]), [1]);
-        },
-    );
+        MergeRule::Sum(ElemType::U32),
+        MergeRule::Max(ElemType::U32),
+    ] {
+        split_1_to_7(
+            "any negative",
+            ANY_NEGATIVE,
+            &task,
+            [11, 1, 1],
+            rule,
+            |out| {
+                assert_eq!(u32s(&out[&1]), [1], "{rule}");
+            },
+        );
+    }
     // None negative: nothing written, the word stays 0.
     let bytes: Vec<u8> = (0..700i32).flat_map(|v| v.to_le_bytes()).collect();
     let task = Task::default().input(0, bytes).output(1, 4);
@@ -426,6 +434,28 @@ fn one_word_written_differently_by_shards_is_a_conflict_not_an_answer() {
             assert!(
                 text.contains("conflict") && text.contains("--shards 1"),
                 "{text}"
+            );
+            // Summed, the word is still a value each shard stored: a conflict, not
+            // the sum of the shards' maxima.
+            let job = task
+                .job(
+                    RUNNING_MAX,
+                    [10, 1, 1],
+                    shards,
+                    MergeRule::Sum(ElemType::U32),
+                )
+                .unwrap();
+            let e = executor.run(&job, None).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    ExecError::StoredConflict {
+                        binding: 1,
+                        offset: 0,
+                        ..
+                    }
+                ),
+                "{shards} shards, summed: {e}"
             );
         }
     }

@@ -573,13 +573,14 @@ async fn outputs_of(
             Some(r) if holds(&task, &r) => {
                 crate::outputs::merge_changes(
                     &api.blobs,
+                    &api.kernels,
                     &task.spec,
                     &task.submitter,
                     vec![r.changes],
                 )
                 .await
             }
-            _ => crate::outputs::merge_shards(&api.blobs, &api.peers, &task).await,
+            _ => crate::outputs::merge_shards(&api.blobs, &api.peers, &api.kernels, &task).await,
         }
         .map_err(|e| unavailable(e.to_string()))?;
         for (binding, bytes) in made {
@@ -767,9 +768,14 @@ async fn ahead_outputs(
         let output = |(binding, _)| (binding, Bytes::from_owner(Whole(changes.clone(), binding)));
         return Ok(writable.into_iter().map(output).collect());
     }
-    let made =
-        crate::outputs::merge_changes(&api.blobs, spec, &api.peer_name, vec![changes.clone()])
-            .await?;
+    let made = crate::outputs::merge_changes(
+        &api.blobs,
+        &api.kernels,
+        spec,
+        &api.peer_name,
+        vec![changes.clone()],
+    )
+    .await?;
     Ok(made.into_iter().map(|(b, v)| (b, Bytes::from(v))).collect())
 }
 
@@ -929,7 +935,7 @@ async fn merged(api: &ApiState, id: u64) -> ApiResult<BTreeMap<u32, BlobId>> {
             ))
         }
     }
-    crate::outputs::task_outputs(&api.blobs, &api.peers, &api.results, &task)
+    crate::outputs::task_outputs(&api.blobs, &api.peers, &api.kernels, &api.results, &task)
         .await
         .map_err(|e| unavailable(e.to_string()))
 }

@@ -311,11 +311,13 @@ impl MeshNode {
             config.heartbeat_interval,
             cancel.clone(),
         )));
+        let kernels = Arc::new(gpumesh_shaders::KernelCache::default());
         tasks.push(tokio::spawn(
             Scheduler {
                 consensus: consensus.clone(),
                 blobs: blobs.clone(),
                 peers: peers.clone(),
+                kernels: kernels.clone(),
                 liveness: liveness.clone(),
                 config: config.scheduler,
             }
@@ -324,7 +326,6 @@ impl MeshNode {
         let metrics = Metrics::new(peer_id, raft_id, gpu_metrics, net_metrics)
             .with_raft(consensus.clone())
             .with_sweep(&sweep_metrics);
-        let kernels = Arc::new(gpumesh_shaders::KernelCache::default());
         let mut run_here = None;
         if let Some(gpu) = gpu {
             tasks.push(tokio::spawn(

@@ -11,7 +11,8 @@
 //! speculative copy elsewhere; the first valid result wins. Talks to: raft (reads
 //! state, proposes), liveness, the mesh (pulls replica outputs to compare them).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use gpumesh_consensus::{AppliedEvent, Command, ConsensusHandle, RaftRole, TaskId};
@@ -87,6 +88,8 @@ pub(crate) struct Scheduler {
     /// Pulls replica outputs to compare them, and shard results to merge them.
     pub blobs: BlobsHandle,
     pub peers: PeersHandle,
+    /// The kernels of tasks to merge: they tell values stored from partials.
+    pub kernels: Arc<gpumesh_shaders::KernelCache>,
     /// Which members are down: their attempts are placed elsewhere.
     pub liveness: LivenessHandle,
     pub config: SchedulerConfig,
@@ -288,11 +291,13 @@ impl Scheduler {
             }
             let consensus = self.consensus.clone();
             let (blobs, peers) = (self.blobs.clone(), self.peers.clone());
+            let kernels = self.kernels.clone();
             let done = done_tx.clone();
             tokio::spawn(
                 async move {
                     if let Err(e) =
-                        crate::outputs::merge_and_record(&consensus, &blobs, &peers, task).await
+                        crate::outputs::merge_and_record(&consensus, &blobs, &peers, &kernels, task)
+                            .await
                     {
                         tracing::warn!("could not merge yet: {e}");
                     }
@@ -367,11 +372,7 @@ async fn verdict(
     let starts = crate::outputs::starts(blobs, &t.spec, &t.submitter)
         .await
         .map_err(|e| e.to_string())?;
-    let bases: BTreeMap<u32, gpumesh_protocol::Base<'_>> =
-        gpumesh_shaders::merge::targets(&t.spec, |b| starts.get(&b).map(Vec::as_slice))
-            .into_iter()
-            .map(|(b, target)| (b, target.base))
-            .collect();
+    let bases = gpumesh_shaders::merge::bases(&t.spec, |b| starts.get(&b).map(Vec::as_slice));
     let tolerance = t.spec.options.tolerance;
     let agree = |a: &gpumesh_protocol::ShardChanges, b: &gpumesh_protocol::ShardChanges| {
         a.agrees(b, tolerance, &bases)
