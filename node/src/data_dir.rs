@@ -29,10 +29,11 @@ pub const FORMAT_FILE: &str = "data-format";
 const STATE: [&str; 3] = [CLUSTER_FILE, "raft.redb", "blobs"];
 
 /// Older formats whose directories this build reads as they are, stamped with
-/// [`FORMAT`] on opening: 7 differs from 8 only on the wire (a node request
+/// [`FORMAT`] on opening: 8 differs from 9 only in merge rules added (every
+/// record of 8 reads the same in 9), 7 from 8 only on the wire (a node request
 /// added), and 6 from 7 only in the largest blob its pack takes (256 KiB, then
-/// 4 MiB), so a directory of either is one of 8.
-const READS_AS_IS: [u16; 2] = [6, 7];
+/// 4 MiB), so a directory of any of them is one of 9.
+const READS_AS_IS: [u16; 3] = [6, 7, 8];
 
 /// A running node's hold on its data dir (an exclusive `flock` of the directory
 /// itself, so nothing is written for it): a second node started on the same

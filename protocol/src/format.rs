@@ -15,7 +15,7 @@
 #[macro_export]
 macro_rules! format_number {
     () => {
-        "8"
+        "9"
     };
 }
 
@@ -28,12 +28,14 @@ macro_rules! lane {
     };
 }
 
-/// This build's format. 8: a node request that asks a peer whether the asker is a
+/// This build's format. 9: bitwise merge rules (`MergeRule::Or`, `And`, `Xor`),
+/// new variants only, so a directory of format 8 is read as it is and stamped 9.
+/// 8: a node request that asks a peer whether the asker is a
 /// member (`NodeRequest::Membership`); nothing written to disk changed, so a
 /// directory of format 7 is read as it is and stamped 8. 7: a blob store packs
 /// blobs of up to 4 MiB (6: 256 KiB), so a directory of format 6 is read as it is
 /// too (see the node's `data_dir`).
-pub const FORMAT: u16 = 8;
+pub const FORMAT: u16 = 9;
 
 /// How a node names its build to peers (libp2p identify's agent version):
 /// `gpumesh/<version> format/<FORMAT>`.

@@ -106,6 +106,13 @@ pub enum MergeRule {
     Min(ElemType),
     /// Elementwise maximum of partials starting from the type's smallest value.
     Max(ElemType),
+    /// Bitwise or of partials starting from 0 (bits set with `atomicOr`). Integers
+    /// only, as are the two below.
+    Or(ElemType),
+    /// Bitwise and of partials starting from all ones (`atomicAnd`).
+    And(ElemType),
+    /// Bitwise exclusive or of partials starting from 0 (`atomicXor`).
+    Xor(ElemType),
 }
 
 impl MergeRule {
@@ -113,8 +120,22 @@ impl MergeRule {
     pub fn elem(self) -> Option<ElemType> {
         match self {
             MergeRule::Changes => None,
-            MergeRule::Sum(e) | MergeRule::Min(e) | MergeRule::Max(e) => Some(e),
+            MergeRule::Sum(e)
+            | MergeRule::Min(e)
+            | MergeRule::Max(e)
+            | MergeRule::Or(e)
+            | MergeRule::And(e)
+            | MergeRule::Xor(e) => Some(e),
         }
+    }
+
+    /// Whether it is a bitwise reduction (`or`, `and`, `xor`), which takes
+    /// integers only.
+    pub fn is_bitwise(self) -> bool {
+        matches!(
+            self,
+            MergeRule::Or(_) | MergeRule::And(_) | MergeRule::Xor(_)
+        )
     }
 }
 
@@ -125,6 +146,9 @@ impl fmt::Display for MergeRule {
             MergeRule::Sum(e) => write!(f, "sum-{}", e.name()),
             MergeRule::Min(e) => write!(f, "min-{}", e.name()),
             MergeRule::Max(e) => write!(f, "max-{}", e.name()),
+            MergeRule::Or(e) => write!(f, "or-{}", e.name()),
+            MergeRule::And(e) => write!(f, "and-{}", e.name()),
+            MergeRule::Xor(e) => write!(f, "xor-{}", e.name()),
         }
     }
 }
@@ -137,13 +161,12 @@ impl FromStr for MergeRule {
         if s == "changes" || s == "concat" {
             return Ok(MergeRule::Changes);
         }
-        let invalid = || {
-            ProtocolError::Invalid {
+        let invalid = || ProtocolError::Invalid {
             what: "merge rule",
             reason: format!(
-                "{s:?}; use changes (the default) or sum|min|max followed by -u32, -i32 or -f32 (e.g. sum-f32)"
+                "{s:?}; use changes (the default), sum|min|max followed by -u32, -i32 or -f32 \
+                 (e.g. sum-f32), or or|and|xor followed by -u32 or -i32 (e.g. or-u32)"
             ),
-        }
         };
         let (op, elem) = s.split_once('-').ok_or_else(invalid)?;
         let elem = match elem {
@@ -156,6 +179,10 @@ impl FromStr for MergeRule {
             "sum" => Ok(MergeRule::Sum(elem)),
             "min" => Ok(MergeRule::Min(elem)),
             "max" => Ok(MergeRule::Max(elem)),
+            "or" | "and" | "xor" if elem == ElemType::F32 => Err(invalid()),
+            "or" => Ok(MergeRule::Or(elem)),
+            "and" => Ok(MergeRule::And(elem)),
+            "xor" => Ok(MergeRule::Xor(elem)),
             _ => Err(invalid()),
         }
     }

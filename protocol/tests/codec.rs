@@ -25,7 +25,14 @@ fn merge() -> impl Strategy<Value = MergeRule> {
         elem().prop_map(MergeRule::Sum),
         elem().prop_map(MergeRule::Min),
         elem().prop_map(MergeRule::Max),
+        int().prop_map(MergeRule::Or),
+        int().prop_map(MergeRule::And),
+        int().prop_map(MergeRule::Xor),
     ]
+}
+
+fn int() -> impl Strategy<Value = ElemType> {
+    prop_oneof![Just(ElemType::U32), Just(ElemType::I32)]
 }
 
 fn role() -> impl Strategy<Value = BindingRole> {
@@ -389,7 +396,8 @@ fn blob_ids_are_32_bytes_on_the_wire_and_hex_in_json() {
 #[test]
 fn merge_rules_and_grids_parse() {
     for s in [
-        "changes", "sum-u32", "sum-i32", "sum-f32", "min-f32", "max-i32",
+        "changes", "sum-u32", "sum-i32", "sum-f32", "min-f32", "max-i32", "or-u32", "and-i32",
+        "xor-u32",
     ] {
         let rule: MergeRule = s.parse().unwrap();
         assert_eq!(rule.to_string(), s);
@@ -399,6 +407,12 @@ fn merge_rules_and_grids_parse() {
     assert_eq!("concat".parse::<MergeRule>().unwrap(), MergeRule::Changes);
     assert!("avg-f32".parse::<MergeRule>().is_err());
     assert!("sum-f64".parse::<MergeRule>().is_err());
+    // Bitwise merges take integers only.
+    let e = "or-f32".parse::<MergeRule>().unwrap_err().to_string();
+    assert!(
+        e.contains("or|and|xor") && e.contains("-u32 or -i32"),
+        "{e}"
+    );
     assert_eq!(Grid([4, 5, 6]).total(), 120);
     assert_eq!(
         Grid([u32::MAX, u32::MAX, 1]).total(),

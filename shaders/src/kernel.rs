@@ -385,6 +385,15 @@ impl Kernel {
             }
             if is_output {
                 let rule = spec.merge_of(b.binding);
+                if rule.is_bitwise() && rule.elem() == Some(ElemType::F32) {
+                    return Err(ExecError::Binding {
+                        binding: b.binding,
+                        problem: format!(
+                            "merge {rule} is bitwise, and bitwise merges take u32 or i32 \
+                             elements"
+                        ),
+                    });
+                }
                 if let Some(want) = rule.elem() {
                     // atomic<u32> holding f32 bit patterns is the WGSL idiom for
                     // float atomics (a compare-exchange loop), so it may merge as f32.
@@ -476,16 +485,13 @@ impl Kernel {
                     return Err(ExecError::Unsplittable(format!(
                         "binding {binding} ({name}) is updated with atomics, and shards that \
                          each start from the same counter or bins cannot be merged word by \
-                         word. Run it with --shards 1; if the binding holds sums, minima or \
-                         maxima (a histogram, a total), merge it with a reduction: --merge \
-                         {binding}=sum|min|max-u32|i32|f32",
+                         word. Run it with --shards 1; if the binding holds sums, minima, \
+                         maxima or bits (a histogram, a total, a bitset), merge it with a \
+                         reduction: --merge {binding}=sum|min|max|or|and|xor-u32|i32|f32",
                         binding = b.binding
                     )));
                 }
-                (
-                    MergeRule::Sum(_) | MergeRule::Min(_) | MergeRule::Max(_),
-                    BindingRole::InOut { .. },
-                ) => {
+                (rule, BindingRole::InOut { .. }) if rule != MergeRule::Changes => {
                     return Err(ExecError::Unsplittable(format!(
                         "binding {} ({name}) is an in-out buffer, but merge {} combines \
                          partials that each start from the reduction's identity, not from \
@@ -519,6 +525,9 @@ fn folds(rule: MergeRule, float_bits: bool, op: AtomicOp) -> bool {
         MergeRule::Sum(_) => !float_bits && matches!(op, A::Add | A::Sub),
         MergeRule::Min(_) => sets || (!float_bits && op == A::Min),
         MergeRule::Max(_) => sets || (!float_bits && op == A::Max),
+        MergeRule::Or(_) => op == A::Or,
+        MergeRule::And(_) => op == A::And,
+        MergeRule::Xor(_) => op == A::Xor,
     }
 }
 
@@ -552,14 +561,25 @@ fn unfolded(
         MergeRule::Max(_) => {
             "keeps the greatest of the shards' partials: split, the answer would be the greatest"
         }
+        MergeRule::Or(_) => "ors the shards' partials together: split, the answer would be the or",
+        MergeRule::And(_) => {
+            "ands the shards' partials together: split, the answer would be the and"
+        }
+        MergeRule::Xor(_) => {
+            "xors the shards' partials together: split, the answer would be the xor"
+        }
         MergeRule::Changes => return None,
     };
     let fix = [
         MergeRule::Sum(elem),
         MergeRule::Min(elem),
         MergeRule::Max(elem),
+        MergeRule::Or(elem),
+        MergeRule::And(elem),
+        MergeRule::Xor(elem),
     ]
     .into_iter()
+    .filter(|r| !(r.is_bitwise() && elem == ElemType::F32))
     .find(|&r| ops.iter().all(|&op| folds(r, float_bits, op)));
     let fix = match fix {
         Some(r) => format!("Merge it with --merge {binding}={r}, or run it with --shards 1"),

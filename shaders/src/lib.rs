@@ -13,7 +13,8 @@
 //! - [`job`]: a task resolved against its kernel and input bytes.
 //! - [`executor`]: device, pipeline cache, dispatch, readback, deadlines, rebuild
 //!   after device loss.
-//! - [`merge`]: concat and elementwise sum/min/max of shard outputs.
+//! - [`merge`]: shard outputs' changed words, or their elementwise
+//!   sum/min/max/or/and/xor.
 //! - [`builtins`]: the built-in kernels (`kernels/*.wgsl`), each with a CPU reference.
 //! - [`calibrate`]: measure an adapter's GFLOP/s and GB/s.
 

@@ -8,9 +8,9 @@
 //!   two shards must have been changed to the same value; otherwise the shards'
 //!   answers cannot be combined into the unsharded one and the merge fails with a
 //!   [`ExecError::Conflict`] naming the binding, the byte offset and the shards.
-//! - `sum`, `min`, `max`: every shard's buffers started from the rule's identity, so
-//!   each is a partial; partials fold elementwise in shard order (so float sums are
-//!   reproducible). A word one shard alone changed takes that shard's value as is.
+//! - `sum`, `min`, `max`, `or`, `and`, `xor`: every shard's buffers started from
+//!   the rule's identity, so each is a partial; partials fold elementwise in shard
+//!   order (so float sums are reproducible). A word one shard alone changed takes that shard's value as is.
 //!   A binding that holds no atomics is written with plain stores, so its words are
 //!   values, not partials: one that two shards changed merges as under `changes`
 //!   (a flag every shard set to 1 stays 1 under `sum`; different values are a
@@ -29,7 +29,8 @@ use crate::kernel::Interface;
 /// The 4 bytes every word of an output starts as under `rule`.
 pub fn identity(rule: MergeRule) -> [u8; 4] {
     match rule {
-        MergeRule::Changes | MergeRule::Sum(_) => [0; 4],
+        MergeRule::Changes | MergeRule::Sum(_) | MergeRule::Or(_) | MergeRule::Xor(_) => [0; 4],
+        MergeRule::And(_) => [0xff; 4],
         MergeRule::Min(ElemType::U32) => u32::MAX.to_le_bytes(),
         MergeRule::Min(ElemType::I32) => i32::MAX.to_le_bytes(),
         MergeRule::Min(ElemType::F32) => f32::INFINITY.to_le_bytes(),
@@ -222,6 +223,10 @@ fn fold(rule: MergeRule, a: u32, b: u32) -> u32 {
         MergeRule::Max(ElemType::U32) => a.max(b),
         MergeRule::Max(ElemType::I32) => ia.max(ib) as u32,
         MergeRule::Max(ElemType::F32) => fa.max(fb).to_bits(),
+        // On the bits, whatever the type (an f32 is refused before anything runs).
+        MergeRule::Or(_) => a | b,
+        MergeRule::And(_) => a & b,
+        MergeRule::Xor(_) => a ^ b,
         MergeRule::Changes => b,
     }
 }

@@ -754,6 +754,67 @@ fn a_range_kept_with_atomic_max_and_min_splits_only_under_max_and_min() {
     }
 }
 
+/// A bitset, a parity and the bits every value shares, kept with atomicOr,
+/// atomicXor and atomicAnd: merged with or, xor and and, split 1..7 ways, the
+/// CPU's. Under another rule, refused split, naming the one that folds it.
+#[test]
+fn bits_kept_with_atomic_or_xor_and_split_under_bitwise_merges() {
+    let mut rng = Rng(12);
+    // Every value has bit 0 and bit 5 set, so the shared bits are not all zero.
+    let values: Vec<u32> = (0..1000).map(|_| rng.below(1 << 24) | 0x21).collect();
+    let words = 8;
+    let (seen, parity, shared) = bits_reference(&values, words);
+    let task = Task::default()
+        .input(0, u32_bytes(&values))
+        .output(1, 4 * words as u64)
+        .output(2, 4)
+        .output(3, 4);
+    let merged = task
+        .clone()
+        .merge(1, MergeRule::Or(ElemType::U32))
+        .merge(2, MergeRule::Xor(ElemType::U32))
+        .merge(3, MergeRule::And(ElemType::U32));
+    split_1_to_7(
+        "bits",
+        BITS,
+        &merged,
+        [16, 1, 1],
+        MergeRule::Changes,
+        |out| {
+            assert_eq!(u32s(&out[&1]), seen);
+            assert_eq!(u32s(&out[&2]), [parity]);
+            assert_eq!(u32s(&out[&3]), [shared]);
+        },
+    );
+    let summed = merged.merge(1, MergeRule::Sum(ElemType::U32));
+    let e = summed
+        .job(BITS, [16, 1, 1], 3, MergeRule::Changes)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("atomicOr") && e.contains("--merge 1=or-u32"),
+        "{e}"
+    );
+    // Bitwise merges take integers.
+    let floats = Task::default()
+        .input(0, f32_bytes(&[1.0; 64]))
+        .output(1, 256)
+        .merge(1, MergeRule::Or(ElemType::F32));
+    let e = floats
+        .job(
+            "@group(0) @binding(0) var<storage, read> a: array<f32>;\n\
+             @group(0) @binding(1) var<storage, read_write> b: array<f32>;\n\
+             @compute @workgroup_size(64)\n\
+             fn main(@builtin(global_invocation_id) g: vec3<u32>) { b[g.x] = a[g.x]; }\n",
+            [1, 1, 1],
+            1,
+            MergeRule::Changes,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("or-f32") && e.contains("u32 or i32"), "{e}");
+}
+
 /// f32 bit patterns in `atomic<u32>` added with atomicAdd (integer addition of
 /// the bits, not a float sum): refused split under sum-f32, which would add the
 /// partials as floats; the compare-exchange loop of the float-sum idiom splits

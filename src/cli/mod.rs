@@ -218,8 +218,9 @@ pub struct TaskArgs {
     pub shards: u32,
     /// How shard results merge: changes (the default: each shard's changed words,
     /// a conflict if two shards change one word differently), or a reduction of
-    /// partials, sum|min|max-u32|i32|f32. RULE sets every writable binding's rule;
-    /// BINDING=RULE (repeatable) sets one binding's.
+    /// partials, sum|min|max-u32|i32|f32 or or|and|xor-u32|i32 (bits set with
+    /// atomicOr, ...). RULE sets every writable binding's rule; BINDING=RULE
+    /// (repeatable) sets one binding's.
     #[arg(long = "merge", value_name = "[BINDING=]RULE", value_parser = parse_merge)]
     pub merges: Vec<(Option<u32>, MergeRule)>,
 }

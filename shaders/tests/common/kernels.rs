@@ -549,6 +549,40 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
+/// Bits, as a sieve or a visited set keeps them: each value marks its bit in a
+/// bitset with `atomicOr`, folds into a parity word with `atomicXor` and into the
+/// bits every value shares with `atomicAnd`.
+pub const BITS: &str = r#"
+@group(0) @binding(0) var<storage, read> values: array<u32>;
+@group(0) @binding(1) var<storage, read_write> seen: array<atomic<u32>>;
+@group(0) @binding(2) var<storage, read_write> parity: atomic<u32>;
+@group(0) @binding(3) var<storage, read_write> shared_bits: atomic<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x >= arrayLength(&values)) {
+        return;
+    }
+    let v = values[gid.x];
+    let bit = v % (arrayLength(&seen) * 32u);
+    atomicOr(&seen[bit / 32u], 1u << (bit % 32u));
+    atomicXor(&parity, v);
+    atomicAnd(&shared_bits, v);
+}
+"#;
+
+/// [`BITS`] on the CPU: the bitset of `words` words, the parity, the shared bits.
+pub fn bits_reference(values: &[u32], words: usize) -> (Vec<u32>, u32, u32) {
+    let mut seen = vec![0u32; words];
+    for v in values {
+        let bit = (v % (words as u32 * 32)) as usize;
+        seen[bit / 32] |= 1 << (bit % 32);
+    }
+    let parity = values.iter().fold(0, |a, v| a ^ v);
+    let shared = values.iter().fold(u32::MAX, |a, v| a & v);
+    (seen, parity, shared)
+}
+
 /// A per-element output beside an atomic total: splittable when the total is merged
 /// as a sum (`--merge 2=sum-u32`) and the output by changes.
 pub const DOUBLE_AND_COUNT: &str = r#"
