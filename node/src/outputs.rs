@@ -181,8 +181,8 @@ where
                     .map_err(|e| MergeError::Fatal(format!("the task's kernel: {e}")))?,
             ),
         };
-        let stored = |b| kernel.as_ref().is_some_and(|k| k.interface.stored(b));
-        let targets = merge::targets(&spec, stored, |b| starts.get(&b).map(Vec::as_slice));
+        let atomic = |b| kernel.as_ref().and_then(|k| k.interface.atomic_words(b));
+        let targets = merge::targets(&spec, atomic, |b| starts.get(&b).map(Vec::as_slice));
         let refs: Vec<&ShardChanges> = shards.iter().map(|s| s.borrow()).collect();
         merge::merge(&targets, &refs).map_err(|e| MergeError::Fatal(e.to_string()))
     };

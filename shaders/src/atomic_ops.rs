@@ -7,6 +7,10 @@
 //! maximum. [`crate::kernel::Kernel::check`] holds each buffer's functions against
 //! its merge rule; this module finds them.
 //!
+//! Which words of a buffer hold atomics ([`AtomicWords`]) tells the merge what it
+//! may fold: an atomic word holds a shard's partial, any other word a value some
+//! plain store set (a flag every shard sets to 1 is 1, not one per shard).
+//!
 //! An atomic reached through a pointer argument (a helper taking
 //! `ptr<storage, atomic<u32>, read_write>`) is not traced to its buffer: it counts
 //! for every buffer, which errs towards refusing.
@@ -15,7 +19,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use naga::valid::{FunctionInfo, ModuleInfo};
-use naga::{AddressSpace, AtomicFunction, Function, Handle, Module, Statement, TypeInner};
+use naga::{
+    AddressSpace, ArraySize, AtomicFunction, Function, Handle, Module, Statement, TypeInner,
+};
 
 use crate::ir::{each_statement, root_global};
 
@@ -118,6 +124,111 @@ pub(crate) fn atomic_ops(module: &Module, info: &ModuleInfo) -> BTreeMap<u32, BT
     by_binding
 }
 
+/// Which 4-byte words of a buffer's type hold atomics: words of its fixed part,
+/// then a pattern repeating with each element of a trailing runtime-sized array.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AtomicWords {
+    fixed: Vec<bool>,
+    /// The first word of the trailing array, and which words of each element.
+    tail: Option<(u64, Vec<bool>)>,
+}
+
+impl AtomicWords {
+    /// The words of type `ty` (a buffer's) that hold atomics.
+    pub(crate) fn of(module: &Module, ty: Handle<naga::Type>) -> AtomicWords {
+        let mut words = AtomicWords::default();
+        let tail = match &module.types[ty].inner {
+            TypeInner::Array {
+                base,
+                size: ArraySize::Dynamic,
+                stride,
+            } => Some((0, *base, *stride)),
+            TypeInner::Struct { members, .. } => {
+                for m in members {
+                    match module.types[m.ty].inner {
+                        TypeInner::Array {
+                            base,
+                            size: ArraySize::Dynamic,
+                            stride,
+                        } => words.tail_of(module, u64::from(m.offset), base, stride),
+                        _ => mark(module, m.ty, u64::from(m.offset), &mut words.fixed),
+                    }
+                }
+                None
+            }
+            _ => {
+                mark(module, ty, 0, &mut words.fixed);
+                None
+            }
+        };
+        if let Some((offset, base, stride)) = tail {
+            words.tail_of(module, offset, base, stride);
+        }
+        words
+    }
+
+    fn tail_of(&mut self, module: &Module, offset: u64, base: Handle<naga::Type>, stride: u32) {
+        let mut element = vec![false; (stride / 4) as usize];
+        mark(module, base, 0, &mut element);
+        if element.iter().any(|&a| a) {
+            self.tail = Some((offset / 4, element));
+        }
+    }
+
+    /// Whether the word at index `word` (byte offset / 4) holds an atomic.
+    pub fn get(&self, word: u64) -> bool {
+        if let Some(&a) = self.fixed.get(word as usize) {
+            return a;
+        }
+        match &self.tail {
+            Some((first, element)) if word >= *first && !element.is_empty() => {
+                element[((word - first) % element.len() as u64) as usize]
+            }
+            _ => false,
+        }
+    }
+
+    /// Atomics at the words `fixed` says, none past them.
+    #[cfg(test)]
+    pub(crate) fn fixed(fixed: Vec<bool>) -> AtomicWords {
+        AtomicWords { fixed, tail: None }
+    }
+
+    /// Whether no word holds an atomic.
+    pub fn none(&self) -> bool {
+        self.tail.is_none() && !self.fixed.iter().any(|&a| a)
+    }
+}
+
+/// Marks in `words` (from byte `offset`) the words of sized type `ty` that hold
+/// atomics, growing it as far as the last one.
+fn mark(module: &Module, ty: Handle<naga::Type>, offset: u64, words: &mut Vec<bool>) {
+    match &module.types[ty].inner {
+        TypeInner::Atomic(_) => {
+            let word = (offset / 4) as usize;
+            if words.len() <= word {
+                words.resize(word + 1, false);
+            }
+            words[word] = true;
+        }
+        TypeInner::Array {
+            base,
+            size: ArraySize::Constant(n),
+            stride,
+        } if crate::kernel::holds_atomic(&module.types, *base) => {
+            for i in 0..u64::from(n.get()) {
+                mark(module, *base, offset + i * u64::from(*stride), words);
+            }
+        }
+        TypeInner::Struct { members, .. } => {
+            for m in members {
+                mark(module, m.ty, offset + u64::from(m.offset), words);
+            }
+        }
+        _ => {}
+    }
+}
+
 /// Whether a store through `pointer` is an `atomicStore`: it points at an atomic.
 fn stores_atomic(module: &Module, fi: &FunctionInfo, pointer: Handle<naga::Expression>) -> bool {
     match fi[pointer].ty.inner_with(&module.types) {
@@ -193,5 +304,36 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         );
         assert_eq!(found.get(&3), None, "plain stores are not atomics");
         assert_eq!(found.len(), 2, "workgroup atomics are no buffer's");
+    }
+
+    /// The words of each global's type that hold atomics, by name.
+    fn words(src: &str) -> BTreeMap<String, AtomicWords> {
+        let module = naga::front::wgsl::parse_str(src).unwrap();
+        module
+            .global_variables
+            .iter()
+            .map(|(_, g)| (g.name.clone().unwrap(), AtomicWords::of(&module, g.ty)))
+            .collect()
+    }
+
+    #[test]
+    fn atomic_words_are_found_in_structs_arrays_and_tails() {
+        let found = words(
+            r#"
+struct Pair { hits: atomic<u32>, last: u32 }
+struct Mixed { flag: u32, count: atomic<u32>, pad: vec2<u32>, pairs: array<Pair> }
+@group(0) @binding(0) var<storage, read_write> mixed: Mixed;
+@group(0) @binding(1) var<storage, read_write> bins: array<atomic<i32>, 4>;
+@group(0) @binding(2) var<storage, read_write> plain: array<u32>;
+@group(0) @binding(3) var<storage, read_write> total: atomic<u32>;
+"#,
+        );
+        let mixed = &found["mixed"];
+        let atomic: Vec<u64> = (0..12).filter(|&w| mixed.get(w)).collect();
+        // flag 0, count 1, pad 2-3, then pairs from word 4: hits, last.
+        assert_eq!(atomic, [1, 4, 6, 8, 10]);
+        assert!((0..4).all(|w| found["bins"].get(w)) && !found["bins"].get(4));
+        assert!(found["plain"].none() && !found["plain"].get(0));
+        assert!(found["total"].get(0) && !found["total"].none());
     }
 }

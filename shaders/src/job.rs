@@ -167,7 +167,7 @@ impl Job {
     pub fn merge(&self, shards: &[&ShardChanges]) -> Result<BTreeMap<u32, Vec<u8>>> {
         let targets = crate::merge::targets(
             &self.spec,
-            |b| self.kernel.interface.stored(b),
+            |b| self.kernel.interface.atomic_words(b),
             |b| match &self.writable.get(&b)?.start {
                 Start::Blob(input) => Some(&input.bytes[..]),
                 Start::Fill(_) => None,

@@ -15,7 +15,7 @@ use gpumesh_protocol::{
 };
 use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
 
-pub use crate::atomic_ops::AtomicOp;
+pub use crate::atomic_ops::{AtomicOp, AtomicWords};
 use crate::builtins::sources;
 use crate::error::{ExecError, Result};
 use crate::shard::{self, ShardRange};
@@ -65,6 +65,9 @@ pub struct DeclaredBinding {
     /// The atomic functions the kernel applies to it (see `crate::atomic_ops`): a
     /// reduction must fold what they compute.
     pub atomic_ops: BTreeSet<AtomicOp>,
+    /// Which of its words hold atomics: under a reduction those hold partials,
+    /// the others values plain stores set.
+    pub atomic_words: AtomicWords,
 }
 
 impl DeclaredBinding {
@@ -115,10 +118,9 @@ pub struct Interface {
 }
 
 impl Interface {
-    /// Whether the kernel writes `binding` with plain stores only (it holds no
-    /// atomics): its words are values, not partials a reduction could fold.
-    pub fn stored(&self, binding: u32) -> bool {
-        self.bindings.get(&binding).is_some_and(|d| !d.has_atomics)
+    /// Which words of `binding` hold atomics (see [`DeclaredBinding::atomic_words`]).
+    pub fn atomic_words(&self, binding: u32) -> Option<&AtomicWords> {
+        self.bindings.get(&binding).map(|d| &d.atomic_words)
     }
 }
 
@@ -782,6 +784,7 @@ fn reflect(
                 appended: atomic_uses.appended.contains(&rb.binding),
                 steered: atomic_uses.steered.contains(&rb.binding),
                 atomic_ops: atomic_ops.remove(&rb.binding).unwrap_or_default(),
+                atomic_words: AtomicWords::of(module, var.ty),
             },
         );
     }

@@ -23,6 +23,7 @@ use std::collections::BTreeMap;
 use gpumesh_protocol::{Base, BufferChanges, ElemType, MergeRule, Run, ShardChanges, TaskSpec};
 
 use crate::error::{ExecError, Result};
+use crate::kernel::AtomicWords;
 #[cfg(doc)]
 use crate::kernel::Interface;
 
@@ -46,16 +47,17 @@ pub struct Target<'a> {
     pub rule: MergeRule,
     pub size: u64,
     pub base: Base<'a>,
-    /// Whether the kernel writes it with plain stores only (it holds no atomics).
-    pub stored: bool,
+    /// Which of its words hold atomics, so hold partials; the others hold values
+    /// plain stores set. `None`: no word does.
+    pub atomic: Option<&'a AtomicWords>,
 }
 
-/// Every writable binding of `spec` as a merge target; `stored` says which the
-/// kernel writes with plain stores only ([`Interface::stored`]), `start` gives the
-/// bytes an in-out binding starts as (the others start as their rule's identity).
+/// Every writable binding of `spec` as a merge target; `atomic` gives which words
+/// of a binding hold atomics ([`Interface::atomic_words`]), `start` the bytes an
+/// in-out binding starts as (the others start as their rule's identity).
 pub fn targets<'a>(
     spec: &TaskSpec,
-    stored: impl Fn(u32) -> bool,
+    atomic: impl Fn(u32) -> Option<&'a AtomicWords>,
     start: impl Fn(u32) -> Option<&'a [u8]>,
 ) -> BTreeMap<u32, Target<'a>> {
     bases(spec, start)
@@ -71,7 +73,7 @@ pub fn targets<'a>(
                 rule,
                 size,
                 base,
-                stored: stored(binding),
+                atomic: atomic(binding),
             };
             (binding, target)
         })
@@ -113,7 +115,7 @@ pub fn merge(
             rule,
             size,
             base,
-            stored,
+            atomic,
         },
     ) in targets
     {
@@ -167,7 +169,7 @@ pub fn merge(
                         }
                         MergeRule::Changes => {}
                         // Two shards stored a value here: not partials to fold.
-                        _ if stored && old != new => {
+                        _ if !atomic.is_some_and(|a| a.get(word)) && old != new => {
                             let first = first_writer(&shards[..k], binding, w as u64);
                             return Err(ExecError::StoredConflict {
                                 binding,
@@ -177,7 +179,7 @@ pub fn merge(
                                 rule,
                             });
                         }
-                        _ if stored => {}
+                        _ if !atomic.is_some_and(|a| a.get(word)) => {}
                         _ => {
                             let r = fold(rule, word_of(old), word_of(new));
                             old.copy_from_slice(&r.to_le_bytes());
@@ -292,13 +294,14 @@ mod tests {
     }
 
     fn run(rule: MergeRule, start: &[u32], shards: &[ShardChanges]) -> Result<Vec<u32>> {
-        run_target(rule, false, start, shards)
+        let all = AtomicWords::fixed(vec![true; start.len()]);
+        run_target(rule, Some(&all), start, shards)
     }
 
-    /// [`run`], of a binding the kernel writes with plain stores when `stored`.
+    /// [`run`], of a binding whose words hold atomics where `atomic` says.
     fn run_target(
         rule: MergeRule,
-        stored: bool,
+        atomic: Option<&AtomicWords>,
         start: &[u32],
         shards: &[ShardChanges],
     ) -> Result<Vec<u32>> {
@@ -307,7 +310,7 @@ mod tests {
             rule,
             size: s.len() as u64,
             base: Base::Bytes(&s),
-            stored,
+            atomic,
         };
         let refs: Vec<&ShardChanges> = shards.iter().collect();
         let out = merge(&BTreeMap::from([(0, target)]), &refs)?;
@@ -389,10 +392,11 @@ mod tests {
         );
     }
 
-    /// Under a reduction, a binding without atomics holds values, not partials: a
-    /// word two shards stored alike keeps its value (a flag under sum is 1, not 2),
-    /// different values are a conflict naming the rule. Before, the sum of the
-    /// shards' stores came back: 3 for a flag three shards set.
+    /// Under a reduction, a word that holds no atomic holds a value, not a partial:
+    /// one two shards stored alike keeps its value (a flag under sum is 1, not 2),
+    /// different values are a conflict naming the rule; an atomic word beside it
+    /// (a struct of both) folds. Before, the sum of the shards' stores came back: 3
+    /// for a flag three shards set.
     #[test]
     fn words_stored_by_two_shards_are_values_not_partials() {
         let id = [0; 3];
@@ -402,16 +406,26 @@ mod tests {
             shard(&id, &[1, 0, 7]),
         ];
         let sum = MergeRule::Sum(ElemType::U32);
-        assert_eq!(run_target(sum, true, &id, &flags).unwrap(), [1, 5, 7]);
-        assert_eq!(run_target(sum, false, &id, &flags).unwrap(), [3, 5, 7]);
-        let differ = [shard(&id, &[0, 2, 0]), shard(&id, &[0, 3, 0])];
-        let e = run_target(sum, true, &id, &differ).unwrap_err();
+        assert_eq!(run_target(sum, None, &id, &flags).unwrap(), [1, 5, 7]);
+        let counts = AtomicWords::fixed(vec![true; 3]);
+        assert_eq!(
+            run_target(sum, Some(&counts), &id, &flags).unwrap(),
+            [3, 5, 7]
+        );
+        let flag_and_count = AtomicWords::fixed(vec![false, true]);
+        let both = [shard(&id, &[1, 2, 0]), shard(&id, &[1, 3, 0])];
+        assert_eq!(
+            run_target(sum, Some(&flag_and_count), &id, &both).unwrap(),
+            [1, 5, 0]
+        );
+        let differ = [shard(&id, &[0, 0, 2]), shard(&id, &[0, 0, 3])];
+        let e = run_target(sum, Some(&flag_and_count), &id, &differ).unwrap_err();
         assert!(
             matches!(
                 e,
                 ExecError::StoredConflict {
                     binding: 0,
-                    offset: 4,
+                    offset: 8,
                     shards: (0, 1),
                     values: (2, 3),
                     ..

@@ -393,6 +393,39 @@ fn a_shared_flag_word_set_to_one_value_by_several_shards_merges() {
     );
 }
 
+/// A flag beside an atomic count in one struct, summed: the count's word folds,
+/// the flag's holds the value stored (1, not one for each shard that set it).
+#[test]
+fn a_flag_beside_an_atomic_count_in_one_struct_sums_only_the_count() {
+    let source = r#"
+struct Tally { found: u32, negatives: array<atomic<u32>> }
+@group(0) @binding(0) var<storage, read> values: array<i32>;
+@group(0) @binding(1) var<storage, read_write> tally: Tally;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x < arrayLength(&values) && values[gid.x] < 0) {
+        tally.found = 1u;
+        atomicAdd(&tally.negatives[0], 1u);
+    }
+}
+"#;
+    let mut values: Vec<i32> = (0..700).collect();
+    for i in [3, 200, 333, 650, 699] {
+        values[i] = -(i as i32);
+    }
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let task = Task::default().input(0, bytes).output(1, 8);
+    split_1_to_7(
+        "tally",
+        source,
+        &task,
+        [11, 1, 1],
+        MergeRule::Sum(ElemType::U32),
+        |out| assert_eq!(u32s(&out[&1]), [1, 5]),
+    );
+}
+
 #[test]
 fn one_word_written_differently_by_shards_is_a_conflict_not_an_answer() {
     // Increasing values: each shard's maximum is its own last value.

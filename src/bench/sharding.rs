@@ -119,7 +119,7 @@ pub fn sections(
         rule: MergeRule::Changes,
         size: size as u64,
         base: Base::Fill([0; 4]),
-        stored: true,
+        atomic: None,
     };
     let targets = BTreeMap::from([(0u32, target)]);
     let t = median_of(runs, || -> anyhow::Result<_> {
