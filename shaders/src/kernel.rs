@@ -409,7 +409,9 @@ impl Kernel {
                                 "merge {} needs {} elements but the shader declares {}",
                                 rule,
                                 want.name(),
-                                declared.elem.map_or("another type", ElemType::name)
+                                declared
+                                    .elem
+                                    .map_or("words of another or of mixed types", ElemType::name)
                             ),
                         });
                     }
@@ -585,6 +587,15 @@ fn unfolded(
     .find(|&r| ops.iter().all(|&op| folds(r, float_bits, op)));
     let fix = match fix {
         Some(r) => format!("Merge it with --merge {binding}={r}, or run it with --shards 1"),
+        // Several functions no one rule folds (a count and a maximum in one struct).
+        None if ops.len() > 1 => {
+            let names: Vec<String> = ops.iter().map(AtomicOp::to_string).collect();
+            format!(
+                "It is updated with {}: give the words each updates a binding of its own, \
+                 merged by its own rule (--merge BINDING=RULE), or run it with --shards 1",
+                names.join(", ")
+            )
+        }
         None => "Run it with --shards 1".to_string(),
     };
     Some(ExecError::Unsplittable(format!(
@@ -846,7 +857,7 @@ fn layout_of(
                     Some(u64::from(stride)),
                     elem_of(module, base),
                 ),
-                _ => (u64::from(*span), None, None),
+                _ => (u64::from(*span), None, elem_of(module, ty)),
             },
             None => (u64::from(*span), None, None),
         },
@@ -854,11 +865,22 @@ fn layout_of(
     })
 }
 
+/// The scalar type every word of `ty` holds, if it is one of the merge element
+/// types: a scalar, a vector or matrix of it, an atomic, or an array or struct
+/// whose members all hold the same (a struct of u32 counters is u32).
 fn elem_of(module: &naga::Module, ty: naga::Handle<naga::Type>) -> Option<ElemType> {
     use naga::{ScalarKind, TypeInner};
-    let scalar = match module.types[ty].inner {
-        TypeInner::Scalar(s) | TypeInner::Atomic(s) | TypeInner::Vector { scalar: s, .. } => s,
-        TypeInner::Matrix { scalar, .. } => scalar,
+    let scalar = match &module.types[ty].inner {
+        TypeInner::Scalar(s) | TypeInner::Atomic(s) | TypeInner::Vector { scalar: s, .. } => *s,
+        TypeInner::Matrix { scalar, .. } => *scalar,
+        TypeInner::Array { base, .. } => return elem_of(module, *base),
+        TypeInner::Struct { members, .. } => {
+            let first = elem_of(module, members.first()?.ty)?;
+            return members
+                .iter()
+                .all(|m| elem_of(module, m.ty) == Some(first))
+                .then_some(first);
+        }
         _ => return None,
     };
     match (scalar.kind, scalar.width) {

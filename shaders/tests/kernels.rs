@@ -426,6 +426,57 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     );
 }
 
+/// Counters in one struct, as tutorials keep statistics: summed, each folds; a
+/// maximum among them cannot be merged by the same rule, and the refusal says to
+/// give it a binding of its own.
+#[test]
+fn counters_in_one_struct_sum_and_a_maximum_among_them_is_refused_split() {
+    let source = |max: &str| {
+        format!(
+            r#"
+struct Stats {{ count: atomic<u32>, total: atomic<u32>, best: atomic<u32> }}
+@group(0) @binding(0) var<storage, read> values: array<u32>;
+@group(0) @binding(1) var<storage, read_write> stats: Stats;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
+    if (gid.x < arrayLength(&values) && values[gid.x] % 3u == 0u) {{
+        atomicAdd(&stats.count, 1u);
+        atomicAdd(&stats.total, values[gid.x]);
+        {max}(&stats.best, values[gid.x]);
+    }}
+}}
+"#
+        )
+    };
+    let values: Vec<u32> = (0..700).map(|i| (i * 37) % 1000).collect();
+    let picked: Vec<u32> = values.iter().copied().filter(|v| v % 3 == 0).collect();
+    let (count, total) = (picked.len() as u32, picked.iter().sum::<u32>());
+    let task = Task::default().input(0, u32_bytes(&values)).output(1, 12);
+    let summed = source("atomicAdd");
+    split_1_to_7(
+        "stats",
+        &summed,
+        &task,
+        [11, 1, 1],
+        MergeRule::Sum(ElemType::U32),
+        |out| assert_eq!(u32s(&out[&1]), [count, total, total]),
+    );
+    let e = task
+        .job(
+            &source("atomicMax"),
+            [11, 1, 1],
+            3,
+            MergeRule::Sum(ElemType::U32),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("atomicMax") && e.contains("a binding of its own") && e.contains("--shards 1"),
+        "{e}"
+    );
+}
+
 #[test]
 fn one_word_written_differently_by_shards_is_a_conflict_not_an_answer() {
     // Increasing values: each shard's maximum is its own last value.
