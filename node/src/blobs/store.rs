@@ -43,6 +43,11 @@ pub struct BlobStore {
     max_blob_bytes: u64,
     /// See [`BlobStore::with_disk_reserve`].
     disk_reserve: u64,
+    /// Bytes promised to blobs being written that the file system does not count
+    /// as used yet (a packed blob is held in memory until it is whole; a file's
+    /// room is allocated just after it is promised): counted against the reserve
+    /// as if written, so blobs arriving at once cannot together go past it.
+    promised: Arc<Mutex<u64>>,
     pack: std::sync::Arc<Pack>,
     /// Blobs being written here, served from memory meanwhile (see [`Self::stage`]).
     staged: Arc<Mutex<HashMap<BlobId, Arc<Vec<u8>>>>>,
@@ -115,6 +120,7 @@ impl BlobStore {
             root,
             max_blob_bytes,
             disk_reserve: 0,
+            promised: Arc::default(),
             pack: std::sync::Arc::new(pack),
             staged: Default::default(),
             sweep: Default::default(),
@@ -157,14 +163,23 @@ impl BlobStore {
         self
     }
 
-    /// Whether `adding` more bytes leave the disk reserve free.
-    fn room_for(&self, adding: u64) -> Result<()> {
+    /// Promises `adding` more bytes if they, and every promise not yet written,
+    /// leave the disk reserve free; the promise lasts as long as the [`Room`].
+    fn room_for(&self, adding: u64) -> Result<Room> {
         if self.disk_reserve == 0 {
-            return Ok(());
+            return Ok(Room::default());
         }
+        // Under the lock, so two writers cannot both count on the same bytes (a
+        // promise is given up only once its bytes show as used).
+        let mut promised = self.promised.lock().unwrap_or_else(PoisonError::into_inner);
         let free = free_bytes(&self.root).map_err(|e| NodeError::io(&self.root, e))?;
+        let free = free.saturating_sub(*promised);
         if free.saturating_sub(adding) >= self.disk_reserve {
-            return Ok(());
+            *promised += adding;
+            return Ok(Room {
+                promised: Some(self.promised.clone()),
+                bytes: adding,
+            });
         }
         Err(NodeError::DiskReserve {
             path: self.root.display().to_string(),
@@ -224,7 +239,7 @@ impl BlobStore {
                 setting: "--max-blob-bytes",
             });
         }
-        self.room_for(total)?;
+        let mut room = self.room_for(total)?;
         let tmp = self.tmp_path(&id);
         let sink = if total <= PACK_MAX {
             Sink::Packed {
@@ -232,9 +247,12 @@ impl BlobStore {
                 pack: self.pack.clone(),
             }
         } else {
+            let file = create_sized(&tmp, total).map_err(|e| NodeError::io(&tmp, e))?;
+            // Allocated: the file system counts it now.
+            room = Room::default();
             Sink::File(FileWriter {
                 id,
-                file: Arc::new(create_sized(&tmp, total).map_err(|e| NodeError::io(&tmp, e))?),
+                file: Arc::new(file),
                 tmp: tmp.clone(),
                 total,
                 unflushed: 0,
@@ -252,6 +270,7 @@ impl BlobStore {
             hashed: 0,
             early: std::collections::BTreeMap::new(),
             done: false,
+            _room: room,
         })
     }
 
@@ -281,7 +300,7 @@ impl BlobStore {
         if self.has(&id) {
             return Ok(());
         }
-        self.room_for(bytes.len() as u64)?;
+        let room = self.room_for(bytes.len() as u64)?;
         if bytes.len() as u64 <= PACK_MAX {
             let path = self.pack.path();
             return self
@@ -293,6 +312,8 @@ impl BlobStore {
         let tmp = self.tmp_path(&id);
         let write = || -> std::io::Result<()> {
             let mut f = create_sized(&tmp, bytes.len() as u64)?;
+            // Allocated: the file system counts it now.
+            drop(room);
             f.write_all(bytes)?;
             f.sync_all()?;
             fs::rename(&tmp, &path)?;
@@ -593,6 +614,25 @@ pub struct Incoming {
     /// Pieces that came before the bytes ahead of them, by offset.
     early: std::collections::BTreeMap<u64, Vec<u8>>,
     done: bool,
+    /// The room promised to it until it is written (a packed blob's).
+    _room: Room,
+}
+
+/// Room on the disk promised to a blob being written (see
+/// [`BlobStore::room_for`]), given back when dropped.
+#[derive(Debug, Default)]
+struct Room {
+    promised: Option<Arc<Mutex<u64>>>,
+    bytes: u64,
+}
+
+impl Drop for Room {
+    fn drop(&mut self) {
+        if let Some(promised) = &self.promised {
+            let mut p = promised.lock().unwrap_or_else(PoisonError::into_inner);
+            *p = p.saturating_sub(self.bytes);
+        }
+    }
 }
 
 /// Writes the pieces of an incoming blob that has a file of its own: inside
@@ -1344,6 +1384,41 @@ mod tests {
         let small = vec![7u8; 100 << 10];
         let small_id = store.put(&small).unwrap();
         assert_eq!(store.get(&small_id).unwrap().unwrap(), small);
+    }
+
+    /// Blobs arriving at once are held to the reserve together: a packed blob
+    /// is held in memory until it is whole, so the disk does not count it, but
+    /// its room is promised. Before, each was checked against the free space
+    /// alone, and two that fit one at a time both went past the reserve.
+    #[test]
+    fn blobs_arriving_at_once_cannot_together_go_past_the_reserve() {
+        let Some((dir, _unmount)) = small_disk("8m") else {
+            return;
+        };
+        let store = BlobStore::open(dir.path(), 8 << 20)
+            .unwrap()
+            .with_disk_reserve(4 << 20);
+        let blob = |seed: u8| -> Vec<u8> { (0..3u32 << 20).map(|i| (i as u8) ^ seed).collect() };
+        let (a, b) = (blob(1), blob(2));
+        let (ida, idb) = (BlobId::of(&a), BlobId::of(&b));
+        let first = store.incoming(ida, a.len() as u64).unwrap();
+        let err = store.incoming(idb, b.len() as u64).err().unwrap();
+        assert!(err.is_disk_full(), "{err}");
+        assert!(err.to_string().contains("reserve"), "{err}");
+        let err = store.put(&b).unwrap_err();
+        assert!(err.is_disk_full(), "{err}");
+        // Given up, its promise goes: the other fits.
+        drop(first);
+        let mut second = store.incoming(idb, b.len() as u64).unwrap();
+        second.write_at(0, b.clone()).unwrap();
+        second.finish().unwrap();
+        assert_eq!(store.get(&idb).unwrap().unwrap(), b);
+        // Written, it counts as used: the first no longer fits.
+        assert!(store
+            .incoming(ida, a.len() as u64)
+            .err()
+            .unwrap()
+            .is_disk_full());
     }
 
     #[test]
