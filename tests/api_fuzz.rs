@@ -231,7 +231,11 @@ fn merge() -> impl Strategy<Value = MergeRule> {
         Just(MergeRule::Changes),
         elem.clone().prop_map(MergeRule::Sum),
         elem.clone().prop_map(MergeRule::Min),
-        elem.prop_map(MergeRule::Max),
+        elem.clone().prop_map(MergeRule::Max),
+        // Bitwise rules of any element type, f32 included (refused).
+        elem.clone().prop_map(MergeRule::Or),
+        elem.clone().prop_map(MergeRule::And),
+        elem.prop_map(MergeRule::Xor),
     ]
 }
 
