@@ -188,6 +188,45 @@ fn collatz_in_place_on_an_inout_buffer() {
     );
 }
 
+/// A bitonic sort, each of its 55 steps run in place and split into 1..=7 shards
+/// in turn: a shard's invocations write their partners' elements too, which
+/// another shard's range holds. Sorted as the CPU sorts, on every adapter.
+#[test]
+fn a_bitonic_sort_whose_steps_are_split_sorts() {
+    let n = 1024u32;
+    let mut rng = Rng(13);
+    let values: Vec<u32> = (0..n).map(|_| rng.below(1 << 30)).collect();
+    let mut want = values.clone();
+    want.sort_unstable();
+    for adapter in common::adapters() {
+        let mut executor = common::lock(adapter);
+        let mut data = u32_bytes(&values);
+        let mut steps = 0u32;
+        let mut k = 2;
+        while k <= n {
+            let mut j = k / 2;
+            while j > 0 {
+                let task = Task::default().input(0, u32_bytes(&[j, k])).inout(1, data);
+                let shards = steps % 7 + 1;
+                let job = task
+                    .job(BITONIC_STEP, [n / 64, 1, 1], shards, MergeRule::Changes)
+                    .unwrap();
+                data = executor
+                    .run(&job, None)
+                    .unwrap()
+                    .outputs
+                    .remove(&1)
+                    .unwrap();
+                steps += 1;
+                j /= 2;
+            }
+            k *= 2;
+        }
+        assert_eq!(steps, 55);
+        assert_eq!(u32s(&data), want, "on {}", adapter.backend.name());
+    }
+}
+
 // ---------------------------------------------------------------------------------
 // Two read_write buffers indexed by workgroup_id, from a workgroup reduction.
 

@@ -532,6 +532,32 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#;
 
+/// One step of a bitonic sort, in place, as GPU sorting tutorials write it: the
+/// invocation at `i` compares its element with its partner's at `i ^ j` and, if
+/// they are out of order for the block of `k`, swaps them, writing its partner's
+/// element too. The whole sort is this step dispatched for every (k, j).
+pub const BITONIC_STEP: &str = r#"
+struct Step { j: u32, k: u32 }
+@group(0) @binding(0) var<uniform> step: Step;
+@group(0) @binding(1) var<storage, read_write> data: array<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    let l = i ^ step.j;
+    if (l <= i || l >= arrayLength(&data)) {
+        return;
+    }
+    let a = data[i];
+    let b = data[l];
+    let ascending = (i & step.k) == 0u;
+    if ((ascending && a > b) || (!ascending && a < b)) {
+        data[i] = b;
+        data[l] = a;
+    }
+}
+"#;
+
 /// The greatest and the least of signed values, kept with `atomicMax` and
 /// `atomicMin` in two words of one buffer, as tutorials find a range.
 pub const RANGE: &str = r#"
