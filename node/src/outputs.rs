@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use gpumesh_consensus::{Command, ConsensusHandle, MergedOutput, Task, TaskId, TaskStatus};
-use gpumesh_protocol::{BlobId, ShardChanges, TaskSpec};
+use gpumesh_protocol::{BlobId, MergeRule, ShardChanges, TaskSpec};
 use gpumesh_shaders::{merge, KernelCache};
 
 use crate::blobs::BlobsHandle;
@@ -172,8 +172,12 @@ where
     // the async runtime unless small: a merge walks every changed word of every shard.
     let kernels = kernels.clone();
     let merge = move || {
-        // One shard's words are its values whatever they hold: no kernel needed.
+        // One shard's words are its values whatever they hold, and `changes` takes
+        // every word as a value: no kernel needed.
+        let reduced = spec.merge != MergeRule::Changes
+            || spec.merges.values().any(|&r| r != MergeRule::Changes);
         let kernel = match shards.len() {
+            _ if !reduced => None,
             1 => None,
             _ => Some(
                 kernels
