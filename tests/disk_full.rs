@@ -4,7 +4,8 @@
 //! the disk's own error, and the node still answers; once its Raft log cannot be written, the node stops with an
 //! exit status and a message saying what to do, rather than run on as a member
 //! that records nothing; given room and started again, it comes back with every
-//! result it had, and runs new tasks.
+//! result it had, and runs new tasks. A leader at its disk reserve, among three
+//! processes, still merges tasks, its outputs kept by the others.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
 
@@ -233,4 +234,80 @@ async fn a_node_at_its_disk_reserve_refuses_new_data_and_its_record_goes_on() {
     );
     assert!(node.running());
     node.kill9();
+}
+
+/// A leader at its disk reserve, in a mesh of three processes as the README starts
+/// them (its data dir alone on a small tmpfs): a task of two shards is merged all
+/// the same, its outputs kept by the two other members, and fetched through any
+/// of them; fetched through the full leader, refused at once as 507. Before, the
+/// leader pulled the shards' results onto its own disk to merge them and stored
+/// the merged output there, was refused each time by its reserve, and the task
+/// stayed `merging` for as long as that node led.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_at_its_disk_reserve_still_merges_keeping_the_outputs_elsewhere() {
+    if !have_any() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let _disk = match Tmpfs::mount(&root.path().join("a"), 48) {
+        Ok(disk) => disk,
+        Err(why) => {
+            assert!(
+                std::env::var("GPUMESH_REQUIRE_TMPFS").is_err(),
+                "GPUMESH_REQUIRE_TMPFS is set but a tmpfs cannot be mounted: {why}"
+            );
+            common::skipped(&format!("NO TMPFS ({why}): a full-disk test did not run"));
+            return;
+        }
+    };
+    let mut procs: Vec<procs::Proc> = ["a", "b", "c"]
+        .iter()
+        .map(|n| procs::node(root.path(), n))
+        .collect();
+    procs[0]
+        .start(&["--init", "--disk-reserve", &(32u64 << 20).to_string()])
+        .unwrap();
+    let ticket = procs[0].ticket().unwrap();
+    for p in &mut procs[1..] {
+        p.start(&["--join", &ticket]).unwrap();
+    }
+    let status = procs::three_voters(&procs).await;
+    let clients: Vec<gpumesh::Client> = procs
+        .iter()
+        .map(|p| p.client().unwrap().retry_for(Duration::from_secs(10)))
+        .collect();
+    let a = clients[0].status().await.unwrap().node;
+    assert_eq!(status.leader, a, "a formed the mesh and leads it");
+    // Uploads to a until its reserve refuses one.
+    let mut refused = None;
+    for i in 0..20u8 {
+        if let Err(e) = clients[0].upload(vec![i; 2 << 20]).await {
+            refused = Some(e.to_string());
+            break;
+        }
+    }
+    let e = refused.expect("uploads refused at the reserve");
+    assert!(e.contains("disk reserve"), "{e}");
+
+    // 4 MiB merged from two shards: more than a has room for.
+    let n = 1 << 20;
+    let task = clients[1].submit(salted_spec(n, 5), None).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), clients[1].wait(task, |_, _| {}))
+        .await
+        .expect("merged within a minute, the leader's disk full")
+        .unwrap();
+    assert_eq!(
+        clients[0].status().await.unwrap().leader,
+        a,
+        "a still leads: it merged"
+    );
+    for c in &clients[1..] {
+        assert_eq!(c.results(task).await.unwrap()[&0], salted_expected(n, 5));
+    }
+    let quick = procs[0].client().unwrap().retry_for(Duration::ZERO);
+    let e = quick.results(task).await.unwrap_err().to_string();
+    assert!(e.contains("disk reserve") && !e.contains("retrying"), "{e}");
+    for p in &mut procs {
+        p.kill9();
+    }
 }

@@ -26,6 +26,7 @@ pub enum NodeError {
         /// The `gpumesh node` flag that sets the limit.
         setting: &'static str,
     },
+    // Its text holds RESERVE_MARK: the API knows it by that when it comes as text.
     #[error(
         "{path} has {free_mib} MiB free, under this node's disk reserve of {reserve_mib} MiB \
          (--disk-reserve): new data is refused so that the mesh's record can still be \
@@ -101,3 +102,25 @@ impl NodeError {
 }
 
 pub type Result<T, E = NodeError> = std::result::Result<T, E>;
+
+/// What the text of [`NodeError::DiskReserve`] holds, and no other error's: how the
+/// refusal is known once it has become text (a pull's answer, a merge's reason).
+pub(crate) const RESERVE_MARK: &str = "(--disk-reserve)";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reserve_refusal_is_known_by_its_mark_and_no_other_error() {
+        let reserve = NodeError::DiskReserve {
+            path: "d/blobs".into(),
+            free_mib: 3,
+            reserve_mib: 256,
+        };
+        assert!(reserve.to_string().contains(RESERVE_MARK));
+        assert!(reserve.is_disk_full());
+        let other = NodeError::io(Path::new("d/blobs"), std::io::Error::other("boom"));
+        assert!(!other.to_string().contains(RESERVE_MARK));
+    }
+}

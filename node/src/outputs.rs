@@ -224,15 +224,26 @@ pub(crate) async fn merge_and_record(
             let mut outputs = Vec::with_capacity(merged.len());
             for (binding, bytes) in merged {
                 let size = bytes.len() as u64;
-                let blob = blobs
-                    .put_and_copy(bytes, task.submitter.parse().ok())
-                    .await
-                    .map_err(|e| e.to_string())?;
+                // A leader at its disk reserve has two other members keep them:
+                // a full disk here must not hold every merge of the mesh back.
+                let (blob, node) = if blobs.store().has_room(size) {
+                    let blob = blobs
+                        .put_and_copy(bytes, task.submitter.parse().ok())
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    (blob, consensus.id())
+                } else {
+                    let (blob, keeper) = blobs
+                        .keep_elsewhere(bytes)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    (blob, crate::identity::raft_id(&keeper))
+                };
                 outputs.push(MergedOutput {
                     binding,
                     blob,
                     size,
-                    node: consensus.id(),
+                    node,
                 });
             }
             Command::TaskMerged { task: id, outputs }

@@ -5,6 +5,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use super::views::ErrorBody;
+use crate::error::RESERVE_MARK;
 
 pub(crate) struct ApiError(pub StatusCode, pub String);
 
@@ -25,21 +26,28 @@ pub(crate) fn too_large(e: impl std::fmt::Display) -> ApiError {
 /// 507: the node's disk has no room for what was sent; retrying does not help
 /// until space is freed.
 pub(crate) fn disk_full(e: impl std::fmt::Display) -> ApiError {
-    ApiError(
-        StatusCode::INSUFFICIENT_STORAGE,
+    let message = e.to_string();
+    // The reserve's refusal says already what to free.
+    let message = if message.contains(RESERVE_MARK) {
+        format!("{message}; or send this to another node")
+    } else {
         format!(
-            "{e}: this node's disk is full. Free space on it (`gpumesh forget` finished \
-             tasks; their results leave every disk), or send this to another node"
-        ),
-    )
+            "{message}: this node's disk is full. Free space on it (`gpumesh forget` \
+             finished tasks; their results leave every disk), or send this to another node"
+        )
+    };
+    ApiError(StatusCode::INSUFFICIENT_STORAGE, message)
 }
 
 /// 503: the node cannot serve this now; a client retries. Where the cause is this
-/// node's disk having no room (an I/O error's text says so; a result pulled here
-/// to be merged, say), 507 instead ([`disk_full`]): retrying would not mend it.
+/// node's disk having no room (an I/O error's text says so, or the disk reserve's
+/// refusal: an output fetched here to be served, say), 507 instead ([`disk_full`]):
+/// retrying would not mend it.
 pub(crate) fn unavailable(e: impl std::fmt::Display) -> ApiError {
     let message = e.to_string();
-    if message.contains(&std::io::Error::from_raw_os_error(libc::ENOSPC).to_string()) {
+    if message.contains(&std::io::Error::from_raw_os_error(libc::ENOSPC).to_string())
+        || message.contains(RESERVE_MARK)
+    {
         return disk_full(message);
     }
     ApiError(StatusCode::SERVICE_UNAVAILABLE, message)

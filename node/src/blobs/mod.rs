@@ -124,11 +124,24 @@ impl BlobsHandle {
     }
 
     /// The bytes of blob `id`, pulled from `holder` (or any member) if not local.
+    /// From the holder named they come into memory only, checked against `id`:
+    /// what wants them (a merge's inputs, an actor's state) needs them in hand,
+    /// not on this disk, which may have no room for them. Failing that (the holder
+    /// lost it, or is gone) they are fetched from any member and stored here.
     pub async fn pull(
         &self,
         id: BlobId,
         holder: Option<PeerId>,
     ) -> std::result::Result<Vec<u8>, String> {
+        if let Some(from) = holder.filter(|_| !self.store.has(&id)) {
+            match self.mover.net.pull_blob(from, id).await {
+                Ok(bytes) => match checked(id, bytes).await {
+                    Some(bytes) => return Ok(bytes),
+                    None => tracing::debug!(%id, %from, "pulled bytes are not the blob's"),
+                },
+                Err(e) => tracing::debug!(%id, %from, "could not pull the blob: {e}"),
+            }
+        }
         self.fetch(id, holder).await?;
         self.read_local(id)
             .await
@@ -247,7 +260,46 @@ impl BlobsHandle {
         self.mover
             .copy_to_many(&request, copies)
             .await
+            .map(|kept| kept.len())
             .map_err(|reason| NodeError::NoSecondCopy { blob: id, reason })
+    }
+
+    /// Has two other members keep `bytes`, which this node's disk has no room for
+    /// (a merge's outputs on a leader at its disk reserve): in the request when
+    /// small, else pulled from here, where they are served from memory meanwhile.
+    /// Returns the blob's id and one member that keeps it; fails unless two do, as
+    /// a blob stored here and copied once would be on two nodes.
+    pub async fn keep_elsewhere(&self, bytes: Vec<u8>) -> Result<(BlobId, PeerId)> {
+        let bytes = Arc::new(bytes);
+        let hashing = bytes.clone();
+        let id = tokio::task::spawn_blocking(move || BlobId::of(&hashing))
+            .await
+            .map_err(|_| NodeError::Stopping)?;
+        let request = if bytes.len() as u64 <= store::SENT_MAX {
+            NodeRequest::Keep {
+                blob: id,
+                bytes: bytes.to_vec(),
+            }
+        } else {
+            NodeRequest::Replicate { blob: id }
+        };
+        let _served = self.store.stage(id, bytes);
+        let kept = self
+            .mover
+            .copy_to_many(&request, 2)
+            .await
+            .map_err(|reason| NodeError::NoSecondCopy { blob: id, reason })?;
+        match kept[..] {
+            [first, _, ..] => Ok((id, first)),
+            _ => Err(NodeError::NoSecondCopy {
+                blob: id,
+                reason: format!(
+                    "this node's disk is at its reserve, and {} other member(s) kept it: two \
+                     copies are kept of every result",
+                    kept.len()
+                ),
+            }),
+        }
     }
 
     /// The blobs stored here that the record (as applied here) names: what a node
@@ -268,6 +320,7 @@ impl BlobsHandle {
         self.mover
             .copy_to_many(&NodeRequest::Replicate { blob: id }, 1)
             .await
+            .map(|kept| kept.len())
             .map_err(|reason| NodeError::NoSecondCopy { blob: id, reason })
     }
 
@@ -439,12 +492,12 @@ impl Mover {
     /// other member has, where there are fewer): `request` is a `Keep` or a
     /// `Replicate`, which a member that holds the blob already answers at once.
     /// Members the record holds down are not asked, nor counted: a copy there is
-    /// out of reach. Returns how many keep it.
+    /// out of reach. Returns the members that keep it.
     async fn copy_to_many(
         &self,
         request: &NodeRequest,
         copies: usize,
-    ) -> std::result::Result<usize, String> {
+    ) -> std::result::Result<Vec<PeerId>, String> {
         let down = self.consensus.read_local(|s| s.down().clone());
         let up = |p: &PeerId| !down.contains(&crate::identity::raft_id(p));
         let (n, mut targets) = self.targets(None).await;
@@ -458,27 +511,40 @@ impl Mover {
         targets.retain(up);
         let wanted = copies.min(n);
         let reachable = targets.len();
-        let mut kept = 0;
+        let mut kept = Vec::new();
         let mut refusals = Vec::new();
         for peer in targets {
-            if kept == wanted {
+            if kept.len() == wanted {
                 break;
             }
             match wire::call(&self.net, peer, request).await {
-                Ok(NodeReply::Replicated) => kept += 1,
+                Ok(NodeReply::Replicated) => kept.push(peer),
                 Ok(NodeReply::Refused(why)) => refusals.push(format!("{peer}: {why}")),
                 Ok(other) => refusals.push(format!("{peer}: unexpected answer {other:?}")),
                 Err(e) => refusals.push(format!("{peer}: {e}")),
             }
         }
-        if kept < wanted {
+        if kept.len() < wanted {
             return Err(format!(
-                "{kept} of the {wanted} copies wanted were kept: {}",
+                "{} of the {wanted} copies wanted were kept: {}",
+                kept.len(),
                 not_kept(n, reachable, &refusals)
             ));
         }
         Ok(kept)
     }
+}
+
+/// `bytes` if they are blob `id`'s: hashed on this task when few, else on the
+/// blocking pool.
+async fn checked(id: BlobId, bytes: Vec<u8>) -> Option<Vec<u8>> {
+    if bytes.len() as u64 <= READ_IN_PLACE_BYTES {
+        return id.matches(&bytes).then_some(bytes);
+    }
+    tokio::task::spawn_blocking(move || id.matches(&bytes).then_some(bytes))
+        .await
+        .ok()
+        .flatten()
 }
 
 /// Why no other member kept a copy: `n` others, `reachable` of them asked.

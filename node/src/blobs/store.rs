@@ -188,6 +188,12 @@ impl BlobStore {
         })
     }
 
+    /// Whether a blob of `bytes` would be stored here now: it leaves the disk
+    /// reserve free (see [`Self::with_disk_reserve`]).
+    pub fn has_room(&self, bytes: u64) -> bool {
+        self.room_for(bytes).is_ok()
+    }
+
     fn path(&self, id: &BlobId) -> PathBuf {
         self.root.join(id.to_hex())
     }
