@@ -940,11 +940,84 @@ async fn merged(api: &ApiState, id: u64) -> ApiResult<BTreeMap<u32, BlobId>> {
         .map_err(|e| unavailable(e.to_string()))
 }
 
+/// A completed task's outputs made in memory, none stored here: what a node whose
+/// disk has no room for them serves (binding → bytes; `only` that binding when
+/// given). Merged outputs are pulled from the member that keeps them; a task of
+/// one shard has its result applied to its starting contents.
+async fn in_memory(
+    api: &ApiState,
+    task: &gpumesh_consensus::Task,
+    only: Option<u32>,
+) -> ApiResult<BTreeMap<u32, Vec<u8>>> {
+    let id = task.id.0;
+    let wanted = |b: u32| only.is_none_or(|o| o == b);
+    if task.outputs.is_empty() {
+        let mut made = crate::outputs::merge_shards(&api.blobs, &api.peers, &api.kernels, task)
+            .await
+            .map_err(|e| unavailable(e.to_string()))?;
+        made.retain(|b, _| wanted(*b));
+        return Ok(made);
+    }
+    let mut made = BTreeMap::new();
+    for o in task.outputs.iter().filter(|o| wanted(o.binding)) {
+        let bytes = api
+            .blobs
+            .pull(o.blob, api.peers.peer(o.node))
+            .await
+            .map_err(|e| unavailable(format!("output {} of task t{id}: {e}", o.binding)))?;
+        made.insert(o.binding, bytes);
+    }
+    Ok(made)
+}
+
+/// Task `id` from the record as it is now (it completed: [`merged`] said so).
+async fn completed(api: &ApiState, id: u64) -> ApiResult<gpumesh_consensus::Task> {
+    read_current(&api.consensus, move |s: &StateMachine| {
+        s.task(TaskId(id)).cloned()
+    })
+    .await?
+    .ok_or_else(|| not_found(id))
+}
+
+/// Whether an answer says this node's disk has no room (507).
+fn no_room(e: &ApiError) -> bool {
+    e.0 == StatusCode::INSUFFICIENT_STORAGE
+}
+
 pub(crate) async fn outputs(
     State(api): State<Arc<ApiState>>,
     Path(id): Path<u64>,
 ) -> ApiResult<Json<Vec<OutputView>>> {
-    let ids = merged(&api, id).await?;
+    let ids = match merged(&api, id).await {
+        Ok(ids) => ids,
+        Err(e) if no_room(&e) => {
+            tracing::debug!(task = id, "no room here for the outputs: made in memory");
+            let task = completed(&api, id).await?;
+            // Merged: the record says what each is.
+            let views = if task.outputs.is_empty() {
+                in_memory(&api, &task, None)
+                    .await?
+                    .into_iter()
+                    .map(|(binding, bytes)| OutputView {
+                        binding,
+                        size: bytes.len() as u64,
+                        blake3: BlobId::of(&bytes).to_hex(),
+                    })
+                    .collect()
+            } else {
+                task.outputs
+                    .iter()
+                    .map(|o| OutputView {
+                        binding: o.binding,
+                        size: o.size,
+                        blake3: o.blob.to_hex(),
+                    })
+                    .collect()
+            };
+            return Ok(Json(views));
+        }
+        Err(e) => return Err(e),
+    };
     let store = api.blobs.store();
     ids.into_iter()
         .map(|(binding, blob)| match store.size(&blob) {
@@ -965,7 +1038,22 @@ pub(crate) async fn output_bytes(
     State(api): State<Arc<ApiState>>,
     Path((id, binding)): Path<(u64, u32)>,
 ) -> ApiResult<Vec<u8>> {
-    let ids = merged(&api, id).await?;
+    let ids = match merged(&api, id).await {
+        Ok(ids) => ids,
+        Err(e) if no_room(&e) => {
+            let task = completed(&api, id).await?;
+            let mut made = in_memory(&api, &task, Some(binding)).await?;
+            let bytes = made.remove(&binding).ok_or_else(|| {
+                ApiError(
+                    StatusCode::NOT_FOUND,
+                    format!("task t{id} has no output binding {binding}"),
+                )
+            })?;
+            api.timeline.mark(TaskId(id), Stage::Served);
+            return Ok(bytes);
+        }
+        Err(e) => return Err(e),
+    };
     let blob = ids.get(&binding).ok_or_else(|| {
         ApiError(
             StatusCode::NOT_FOUND,
