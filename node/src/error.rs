@@ -28,15 +28,21 @@ pub enum NodeError {
     },
     // Its text holds RESERVE_MARK: the API knows it by that when it comes as text.
     #[error(
-        "{path} has {free_mib} MiB free, under this node's disk reserve of {reserve_mib} MiB \
-         (--disk-reserve): new data is refused so that the mesh's record can still be \
+        "{path} has {} free, and {} more would leave less than this node's disk reserve of \
+         {} (--disk-reserve): new data is refused so that the mesh's record can still be \
          written. `gpumesh forget` finished tasks (their results leave every disk), or free \
-         space on that disk"
+         space on that disk",
+        mib(*free),
+        mib(*adding),
+        mib(*reserve)
     )]
     DiskReserve {
         path: String,
-        free_mib: u64,
-        reserve_mib: u64,
+        /// Bytes free, less those promised to blobs still arriving.
+        free: u64,
+        /// The blob's bytes.
+        adding: u64,
+        reserve: u64,
     },
     #[error("{0}")]
     Config(String),
@@ -103,6 +109,11 @@ impl NodeError {
 
 pub type Result<T, E = NodeError> = std::result::Result<T, E>;
 
+/// `bytes` in MiB, to a tenth.
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / f64::from(1 << 20))
+}
+
 /// What the text of [`NodeError::DiskReserve`] holds, and no other error's: how the
 /// refusal is known once it has become text (a pull's answer, a merge's reason).
 pub(crate) const RESERVE_MARK: &str = "(--disk-reserve)";
@@ -115,10 +126,16 @@ mod tests {
     fn the_reserve_refusal_is_known_by_its_mark_and_no_other_error() {
         let reserve = NodeError::DiskReserve {
             path: "d/blobs".into(),
-            free_mib: 3,
-            reserve_mib: 256,
+            free: 300 << 20,
+            adding: 50 << 20,
+            reserve: 256 << 20,
         };
-        assert!(reserve.to_string().contains(RESERVE_MARK));
+        let text = reserve.to_string();
+        assert!(text.contains(RESERVE_MARK), "{text}");
+        assert!(
+            text.contains("300.0 MiB free, and 50.0 MiB more") && text.contains("256.0 MiB"),
+            "{text}"
+        );
         assert!(reserve.is_disk_full());
         let other = NodeError::io(Path::new("d/blobs"), std::io::Error::other("boom"));
         assert!(!other.to_string().contains(RESERVE_MARK));

@@ -183,8 +183,9 @@ impl BlobStore {
         }
         Err(NodeError::DiskReserve {
             path: self.root.display().to_string(),
-            free_mib: free >> 20,
-            reserve_mib: self.disk_reserve.div_ceil(1 << 20),
+            free,
+            adding,
+            reserve: self.disk_reserve,
         })
     }
 

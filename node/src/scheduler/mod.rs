@@ -299,7 +299,7 @@ impl Scheduler {
                         crate::outputs::merge_and_record(&consensus, &blobs, &peers, &kernels, task)
                             .await
                     {
-                        tracing::warn!("could not merge yet: {e}");
+                        merge_waits(task, &e);
                     }
                     let _ = done.send(Pending::Merge(task));
                 }
@@ -391,6 +391,33 @@ async fn verdict(
     }
     Ok(best)
 }
+
+/// Says why a merge waits: a warning at most once every [`MERGE_WARN_EVERY`], the
+/// rest at debug level. A merge that waits on what is unavailable is tried again
+/// on every pass, four a second, which filled a node's log with the same line.
+fn merge_waits(task: TaskId, why: &str) {
+    static LAST_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = now_ms();
+    let last = LAST_MS.load(std::sync::atomic::Ordering::Relaxed);
+    let every = MERGE_WARN_EVERY.as_millis() as u64;
+    if now.saturating_sub(last) >= every
+        && LAST_MS
+            .compare_exchange(
+                last,
+                now,
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+            )
+            .is_ok()
+    {
+        tracing::warn!(%task, "could not merge yet (said once every {MERGE_WARN_EVERY:?}): {why}");
+    } else {
+        tracing::debug!(%task, "could not merge yet: {why}");
+    }
+}
+
+/// See [`merge_waits`].
+const MERGE_WARN_EVERY: Duration = Duration::from_secs(10);
 
 pub fn now_ms() -> u64 {
     SystemTime::now()
