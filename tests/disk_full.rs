@@ -44,6 +44,22 @@ impl Drop for Tmpfs {
     }
 }
 
+/// A tmpfs of `mib` MiB mounted on `dir`; `None` (said loudly, and a failure where
+/// GPUMESH_REQUIRE_TMPFS says one mounts) where none can be.
+fn tmpfs_or_skip(dir: &Path, mib: u32) -> Option<Tmpfs> {
+    match Tmpfs::mount(dir, mib) {
+        Ok(disk) => Some(disk),
+        Err(why) => {
+            assert!(
+                std::env::var("GPUMESH_REQUIRE_TMPFS").is_err(),
+                "GPUMESH_REQUIRE_TMPFS is set but a tmpfs cannot be mounted: {why}"
+            );
+            common::skipped(&format!("NO TMPFS ({why}): a full-disk test did not run"));
+            None
+        }
+    }
+}
+
 /// Writes zeros into `path` until the file system has no room left.
 fn fill(path: &Path) {
     let mut f = std::fs::File::create(path).unwrap();
@@ -63,17 +79,7 @@ fn node_on_tmpfs(
         return None;
     }
     let root = tempfile::tempdir().unwrap();
-    let disk = match Tmpfs::mount(&root.path().join("a"), mib) {
-        Ok(disk) => disk,
-        Err(why) => {
-            assert!(
-                std::env::var("GPUMESH_REQUIRE_TMPFS").is_err(),
-                "GPUMESH_REQUIRE_TMPFS is set but a tmpfs cannot be mounted: {why}"
-            );
-            common::skipped(&format!("NO TMPFS ({why}): a full-disk test did not run"));
-            return None;
-        }
-    };
+    let disk = tmpfs_or_skip(&root.path().join("a"), mib)?;
     let mut node = procs::node(root.path(), "a");
     node.start(&["--init", "--disk-reserve", &reserve.to_string()])
         .unwrap();
@@ -249,16 +255,8 @@ async fn a_leader_at_its_disk_reserve_still_merges_keeping_the_outputs_elsewhere
         return;
     }
     let root = tempfile::tempdir().unwrap();
-    let _disk = match Tmpfs::mount(&root.path().join("a"), 48) {
-        Ok(disk) => disk,
-        Err(why) => {
-            assert!(
-                std::env::var("GPUMESH_REQUIRE_TMPFS").is_err(),
-                "GPUMESH_REQUIRE_TMPFS is set but a tmpfs cannot be mounted: {why}"
-            );
-            common::skipped(&format!("NO TMPFS ({why}): a full-disk test did not run"));
-            return;
-        }
+    let Some(_disk) = tmpfs_or_skip(&root.path().join("a"), 48) else {
+        return;
     };
     let mut procs: Vec<procs::Proc> = ["a", "b", "c"]
         .iter()
