@@ -37,7 +37,26 @@ pub enum AtomicOp {
     Xor,
     Store,
     Exchange,
+    /// A compare-exchange whose new value is not seen to combine the old one with
+    /// something by one operation.
     CompareExchange,
+    /// A compare-exchange loop whose new value combines the old one with something
+    /// by this operation (`bitcast<u32>(bitcast<f32>(old) + v)`: a float sum).
+    Loop(Combine),
+}
+
+/// How a compare-exchange loop's new value combines the old one with another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Combine {
+    /// `+` or `-`.
+    Add,
+    Min,
+    Max,
+    Or,
+    And,
+    Xor,
+    /// Another operation (`*`, `/`, ...), which no merge rule folds.
+    Other,
 }
 
 impl AtomicOp {
@@ -69,6 +88,15 @@ impl fmt::Display for AtomicOp {
             AtomicOp::Store => "atomicStore",
             AtomicOp::Exchange => "atomicExchange",
             AtomicOp::CompareExchange => "atomicCompareExchangeWeak",
+            AtomicOp::Loop(c) => match c {
+                Combine::Add => "a compare-exchange loop that adds",
+                Combine::Min => "a compare-exchange loop that keeps the least",
+                Combine::Max => "a compare-exchange loop that keeps the greatest",
+                Combine::Or => "a compare-exchange loop that ors",
+                Combine::And => "a compare-exchange loop that ands",
+                Combine::Xor => "a compare-exchange loop that xors",
+                Combine::Other => "a compare-exchange loop that multiplies, divides or the like",
+            },
         })
     }
 }
@@ -88,6 +116,15 @@ pub(crate) fn atomic_ops(module: &Module, info: &ModuleInfo) -> BTreeMap<u32, BT
     for (f, fi) in functions {
         each_statement(&f.body, &mut |s| {
             let (pointer, op) = match s {
+                Statement::Atomic {
+                    pointer,
+                    fun: AtomicFunction::Exchange { compare: Some(c) },
+                    value,
+                    ..
+                } => (
+                    *pointer,
+                    combine(f, *c, *value).map_or(AtomicOp::CompareExchange, AtomicOp::Loop),
+                ),
                 Statement::Atomic { pointer, fun, .. } => (*pointer, AtomicOp::of(fun)),
                 Statement::Store { pointer, .. } if stores_atomic(module, fi, *pointer) => {
                     (*pointer, AtomicOp::Store)
@@ -229,6 +266,86 @@ fn mark(module: &Module, ty: Handle<naga::Type>, offset: u64, words: &mut Vec<bo
     }
 }
 
+/// How the new value `value` of a compare-exchange combines its old value
+/// `compare` with something else: the operation at which the old value (that
+/// expression, or another load of the variable it loads) meets a value made
+/// without it, through bitcasts and conversions. `None` where it is not seen so:
+/// the old value on both sides, or not at all, or met in a `select`, a call, a
+/// variable stored elsewhere.
+fn combine(
+    f: &Function,
+    compare: Handle<naga::Expression>,
+    value: Handle<naga::Expression>,
+) -> Option<Combine> {
+    use naga::{BinaryOperator as B, Expression as E, MathFunction as M};
+    let old_var = match f.expressions[compare] {
+        E::Load { pointer } => match f.expressions[pointer] {
+            E::LocalVariable(v) => Some(v),
+            _ => None,
+        },
+        _ => None,
+    };
+    // Whether `e` is made from the old value (not through loads of memory, whose
+    // indices are not the value).
+    fn from_old(
+        f: &Function,
+        e: Handle<naga::Expression>,
+        compare: Handle<naga::Expression>,
+        old_var: Option<Handle<naga::LocalVariable>>,
+    ) -> bool {
+        if e == compare {
+            return true;
+        }
+        let from = |x| from_old(f, x, compare, old_var);
+        match &f.expressions[e] {
+            E::Load { pointer } => {
+                matches!(f.expressions[*pointer], E::LocalVariable(v) if Some(v) == old_var)
+            }
+            E::As { expr, .. } | E::Unary { expr, .. } => from(*expr),
+            E::Binary { left, right, .. } => from(*left) || from(*right),
+            E::Math {
+                arg, arg1, arg2, ..
+            } => from(*arg) || arg1.is_some_and(from) || arg2.is_some_and(from),
+            E::Select { accept, reject, .. } => from(*accept) || from(*reject),
+            _ => false,
+        }
+    }
+    let from = |x| from_old(f, x, compare, old_var);
+    let mut e = value;
+    loop {
+        match &f.expressions[e] {
+            E::As { expr, .. } => e = *expr,
+            E::Binary { op, left, right } => {
+                return match (from(*left), from(*right)) {
+                    (true, true) | (false, false) => None,
+                    _ => Some(match op {
+                        B::Add | B::Subtract => Combine::Add,
+                        B::InclusiveOr => Combine::Or,
+                        B::And => Combine::And,
+                        B::ExclusiveOr => Combine::Xor,
+                        _ => Combine::Other,
+                    }),
+                };
+            }
+            E::Math {
+                fun: fun @ (M::Max | M::Min),
+                arg,
+                arg1: Some(arg1),
+                ..
+            } => {
+                return match (from(*arg), from(*arg1)) {
+                    (true, false) | (false, true) => Some(match fun {
+                        M::Max => Combine::Max,
+                        _ => Combine::Min,
+                    }),
+                    _ => None,
+                };
+            }
+            _ => return None,
+        }
+    }
+}
+
 /// Whether a store through `pointer` is an `atomicStore`: it points at an atomic.
 fn stores_atomic(module: &Module, fi: &FunctionInfo, pointer: Handle<naga::Expression>) -> bool {
     match fi[pointer].ty.inner_with(&module.types) {
@@ -304,6 +421,52 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         );
         assert_eq!(found.get(&3), None, "plain stores are not atomics");
         assert_eq!(found.len(), 2, "workgroup atomics are no buffer's");
+    }
+
+    /// A float sum, maximum and product kept by compare-exchange loops, as WGSL
+    /// writes float atomics, each in a buffer of its own.
+    #[test]
+    fn a_compare_exchange_loops_operation_is_found() {
+        let found = ops(r#"
+@group(0) @binding(0) var<storage, read> values: array<f32>;
+@group(0) @binding(1) var<storage, read_write> total: atomic<u32>;
+@group(0) @binding(2) var<storage, read_write> best: array<atomic<u32>>;
+@group(0) @binding(3) var<storage, read_write> product: atomic<u32>;
+@group(0) @binding(4) var<storage, read_write> flag: atomic<u32>;
+
+fn add(v: f32) {
+    var old = atomicLoad(&total);
+    loop {
+        let r = atomicCompareExchangeWeak(&total, old, bitcast<u32>(bitcast<f32>(old) + v));
+        if (r.exchanged) { break; }
+        old = r.old_value;
+    }
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let v = values[gid.x];
+    add(v);
+    var old = atomicLoad(&best[gid.x % 4u]);
+    loop {
+        let next = bitcast<u32>(max(v * 2.0, bitcast<f32>(old)));
+        let r = atomicCompareExchangeWeak(&best[gid.x % 4u], old, next);
+        if (r.exchanged) { break; }
+        old = r.old_value;
+    }
+    var p = atomicLoad(&product);
+    loop {
+        let r = atomicCompareExchangeWeak(&product, p, bitcast<u32>(bitcast<f32>(p) * v));
+        if (r.exchanged) { break; }
+        p = r.old_value;
+    }
+    let first = atomicCompareExchangeWeak(&flag, 0u, 1u);
+}
+"#);
+        assert_eq!(found.get(&1), Some(&set(&[A::Loop(Combine::Add)])));
+        assert_eq!(found.get(&2), Some(&set(&[A::Loop(Combine::Max)])));
+        assert_eq!(found.get(&3), Some(&set(&[A::Loop(Combine::Other)])));
+        assert_eq!(found.get(&4), Some(&set(&[A::CompareExchange])));
     }
 
     /// The words of each global's type that hold atomics, by name.

@@ -15,7 +15,7 @@ use gpumesh_protocol::{
 };
 use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
 
-pub use crate::atomic_ops::{AtomicOp, AtomicWords};
+pub use crate::atomic_ops::{AtomicOp, AtomicWords, Combine};
 use crate::builtins::sources;
 use crate::error::{ExecError, Result};
 use crate::shard::{self, ShardRange};
@@ -526,12 +526,15 @@ fn folds(rule: MergeRule, float_bits: bool, op: AtomicOp) -> bool {
         // (`crate::slots` refuses any other); `changes` takes no atomics at all.
         MergeRule::Changes => false,
         _ if op == A::CompareExchange => true,
-        MergeRule::Sum(_) => !float_bits && matches!(op, A::Add | A::Sub),
-        MergeRule::Min(_) => sets || (!float_bits && op == A::Min),
-        MergeRule::Max(_) => sets || (!float_bits && op == A::Max),
-        MergeRule::Or(_) => op == A::Or,
-        MergeRule::And(_) => op == A::And,
-        MergeRule::Xor(_) => op == A::Xor,
+        // A loop computes on the value as the kernel casts it (floats, say).
+        MergeRule::Sum(_) => {
+            op == A::Loop(Combine::Add) || !float_bits && matches!(op, A::Add | A::Sub)
+        }
+        MergeRule::Min(_) => sets || op == A::Loop(Combine::Min) || (!float_bits && op == A::Min),
+        MergeRule::Max(_) => sets || op == A::Loop(Combine::Max) || (!float_bits && op == A::Max),
+        MergeRule::Or(_) => matches!(op, A::Or | A::Loop(Combine::Or)),
+        MergeRule::And(_) => matches!(op, A::And | A::Loop(Combine::And)),
+        MergeRule::Xor(_) => matches!(op, A::Xor | A::Loop(Combine::Xor)),
     }
 }
 
@@ -550,7 +553,18 @@ fn unfolded(
     let ops = &declared.atomic_ops;
     let op = *ops.iter().find(|&&op| !folds(rule, float_bits, op))?;
     let what = match rule {
-        _ if float_bits && op != AtomicOp::Store && op != AtomicOp::Exchange => {
+        _ if float_bits
+            && matches!(
+                op,
+                AtomicOp::Add
+                    | AtomicOp::Sub
+                    | AtomicOp::Min
+                    | AtomicOp::Max
+                    | AtomicOp::And
+                    | AtomicOp::Or
+                    | AtomicOp::Xor
+            ) =>
+        {
             return Some(ExecError::Unsplittable(format!(
                 "binding {binding} ({name}) holds f32 bit patterns in atomic<u32> and is \
                  updated with {op}, which works on them as integers, while merge {rule} \

@@ -938,6 +938,54 @@ fn bits_kept_with_atomic_or_xor_and_split_under_bitwise_merges() {
     assert!(e.contains("or-f32") && e.contains("u32 or i32"), "{e}");
 }
 
+/// A float maximum kept by a compare-exchange loop (the WGSL idiom for float
+/// atomics): merged with max-f32, split 1..7 ways, the CPU's maximum; merged with
+/// sum-f32, refused split, naming max-f32. Before, the loop was taken to fold under
+/// any rule, and sum-f32 added the shards' maxima.
+#[test]
+fn a_float_maximum_kept_by_a_compare_exchange_loop_splits_only_under_max() {
+    let source = r#"
+@group(0) @binding(0) var<storage, read> values: array<f32>;
+@group(0) @binding(1) var<storage, read_write> best: atomic<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x >= arrayLength(&values)) {
+        return;
+    }
+    let v = values[gid.x];
+    var old = atomicLoad(&best);
+    loop {
+        let r = atomicCompareExchangeWeak(&best, old, bitcast<u32>(max(bitcast<f32>(old), v)));
+        if (r.exchanged) {
+            break;
+        }
+        old = r.old_value;
+    }
+}
+"#;
+    let mut rng = Rng(14);
+    let values: Vec<f32> = (0..1000).map(|_| rng.unit() * 100.0 - 50.0).collect();
+    let max = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let task = Task::default().input(0, f32_bytes(&values)).output(1, 4);
+    split_1_to_7(
+        "float max",
+        source,
+        &task,
+        [16, 1, 1],
+        MergeRule::Max(ElemType::F32),
+        |out| assert_eq!(f32s(&out[&1]), [max]),
+    );
+    let e = task
+        .job(source, [16, 1, 1], 3, MergeRule::Sum(ElemType::F32))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("keeps the greatest") && e.contains("--merge 1=max-f32"),
+        "{e}"
+    );
+}
+
 /// f32 bit patterns in `atomic<u32>` added with atomicAdd (integer addition of
 /// the bits, not a float sum): refused split under sum-f32, which would add the
 /// partials as floats; the compare-exchange loop of the float-sum idiom splits
