@@ -176,14 +176,13 @@ where
         // every word as a value: no kernel needed.
         let reduced = spec.merge != MergeRule::Changes
             || spec.merges.values().any(|&r| r != MergeRule::Changes);
-        let kernel = match shards.len() {
-            _ if !reduced => None,
-            1 => None,
-            _ => Some(
-                kernels
-                    .get(&spec.shader, &spec.entry_point)
-                    .map_err(|e| MergeError::Fatal(format!("the task's kernel: {e}")))?,
-            ),
+        let kernel = if reduced && shards.len() > 1 {
+            let kernel = kernels
+                .get(&spec.shader, &spec.entry_point)
+                .map_err(|e| MergeError::Fatal(format!("the task's kernel: {e}")))?;
+            Some(kernel)
+        } else {
+            None
         };
         let atomic = |b| kernel.as_ref().and_then(|k| k.interface.atomic_words(b));
         let targets = merge::targets(&spec, atomic, |b| starts.get(&b).map(Vec::as_slice));

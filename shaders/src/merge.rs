@@ -60,22 +60,17 @@ pub fn targets<'a>(
     atomic: impl Fn(u32) -> Option<&'a AtomicWords>,
     start: impl Fn(u32) -> Option<&'a [u8]>,
 ) -> BTreeMap<u32, Target<'a>> {
-    bases(spec, start)
-        .into_iter()
-        .map(|(binding, base)| {
-            let rule = spec.merge_of(binding);
-            let size = spec
-                .bindings
-                .iter()
-                .find(|b| b.binding == binding)
-                .map_or(0, |b| b.role.size());
+    spec.bindings
+        .iter()
+        .filter(|b| b.role.is_writable())
+        .map(|b| {
             let target = Target {
-                rule,
-                size,
-                base,
-                atomic: atomic(binding),
+                rule: spec.merge_of(b.binding),
+                size: b.role.size(),
+                base: base(spec, b.binding, &start),
+                atomic: atomic(b.binding),
             };
-            (binding, target)
+            (b.binding, target)
         })
         .collect()
 }
@@ -89,14 +84,17 @@ pub fn bases<'a>(
     spec.bindings
         .iter()
         .filter(|b| b.role.is_writable())
-        .map(|b| {
-            let base = match start(b.binding) {
-                Some(bytes) => Base::Bytes(bytes),
-                None => Base::Fill(identity(spec.merge_of(b.binding))),
-            };
-            (b.binding, base)
-        })
+        .map(|b| (b.binding, base(spec, b.binding, &start)))
         .collect()
+}
+
+/// What writable `binding` of `spec` starts as: the bytes `start` gives, else its
+/// rule's identity.
+fn base<'a>(spec: &TaskSpec, binding: u32, start: &impl Fn(u32) -> Option<&'a [u8]>) -> Base<'a> {
+    match start(binding) {
+        Some(bytes) => Base::Bytes(bytes),
+        None => Base::Fill(identity(spec.merge_of(binding))),
+    }
 }
 
 /// Merges shard results, given in shard order, into each writable binding's final
