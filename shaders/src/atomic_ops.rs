@@ -37,8 +37,9 @@ pub enum AtomicOp {
     Xor,
     Store,
     Exchange,
-    /// A compare-exchange whose new value is not seen to combine the old one with
-    /// something by one operation.
+    /// A compare-exchange whose new value is not seen to be one operation on the
+    /// old one, nor a winner swapped in (see [`crate::exchange`]): no merge rule
+    /// folds it.
     CompareExchange,
     /// A compare-exchange loop whose new value combines the old one with something
     /// by this operation (`bitcast<u32>(bitcast<f32>(old) + v)`: a float sum).
@@ -87,7 +88,9 @@ impl fmt::Display for AtomicOp {
             AtomicOp::Xor => "atomicXor",
             AtomicOp::Store => "atomicStore",
             AtomicOp::Exchange => "atomicExchange",
-            AtomicOp::CompareExchange => "atomicCompareExchangeWeak",
+            AtomicOp::CompareExchange => {
+                "a compare-exchange whose new value is not one operation on the old one"
+            }
             AtomicOp::Loop(c) => match c {
                 Combine::Add => "a compare-exchange loop that adds",
                 Combine::Min => "a compare-exchange loop that keeps the least",
@@ -101,16 +104,20 @@ impl fmt::Display for AtomicOp {
     }
 }
 
-/// The atomic functions `module` applies to each `@group(0)` buffer, by binding;
-/// those through a pointer argument are in every buffer's set.
-pub(crate) fn atomic_ops(module: &Module, info: &ModuleInfo) -> BTreeMap<u32, BTreeSet<AtomicOp>> {
-    let functions = module.functions.iter().map(|(h, f)| (f, &info[h])).chain(
-        module
-            .entry_points
-            .iter()
-            .enumerate()
-            .map(|(i, ep)| (&ep.function, info.get_entry_point(i))),
-    );
+/// The atomic functions entry point `entry` of `module` (its index) applies to
+/// each `@group(0)` buffer, by binding, in its own body and the functions it
+/// calls; those through a pointer argument are in every buffer's set.
+pub(crate) fn atomic_ops(
+    module: &Module,
+    info: &ModuleInfo,
+    entry: usize,
+) -> BTreeMap<u32, BTreeSet<AtomicOp>> {
+    let ep = &module.entry_points[entry].function;
+    let called = crate::ir::called(module, ep);
+    let functions = called
+        .into_iter()
+        .map(|h| (&module.functions[h], &info[h]))
+        .chain([(ep, info.get_entry_point(entry))]);
     let mut by_binding: BTreeMap<u32, BTreeSet<AtomicOp>> = BTreeMap::new();
     let mut anywhere = BTreeSet::new();
     for (f, fi) in functions {
@@ -121,10 +128,7 @@ pub(crate) fn atomic_ops(module: &Module, info: &ModuleInfo) -> BTreeMap<u32, BT
                     fun: AtomicFunction::Exchange { compare: Some(c) },
                     value,
                     ..
-                } => (
-                    *pointer,
-                    combine(f, *c, *value).map_or(AtomicOp::CompareExchange, AtomicOp::Loop),
-                ),
+                } => (*pointer, crate::exchange::exchange_op(f, s, *c, *value)),
                 Statement::Atomic { pointer, fun, .. } => (*pointer, AtomicOp::of(fun)),
                 Statement::Store { pointer, .. } if stores_atomic(module, fi, *pointer) => {
                     (*pointer, AtomicOp::Store)
@@ -266,86 +270,6 @@ fn mark(module: &Module, ty: Handle<naga::Type>, offset: u64, words: &mut Vec<bo
     }
 }
 
-/// How the new value `value` of a compare-exchange combines its old value
-/// `compare` with something else: the operation at which the old value (that
-/// expression, or another load of the variable it loads) meets a value made
-/// without it, through bitcasts and conversions. `None` where it is not seen so:
-/// the old value on both sides, or not at all, or met in a `select`, a call, a
-/// variable stored elsewhere.
-fn combine(
-    f: &Function,
-    compare: Handle<naga::Expression>,
-    value: Handle<naga::Expression>,
-) -> Option<Combine> {
-    use naga::{BinaryOperator as B, Expression as E, MathFunction as M};
-    let old_var = match f.expressions[compare] {
-        E::Load { pointer } => match f.expressions[pointer] {
-            E::LocalVariable(v) => Some(v),
-            _ => None,
-        },
-        _ => None,
-    };
-    // Whether `e` is made from the old value (not through loads of memory, whose
-    // indices are not the value).
-    fn from_old(
-        f: &Function,
-        e: Handle<naga::Expression>,
-        compare: Handle<naga::Expression>,
-        old_var: Option<Handle<naga::LocalVariable>>,
-    ) -> bool {
-        if e == compare {
-            return true;
-        }
-        let from = |x| from_old(f, x, compare, old_var);
-        match &f.expressions[e] {
-            E::Load { pointer } => {
-                matches!(f.expressions[*pointer], E::LocalVariable(v) if Some(v) == old_var)
-            }
-            E::As { expr, .. } | E::Unary { expr, .. } => from(*expr),
-            E::Binary { left, right, .. } => from(*left) || from(*right),
-            E::Math {
-                arg, arg1, arg2, ..
-            } => from(*arg) || arg1.is_some_and(from) || arg2.is_some_and(from),
-            E::Select { accept, reject, .. } => from(*accept) || from(*reject),
-            _ => false,
-        }
-    }
-    let from = |x| from_old(f, x, compare, old_var);
-    let mut e = value;
-    loop {
-        match &f.expressions[e] {
-            E::As { expr, .. } => e = *expr,
-            E::Binary { op, left, right } => {
-                return match (from(*left), from(*right)) {
-                    (true, true) | (false, false) => None,
-                    _ => Some(match op {
-                        B::Add | B::Subtract => Combine::Add,
-                        B::InclusiveOr => Combine::Or,
-                        B::And => Combine::And,
-                        B::ExclusiveOr => Combine::Xor,
-                        _ => Combine::Other,
-                    }),
-                };
-            }
-            E::Math {
-                fun: fun @ (M::Max | M::Min),
-                arg,
-                arg1: Some(arg1),
-                ..
-            } => {
-                return match (from(*arg), from(*arg1)) {
-                    (true, false) | (false, true) => Some(match fun {
-                        M::Max => Combine::Max,
-                        _ => Combine::Min,
-                    }),
-                    _ => None,
-                };
-            }
-            _ => return None,
-        }
-    }
-}
-
 /// Whether a store through `pointer` is an `atomicStore`: it points at an atomic.
 fn stores_atomic(module: &Module, fi: &FunctionInfo, pointer: Handle<naga::Expression>) -> bool {
     match fi[pointer].ty.inner_with(&module.types) {
@@ -383,7 +307,7 @@ mod tests {
         )
         .validate(&module)
         .unwrap();
-        atomic_ops(&module, &info)
+        atomic_ops(&module, &info, 0)
     }
 
     fn set(ops: &[AtomicOp]) -> BTreeSet<AtomicOp> {
@@ -415,10 +339,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#);
         assert_eq!(found.get(&1), Some(&set(&[A::Add, A::Max])));
-        assert_eq!(
-            found.get(&2),
-            Some(&set(&[A::Or, A::Store, A::CompareExchange]))
-        );
+        assert_eq!(found.get(&2), Some(&set(&[A::Or, A::Store, A::Exchange])));
         assert_eq!(found.get(&3), None, "plain stores are not atomics");
         assert_eq!(found.len(), 2, "workgroup atomics are no buffer's");
     }
@@ -466,7 +387,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         assert_eq!(found.get(&1), Some(&set(&[A::Loop(Combine::Add)])));
         assert_eq!(found.get(&2), Some(&set(&[A::Loop(Combine::Max)])));
         assert_eq!(found.get(&3), Some(&set(&[A::Loop(Combine::Other)])));
-        assert_eq!(found.get(&4), Some(&set(&[A::CompareExchange])));
+        assert_eq!(found.get(&4), Some(&set(&[A::Exchange])), "a slot claimed");
     }
 
     /// The words of each global's type that hold atomics, by name.

@@ -1,6 +1,8 @@
 //! Walks over a naga module's statements, shared by the passes that read them.
 
-use naga::{Block, Expression, Function, GlobalVariable, Handle, Statement};
+use std::collections::BTreeSet;
+
+use naga::{Block, Expression, Function, GlobalVariable, Handle, Module, Statement};
 
 /// Calls `visit` with every statement of `block`, those of nested blocks included.
 pub(crate) fn each_statement<'a>(block: &'a Block, visit: &mut impl FnMut(&'a Statement)) {
@@ -43,4 +45,20 @@ pub(crate) fn root_global(
             _ => return None,
         }
     }
+}
+
+/// The functions `f` calls, and those they call, in turn.
+pub(crate) fn called(module: &Module, f: &Function) -> BTreeSet<Handle<Function>> {
+    let mut found = BTreeSet::new();
+    let mut next = vec![f];
+    while let Some(f) = next.pop() {
+        each_statement(&f.body, &mut |s| {
+            if let Statement::Call { function, .. } = s {
+                if found.insert(*function) {
+                    next.push(&module.functions[*function]);
+                }
+            }
+        });
+    }
+    found
 }

@@ -522,10 +522,9 @@ fn folds(rule: MergeRule, float_bits: bool, op: AtomicOp) -> bool {
     // Setting a word (a flag) gives the same word whichever shard's is kept.
     let sets = matches!(op, A::Store | A::Exchange);
     match rule {
-        // A compare-exchange loop on its own location is the reduction it computes
-        // (`crate::slots` refuses any other); `changes` takes no atomics at all.
+        // `changes` takes no atomics at all; a compare-exchange whose operation is
+        // not seen ([`AtomicOp::CompareExchange`]) folds under no rule.
         MergeRule::Changes => false,
-        _ if op == A::CompareExchange => true,
         // A loop computes on the value as the kernel casts it (floats, say).
         MergeRule::Sum(_) => {
             op == A::Loop(Combine::Add) || !float_bits && matches!(op, A::Add | A::Sub)
@@ -601,6 +600,15 @@ fn unfolded(
     .find(|&r| ops.iter().all(|&op| folds(r, float_bits, op)));
     let fix = match fix {
         Some(r) => format!("Merge it with --merge {binding}={r}, or run it with --shards 1"),
+        // The operation is not seen (made in a helper, or under a condition on the
+        // old value that is no comparison with the new one).
+        None if ops.contains(&AtomicOp::CompareExchange) => {
+            "Write the exchange's new value as one operation on the old one in the call \
+             (bitcast<u32>(bitcast<f32>(old) + v), max(old, v)), or swap a value in only \
+             while it beats the old one (leave the loop once bitcast<f32>(old) >= v), or run \
+             it with --shards 1"
+                .to_string()
+        }
         // Several functions no one rule folds (a count and a maximum in one struct).
         None if ops.len() > 1 => {
             let names: Vec<String> = ops.iter().map(AtomicOp::to_string).collect();
@@ -757,7 +765,7 @@ fn reflect(
     let uses = info.get_entry_point(index);
     let gctx = module.to_ctx();
     let atomic_uses = crate::slots::atomic_uses(module);
-    let mut atomic_ops = crate::atomic_ops::atomic_ops(module, info);
+    let mut atomic_ops = crate::atomic_ops::atomic_ops(module, info, index);
     let mut bindings = BTreeMap::new();
     for (handle, var) in module.global_variables.iter() {
         let Some(rb) = &var.binding else { continue };

@@ -23,6 +23,7 @@ mod atomic_ops;
 pub mod builtins;
 pub mod calibrate;
 mod error;
+mod exchange;
 pub mod executor;
 mod ir;
 pub mod job;

@@ -1557,3 +1557,168 @@ fn a_workgroup_sum_sized_by_an_override_runs_at_its_default() {
         },
     );
 }
+
+/// A float maximum or minimum kept the way WGSL tutorials write it: the loop
+/// leaves once the stored value already wins (`if (bitcast<f32>(old) >= v) {
+/// return; }`) and otherwise swaps in `v` itself; the same guarded by an `if`
+/// around the swap, or chosen with `select`. The new value is not made from the old
+/// one, so the operation is the guard's comparison. Each splits 1..7 ways under
+/// its own rule to the CPU's answer and is refused under sum and the opposite
+/// rule. Before, such a loop was taken to fold under any rule: sum-f32 added the
+/// shards' maxima.
+#[test]
+fn a_float_maximum_kept_by_swapping_in_the_winner_splits_only_under_its_rule() {
+    let helpers = r#"
+@group(0) @binding(0) var<storage, read> values: array<f32>;
+@group(0) @binding(1) var<storage, read_write> best: atomic<u32>;
+
+fn atomic_max_f32(v: f32) {
+    var old = atomicLoad(&best);
+    loop {
+        if (bitcast<f32>(old) >= v) {
+            return;
+        }
+        let r = atomicCompareExchangeWeak(&best, old, bitcast<u32>(v));
+        if (r.exchanged) {
+            return;
+        }
+        old = r.old_value;
+    }
+}
+
+
+fn atomic_min_f32(v: f32) {
+    var old = atomicLoad(&best);
+    loop {
+        if (v < bitcast<f32>(old)) {
+            let r = atomicCompareExchangeWeak(&best, old, bitcast<u32>(v));
+            if (r.exchanged) {
+                break;
+            }
+            old = r.old_value;
+        } else {
+            break;
+        }
+    }
+}
+
+fn select_max_f32(v: f32) {
+    var old = atomicLoad(&best);
+    loop {
+        let next = select(old, bitcast<u32>(v), v > bitcast<f32>(old));
+        let r = atomicCompareExchangeWeak(&best, old, next);
+        if (r.exchanged) {
+            break;
+        }
+        old = r.old_value;
+    }
+}
+"#;
+    let kernel = |call: &str| {
+        format!(
+            "{helpers}
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
+    if (gid.x >= arrayLength(&values)) {{
+        return;
+    }}
+    {call}(values[gid.x]);
+}}
+"
+        )
+    };
+    let mut rng = Rng(15);
+    let values: Vec<f32> = (0..1000).map(|_| rng.unit() * 100.0 - 50.0).collect();
+    let max = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let min = values.iter().copied().fold(f32::INFINITY, f32::min);
+    for (call, keeps, rule, other, answer) in [
+        (
+            "atomic_max_f32",
+            "greatest",
+            MergeRule::Max(ElemType::F32),
+            MergeRule::Min(ElemType::F32),
+            max,
+        ),
+        (
+            "select_max_f32",
+            "greatest",
+            MergeRule::Max(ElemType::F32),
+            MergeRule::Min(ElemType::F32),
+            max,
+        ),
+        (
+            "atomic_min_f32",
+            "least",
+            MergeRule::Min(ElemType::F32),
+            MergeRule::Max(ElemType::F32),
+            min,
+        ),
+    ] {
+        let source = kernel(call);
+        let task = Task::default().input(0, f32_bytes(&values)).output(1, 4);
+        split_1_to_7(call, &source, &task, [16, 1, 1], rule, |out| {
+            assert_eq!(f32s(&out[&1]), [answer], "{call}")
+        });
+        for wrong in [MergeRule::Sum(ElemType::F32), other] {
+            let Err(e) = task.job(&source, [16, 1, 1], 3, wrong) else {
+                panic!("{call} under {wrong}: taken split")
+            };
+            let e = e.to_string();
+            assert!(
+                e.contains(&format!("keeps the {keeps}"))
+                    && e.contains(&format!("--merge 1={rule}")),
+                "{call} under {wrong}: {e}"
+            );
+        }
+    }
+}
+
+/// A float sum whose new value is made in a variable, where the operation is not
+/// seen: refused split under every rule with how to write it, not folded by
+/// whichever rule was asked for (before, max-f32 would have kept the greatest of
+/// the shards' sums).
+#[test]
+fn a_compare_exchange_whose_operation_is_not_seen_is_refused_split() {
+    let source = r#"
+@group(0) @binding(0) var<storage, read> values: array<f32>;
+@group(0) @binding(1) var<storage, read_write> total: atomic<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x >= arrayLength(&values)) {
+        return;
+    }
+    var old = atomicLoad(&total);
+    loop {
+        var next = bitcast<f32>(old);
+        next += values[gid.x];
+        let r = atomicCompareExchangeWeak(&total, old, bitcast<u32>(next));
+        if (r.exchanged) {
+            break;
+        }
+        old = r.old_value;
+    }
+}
+"#;
+    let values: Vec<f32> = (0..1000).map(|i| (i % 7) as f32).collect();
+    let task = Task::default().input(0, f32_bytes(&values)).output(1, 4);
+    for rule in [MergeRule::Sum(ElemType::F32), MergeRule::Max(ElemType::F32)] {
+        let Err(e) = task.job(source, [16, 1, 1], 3, rule) else {
+            panic!("taken split under {rule}")
+        };
+        let e = e.to_string();
+        assert!(
+            e.contains("not one operation on the old one")
+                && e.contains("Write the exchange's new value"),
+            "{e}"
+        );
+    }
+    // Unsharded it runs, and sums.
+    for adapter in common::adapters() {
+        let job = task
+            .job(source, [16, 1, 1], 1, MergeRule::Sum(ElemType::F32))
+            .unwrap();
+        let out = common::lock(adapter).run(&job, None).unwrap().outputs;
+        assert_eq!(f32s(&out[&1]), [values.iter().sum::<f32>()]);
+    }
+}

@@ -1,0 +1,548 @@
+//! What a compare-exchange does to its word, read from the kernel: the operation a
+//! merge rule must fold for its shards' partials to give the whole grid's answer.
+//!
+//! WGSL has no float atomics, so kernels keep float sums, maxima and minima with a
+//! compare-exchange loop, written one of two ways:
+//! - the new value made from the old one: `bitcast<u32>(bitcast<f32>(old) + v)`
+//!   (a sum), `max(old, v)` (a maximum);
+//! - the winner swapped in whole, once it beats the old value: the loop leaves
+//!   when `bitcast<f32>(old) >= v`, or swaps only under `if (v > old)`, or picks
+//!   with `select(old, v, v > old)` (a maximum).
+//!
+//! Where neither is seen — the old value met in a helper function, through a
+//! variable set elsewhere, or under a condition that is no such comparison — the
+//! exchange is [`AtomicOp::CompareExchange`], which no merge rule folds: the
+//! kernel is refused split rather than merged by a rule that may not be its own.
+//! A new value made without the old one and under no condition on it (a slot
+//! claimed with `atomicCompareExchangeWeak(&owner, 0u, id)`) is a word set, as
+//! `atomicExchange` sets one.
+
+use naga::{
+    BinaryOperator as B, Block, Expression as E, Function, Handle, LocalVariable,
+    MathFunction as M, Statement,
+};
+
+use crate::atomic_ops::{AtomicOp, Combine};
+
+type Expr = Handle<naga::Expression>;
+
+/// What the compare-exchange `exchange` (a statement of `f`, exchanging `compare`
+/// for `value`) does to its word.
+pub(crate) fn exchange_op(
+    f: &Function,
+    exchange: &Statement,
+    compare: Expr,
+    value: Expr,
+) -> AtomicOp {
+    let old = Old::new(f, compare);
+    let made = old.made(value);
+    // What is swapped in: the new value, or in `max(old, v)` the `v`.
+    let winner = match f.expressions[strip(f, value)] {
+        E::Math {
+            fun: M::Max | M::Min,
+            arg,
+            arg1: Some(arg1),
+            ..
+        } if old.made(arg) == Made::Old => strip(f, arg1),
+        E::Math {
+            fun: M::Max | M::Min,
+            arg,
+            arg1: Some(arg1),
+            ..
+        } if old.made(arg1) == Made::Old => strip(f, arg),
+        _ => strip(f, value),
+    };
+    // The conditions the exchange runs under that read the old value, each as the
+    // operation it makes of the loop.
+    let mut guarded = None;
+    for (condition, holds) in guards(&f.body, exchange, &mut Vec::new()).unwrap_or_default() {
+        if old.made(condition) == Made::Without {
+            continue;
+        }
+        let Some(c) = old.keeps(condition, holds, winner) else {
+            return AtomicOp::CompareExchange;
+        };
+        if guarded.is_some_and(|g| g != c) {
+            return AtomicOp::CompareExchange;
+        }
+        guarded = Some(c);
+    }
+    match (made, guarded) {
+        // Left as it was: the word keeps what it holds.
+        (Made::Old, _) => AtomicOp::Exchange,
+        (Made::Without, None) => AtomicOp::Exchange,
+        (Made::Without, Some(c)) => AtomicOp::Loop(c),
+        (Made::By(c), None) => AtomicOp::Loop(c),
+        // A maximum kept by `max(old, v)` that also leaves once `old >= v`.
+        (Made::By(c), Some(g)) if c == g => AtomicOp::Loop(c),
+        _ => AtomicOp::CompareExchange,
+    }
+}
+
+/// How an expression is made from the old value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Made {
+    /// Without it.
+    Without,
+    /// It is the old value, through bitcasts and conversions.
+    Old,
+    /// The old value combined with values made without it, by one operation.
+    By(Combine),
+    /// From it, some other way.
+    Unknown,
+}
+
+/// The old value of one compare-exchange, in the function it is in.
+struct Old<'a> {
+    f: &'a Function,
+    /// The expression passed as the exchange's `compare`.
+    compare: Expr,
+    /// The variable `compare` loads, if it loads one (`var old = atomicLoad(..)`,
+    /// set again from each exchange's `old_value`): its every load is the old value.
+    var: Option<Handle<LocalVariable>>,
+}
+
+impl<'a> Old<'a> {
+    fn new(f: &'a Function, compare: Expr) -> Self {
+        let var = match f.expressions[compare] {
+            E::Load { pointer } => match f.expressions[pointer] {
+                E::LocalVariable(v) => Some(v),
+                _ => None,
+            },
+            _ => None,
+        };
+        Old { f, compare, var }
+    }
+
+    fn made(&self, e: Expr) -> Made {
+        self.made_seen(e, &mut Vec::new())
+    }
+
+    /// `made`, having followed the variables in `seen` already.
+    fn made_seen(&self, e: Expr, seen: &mut Vec<Handle<LocalVariable>>) -> Made {
+        if e == self.compare {
+            return Made::Old;
+        }
+        let f = self.f;
+        let mut made = |x: Expr| self.made_seen(x, seen);
+        match &f.expressions[e] {
+            E::Load { pointer } => match local_root(f, *pointer) {
+                Some(v) if Some(v) == self.var => Made::Old,
+                // Another variable: from the old value if any store into it is.
+                Some(v) if !seen.contains(&v) => {
+                    seen.push(v);
+                    let from_old = what_sets(&f.body, f, v)
+                        .into_iter()
+                        .any(|stored| self.made_seen(stored, seen) != Made::Without);
+                    if from_old {
+                        Made::Unknown
+                    } else {
+                        Made::Without
+                    }
+                }
+                // Memory: its indices are not the value it holds.
+                _ => Made::Without,
+            },
+            E::As { expr, .. } => made(*expr),
+            E::Unary { expr, .. } => match made(*expr) {
+                Made::Without => Made::Without,
+                _ => Made::Unknown,
+            },
+            E::Binary { op, left, right } => {
+                let (l, r) = (made(*left), made(*right));
+                let by = match op {
+                    B::Add => Combine::Add,
+                    // `old - v` takes away as a sum adds; `v - old` does not.
+                    B::Subtract if r == Made::Without => Combine::Add,
+                    B::InclusiveOr => Combine::Or,
+                    B::And => Combine::And,
+                    B::ExclusiveOr => Combine::Xor,
+                    _ => Combine::Other,
+                };
+                one_operation(l, r, by)
+            }
+            E::Math {
+                fun: fun @ (M::Max | M::Min),
+                arg,
+                arg1: Some(arg1),
+                ..
+            } => {
+                let by = if *fun == M::Max {
+                    Combine::Max
+                } else {
+                    Combine::Min
+                };
+                one_operation(made(*arg), made(*arg1), by)
+            }
+            E::Math {
+                arg, arg1, arg2, ..
+            } => {
+                let args = [Some(*arg), *arg1, *arg2];
+                if args.into_iter().flatten().all(|a| made(a) == Made::Without) {
+                    Made::Without
+                } else {
+                    Made::Unknown
+                }
+            }
+            // `select(old, v, v > old)`: `v` swapped in when it wins.
+            E::Select {
+                condition,
+                accept,
+                reject,
+            } => match (made(*accept), made(*reject), made(*condition)) {
+                (Made::Without, Made::Without, _) => Made::Without,
+                (Made::Without, Made::Old, _) => self
+                    .keeps(*condition, true, strip(f, *accept))
+                    .map_or(Made::Unknown, Made::By),
+                (Made::Old, Made::Without, _) => self
+                    .keeps(*condition, false, strip(f, *reject))
+                    .map_or(Made::Unknown, Made::By),
+                _ => Made::Unknown,
+            },
+            // A helper's answer: from the old value if any argument is.
+            E::CallResult(_) => {
+                let from_old = call_arguments(&f.body, e)
+                    .is_some_and(|args| args.iter().any(|&a| made(a) != Made::Without));
+                if from_old {
+                    Made::Unknown
+                } else {
+                    Made::Without
+                }
+            }
+            _ => Made::Without,
+        }
+    }
+
+    /// What swapping `winner` in keeps when `condition` is `holds`: the greatest
+    /// where it says the winner is greater than the old value (`v > old`, or
+    /// `old >= v` false), the least where less. `None` for any other condition.
+    fn keeps(&self, condition: Expr, holds: bool, winner: Expr) -> Option<Combine> {
+        let f = self.f;
+        let (op, left, right) = match f.expressions[condition] {
+            E::Binary { op, left, right } => (op, left, right),
+            E::Unary {
+                op: naga::UnaryOperator::LogicalNot,
+                expr,
+            } => return self.keeps(expr, !holds, winner),
+            _ => return None,
+        };
+        let is_old = |x| self.made(x) == Made::Old;
+        let is_winner = |x| strip(f, x) == winner || same_load(f, strip(f, x), winner);
+        // As `winner OP old`.
+        let greater = match (
+            is_winner(left) && is_old(right),
+            is_old(left) && is_winner(right),
+        ) {
+            (true, _) => matches!(op, B::Greater | B::GreaterEqual),
+            (_, true) => matches!(op, B::Less | B::LessEqual),
+            _ => return None,
+        };
+        if !matches!(op, B::Greater | B::GreaterEqual | B::Less | B::LessEqual) {
+            return None;
+        }
+        Some(if greater == holds {
+            Combine::Max
+        } else {
+            Combine::Min
+        })
+    }
+}
+
+/// One operation `by` between the old value (or the same operation on it already)
+/// and values made without it.
+fn one_operation(left: Made, right: Made, by: Combine) -> Made {
+    let on_old = |m: Made| m == Made::Old || m == Made::By(by);
+    match (left, right) {
+        (Made::Without, Made::Without) => Made::Without,
+        (l, Made::Without) if on_old(l) => Made::By(by),
+        (Made::Without, r) if on_old(r) => Made::By(by),
+        _ => Made::Unknown,
+    }
+}
+
+/// `e` without its bitcasts and conversions.
+fn strip(f: &Function, mut e: Expr) -> Expr {
+    while let E::As { expr, .. } = f.expressions[e] {
+        e = expr;
+    }
+    e
+}
+
+/// Whether `a` and `b` both load the same local variable (`v` read twice).
+fn same_load(f: &Function, a: Expr, b: Expr) -> bool {
+    let var = |e: Expr| match f.expressions[e] {
+        E::Load { pointer } => match f.expressions[pointer] {
+            E::LocalVariable(v) => Some(v),
+            _ => None,
+        },
+        _ => None,
+    };
+    var(a).is_some() && var(a) == var(b)
+}
+
+/// The local variable `pointer` points into, through any indexing.
+fn local_root(f: &Function, mut pointer: Expr) -> Option<Handle<LocalVariable>> {
+    loop {
+        match f.expressions[pointer] {
+            E::Access { base, .. } | E::AccessIndex { base, .. } => pointer = base,
+            E::LocalVariable(v) => return Some(v),
+            _ => return None,
+        }
+    }
+}
+
+/// What decides local variable `var`'s value in `block`: the values stored into
+/// it (its initializer included) and the conditions each store is made under (a
+/// flag set once the old value is seen to win).
+fn what_sets(block: &Block, f: &Function, var: Handle<LocalVariable>) -> Vec<Expr> {
+    let mut values: Vec<Expr> = f.local_variables[var].init.into_iter().collect();
+    crate::ir::each_statement(block, &mut |s| {
+        if let Statement::Store { pointer, value } = s {
+            if local_root(f, *pointer) == Some(var) {
+                values.push(*value);
+                let under = guards(block, s, &mut Vec::new()).unwrap_or_default();
+                values.extend(under.into_iter().map(|(condition, _)| condition));
+            }
+        }
+    });
+    values
+}
+
+/// The arguments of the call whose result is `result`.
+fn call_arguments(block: &Block, result: Expr) -> Option<Vec<Expr>> {
+    let mut found = None;
+    crate::ir::each_statement(block, &mut |s| {
+        if let Statement::Call {
+            arguments,
+            result: Some(r),
+            ..
+        } = s
+        {
+            if *r == result {
+                found = Some(arguments.clone());
+            }
+        }
+    });
+    found
+}
+
+/// The conditions `target` (a statement in `block`) runs under, with whether each
+/// holds: those of the `if`s around it, and of each `if` before it in an enclosing
+/// block whose one branch leaves (`if (old >= v) { return; }`: false after it).
+/// `None` when `target` is not in `block`.
+fn guards(
+    block: &Block,
+    target: &Statement,
+    under: &mut Vec<(Expr, bool)>,
+) -> Option<Vec<(Expr, bool)>> {
+    let depth = under.len();
+    let mut found = None;
+    for s in block.iter() {
+        if std::ptr::eq(s, target) {
+            found = Some(under.clone());
+            break;
+        }
+        found = match s {
+            Statement::Block(b) => guards(b, target, under),
+            Statement::If {
+                condition,
+                accept,
+                reject,
+            } => {
+                let mut branch = |b, holds| {
+                    under.push((*condition, holds));
+                    let found = guards(b, target, under);
+                    under.pop();
+                    found
+                };
+                let found = branch(accept, true).or_else(|| branch(reject, false));
+                match (leaves(accept), leaves(reject)) {
+                    (true, false) => under.push((*condition, false)),
+                    (false, true) => under.push((*condition, true)),
+                    _ => {}
+                }
+                found
+            }
+            Statement::Switch { cases, .. } => {
+                cases.iter().find_map(|c| guards(&c.body, target, under))
+            }
+            Statement::Loop {
+                body, continuing, ..
+            } => guards(body, target, under).or_else(|| guards(continuing, target, under)),
+            _ => None,
+        };
+        if found.is_some() {
+            break;
+        }
+    }
+    under.truncate(depth);
+    found
+}
+
+/// Whether `block` ends by leaving (a `return`, `break`, `continue` or discard).
+fn leaves(block: &Block) -> bool {
+    block
+        .iter()
+        .rev()
+        .find(|s| !matches!(s, Statement::Emit(_)))
+        .is_some_and(|s| {
+            matches!(
+                s,
+                Statement::Return { .. } | Statement::Break | Statement::Continue | Statement::Kill
+            )
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use AtomicOp as A;
+
+    /// What the one compare-exchange in `body` (the loop of a helper taking `v`,
+    /// on buffer `best`) does.
+    fn op(body: &str) -> AtomicOp {
+        let src = format!(
+            "
+@group(0) @binding(0) var<storage, read> values: array<f32>;
+@group(0) @binding(1) var<storage, read_write> best: atomic<u32>;
+fn twice(x: f32) -> f32 {{ return x * 2.0; }}
+fn keep(v: f32) {{
+    var old = atomicLoad(&best);
+    {body}
+}}
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
+    keep(values[gid.x]);
+}}"
+        );
+        let module = naga::front::wgsl::parse_str(&src).unwrap();
+        let info = naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::default(),
+        )
+        .validate(&module)
+        .unwrap();
+        let ops = crate::atomic_ops::atomic_ops(&module, &info, 0);
+        let ops: Vec<AtomicOp> = ops[&1].iter().copied().collect();
+        assert_eq!(ops.len(), 1, "{ops:?}");
+        ops[0]
+    }
+
+    fn looped(before: &str, next: &str) -> String {
+        format!(
+            "loop {{
+        {before}
+        let r = atomicCompareExchangeWeak(&best, old, {next});
+        if (r.exchanged) {{ break; }}
+        old = r.old_value;
+    }}"
+        )
+    }
+
+    #[test]
+    fn a_winner_swapped_in_keeps_what_its_comparison_says() {
+        let exits = |cond: &str| looped(&format!("if ({cond}) {{ return; }}"), "bitcast<u32>(v)");
+        assert_eq!(op(&exits("bitcast<f32>(old) >= v")), A::Loop(Combine::Max));
+        assert_eq!(op(&exits("v <= bitcast<f32>(old)")), A::Loop(Combine::Max));
+        assert_eq!(op(&exits("bitcast<f32>(old) <= v")), A::Loop(Combine::Min));
+        assert_eq!(
+            op(&exits("!(v < bitcast<f32>(old))")),
+            A::Loop(Combine::Min)
+        );
+        // Swapped only inside the `if`.
+        let inside = "loop {
+        if (v < bitcast<f32>(old)) {
+            let r = atomicCompareExchangeWeak(&best, old, bitcast<u32>(v));
+            if (r.exchanged) { break; }
+            old = r.old_value;
+        } else {
+            break;
+        }
+    }";
+        assert_eq!(op(inside), A::Loop(Combine::Min));
+        assert_eq!(
+            op(&looped(
+                "",
+                "select(old, bitcast<u32>(v), v > bitcast<f32>(old))"
+            )),
+            A::Loop(Combine::Max)
+        );
+        assert_eq!(
+            op(&looped(
+                "",
+                "select(bitcast<u32>(v), old, v > bitcast<f32>(old))"
+            )),
+            A::Loop(Combine::Min)
+        );
+        // A maximum made with max() that also leaves once it cannot win.
+        assert_eq!(
+            op(&looped(
+                "if (bitcast<f32>(old) >= v) { return; }",
+                "bitcast<u32>(max(bitcast<f32>(old), v))"
+            )),
+            A::Loop(Combine::Max)
+        );
+    }
+
+    #[test]
+    fn an_operation_not_seen_folds_under_no_rule() {
+        // Made through a variable, in a helper, or as `v - old`.
+        let through_var = "loop {
+        var next = bitcast<f32>(old);
+        next += v;
+        let r = atomicCompareExchangeWeak(&best, old, bitcast<u32>(next));
+        if (r.exchanged) { break; }
+        old = r.old_value;
+    }";
+        assert_eq!(op(through_var), A::CompareExchange);
+        assert_eq!(
+            op(&looped("", "bitcast<u32>(twice(bitcast<f32>(old)))")),
+            A::CompareExchange
+        );
+        assert_eq!(
+            op(&looped("", "bitcast<u32>(v - bitcast<f32>(old))")),
+            A::Loop(Combine::Other)
+        );
+        // A count that stops at 100: the shards' counts would each stop there.
+        assert_eq!(
+            op(&looped("if (old >= 100u) { return; }", "old + 1u")),
+            A::CompareExchange
+        );
+        // A winner swapped in under a flag set from the old value.
+        let flagged = "loop {
+        var done = false;
+        if (bitcast<f32>(old) >= v) { done = true; }
+        if (!done) {
+            let r = atomicCompareExchangeWeak(&best, old, bitcast<u32>(v));
+            if (r.exchanged) { break; }
+            old = r.old_value;
+        } else {
+            break;
+        }
+    }";
+        assert_eq!(op(flagged), A::CompareExchange);
+        // Swapped in under a bound that is not the winner.
+        assert_eq!(
+            op(&looped(
+                "if (bitcast<f32>(old) > 10.0) { return; }",
+                "bitcast<u32>(v)"
+            )),
+            A::CompareExchange
+        );
+    }
+
+    #[test]
+    fn a_value_swapped_in_under_no_condition_on_the_old_one_is_set() {
+        assert_eq!(
+            op("let r = atomicCompareExchangeWeak(&best, 0u, bitcast<u32>(v));"),
+            A::Exchange
+        );
+        assert_eq!(op(&looped("", "bitcast<u32>(v)")), A::Exchange);
+        assert_eq!(
+            op(&looped("", "bitcast<u32>(bitcast<f32>(old) + v)")),
+            A::Loop(Combine::Add)
+        );
+    }
+}
