@@ -91,7 +91,9 @@ async fn a_task_finished_through_one_node_is_finished_through_every_other() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_joined_node_serves_once_it_votes() {
     // As the README starts a mesh: a forms it, b and c join through a. Once c is up,
-    // losing a must leave a quorum: b and c are voters by the time each serves.
+    // losing a must leave a quorum: b and c are voters by the time each serves, and
+    // each can send Raft frames to every member (before, c learned the members it
+    // had not dialled only at its next sweep, half a second on).
     let dir = tempfile::tempdir().unwrap();
     tokio::time::timeout(LIMIT, async {
         let a = MeshNode::start(config(&dir.path().join("a"), Formation::Init, &[]))
@@ -108,6 +110,10 @@ async fn a_joined_node_serves_once_it_votes() {
                 .find(|m| m.raft_id == node.raft_id)
                 .expect("in the membership");
             assert_ne!(me.role, "learner", "{name} serves as a learner: {st:?}");
+            // It may be handed leadership at once: it can reach every member.
+            for m in &st.members {
+                assert!(node.reaches(m.raft_id), "{name} cannot reach {}", m.raft_id);
+            }
             nodes.push(node);
         }
         stop(nodes).await;

@@ -93,6 +93,8 @@ pub struct MeshNode {
     gpu_thread: Option<std::thread::JoinHandle<()>>,
     leaving: Leaving,
     removal: removed::Removal,
+    /// Which peer is behind each raft id (see [`Self::reaches`]).
+    peers: PeersHandle,
     /// Held while the node runs: no second node starts on its data dir.
     _dir_lock: crate::data_dir::DirLock,
 }
@@ -296,14 +298,12 @@ impl MeshNode {
             Self::wait_until_voting(&consensus, config.join_timeout.min(PROMOTION_WAIT)).await;
         }
 
-        // Before the API answers, so `gpumesh ticket` works as soon as the node is up.
-        record_mesh_addrs(
-            &peers,
-            &member_records(&consensus),
-            &config.data_dir,
-            &mut Vec::new(),
-        )
-        .await;
+        // Before the API answers: `gpumesh ticket` works as soon as the node is up,
+        // and its Raft frames reach every member it has applied (it may be handed
+        // leadership at once) without waiting for the sweep.
+        let records = member_records(&consensus);
+        peers.learn_all(records.clone()).await;
+        record_mesh_addrs(&peers, &records, &config.data_dir, &mut Vec::new()).await;
         tasks.push(tokio::spawn(heartbeats(
             consensus.clone(),
             net.clone(),
@@ -376,7 +376,7 @@ impl MeshNode {
         let mut api = ApiState::new(
             consensus.clone(),
             liveness,
-            peers,
+            peers.clone(),
             blobs,
             kernels,
             config.limits,
@@ -421,6 +421,7 @@ impl MeshNode {
             gpu_thread,
             leaving,
             removal,
+            peers,
             _dir_lock: dir_lock,
         })
     }
@@ -512,6 +513,12 @@ impl MeshNode {
     /// it should then [`Self::stop`] it.
     pub fn left(&self) -> CancellationToken {
         self.leaving.left.clone()
+    }
+
+    /// Whether this node can address Raft frames to the replica `raft_id`: it knows
+    /// which peer that is. A node serving knows every member it has applied.
+    pub fn reaches(&self, raft_id: u64) -> bool {
+        self.peers.peer(raft_id).is_some()
     }
 
     /// Why this node is no longer a member, if it found it was removed by another

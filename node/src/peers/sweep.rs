@@ -5,8 +5,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use gpumesh_consensus::ConsensusHandle;
+use gpumesh_consensus::{ConsensusHandle, StateMachine};
 use libp2p::{Multiaddr, PeerId};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::PeersHandle;
@@ -69,7 +70,14 @@ pub async fn keep_connected(
 ) {
     let me = peers.me();
     let mut recorded: Vec<Multiaddr> = Vec::new();
+    let mut state = consensus.watch_state();
     loop {
+        let members: Vec<u64> = state
+            .borrow_and_update()
+            .members()
+            .keys()
+            .copied()
+            .collect();
         let records = member_records(&consensus);
         record_mesh_addrs(&peers, &records, &data_dir, &mut recorded).await;
         let connected = peers.net.connected_peers();
@@ -85,6 +93,24 @@ pub async fn keep_connected(
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(MEMBER_SWEEP) => {}
+            () = members_change(&mut state, &members) => {}
+        }
+    }
+}
+
+/// Returns once the applied membership is other than `members` (raft ids): a
+/// member joined, or left. So a replica that has just applied a new member can
+/// address its Raft frames to it at once, not at the next sweep. Before, a node
+/// that joined and was handed leadership within the sweep could not reach the
+/// members it had not yet learned (a bench's third node, for 0.37 s). Never, once
+/// the replica is gone.
+async fn members_change(state: &mut watch::Receiver<StateMachine>, members: &[u64]) {
+    loop {
+        if state.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+        if !state.borrow_and_update().members().keys().eq(members) {
+            return;
         }
     }
 }
