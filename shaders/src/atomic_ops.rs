@@ -128,7 +128,10 @@ pub(crate) fn atomic_ops(
                     fun: AtomicFunction::Exchange { compare: Some(c) },
                     value,
                     ..
-                } => (*pointer, crate::exchange::exchange_op(f, s, *c, *value)),
+                } => (
+                    *pointer,
+                    crate::exchange::exchange_op(f, s, *pointer, *c, *value),
+                ),
                 Statement::Atomic { pointer, fun, .. } => (*pointer, AtomicOp::of(fun)),
                 Statement::Store { pointer, .. } if stores_atomic(module, fi, *pointer) => {
                     (*pointer, AtomicOp::Store)

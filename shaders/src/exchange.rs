@@ -27,14 +27,15 @@ use crate::atomic_ops::{AtomicOp, Combine};
 type Expr = Handle<naga::Expression>;
 
 /// What the compare-exchange `exchange` (a statement of `f`, exchanging `compare`
-/// for `value`) does to its word.
+/// for `value` at `pointer`) does to its word.
 pub(crate) fn exchange_op(
     f: &Function,
     exchange: &Statement,
+    pointer: Expr,
     compare: Expr,
     value: Expr,
 ) -> AtomicOp {
-    let old = Old::new(f, compare);
+    let old = Old::new(f, pointer, compare);
     let made = old.made(value);
     // What is swapped in: the new value, or in `max(old, v)` the `v`.
     let winner = match f.expressions[strip(f, value)] {
@@ -100,10 +101,31 @@ struct Old<'a> {
     /// The variable `compare` loads, if it loads one (`var old = atomicLoad(..)`,
     /// set again from each exchange's `old_value`): its every load is the old value.
     var: Option<Handle<LocalVariable>>,
+    /// What the exchanged word is part of: any other read of it is the old value
+    /// too (or a newer one), not a value made without it.
+    word: Option<Root>,
+}
+
+/// The buffer (or the pointer argument) a pointer points into.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Root {
+    Global(Handle<naga::GlobalVariable>),
+    Argument(u32),
+}
+
+fn root(f: &Function, mut pointer: Expr) -> Option<Root> {
+    loop {
+        match f.expressions[pointer] {
+            E::Access { base, .. } | E::AccessIndex { base, .. } => pointer = base,
+            E::GlobalVariable(g) => return Some(Root::Global(g)),
+            E::FunctionArgument(i) => return Some(Root::Argument(i)),
+            _ => return None,
+        }
+    }
 }
 
 impl<'a> Old<'a> {
-    fn new(f: &'a Function, compare: Expr) -> Self {
+    fn new(f: &'a Function, pointer: Expr, compare: Expr) -> Self {
         let var = match f.expressions[compare] {
             E::Load { pointer } => match f.expressions[pointer] {
                 E::LocalVariable(v) => Some(v),
@@ -111,7 +133,12 @@ impl<'a> Old<'a> {
             },
             _ => None,
         };
-        Old { f, compare, var }
+        Old {
+            f,
+            compare,
+            var,
+            word: root(f, pointer),
+        }
     }
 
     fn made(&self, e: Expr) -> Made {
@@ -140,8 +167,19 @@ impl<'a> Old<'a> {
                         Made::Without
                     }
                 }
-                // Memory: its indices are not the value it holds.
-                _ => Made::Without,
+                Some(_) => Made::Without,
+                // Memory: the value it holds is made without the old one, unless
+                // it is the exchanged word's buffer (`atomicLoad(&best)` read again)
+                // or is read where the old value points (`values[old]`, as an
+                // index of the least value keeps it).
+                None => {
+                    let same_word = root(f, *pointer).is_some_and(|r| Some(r) == self.word);
+                    if same_word || self.indexed_by_old(*pointer, seen) {
+                        Made::Unknown
+                    } else {
+                        Made::Without
+                    }
+                }
             },
             E::As { expr, .. } => made(*expr),
             E::Unary { expr, .. } => match made(*expr) {
@@ -210,6 +248,22 @@ impl<'a> Old<'a> {
                 }
             }
             _ => Made::Without,
+        }
+    }
+
+    /// Whether `pointer` indexes with a value made from the old one.
+    fn indexed_by_old(&self, mut pointer: Expr, seen: &mut Vec<Handle<LocalVariable>>) -> bool {
+        loop {
+            match self.f.expressions[pointer] {
+                E::Access { base, index } => {
+                    if self.made_seen(index, seen) != Made::Without {
+                        return true;
+                    }
+                    pointer = base;
+                }
+                E::AccessIndex { base, .. } => pointer = base,
+                _ => return false,
+            }
         }
     }
 
@@ -523,6 +577,24 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
         }
     }";
         assert_eq!(op(flagged), A::CompareExchange);
+        // The index of the least value: the guard reads memory where the old
+        // value points. Under min or max the shards' indices would be merged as
+        // numbers, not by the values they point at.
+        let argmin = "loop {
+        let cur = atomicLoad(&best);
+        if (values[cur] <= v) { return; }
+        let r = atomicCompareExchangeWeak(&best, cur, u32(v));
+        if (r.exchanged) { return; }
+    }";
+        assert_eq!(op(argmin), A::CompareExchange);
+        // A guard that reads the word again rather than the old value.
+        assert_eq!(
+            op(&looped(
+                "if (bitcast<f32>(atomicLoad(&best)) >= v) { return; }",
+                "bitcast<u32>(v)"
+            )),
+            A::CompareExchange
+        );
         // Swapped in under a bound that is not the winner.
         assert_eq!(
             op(&looped(

@@ -1722,3 +1722,53 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         assert_eq!(f32s(&out[&1]), [values.iter().sum::<f32>()]);
     }
 }
+
+/// The index of the least value, kept with a compare-exchange the way GPU argmin
+/// tutorials write it: swap this invocation's index in while the value at the held
+/// index is greater. Unsharded, the CPU's argmin; split under min-u32 or max-u32 it
+/// is refused, since the shards' indices would be merged as numbers, not by the
+/// values they point at. Before, such a loop was taken to set its word, and
+/// max-u32 returned the greatest of the shards' argmins.
+#[test]
+fn an_argmin_kept_by_a_compare_exchange_runs_whole_and_is_refused_split() {
+    let source = r#"
+@group(0) @binding(0) var<storage, read> values: array<f32>;
+@group(0) @binding(1) var<storage, read_write> best: atomic<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i >= arrayLength(&values)) {
+        return;
+    }
+    loop {
+        let cur = atomicLoad(&best);
+        if (values[cur] <= values[i]) {
+            break;
+        }
+        let r = atomicCompareExchangeWeak(&best, cur, i);
+        if (r.exchanged) {
+            break;
+        }
+    }
+}
+"#;
+    let mut rng = Rng(16);
+    let values: Vec<f32> = (0..1000).map(|_| rng.unit() * 100.0).collect();
+    let argmin = (0..values.len())
+        .min_by(|&a, &b| values[a].total_cmp(&values[b]))
+        .unwrap() as u32;
+    let task = Task::default().input(0, f32_bytes(&values)).output(1, 4);
+    for adapter in common::adapters() {
+        let job = task.job(source, [16, 1, 1], 1, MergeRule::Changes).unwrap();
+        let out = common::lock(adapter).run(&job, None).unwrap().outputs;
+        assert_eq!(u32s(&out[&1]), [argmin]);
+    }
+    for rule in [MergeRule::Min(ElemType::U32), MergeRule::Max(ElemType::U32)] {
+        let Err(e) = task.job(source, [16, 1, 1], 3, rule) else {
+            panic!("taken split under {rule}")
+        };
+        let e = e.to_string();
+        assert!(e.contains("not one operation on the old one"), "{e}");
+    }
+}
