@@ -37,6 +37,10 @@ pub enum AtomicOp {
     Xor,
     Store,
     Exchange,
+    /// A compare-exchange that swaps in a value made without the old one, under no
+    /// condition on it (a slot claimed with `atomicCompareExchangeWeak(&owner, 0u,
+    /// id)`): it sets its word, as `atomicExchange` does.
+    Claim,
     /// A compare-exchange whose new value is not seen to be one operation on the
     /// old one, nor a winner swapped in (see [`crate::exchange`]): no merge rule
     /// folds it.
@@ -88,6 +92,7 @@ impl fmt::Display for AtomicOp {
             AtomicOp::Xor => "atomicXor",
             AtomicOp::Store => "atomicStore",
             AtomicOp::Exchange => "atomicExchange",
+            AtomicOp::Claim => "a compare-exchange that sets its word",
             AtomicOp::CompareExchange => {
                 "a compare-exchange whose new value is not one operation on the old one"
             }
@@ -342,7 +347,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 "#);
         assert_eq!(found.get(&1), Some(&set(&[A::Add, A::Max])));
-        assert_eq!(found.get(&2), Some(&set(&[A::Or, A::Store, A::Exchange])));
+        assert_eq!(found.get(&2), Some(&set(&[A::Or, A::Store, A::Claim])));
         assert_eq!(found.get(&3), None, "plain stores are not atomics");
         assert_eq!(found.len(), 2, "workgroup atomics are no buffer's");
     }
@@ -390,7 +395,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         assert_eq!(found.get(&1), Some(&set(&[A::Loop(Combine::Add)])));
         assert_eq!(found.get(&2), Some(&set(&[A::Loop(Combine::Max)])));
         assert_eq!(found.get(&3), Some(&set(&[A::Loop(Combine::Other)])));
-        assert_eq!(found.get(&4), Some(&set(&[A::Exchange])), "a slot claimed");
+        assert_eq!(found.get(&4), Some(&set(&[A::Claim])), "a slot claimed");
     }
 
     /// The words of each global's type that hold atomics, by name.

@@ -14,8 +14,8 @@
 //! exchange is [`AtomicOp::CompareExchange`], which no merge rule folds: the
 //! kernel is refused split rather than merged by a rule that may not be its own.
 //! A new value made without the old one and under no condition on it (a slot
-//! claimed with `atomicCompareExchangeWeak(&owner, 0u, id)`) is a word set, as
-//! `atomicExchange` sets one.
+//! claimed with `atomicCompareExchangeWeak(&owner, 0u, id)`) is a word set
+//! ([`AtomicOp::Claim`]), as `atomicExchange` sets one.
 
 use naga::{
     BinaryOperator as B, Block, Expression as E, Function, Handle, LocalVariable,
@@ -70,8 +70,8 @@ pub(crate) fn exchange_op(
     }
     match (made, guarded) {
         // Left as it was: the word keeps what it holds.
-        (Made::Old, _) => AtomicOp::Exchange,
-        (Made::Without, None) => AtomicOp::Exchange,
+        (Made::Old, _) => AtomicOp::Claim,
+        (Made::Without, None) => AtomicOp::Claim,
         (Made::Without, Some(c)) => AtomicOp::Loop(c),
         (Made::By(c), None) => AtomicOp::Loop(c),
         // A maximum kept by `max(old, v)` that also leaves once `old >= v`.
@@ -609,9 +609,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
     fn a_value_swapped_in_under_no_condition_on_the_old_one_is_set() {
         assert_eq!(
             op("let r = atomicCompareExchangeWeak(&best, 0u, bitcast<u32>(v));"),
-            A::Exchange
+            A::Claim
         );
-        assert_eq!(op(&looped("", "bitcast<u32>(v)")), A::Exchange);
+        assert_eq!(op(&looped("", "bitcast<u32>(v)")), A::Claim);
         assert_eq!(
             op(&looped("", "bitcast<u32>(bitcast<f32>(old) + v)")),
             A::Loop(Combine::Add)

@@ -520,7 +520,7 @@ impl Kernel {
 fn folds(rule: MergeRule, float_bits: bool, op: AtomicOp) -> bool {
     use AtomicOp as A;
     // Setting a word (a flag) gives the same word whichever shard's is kept.
-    let sets = matches!(op, A::Store | A::Exchange);
+    let sets = matches!(op, A::Store | A::Exchange | A::Claim);
     match rule {
         // `changes` takes no atomics at all; a compare-exchange whose operation is
         // not seen ([`AtomicOp::CompareExchange`]) folds under no rule.
