@@ -495,6 +495,22 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
         )
     }
 
+    /// A loop that swaps `v` in only inside `if (condition)`, after `before`.
+    fn swapped_under(before: &str, condition: &str) -> String {
+        format!(
+            "loop {{
+        {before}
+        if ({condition}) {{
+            let r = atomicCompareExchangeWeak(&best, old, bitcast<u32>(v));
+            if (r.exchanged) {{ break; }}
+            old = r.old_value;
+        }} else {{
+            break;
+        }}
+    }}"
+        )
+    }
+
     #[test]
     fn a_winner_swapped_in_keeps_what_its_comparison_says() {
         let exits = |cond: &str| looped(&format!("if ({cond}) {{ return; }}"), "bitcast<u32>(v)");
@@ -506,16 +522,10 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
             A::Loop(Combine::Min)
         );
         // Swapped only inside the `if`.
-        let inside = "loop {
-        if (v < bitcast<f32>(old)) {
-            let r = atomicCompareExchangeWeak(&best, old, bitcast<u32>(v));
-            if (r.exchanged) { break; }
-            old = r.old_value;
-        } else {
-            break;
-        }
-    }";
-        assert_eq!(op(inside), A::Loop(Combine::Min));
+        assert_eq!(
+            op(&swapped_under("", "v < bitcast<f32>(old)")),
+            A::Loop(Combine::Min)
+        );
         assert_eq!(
             op(&looped(
                 "",
@@ -565,18 +575,12 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
             A::CompareExchange
         );
         // A winner swapped in under a flag set from the old value.
-        let flagged = "loop {
-        var done = false;
-        if (bitcast<f32>(old) >= v) { done = true; }
-        if (!done) {
-            let r = atomicCompareExchangeWeak(&best, old, bitcast<u32>(v));
-            if (r.exchanged) { break; }
-            old = r.old_value;
-        } else {
-            break;
-        }
-    }";
-        assert_eq!(op(flagged), A::CompareExchange);
+        let flagged = swapped_under(
+            "var done = false;
+        if (bitcast<f32>(old) >= v) { done = true; }",
+            "!done",
+        );
+        assert_eq!(op(&flagged), A::CompareExchange);
         // The index of the least value: the guard reads memory where the old
         // value points. Under min or max the shards' indices would be merged as
         // numbers, not by the values they point at.
