@@ -37,9 +37,10 @@ pub enum AtomicOp {
     Xor,
     Store,
     Exchange,
-    /// A compare-exchange that swaps in a value made without the old one, under no
-    /// condition on it (a slot claimed with `atomicCompareExchangeWeak(&owner, 0u,
-    /// id)`): it sets its word, as `atomicExchange` does.
+    /// A compare-exchange that sets its word, as `atomicExchange` does: one that
+    /// expects a constant (a slot claimed with `atomicCompareExchangeWeak(&owner,
+    /// 0u, id)`), or swaps in a value made without the old one under no condition
+    /// on it (see [`crate::exchange`]).
     Claim,
     /// A compare-exchange whose new value is not seen to be one operation on the
     /// old one, nor a winner swapped in (see [`crate::exchange`]): no merge rule

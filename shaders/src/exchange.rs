@@ -13,9 +13,11 @@
 //! variable set elsewhere, or under a condition that is no such comparison — the
 //! exchange is [`AtomicOp::CompareExchange`], which no merge rule folds: the
 //! kernel is refused split rather than merged by a rule that may not be its own.
-//! A new value made without the old one and under no condition on it (a slot
-//! claimed with `atomicCompareExchangeWeak(&owner, 0u, id)`) is a word set
-//! ([`AtomicOp::Claim`]), as `atomicExchange` sets one.
+//! An exchange that expects a constant (a slot claimed with
+//! `atomicCompareExchangeWeak(&owner, 0u, id)`), or a loop that swaps in a value
+//! made without the old one under no condition on it, sets its word
+//! ([`AtomicOp::Claim`]), as `atomicExchange` does. One that expects anything else
+//! not read from the word (an invocation's own number) folds under no rule.
 
 use naga::{
     BinaryOperator as B, Block, Expression as E, Function, Handle, LocalVariable,
@@ -37,6 +39,15 @@ pub(crate) fn exchange_op(
 ) -> AtomicOp {
     let old = Old::new(f, pointer, compare);
     let made = old.made(value);
+    // Only a `compare` read from the word (`atomicLoad`, or a variable holding what
+    // it held) is its old value. A constant makes the exchange a claim of a word
+    // still holding it (`0u`: empty); anything else (a word stepped on only when it
+    // holds this invocation's number) nothing any rule folds.
+    match f.expressions[compare] {
+        E::Load { .. } => {}
+        E::Literal(_) | E::Constant(_) | E::ZeroValue(_) => return AtomicOp::Claim,
+        _ => return AtomicOp::CompareExchange,
+    }
     // What is swapped in: the new value, or in `max(old, v)` the `v`.
     let winner = match f.expressions[strip(f, value)] {
         E::Math {
@@ -71,6 +82,7 @@ pub(crate) fn exchange_op(
     match (made, guarded) {
         // Left as it was: the word keeps what it holds.
         (Made::Old, _) => AtomicOp::Claim,
+        // Swapped in whatever the word held: set, as by `atomicExchange`.
         (Made::Without, None) => AtomicOp::Claim,
         (Made::Without, Some(c)) => AtomicOp::Loop(c),
         (Made::By(c), None) => AtomicOp::Loop(c),
@@ -616,6 +628,11 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
             A::Claim
         );
         assert_eq!(op(&looped("", "bitcast<u32>(v)")), A::Claim);
+        // Stepped on only when it holds this invocation's number: not a claim.
+        assert_eq!(
+            op("let r = atomicCompareExchangeWeak(&best, u32(v), u32(v) + 1u);"),
+            A::CompareExchange
+        );
         assert_eq!(
             op(&looped("", "bitcast<u32>(bitcast<f32>(old) + v)")),
             A::Loop(Combine::Add)
