@@ -122,6 +122,56 @@ async fn a_joined_node_serves_once_it_votes() {
     .expect("bounded");
 }
 
+/// A node that joins while a member is down has heard nothing from it: within its
+/// first `down_after` its status shows that member as not heard yet, while the live
+/// members, whose heartbeats it applies, show as alive. Before, a node that had
+/// just joined called every member alive for its first `down_after` (8 s by
+/// default), the dead one too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_just_joined_does_not_call_a_dead_member_alive() {
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let mut nodes = mesh(dir.path(), 3).await;
+        let dead = nodes.pop().unwrap();
+        let dead_id = dead.raft_id;
+        dead.stop().await;
+        let mut c = config(
+            &dir.path().join("late"),
+            Formation::Join,
+            &[seed(&nodes[0])],
+        );
+        c.down_after = Duration::from_secs(30);
+        let late = MeshNode::start(c).await.unwrap();
+        let view = |st: &gpumesh::node::api::StatusView, id: u64| {
+            st.members
+                .iter()
+                .find(|m| m.raft_id == id)
+                .cloned()
+                .unwrap()
+        };
+        // Each live member proposes a heartbeat every 2 s.
+        let mut heard = false;
+        for _ in 0..100 {
+            let st = client(&late).status().await.unwrap();
+            let m = view(&st, dead_id);
+            assert!(!m.alive || m.unheard, "called alive: {m:#?}");
+            if nodes.iter().all(|n| {
+                let m = view(&st, n.raft_id);
+                m.alive && !m.unheard
+            }) {
+                heard = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(heard, "the late node never heard from the live members");
+        nodes.push(late);
+        stop(nodes).await;
+    })
+    .await
+    .expect("bounded");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_shard_output_is_on_two_nodes_so_losing_its_worker_loses_nothing() {
     if !have_any() {

@@ -32,6 +32,10 @@ const REFRESH: Duration = Duration::from_millis(250);
 pub enum Presence {
     /// An entry it proposed was applied here within `down_after`.
     Alive,
+    /// Nothing from it yet, and this node started less than `down_after` ago (it
+    /// joined a moment ago): counted alive until then, but shown as not yet heard,
+    /// not as alive.
+    Unheard,
     /// Nothing from it for longer than `down_after` (it died, hangs, or is cut off
     /// without its connections closing).
     Silent,
@@ -47,23 +51,25 @@ pub struct LivenessView {
 
 impl LivenessView {
     /// How `raft_id` looks; a member this node has not judged yet (it joined a
-    /// moment ago) is alive until `down_after` passes without a word from it.
+    /// moment ago) is [`Presence::Unheard`].
     pub fn presence(&self, raft_id: u64) -> Presence {
         self.members
             .get(&raft_id)
             .copied()
-            .unwrap_or(Presence::Alive)
+            .unwrap_or(Presence::Unheard)
     }
 
+    /// Alive, or not yet heard within `down_after` of this node's start: what
+    /// placement and repair count on.
     pub fn is_alive(&self, raft_id: u64) -> bool {
-        self.presence(raft_id) == Presence::Alive
+        matches!(self.presence(raft_id), Presence::Alive | Presence::Unheard)
     }
 
     /// Members that are not alive.
     pub fn down(&self) -> impl Iterator<Item = u64> + '_ {
         self.members
             .iter()
-            .filter(|(_, p)| **p != Presence::Alive)
+            .filter(|(_, p)| !matches!(p, Presence::Alive | Presence::Unheard))
             .map(|(id, _)| *id)
     }
 }
@@ -180,11 +186,14 @@ impl LivenessActor {
             members: members
                 .into_iter()
                 .map(|id| {
-                    let last = self.heard.get(&id).copied().unwrap_or(self.started);
+                    let heard = self.heard.get(&id).copied();
+                    let last = heard.unwrap_or(self.started);
                     let presence = if self.unreachable.contains(&id) {
                         Presence::Unreachable
                     } else if now.duration_since(last) > self.down_after {
                         Presence::Silent
+                    } else if heard.is_none() && id != self.me {
+                        Presence::Unheard
                     } else {
                         Presence::Alive
                     };

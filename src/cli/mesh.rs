@@ -358,7 +358,10 @@ pub fn status(api: ApiArgs, json: bool) -> anyhow::Result<ExitCode> {
             m.raft_id,
             m.peer_id,
             role,
-            if m.alive {
+            if m.alive && m.unheard {
+                // Just started here: not judged yet, and perhaps down.
+                "not heard yet"
+            } else if m.alive {
                 "yes"
             } else if m.raft_id == st.node {
                 // Nothing of its own applied lately (no quorum), but it answers.

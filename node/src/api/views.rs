@@ -331,6 +331,11 @@ pub struct MemberView {
     /// This node's connections to it closed and it could not be dialled again.
     #[serde(default)]
     pub unreachable: bool,
+    /// Counted alive, but nothing from it has reached this node yet, which started
+    /// less than `down_after` ago (a node that just joined, asked about a member
+    /// that may be down).
+    #[serde(default)]
+    pub unheard: bool,
     /// Where it listens, from its membership record.
     #[serde(default)]
     pub addrs: Vec<String>,
@@ -470,6 +475,7 @@ pub(crate) fn members(s: &StateMachine, liveness: &LivenessView) -> Vec<MemberVi
             role: format!("{:?}", m.role).to_lowercase(),
             alive: liveness.is_alive(m.raft_id),
             unreachable: liveness.presence(m.raft_id) == Presence::Unreachable,
+            unheard: liveness.presence(m.raft_id) == Presence::Unheard,
             addrs: m.addrs.clone(),
             adapter: m.capability.as_ref().map(|c| c.adapter_name.clone()),
             backend: m.capability.as_ref().map(|c| c.backend.name().to_string()),
