@@ -104,6 +104,10 @@ pub async fn keep_connected(
 /// that joined and was handed leadership within the sweep could not reach the
 /// members it had not yet learned (a bench's third node, for 0.37 s). Never, once
 /// the replica is gone.
+///
+/// The state changes with every entry applied (thousands a second under load), so
+/// it is looked at no more often than every [`MEMBERS_LOOK`]: the changes in
+/// between wake it once.
 async fn members_change(state: &mut watch::Receiver<StateMachine>, members: &[u64]) {
     loop {
         if state.changed().await.is_err() {
@@ -112,5 +116,9 @@ async fn members_change(state: &mut watch::Receiver<StateMachine>, members: &[u6
         if !state.borrow_and_update().members().keys().eq(members) {
             return;
         }
+        tokio::time::sleep(MEMBERS_LOOK).await;
     }
 }
+
+/// How often, at most, the sweep looks at the applied membership for a change.
+const MEMBERS_LOOK: Duration = Duration::from_millis(20);
