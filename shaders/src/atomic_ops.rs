@@ -94,9 +94,7 @@ impl fmt::Display for AtomicOp {
             AtomicOp::Store => "atomicStore",
             AtomicOp::Exchange => "atomicExchange",
             AtomicOp::Claim => "a compare-exchange that sets its word",
-            AtomicOp::CompareExchange => {
-                "a compare-exchange whose new value is not one operation on the old one"
-            }
+            AtomicOp::CompareExchange => "a compare-exchange of no operation seen",
             AtomicOp::Loop(c) => match c {
                 Combine::Add => "a compare-exchange loop that adds",
                 Combine::Min => "a compare-exchange loop that keeps the least",

@@ -551,6 +551,19 @@ fn unfolded(
         elem == ElemType::F32 && declared.atomic && declared.elem == Some(ElemType::U32);
     let ops = &declared.atomic_ops;
     let op = *ops.iter().find(|&&op| !folds(rule, float_bits, op))?;
+    if op == AtomicOp::CompareExchange {
+        // No rule folds it, whichever was asked for.
+        return Some(ExecError::Unsplittable(format!(
+            "binding {binding} ({name}) is updated with a compare-exchange whose new value \
+             is not seen to be one operation on the old value (as old + v or max(old, v) \
+             are), nor a value swapped in once it beats the old one, so no merge rule \
+             folds what it left in each shard into what it leaves over the whole grid \
+             ({rule} included). Write the exchange's new value as one operation on the \
+             old one in the call (bitcast<u32>(bitcast<f32>(old) + v), max(old, v)), or \
+             leave the loop once the old value wins (bitcast<f32>(old) >= v) and swap v \
+             in; or run it with --shards 1"
+        )));
+    }
     let what = match rule {
         _ if float_bits
             && matches!(
@@ -600,15 +613,6 @@ fn unfolded(
     .find(|&r| ops.iter().all(|&op| folds(r, float_bits, op)));
     let fix = match fix {
         Some(r) => format!("Merge it with --merge {binding}={r}, or run it with --shards 1"),
-        // The operation is not seen (made in a helper, or under a condition on the
-        // old value that is no comparison with the new one).
-        None if ops.contains(&AtomicOp::CompareExchange) => {
-            "Write the exchange's new value as one operation on the old one in the call \
-             (bitcast<u32>(bitcast<f32>(old) + v), max(old, v)), or swap a value in only \
-             while it beats the old one (leave the loop once bitcast<f32>(old) >= v), or run \
-             it with --shards 1"
-                .to_string()
-        }
         // Several functions no one rule folds (a count and a maximum in one struct).
         None if ops.len() > 1 => {
             let names: Vec<String> = ops.iter().map(AtomicOp::to_string).collect();

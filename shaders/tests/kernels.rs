@@ -1708,7 +1708,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         };
         let e = e.to_string();
         assert!(
-            e.contains("not one operation on the old one")
+            e.contains("not seen to be one operation on the old value")
                 && e.contains("Write the exchange's new value"),
             "{e}"
         );
@@ -1769,6 +1769,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
             panic!("taken split under {rule}")
         };
         let e = e.to_string();
-        assert!(e.contains("not one operation on the old one"), "{e}");
+        assert!(
+            e.contains("not seen to be one operation on the old value"),
+            "{e}"
+        );
     }
 }
