@@ -163,6 +163,13 @@ impl<'a> Old<'a> {
             return Made::Old;
         }
         let f = self.f;
+        // Read where the old value points (`values[old]`, `lut[old % 4u]`): what it
+        // holds is chosen by the old value, by no one operation.
+        if let E::Load { pointer } = f.expressions[e] {
+            if self.indexed_by_old(pointer, seen) {
+                return Made::Unknown;
+            }
+        }
         let mut made = |x: Expr| self.made_seen(x, seen);
         match &f.expressions[e] {
             E::Load { pointer } => match local_root(f, *pointer) {
@@ -181,12 +188,9 @@ impl<'a> Old<'a> {
                 }
                 Some(_) => Made::Without,
                 // Memory: the value it holds is made without the old one, unless
-                // it is the exchanged word's buffer (`atomicLoad(&best)` read again)
-                // or is read where the old value points (`values[old]`, as an
-                // index of the least value keeps it).
+                // it is the exchanged word's buffer (`atomicLoad(&best)` read again).
                 None => {
-                    let same_word = root(f, *pointer).is_some_and(|r| Some(r) == self.word);
-                    if same_word || self.indexed_by_old(*pointer, seen) {
+                    if root(f, *pointer).is_some_and(|r| Some(r) == self.word) {
                         Made::Unknown
                     } else {
                         Made::Without
@@ -259,6 +263,14 @@ impl<'a> Old<'a> {
                     Made::Without
                 }
             }
+            // Any other expression made from the old value (a vector built of it, a
+            // component, a swizzle) is made from it some other way.
+            E::Access { base, index } => any_from_old(&mut made, &[*base, *index]),
+            E::AccessIndex { base: x, .. }
+            | E::Splat { value: x, .. }
+            | E::Swizzle { vector: x, .. }
+            | E::Relational { argument: x, .. } => any_from_old(&mut made, &[*x]),
+            E::Compose { components, .. } => any_from_old(&mut made, components),
             _ => Made::Without,
         }
     }
@@ -311,6 +323,15 @@ impl<'a> Old<'a> {
         } else {
             Combine::Min
         })
+    }
+}
+
+/// `Unknown` if any of `parts` is made from the old value, else `Without`.
+fn any_from_old(made: &mut impl FnMut(Expr) -> Made, parts: &[Expr]) -> Made {
+    if parts.iter().all(|&p| made(p) == Made::Without) {
+        Made::Without
+    } else {
+        Made::Unknown
     }
 }
 
@@ -603,6 +624,19 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
         if (r.exchanged) { return; }
     }";
         assert_eq!(op(argmin), A::CompareExchange);
+        // A value looked up in a table where the old value points.
+        assert_eq!(
+            op(&looped(
+                "var lut = array<u32, 4>(3u, 1u, 4u, 1u);",
+                "lut[old % 4u]"
+            )),
+            A::CompareExchange
+        );
+        // A component of a vector made from the old value.
+        assert_eq!(
+            op(&looped("", "vec2<u32>(old, 1u).x + 1u")),
+            A::CompareExchange
+        );
         // A guard that reads the word again rather than the old value.
         assert_eq!(
             op(&looped(
