@@ -134,7 +134,7 @@ pub(crate) fn atomic_ops(
                     ..
                 } => (
                     *pointer,
-                    crate::exchange::exchange_op(f, s, *pointer, *c, *value),
+                    crate::exchange::exchange_op(module, f, s, *pointer, *c, *value),
                 ),
                 Statement::Atomic { pointer, fun, .. } => (*pointer, AtomicOp::of(fun)),
                 Statement::Store { pointer, .. } if stores_atomic(module, fi, *pointer) => {

@@ -9,8 +9,11 @@
 //!   when `bitcast<f32>(old) >= v`, or swaps only under `if (v > old)`, or picks
 //!   with `select(old, v, v > old)` (a maximum).
 //!
-//! Where neither is seen — the old value met in a helper function, through a
-//! variable set elsewhere, or under a condition that is no such comparison — the
+//! A helper function that makes its answer by one operation on the old value
+//! (`fn fmax(a: f32, b: f32) -> f32 { return max(a, b); }`) counts as that
+//! operation. Where neither is seen — the old value met in a helper that chooses
+//! under an `if`, through a variable set elsewhere, or under a condition that is
+//! no such comparison — the
 //! exchange is [`AtomicOp::CompareExchange`], which no merge rule folds: the
 //! kernel is refused split rather than merged by a rule that may not be its own.
 //! An exchange that expects a constant (a slot claimed with
@@ -21,7 +24,7 @@
 
 use naga::{
     BinaryOperator as B, Block, Expression as E, Function, Handle, LocalVariable,
-    MathFunction as M, Statement,
+    MathFunction as M, Module, Statement,
 };
 
 use crate::atomic_ops::{AtomicOp, Combine};
@@ -31,13 +34,14 @@ type Expr = Handle<naga::Expression>;
 /// What the compare-exchange `exchange` (a statement of `f`, exchanging `compare`
 /// for `value` at `pointer`) does to its word.
 pub(crate) fn exchange_op(
+    module: &Module,
     f: &Function,
     exchange: &Statement,
     pointer: Expr,
     compare: Expr,
     value: Expr,
 ) -> AtomicOp {
-    let old = Old::new(f, pointer, compare);
+    let old = Old::new(module, f, pointer, compare);
     let made = old.made(value);
     // Only a `compare` read from the word (`atomicLoad`, or a variable holding what
     // it held) is its old value. A constant makes the exchange a claim of a word
@@ -107,6 +111,7 @@ enum Made {
 
 /// The old value of one compare-exchange, in the function it is in.
 struct Old<'a> {
+    module: &'a Module,
     f: &'a Function,
     /// The expression passed as the exchange's `compare`.
     compare: Expr,
@@ -137,7 +142,7 @@ fn root(f: &Function, mut pointer: Expr) -> Option<Root> {
 }
 
 impl<'a> Old<'a> {
-    fn new(f: &'a Function, pointer: Expr, compare: Expr) -> Self {
+    fn new(module: &'a Module, f: &'a Function, pointer: Expr, compare: Expr) -> Self {
         let var = match f.expressions[compare] {
             E::Load { pointer } => match f.expressions[pointer] {
                 E::LocalVariable(v) => Some(v),
@@ -146,10 +151,46 @@ impl<'a> Old<'a> {
             _ => None,
         };
         Old {
+            module,
             f,
             compare,
             var,
             word: root(f, pointer),
+        }
+    }
+
+    /// What helper `callee` returns of its argument `index`, given as the old
+    /// value (its other arguments made without it): `fn fmax(a: f32, b: f32) ->
+    /// f32 { return max(a, b); }` keeps the greatest. Its every `return` must make
+    /// the same of it; else (a `return` under an `if`, say) `Unknown`.
+    fn returned(&self, callee: Handle<Function>, index: u32) -> Made {
+        let g = &self.module.functions[callee];
+        let Some((argument, _)) = g
+            .expressions
+            .iter()
+            .find(|(_, e)| matches!(e, E::FunctionArgument(i) if *i == index))
+        else {
+            return Made::Without;
+        };
+        let inner = Old {
+            module: self.module,
+            f: g,
+            compare: argument,
+            var: None,
+            word: None,
+        };
+        let mut made = None;
+        let mut agree = true;
+        crate::ir::each_statement(&g.body, &mut |s| {
+            if let Statement::Return { value } = s {
+                let m = value.map_or(Made::Unknown, |v| inner.made(v));
+                agree &= made.is_none_or(|seen| seen == m);
+                made = Some(m);
+            }
+        });
+        match made {
+            Some(m) if agree => m,
+            _ => Made::Unknown,
         }
     }
 
@@ -253,14 +294,21 @@ impl<'a> Old<'a> {
                     .map_or(Made::Unknown, Made::By),
                 _ => Made::Unknown,
             },
-            // A helper's answer: from the old value if any argument is.
-            E::CallResult(_) => {
-                let from_old = call_arguments(&f.body, e)
-                    .is_some_and(|args| args.iter().any(|&a| made(a) != Made::Without));
-                if from_old {
-                    Made::Unknown
-                } else {
-                    Made::Without
+            // A helper's answer: what it returns of the one argument that is the
+            // old value; made without it if no argument is made from it.
+            E::CallResult(callee) => {
+                let Some(args) = call_arguments(&f.body, e) else {
+                    return Made::Unknown;
+                };
+                let args: Vec<Made> = args.into_iter().map(made).collect();
+                let mut from_old = args
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, m)| **m != Made::Without);
+                match (from_old.next(), from_old.next()) {
+                    (None, _) => Made::Without,
+                    (Some((i, Made::Old)), None) => self.returned(*callee, i as u32),
+                    _ => Made::Unknown,
                 }
             }
             // Any other expression made from the old value (a vector built of it, a
@@ -495,6 +543,9 @@ mod tests {
 @group(0) @binding(0) var<storage, read> values: array<f32>;
 @group(0) @binding(1) var<storage, read_write> best: atomic<u32>;
 fn twice(x: f32) -> f32 {{ return x * 2.0; }}
+fn fmax(a: f32, b: f32) -> f32 {{ return max(a, b); }}
+fn fadd(a: f32, b: f32) -> f32 {{ let s = a + b; return s; }}
+fn pick(a: f32, b: f32) -> f32 {{ if (a > b) {{ return a; }} return b; }}
 fn keep(v: f32) {{
     var old = atomicLoad(&best);
     {body}
@@ -594,8 +645,13 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
         old = r.old_value;
     }";
         assert_eq!(op(through_var), A::CompareExchange);
+        // A helper that does more than one operation on it (or none seen).
         assert_eq!(
             op(&looped("", "bitcast<u32>(twice(bitcast<f32>(old)))")),
+            A::Loop(Combine::Other)
+        );
+        assert_eq!(
+            op(&looped("", "bitcast<u32>(pick(bitcast<f32>(old), v))")),
             A::CompareExchange
         );
         assert_eq!(
@@ -652,6 +708,18 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
                 "bitcast<u32>(v)"
             )),
             A::CompareExchange
+        );
+    }
+
+    #[test]
+    fn a_helpers_one_operation_on_the_old_value_is_its_own() {
+        assert_eq!(
+            op(&looped("", "bitcast<u32>(fmax(bitcast<f32>(old), v))")),
+            A::Loop(Combine::Max)
+        );
+        assert_eq!(
+            op(&looped("", "bitcast<u32>(fadd(v, bitcast<f32>(old)))")),
+            A::Loop(Combine::Add)
         );
     }
 
