@@ -13,9 +13,9 @@
 //! (`fn fmax(a: f32, b: f32) -> f32 { return max(a, b); }`) counts as that
 //! operation. Where neither is seen — the old value met in a helper that chooses
 //! under an `if`, through a variable set elsewhere, or under a condition that is
-//! no such comparison — the
-//! exchange is [`AtomicOp::CompareExchange`], which no merge rule folds: the
-//! kernel is refused split rather than merged by a rule that may not be its own.
+//! no such comparison — the exchange is [`AtomicOp::CompareExchange`], which no
+//! merge rule folds: the kernel is refused split rather than merged by a rule that
+//! may not be its own.
 //! An exchange that expects a constant (a slot claimed with
 //! `atomicCompareExchangeWeak(&owner, 0u, id)`), or a loop that swaps in a value
 //! made without the old one under no condition on it, sets its word
