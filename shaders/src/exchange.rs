@@ -41,8 +41,6 @@ pub(crate) fn exchange_op(
     compare: Expr,
     value: Expr,
 ) -> AtomicOp {
-    let old = Old::new(module, f, pointer, compare);
-    let made = old.made(value);
     // Only a `compare` read from the word (`atomicLoad`, or a variable holding what
     // it held) is its old value. A constant makes the exchange a claim of a word
     // still holding it (`0u`: empty); anything else (a word stepped on only when it
@@ -52,6 +50,8 @@ pub(crate) fn exchange_op(
         E::Literal(_) | E::Constant(_) | E::ZeroValue(_) => return AtomicOp::Claim,
         _ => return AtomicOp::CompareExchange,
     }
+    let old = Old::new(module, f, pointer, compare);
+    let made = old.made(value);
     // What is swapped in: the new value, or in `max(old, v)` the `v`.
     let winner = match f.expressions[strip(f, value)] {
         E::Math {
@@ -59,13 +59,11 @@ pub(crate) fn exchange_op(
             arg,
             arg1: Some(arg1),
             ..
-        } if old.made(arg) == Made::Old => strip(f, arg1),
-        E::Math {
-            fun: M::Max | M::Min,
-            arg,
-            arg1: Some(arg1),
-            ..
-        } if old.made(arg1) == Made::Old => strip(f, arg),
+        } => match (old.made(arg), old.made(arg1)) {
+            (Made::Old, _) => strip(f, arg1),
+            (_, Made::Old) => strip(f, arg),
+            _ => strip(f, value),
+        },
         _ => strip(f, value),
     };
     // The conditions the exchange runs under that read the old value, each as the
@@ -218,7 +216,7 @@ impl<'a> Old<'a> {
                 // Another variable: from the old value if any store into it is.
                 Some(v) if !seen.contains(&v) => {
                     seen.push(v);
-                    let from_old = what_sets(&f.body, f, v)
+                    let from_old = what_sets(f, v)
                         .into_iter()
                         .any(|stored| self.made_seen(stored, seen) != Made::Without);
                     if from_old {
@@ -426,11 +424,12 @@ fn local_root(f: &Function, mut pointer: Expr) -> Option<Handle<LocalVariable>> 
     }
 }
 
-/// What decides local variable `var`'s value in `block`: the values stored into
+/// What decides local variable `var`'s value in `f`: the values stored into
 /// it (its initializer included) and the conditions each store is made under (a
 /// flag set once the old value is seen to win).
-fn what_sets(block: &Block, f: &Function, var: Handle<LocalVariable>) -> Vec<Expr> {
+fn what_sets(f: &Function, var: Handle<LocalVariable>) -> Vec<Expr> {
     let mut values: Vec<Expr> = f.local_variables[var].init.into_iter().collect();
+    let block = &f.body;
     crate::ir::each_statement(block, &mut |s| {
         if let Statement::Store { pointer, value } = s {
             if local_root(f, *pointer) == Some(var) {
