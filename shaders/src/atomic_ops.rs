@@ -46,6 +46,11 @@ pub enum AtomicOp {
     /// old one, nor a winner swapped in (see [`crate::exchange`]): no merge rule
     /// folds it.
     CompareExchange,
+    /// A compare-exchange that decides by memory where the old value points: the
+    /// word holds an index, kept by the value it points at (an argmin's
+    /// `values[old]`). No merge rule folds it: the shards' indices would be merged
+    /// as numbers, not by their values.
+    IndexExchange,
     /// A compare-exchange loop whose new value combines the old one with something
     /// by this operation (`bitcast<u32>(bitcast<f32>(old) + v)`: a float sum).
     Loop(Combine),
@@ -95,6 +100,7 @@ impl fmt::Display for AtomicOp {
             AtomicOp::Exchange => "atomicExchange",
             AtomicOp::Claim => "a compare-exchange that sets its word",
             AtomicOp::CompareExchange => "a compare-exchange of no operation seen",
+            AtomicOp::IndexExchange => "a compare-exchange that keeps an index by its value",
             AtomicOp::Loop(c) => match c {
                 Combine::Add => "a compare-exchange loop that adds",
                 Combine::Min => "a compare-exchange loop that keeps the least",

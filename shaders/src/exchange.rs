@@ -51,6 +51,18 @@ pub(crate) fn exchange_op(
         _ => return AtomicOp::CompareExchange,
     }
     let old = Old::new(module, f, pointer, compare);
+    let op = decided(&old, f, exchange, value);
+    // Swapped or not by what the old value points at (`values[old]`): the word
+    // holds an index.
+    if op == AtomicOp::CompareExchange && old.chosen_by_pointee.get() {
+        return AtomicOp::IndexExchange;
+    }
+    op
+}
+
+/// What the exchange does, by the new value it swaps in and the conditions it
+/// runs under (see [`exchange_op`]).
+fn decided(old: &Old, f: &Function, exchange: &Statement, value: Expr) -> AtomicOp {
     let made = old.made(value);
     // What is swapped in: the new value, or in `max(old, v)` the `v`.
     let winner = match f.expressions[strip(f, value)] {
@@ -74,6 +86,7 @@ pub(crate) fn exchange_op(
             continue;
         }
         let Some(c) = old.keeps(condition, holds, winner) else {
+            old.chosen_by(condition);
             return AtomicOp::CompareExchange;
         };
         if guarded.is_some_and(|g| g != c) {
@@ -119,6 +132,11 @@ struct Old<'a> {
     /// What the exchanged word is part of: any other read of it is the old value
     /// too (or a newer one), not a value made without it.
     word: Option<Root>,
+    /// Set once memory where the old value points was met (`values[old]`).
+    pointed: std::cell::Cell<bool>,
+    /// Set once a swap was seen to be decided by such memory (an argmin's
+    /// `values[old] <= values[i]`), under no comparison [`Old::keeps`] reads.
+    chosen_by_pointee: std::cell::Cell<bool>,
 }
 
 /// The buffer (or the pointer argument) a pointer points into.
@@ -154,6 +172,8 @@ impl<'a> Old<'a> {
             compare,
             var,
             word: root(f, pointer),
+            pointed: std::cell::Cell::new(false),
+            chosen_by_pointee: std::cell::Cell::new(false),
         }
     }
 
@@ -176,6 +196,8 @@ impl<'a> Old<'a> {
             compare: argument,
             var: None,
             word: None,
+            pointed: std::cell::Cell::new(false),
+            chosen_by_pointee: std::cell::Cell::new(false),
         };
         let mut made = None;
         let mut agree = true;
@@ -206,6 +228,7 @@ impl<'a> Old<'a> {
         // holds is chosen by the old value, by no one operation.
         if let E::Load { pointer } = f.expressions[e] {
             if self.indexed_by_old(pointer, seen) {
+                self.pointed.set(true);
                 return Made::Unknown;
             }
         }
@@ -286,10 +309,10 @@ impl<'a> Old<'a> {
                 (Made::Without, Made::Without, _) => Made::Without,
                 (Made::Without, Made::Old, _) => self
                     .keeps(*condition, true, strip(f, *accept))
-                    .map_or(Made::Unknown, Made::By),
+                    .map_or_else(|| self.chosen_by(*condition), Made::By),
                 (Made::Old, Made::Without, _) => self
                     .keeps(*condition, false, strip(f, *reject))
-                    .map_or(Made::Unknown, Made::By),
+                    .map_or_else(|| self.chosen_by(*condition), Made::By),
                 _ => Made::Unknown,
             },
             // A helper's answer: what it returns of the one argument that is the
@@ -319,6 +342,19 @@ impl<'a> Old<'a> {
             E::Compose { components, .. } => any_from_old(&mut made, components),
             _ => Made::Without,
         }
+    }
+
+    /// Notes a swap decided by `condition`, which no comparison [`Old::keeps`]
+    /// reads: chosen by what the old value points at if the condition reads such
+    /// memory. `Unknown`, what the swap then makes.
+    fn chosen_by(&self, condition: Expr) -> Made {
+        let before = self.pointed.replace(false);
+        let _ = self.made(condition);
+        if self.pointed.get() {
+            self.chosen_by_pointee.set(true);
+        }
+        self.pointed.set(before || self.pointed.get());
+        Made::Unknown
     }
 
     /// Whether `pointer` indexes with a value made from the old one.
@@ -678,7 +714,14 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
         let r = atomicCompareExchangeWeak(&best, cur, u32(v));
         if (r.exchanged) { return; }
     }";
-        assert_eq!(op(argmin), A::CompareExchange);
+        assert_eq!(op(argmin), A::IndexExchange);
+        // The same chosen by a select.
+        let picked = "loop {
+        let cur = atomicLoad(&best);
+        let r = atomicCompareExchangeWeak(&best, cur, select(cur, u32(v), v < values[cur]));
+        if (r.exchanged) { return; }
+    }";
+        assert_eq!(op(picked), A::IndexExchange);
         // A value looked up in a table where the old value points.
         assert_eq!(
             op(&looped(

@@ -523,7 +523,8 @@ fn folds(rule: MergeRule, float_bits: bool, op: AtomicOp) -> bool {
     let sets = matches!(op, A::Store | A::Exchange | A::Claim);
     match rule {
         // `changes` takes no atomics at all; a compare-exchange whose operation is
-        // not seen ([`AtomicOp::CompareExchange`]) folds under no rule.
+        // not seen ([`AtomicOp::CompareExchange`]), or that keeps an index
+        // ([`AtomicOp::IndexExchange`]), folds under no rule.
         MergeRule::Changes => false,
         // A loop computes on the value as the kernel casts it (floats, say).
         MergeRule::Sum(_) => {
@@ -551,6 +552,20 @@ fn unfolded(
         elem == ElemType::F32 && declared.atomic && declared.elem == Some(ElemType::U32);
     let ops = &declared.atomic_ops;
     let op = *ops.iter().find(|&&op| !folds(rule, float_bits, op))?;
+    if op == AtomicOp::IndexExchange {
+        return Some(ExecError::Unsplittable(format!(
+            "binding {binding} ({name}) holds an index kept with a compare-exchange by the \
+             value it points at (values[old], as an argmin or argmax keeps it), so no merge \
+             rule folds what it left in each shard into what it leaves over the whole grid \
+             ({rule} included): each shard's index is the best of its own part, and which \
+             of them is best is for their values to say, not the indices as numbers. Find \
+             it in two runs that split: the least (or greatest) value first (atomicMin or \
+             atomicMax of a u32 that orders as the values do, or a compare-exchange loop \
+             that keeps it, under --merge {binding}=min-… or max-…), then the least index \
+             holding that value (atomicMin of i where values[i] equals it, under --merge \
+             {binding}=min-u32); or run it with --shards 1"
+        )));
+    }
     if op == AtomicOp::CompareExchange {
         // No rule folds it, whichever was asked for.
         return Some(ExecError::Unsplittable(format!(

@@ -1727,7 +1727,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 /// tutorials write it: swap this invocation's index in while the value at the held
 /// index is greater. Unsharded, the CPU's argmin; split under min-u32 or max-u32 it
 /// is refused, since the shards' indices would be merged as numbers, not by the
-/// values they point at. Before, such a loop was taken to set its word, and
+/// values they point at, with the two runs that do split named; those two runs
+/// split give the argmin. Before, such a loop was taken to set its word, and
 /// max-u32 returned the greatest of the shards' argmins.
 #[test]
 fn an_argmin_kept_by_a_compare_exchange_runs_whole_and_is_refused_split() {
@@ -1770,8 +1771,70 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         };
         let e = e.to_string();
         assert!(
-            e.contains("not seen to be one operation on the old value"),
+            e.contains("holds an index kept with a compare-exchange by the value it points at")
+                && e.contains("two runs that split")
+                && e.contains("--shards 1"),
             "{e}"
         );
     }
+    // The two runs the refusal names, each split: the least value (as a u32 that
+    // orders floats as they order), then the least index holding it.
+    let ordered = "
+fn ordered(v: f32) -> u32 {
+    let b = bitcast<u32>(v);
+    if ((b & 0x80000000u) != 0u) {
+        return ~b;
+    }
+    return b | 0x80000000u;
+}";
+    let least = format!(
+        "{ordered}
+@group(0) @binding(0) var<storage, read> values: array<f32>;
+@group(0) @binding(1) var<storage, read_write> least: atomic<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
+    if (gid.x < arrayLength(&values)) {{
+        atomicMin(&least, ordered(values[gid.x]));
+    }}
+}}"
+    );
+    let holding = format!(
+        "{ordered}
+@group(0) @binding(0) var<storage, read> values: array<f32>;
+@group(0) @binding(1) var<storage, read_write> best: atomic<u32>;
+@group(0) @binding(2) var<uniform> least: vec4<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
+    let i = gid.x;
+    if (i < arrayLength(&values) && ordered(values[i]) == least.x) {{
+        atomicMin(&best, i);
+    }}
+}}"
+    );
+    let min_u32 = MergeRule::Min(ElemType::U32);
+    let order = |v: f32| {
+        let b = v.to_bits();
+        if b & 0x8000_0000 != 0 {
+            !b
+        } else {
+            b | 0x8000_0000
+        }
+    };
+    let bits = order(values[argmin as usize]);
+    split_1_to_7("least value", &least, &task, [16, 1, 1], min_u32, |out| {
+        assert_eq!(u32s(&out[&1]), [bits]);
+    });
+    let second = task.clone().input(2, u32_bytes(&[bits, 0, 0, 0]));
+    split_1_to_7(
+        "least index",
+        &holding,
+        &second,
+        [16, 1, 1],
+        min_u32,
+        |out| {
+            assert_eq!(u32s(&out[&1]), [argmin]);
+        },
+    );
 }
