@@ -123,10 +123,12 @@ async fn a_joined_node_serves_once_it_votes() {
 }
 
 /// A node that joins while a member is down has heard nothing from it: within its
-/// first `down_after` its status shows that member as not heard yet, while the live
-/// members, whose heartbeats it applies, show as alive. Before, a node that had
-/// just joined called every member alive for its first `down_after` (8 s by
-/// default), the dead one too.
+/// first `down_after` its status never shows that member as alive, and once its
+/// dial is refused shows it unreachable, while the live members, whose heartbeats
+/// it applies, show as alive. Before, a node that had just joined called every
+/// member alive for its first `down_after` (8 s by default), the dead one too; and
+/// then not heard yet until `down_after`, as only a member whose connection closed
+/// was ever found unreachable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_node_just_joined_does_not_call_a_dead_member_alive() {
     let dir = tempfile::tempdir().unwrap();
@@ -150,21 +152,26 @@ async fn a_node_just_joined_does_not_call_a_dead_member_alive() {
                 .unwrap()
         };
         // Each live member proposes a heartbeat every 2 s.
-        let mut heard = false;
+        let (mut heard, mut unreachable) = (false, false);
         for _ in 0..100 {
             let st = client(&late).status().await.unwrap();
             let m = view(&st, dead_id);
             assert!(!m.alive || m.unheard, "called alive: {m:#?}");
-            if nodes.iter().all(|n| {
+            unreachable |= m.unreachable;
+            heard = nodes.iter().all(|n| {
                 let m = view(&st, n.raft_id);
-                m.alive && !m.unheard
-            }) {
-                heard = true;
+                m.alive && !m.unheard && !m.unreachable
+            });
+            if heard && unreachable {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         assert!(heard, "the late node never heard from the live members");
+        assert!(
+            unreachable,
+            "the dead member was not found unreachable within 10 s (down_after 30 s)"
+        );
         nodes.push(late);
         stop(nodes).await;
     })

@@ -39,7 +39,9 @@ pub enum Presence {
     /// Nothing from it for longer than `down_after` (it died, hangs, or is cut off
     /// without its connections closing).
     Silent,
-    /// Its connections closed and it could not be dialled again.
+    /// No connection to it, and it could not be dialled: its connections closed
+    /// and it did not take a dial again, or it never took one since this node
+    /// started.
     Unreachable,
 }
 

@@ -328,7 +328,8 @@ pub struct MemberView {
     pub role: String,
     /// Heard from within `down_after` and not known unreachable (see `liveness`).
     pub alive: bool,
-    /// This node's connections to it closed and it could not be dialled again.
+    /// This node has no connection to it and could not dial it (its connections
+    /// closed, or it never took a dial since this node started).
     #[serde(default)]
     pub unreachable: bool,
     /// Counted alive, but nothing from it has reached this node yet, which started

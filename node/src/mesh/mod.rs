@@ -272,6 +272,7 @@ impl MeshNode {
         tasks.push(tokio::spawn(keep_connected(
             peers.clone(),
             consensus.clone(),
+            liveness.clone(),
             config.data_dir.clone(),
             cancel.clone(),
         )));

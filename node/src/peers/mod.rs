@@ -169,8 +169,9 @@ impl PeersHandle {
 
     /// Dials the given peers this node has no connection to, all at once, at every
     /// address known for each; asks the connected peers for their address books
-    /// first when some of them have no known address.
-    pub async fn connect(&self, connected: &[PeerId], missing: &[PeerId]) {
+    /// first when some of them have no known address. Returns those still not
+    /// connected after every dial: none of their addresses took it.
+    pub async fn connect(&self, connected: &[PeerId], missing: &[PeerId]) -> Vec<PeerId> {
         let unknown = {
             let view = self.view.borrow();
             missing.iter().any(|p| view.addrs(p).is_empty())
@@ -212,6 +213,12 @@ impl PeersHandle {
             });
         }
         while dials.join_next().await.is_some() {}
+        let now = self.net.connected_peers();
+        missing
+            .iter()
+            .filter(|p| !now.contains(p))
+            .copied()
+            .collect()
     }
 
     /// After the last connection to `peer` closed: whether it stays gone — it does

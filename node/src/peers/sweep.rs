@@ -2,8 +2,9 @@
 //! dials every member this node is not connected to, and keeps the data dir's list
 //! of where members listen (what `gpumesh ticket` hands out).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gpumesh_consensus::{ConsensusHandle, StateMachine};
 use libp2p::{Multiaddr, PeerId};
@@ -11,9 +12,16 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::PeersHandle;
+use crate::identity;
+use crate::liveness::LivenessHandle;
 
 /// How often a node looks for members it has no connection to.
 const MEMBER_SWEEP: Duration = Duration::from_millis(500);
+
+/// How long a member's dials must have failed, sweep after sweep, before it is
+/// unreachable: a node started with the others (a whole mesh restarted) is not
+/// judged by a dial made before its listener was up.
+const UNREACHABLE_AFTER: Duration = Duration::from_secs(1);
 
 /// Every member's peer id and the addresses in its membership record, as this
 /// replica has applied them.
@@ -62,14 +70,23 @@ pub async fn record_mesh_addrs(
 /// addresses in its membership record (and any learned otherwise), whoever this node
 /// bootstrapped from. So losing any one node, the seed included, leaves the others
 /// connected.
+///
+/// A member no address of which has taken a dial for [`UNREACHABLE_AFTER`] is told
+/// to `liveness` as unreachable, and one connected as reachable. Before, a node
+/// that started while a member was down (killed, its machine off) showed it as not
+/// heard yet for its first `down_after`, and counted it alive for placement all
+/// that time: only a member whose connection closed was ever found unreachable.
 pub async fn keep_connected(
     peers: PeersHandle,
     consensus: ConsensusHandle,
+    liveness: LivenessHandle,
     data_dir: PathBuf,
     cancel: CancellationToken,
 ) {
     let me = peers.me();
     let mut recorded: Vec<Multiaddr> = Vec::new();
+    // Members no dial has reached since: when the first failed.
+    let mut failing: HashMap<PeerId, Instant> = HashMap::new();
     let mut state = consensus.watch_state();
     loop {
         let members: Vec<u64> = state
@@ -87,8 +104,22 @@ pub async fn keep_connected(
             .filter(|p| *p != me && !connected.contains(p))
             .collect();
         peers.learn_all(records).await;
-        if !missing.is_empty() {
-            peers.connect(&connected, &missing).await;
+        // A connection to it now is the last word, whatever a dial that failed
+        // while it was being made said.
+        for peer in &connected {
+            liveness.reachable(identity::raft_id(peer));
+        }
+        let unreached = match missing.is_empty() {
+            true => Vec::new(),
+            false => peers.connect(&connected, &missing).await,
+        };
+        let now = Instant::now();
+        failing.retain(|p, _| unreached.contains(p));
+        for peer in unreached {
+            let since = *failing.entry(peer).or_insert(now);
+            if now.duration_since(since) >= UNREACHABLE_AFTER {
+                liveness.unreachable(identity::raft_id(&peer)).await;
+            }
         }
         tokio::select! {
             _ = cancel.cancelled() => return,
