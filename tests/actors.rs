@@ -576,6 +576,73 @@ async fn the_second_copy_receives_only_what_each_call_changed_and_delete_frees_t
     .expect("test exceeded its time limit");
 }
 
+/// A call that changes every word of a 2 MiB state: its second copy pulls the new
+/// state whole (hashed as it arrives) rather than the changes made over the old
+/// one, and is the state byte for byte, as the CPU makes it. With the host stopped,
+/// the actor goes on from that copy on another node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_call_that_changes_a_whole_large_state_leaves_its_copy_right_and_the_actor_goes_on_from_it(
+) {
+    if !have_any() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tokio::time::timeout(LIMIT, async {
+        let mut nodes = mesh(dir.path(), 3).await;
+        let count = 1u32 << 19;
+        create_stepper_of(&nodes[0], "whole", count).await;
+        let c = common::client(&nodes[1]);
+        let mut cpu = vec![0u32; count as usize];
+        for add in 1..=3 {
+            c.call_actor("whole", step_call_over(add, count), None)
+                .await
+                .unwrap();
+            cpu_step(&mut cpu, add);
+            let a = with_results(&nodes[1], "whole", add as usize).await;
+            let (host, backup) = (a.host.expect("hosted"), a.backup.expect("a copy kept"));
+            assert_ne!(host, backup, "the copy is on another node");
+            let state = a.state[0].blob.expect("written");
+            let keeper = nodes.iter().find(|n| n.raft_id == backup).unwrap();
+            let kept = keeper
+                .blobs
+                .get(&state)
+                .unwrap()
+                .expect("the backup holds the state");
+            assert!(
+                words(&kept) == cpu,
+                "call {add}: the copy differs from the CPU's"
+            );
+        }
+        let host = nodes[1]
+            .consensus
+            .read_local(|s| s.actor("whole").and_then(|a| a.host))
+            .unwrap();
+        let at = nodes.iter().position(|n| n.raft_id == host).unwrap();
+        nodes.remove(at).stop().await;
+        let c = common::client(&nodes[0]);
+        c.call_actor("whole", step_call_over(4, count), None)
+            .await
+            .unwrap();
+        cpu_step(&mut cpu, 4);
+        let a = c.actor("whole").await.unwrap();
+        assert_eq!(a.version, 4);
+        assert_ne!(
+            nodes[0]
+                .consensus
+                .read_local(|s| s.actor("whole").and_then(|a| a.host)),
+            Some(host),
+            "the actor moved off the stopped host"
+        );
+        assert!(
+            words(&c.actor_state("whole", 0).await.unwrap()) == cpu,
+            "after the move the state differs from the CPU's"
+        );
+        stop(nodes).await;
+    })
+    .await
+    .expect("test exceeded its time limit");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn calls_to_many_actors_at_once_keep_each_actors_own_order() {
     if !have_any() {

@@ -29,11 +29,12 @@ pub const FORMAT_FILE: &str = "data-format";
 const STATE: [&str; 3] = [CLUSTER_FILE, "raft.redb", "blobs"];
 
 /// Older formats whose directories this build reads as they are, stamped with
-/// [`FORMAT`] on opening: 8 differs from 9 only in merge rules added (every
-/// record of 8 reads the same in 9), 7 from 8 only on the wire (a node request
-/// added), and 6 from 7 only in the largest blob its pack takes (256 KiB, then
-/// 4 MiB), so a directory of any of them is one of 9.
-const READS_AS_IS: [u16; 3] = [6, 7, 8];
+/// [`FORMAT`] on opening: 9 differs from 10 only on the wire (a new state sent
+/// whole), 8 from 9 only in merge rules added (every record of 8 reads the same in
+/// 9), 7 from 8 only on the wire (a node request added), and 6 from 7 only in the
+/// largest blob its pack takes (256 KiB, then 4 MiB), so a directory of any of
+/// them is one of 10.
+const READS_AS_IS: [u16; 4] = [6, 7, 8, 9];
 
 /// A running node's hold on its data dir (an exclusive `flock` of the directory
 /// itself, so nothing is written for it): a second node started on the same

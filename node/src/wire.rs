@@ -54,6 +54,9 @@ pub enum Changes {
     Inline(#[serde(with = "gpumesh_protocol::mesh::bytes")] Vec<u8>),
     /// A blob to pull from the sender.
     Blob(gpumesh_protocol::BlobId),
+    /// Most of the state changed: each buffer's `next` is pulled from the sender
+    /// whole (hashed as it arrives, like any blob fetched), not made from the base.
+    Whole,
 }
 
 /// One state buffer of an [`NodeRequest::Advance`].

@@ -15,7 +15,7 @@
 #[macro_export]
 macro_rules! format_number {
     () => {
-        "9"
+        "10"
     };
 }
 
@@ -28,14 +28,16 @@ macro_rules! lane {
     };
 }
 
-/// This build's format. 9: bitwise merge rules (`MergeRule::Or`, `And`, `Xor`),
+/// This build's format. 10: an actor's second copy can be asked to pull the new
+/// state whole (`Changes::Whole`), on the wire only, so a directory of format 9 is
+/// read as it is and stamped 10. 9: bitwise merge rules (`MergeRule::Or`, `And`, `Xor`),
 /// new variants only, so a directory of format 8 is read as it is and stamped 9.
 /// 8: a node request that asks a peer whether the asker is a
 /// member (`NodeRequest::Membership`); nothing written to disk changed, so a
 /// directory of format 7 is read as it is and stamped 8. 7: a blob store packs
 /// blobs of up to 4 MiB (6: 256 KiB), so a directory of format 6 is read as it is
 /// too (see the node's `data_dir`).
-pub const FORMAT: u16 = 9;
+pub const FORMAT: u16 = 10;
 
 /// How a node names its build to peers (libp2p identify's agent version):
 /// `gpumesh/<version> format/<FORMAT>`.

@@ -354,6 +354,12 @@ impl BlobsHandle {
             return Ok(());
         }
         let bytes = match changes {
+            Changes::Whole => {
+                for b in &buffers {
+                    self.fetch(b.next, Some(from)).await?;
+                }
+                return Ok(());
+            }
             Changes::Inline(bytes) => bytes,
             Changes::Blob(id) => {
                 // Only `from` has them, in memory, for this alone: pulled into

@@ -50,7 +50,7 @@ pub struct BlobStore {
     promised: Arc<Mutex<u64>>,
     pack: std::sync::Arc<Pack>,
     /// Blobs being written here, served from memory meanwhile (see [`Self::stage`]).
-    staged: Arc<Mutex<HashMap<BlobId, Arc<Vec<u8>>>>>,
+    staged: Arc<Mutex<HashMap<BlobId, Shared>>>,
     /// Held while a file blob's use is marked (its modification time set: a write,
     /// a look with [`Self::has`]) and while the sweeper checks and removes one, so
     /// a blob used at the moment it is judged unused is never removed.
@@ -73,20 +73,59 @@ pub(crate) enum Removal {
     Absent,
 }
 
+/// Bytes shared between tasks as they were made, without a copy: a vector, or a
+/// slice (an actor's state as its call handed it back).
+#[derive(Clone, Debug)]
+pub enum Shared {
+    Vec(Arc<Vec<u8>>),
+    Slice(Arc<[u8]>),
+}
+
+impl Shared {
+    /// Whether both are the same bytes in memory (not just equal ones).
+    fn same(&self, other: &Shared) -> bool {
+        match (self, other) {
+            (Shared::Vec(a), Shared::Vec(b)) => Arc::ptr_eq(a, b),
+            (Shared::Slice(a), Shared::Slice(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
+impl std::ops::Deref for Shared {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Shared::Vec(v) => v,
+            Shared::Slice(s) => s,
+        }
+    }
+}
+
+impl From<Arc<Vec<u8>>> for Shared {
+    fn from(v: Arc<Vec<u8>>) -> Self {
+        Shared::Vec(v)
+    }
+}
+
+impl From<Arc<[u8]>> for Shared {
+    fn from(s: Arc<[u8]>) -> Self {
+        Shared::Slice(s)
+    }
+}
+
 /// A blob served from memory until this is dropped (see [`BlobStore::stage`]).
 pub struct Staged {
-    staged: Arc<Mutex<HashMap<BlobId, Arc<Vec<u8>>>>>,
+    staged: Arc<Mutex<HashMap<BlobId, Shared>>>,
     id: BlobId,
-    bytes: Arc<Vec<u8>>,
+    bytes: Shared,
 }
 
 impl Drop for Staged {
     fn drop(&mut self) {
         if let Ok(mut staged) = self.staged.lock() {
-            if staged
-                .get(&self.id)
-                .is_some_and(|b| Arc::ptr_eq(b, &self.bytes))
-            {
+            if staged.get(&self.id).is_some_and(|b| b.same(&self.bytes)) {
                 staged.remove(&self.id);
             }
         }
@@ -134,7 +173,8 @@ impl BlobStore {
     /// syncs its own, instead of after. Only serving sees it ([`Self::size`],
     /// [`Self::read_range`], [`Self::staged`]): it is not [`Self::has`] (not on this
     /// disk) until stored.
-    pub fn stage(&self, id: BlobId, bytes: Arc<Vec<u8>>) -> Staged {
+    pub fn stage(&self, id: BlobId, bytes: impl Into<Shared>) -> Staged {
+        let bytes = bytes.into();
         if let Ok(mut staged) = self.staged.lock() {
             staged.insert(id, bytes.clone());
         }
@@ -146,7 +186,7 @@ impl BlobStore {
     }
 
     /// A staged blob's bytes (see [`Self::stage`]).
-    pub fn staged(&self, id: &BlobId) -> Option<Arc<Vec<u8>>> {
+    pub fn staged(&self, id: &BlobId) -> Option<Shared> {
         self.staged.lock().ok()?.get(id).cloned()
     }
 

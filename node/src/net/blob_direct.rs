@@ -476,13 +476,13 @@ fn read_sealed(
     // storing as it is copied.
     enum Source {
         File(std::fs::File),
-        Staged(std::sync::Arc<Vec<u8>>),
+        Staged(crate::blobs::store::Shared),
     }
     let opened = blobs.locate(&id).and_then(|f| match f {
         Some(Located::File { file, len }) => Ok((Source::File(file), len)),
         Some(Located::Bytes(bytes)) => {
             let len = bytes.len() as u64;
-            Ok((Source::Staged(bytes), len))
+            Ok((Source::Staged(bytes.into()), len))
         }
         None => blobs
             .staged(&id)
