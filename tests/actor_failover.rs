@@ -1,6 +1,8 @@
 //! A GPU actor outlives its host: three `gpumesh node` processes joined by ticket, a
 //! counter actor called through two nodes, its host killed with SIGKILL between
-//! calls; every acknowledged call counted exactly once in the final state.
+//! calls; every acknowledged call counted exactly once in the final state. Once with
+//! a state small enough to ride in the record, once with 2 MiB that every call
+//! rewrites (its second copy pulled whole from the host at each call).
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
 
@@ -11,15 +13,13 @@ use std::time::{Duration, Instant};
 use common::{count_call, counted, have_any};
 use gpumesh::Client;
 
-const WORDS: u32 = 256;
-
-/// Calls the counter `n` times through `via`, one after another, each retried (one
-/// request id) until acknowledged.
-async fn count(via: Client, n: usize) -> Vec<u64> {
+/// Calls the counter of `words` words `n` times through `via`, one after another,
+/// each retried (one request id) until acknowledged.
+async fn count(via: Client, words: u32, n: usize) -> Vec<u64> {
     let mut versions = Vec::new();
     for _ in 0..n {
         let reply = via
-            .call_actor("counter", count_call(WORDS), None)
+            .call_actor("counter", count_call(words), None)
             .await
             .unwrap();
         versions.push(reply.version);
@@ -29,6 +29,15 @@ async fn count(via: Client, n: usize) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_counter_survives_its_host_killed_and_counts_every_acknowledged_call_once() {
+    survives_its_host_killed(256).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_counter_survives_its_host_killed_and_counts_every_acknowledged_call_once() {
+    survives_its_host_killed(1 << 19).await;
+}
+
+async fn survives_its_host_killed(words: u32) {
     if !have_any() {
         return;
     }
@@ -48,8 +57,8 @@ async fn a_counter_survives_its_host_killed_and_counts_every_acknowledged_call_o
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    common::create_counter(&clients[0], "counter", WORDS).await;
-    let before = count(clients[1].clone(), 3).await;
+    common::create_counter(&clients[0], "counter", words).await;
+    let before = count(clients[1].clone(), words, 3).await;
     assert_eq!(before, vec![1, 2, 3]);
 
     // Kill the host, then count through the two others while it moves.
@@ -66,7 +75,7 @@ async fn a_counter_survives_its_host_killed_and_counts_every_acknowledged_call_o
         .collect();
     let calls: Vec<_> = survivors
         .iter()
-        .map(|c| tokio::spawn(count(c.clone(), 4)))
+        .map(|c| tokio::spawn(count(c.clone(), words, 4)))
         .collect();
     let mut versions = before.clone();
     for c in calls {
@@ -85,7 +94,7 @@ async fn a_counter_survives_its_host_killed_and_counts_every_acknowledged_call_o
     assert!(moved.epoch >= 2 && moved.moves >= 1, "moved: {moved:?}");
     assert_ne!(moved.node, host.node, "a new host");
     for c in &survivors {
-        counted(c, "counter", WORDS, 11).await;
+        counted(c, "counter", words, 11).await;
     }
     for p in &mut procs {
         p.kill9();
