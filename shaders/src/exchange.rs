@@ -11,11 +11,13 @@
 //!
 //! A helper function that makes its answer by one operation on the old value
 //! (`fn fmax(a: f32, b: f32) -> f32 { return max(a, b); }`) counts as that
-//! operation. Where neither is seen — the old value met in a helper that chooses
-//! under an `if`, through a variable set elsewhere, or under a condition that is
-//! no such comparison — the exchange is [`AtomicOp::CompareExchange`], which no
-//! merge rule folds: the kernel is refused split rather than merged by a rule that
-//! may not be its own.
+//! operation, and so does a variable set by stores one after another in one block
+//! (`var next = bitcast<f32>(old); next += v;`): a read of it is what the last
+//! store before the read made. Where neither is seen — the old value met in a
+//! helper that chooses under an `if`, through a variable set under a condition or
+//! by a helper, or under a condition that is no such comparison — the exchange is
+//! [`AtomicOp::CompareExchange`], which no merge rule folds: the kernel is refused
+//! split rather than merged by a rule that may not be its own.
 //! An exchange that expects a constant (a slot claimed with
 //! `atomicCompareExchangeWeak(&owner, 0u, id)`), or a loop that swaps in a value
 //! made without the old one under no condition on it, sets its word
@@ -236,18 +238,16 @@ impl<'a> Old<'a> {
         match &f.expressions[e] {
             E::Load { pointer } => match local_root(f, *pointer) {
                 Some(v) if Some(v) == self.var => Made::Old,
-                // Another variable: from the old value if any store into it is.
-                Some(v) if !seen.contains(&v) => {
-                    seen.push(v);
-                    let from_old = what_sets(f, v)
-                        .into_iter()
-                        .any(|stored| self.made_seen(stored, seen) != Made::Without);
-                    if from_old {
-                        Made::Unknown
-                    } else {
-                        Made::Without
+                // Another variable set only by stores one after another in one
+                // block: what the last store before this load made.
+                Some(v) if !seen.contains(&v) && stored_in_turn(f, v).is_some() => {
+                    match self.last_stored(v, e, seen) {
+                        Some(made) => made,
+                        None => self.any_store(v, seen),
                     }
                 }
+                // Another variable: from the old value if any store into it is.
+                Some(v) if !seen.contains(&v) => self.any_store(v, seen),
                 Some(_) => Made::Without,
                 // Memory: the value it holds is made without the old one, unless
                 // it is the exchanged word's buffer (`atomicLoad(&best)` read again).
@@ -355,6 +355,35 @@ impl<'a> Old<'a> {
         }
         self.pointed.set(before || self.pointed.get());
         Made::Unknown
+    }
+
+    /// What variable `v` holds where `load` reads it, `v` being set by stores one
+    /// after another in one block ([`stored_in_turn`]): what the last store before
+    /// the load made (each read of `v` in it what the store before that made, and
+    /// so on). `None` when the load is not in that block after a store.
+    fn last_stored(
+        &self,
+        v: Handle<LocalVariable>,
+        load: Expr,
+        seen: &mut Vec<Handle<LocalVariable>>,
+    ) -> Option<Made> {
+        let turns = stored_in_turn(self.f, v)?;
+        let at = *turns.emitted.get(&load)?;
+        let (_, value) = turns.stores.iter().rev().find(|(i, _)| *i < at)?;
+        Some(self.made_seen(*value, seen))
+    }
+
+    /// From the old value if any store into `v` is (what sets it, not when).
+    fn any_store(&self, v: Handle<LocalVariable>, seen: &mut Vec<Handle<LocalVariable>>) -> Made {
+        seen.push(v);
+        let from_old = what_sets(self.f, v)
+            .into_iter()
+            .any(|stored| self.made_seen(stored, seen) != Made::Without);
+        if from_old {
+            Made::Unknown
+        } else {
+            Made::Without
+        }
     }
 
     /// Whether `pointer` indexes with a value made from the old one.
@@ -478,6 +507,100 @@ fn what_sets(f: &Function, var: Handle<LocalVariable>) -> Vec<Expr> {
     values
 }
 
+/// A variable's stores, all statements of one block, none under a condition.
+struct InTurn {
+    /// Each store's place in the block, and the value stored, in order.
+    stores: Vec<(usize, Expr)>,
+    /// The place in the block of the statement each expression is evaluated in (or
+    /// inside of).
+    emitted: std::collections::HashMap<Expr, usize>,
+}
+
+/// `v`'s stores when every one sets the whole variable and is a statement of one
+/// block (so each runs after the one before it whenever the block runs), and no
+/// pointer to `v` is handed to a function: `var next = bitcast<f32>(old); next +=
+/// v;`. Its initializer is not counted: a read before the first store is not
+/// followed. `None` otherwise.
+fn stored_in_turn(f: &Function, v: Handle<LocalVariable>) -> Option<InTurn> {
+    let mut homes: Vec<*const Block> = Vec::new();
+    let mut whole = true;
+    each_block(&f.body, &mut |block| {
+        for s in block.iter() {
+            match s {
+                Statement::Store { pointer, .. } if local_root(f, *pointer) == Some(v) => {
+                    whole &= matches!(f.expressions[*pointer], E::LocalVariable(w) if w == v);
+                    if !homes.contains(&(block as *const Block)) {
+                        homes.push(block);
+                    }
+                }
+                Statement::Call { arguments, .. } => {
+                    whole &= !arguments.iter().any(|a| local_root(f, *a) == Some(v));
+                }
+                _ => {}
+            }
+        }
+    });
+    let [home] = homes[..] else {
+        return None;
+    };
+    if !whole {
+        return None;
+    }
+    let mut found = None;
+    each_block(&f.body, &mut |block| {
+        if std::ptr::eq(block, home) {
+            found = Some(block);
+        }
+    });
+    let block = found?;
+    let mut turns = InTurn {
+        stores: Vec::new(),
+        emitted: std::collections::HashMap::new(),
+    };
+    for (i, s) in block.iter().enumerate() {
+        if let Statement::Store { pointer, value } = s {
+            if local_root(f, *pointer) == Some(v) {
+                turns.stores.push((i, *value));
+            }
+        }
+        let mut mark = |s: &Statement| {
+            if let Statement::Emit(range) = s {
+                for e in range.clone() {
+                    turns.emitted.insert(e, i);
+                }
+            }
+        };
+        mark(s);
+        for inner in blocks_of(s) {
+            crate::ir::each_statement(inner, &mut mark);
+        }
+    }
+    Some(turns)
+}
+
+/// Calls `visit` with `block` and every block nested in it.
+fn each_block<'a>(block: &'a Block, visit: &mut impl FnMut(&'a Block)) {
+    visit(block);
+    for s in block.iter() {
+        for inner in blocks_of(s) {
+            each_block(inner, visit);
+        }
+    }
+}
+
+/// The blocks directly inside statement `s`.
+fn blocks_of(s: &Statement) -> Vec<&Block> {
+    match s {
+        Statement::Block(b) => vec![b],
+        Statement::If { accept, reject, .. } => vec![accept, reject],
+        Statement::Switch { cases, .. } => cases.iter().map(|c| &c.body).collect(),
+        Statement::Loop {
+            body, continuing, ..
+        } => vec![body, continuing],
+        _ => Vec::new(),
+    }
+}
+
 /// The arguments of the call whose result is `result`.
 fn call_arguments(block: &Block, result: Expr) -> Option<Vec<Expr>> {
     let mut found = None;
@@ -581,6 +704,7 @@ fn twice(x: f32) -> f32 {{ return x * 2.0; }}
 fn fmax(a: f32, b: f32) -> f32 {{ return max(a, b); }}
 fn fadd(a: f32, b: f32) -> f32 {{ let s = a + b; return s; }}
 fn pick(a: f32, b: f32) -> f32 {{ if (a > b) {{ return a; }} return b; }}
+fn double(p: ptr<function, f32>) {{ *p = *p * 2.0; }}
 fn keep(v: f32) {{
     var old = atomicLoad(&best);
     {body}
@@ -670,16 +794,65 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
     }
 
     #[test]
-    fn an_operation_not_seen_folds_under_no_rule() {
-        // Made through a variable, in a helper, or as `v - old`.
-        let through_var = "loop {
-        var next = bitcast<f32>(old);
-        next += v;
+    fn a_new_value_made_in_a_variable_store_after_store_is_followed() {
+        let made = |stores: &str| {
+            op(&format!(
+                "loop {{
+        var next: f32;
+        {stores}
         let r = atomicCompareExchangeWeak(&best, old, bitcast<u32>(next));
+        if (r.exchanged) {{ break; }}
+        old = r.old_value;
+    }}"
+            ))
+        };
+        assert_eq!(
+            made("next = bitcast<f32>(old); next += v;"),
+            A::Loop(Combine::Add)
+        );
+        assert_eq!(
+            made("next = v; next = max(next, bitcast<f32>(old));"),
+            A::Loop(Combine::Max)
+        );
+        // Read before a later store: what the store before the read made.
+        assert_eq!(
+            made("next = bitcast<f32>(old) + v; let sum = next; next = 0.0; next = sum;"),
+            A::Loop(Combine::Add)
+        );
+        assert_eq!(
+            made("next = bitcast<f32>(old); next *= v;"),
+            A::Loop(Combine::Other)
+        );
+    }
+
+    #[test]
+    fn an_operation_not_seen_folds_under_no_rule() {
+        // Made through a variable under a condition, or by a helper handed a
+        // pointer to it: which store the exchange sees is not followed.
+        let made = |stores: &str| {
+            op(&format!(
+                "loop {{
+        var next = bitcast<f32>(old);
+        {stores}
+        let r = atomicCompareExchangeWeak(&best, old, bitcast<u32>(next));
+        if (r.exchanged) {{ break; }}
+        old = r.old_value;
+    }}"
+            ))
+        };
+        assert_eq!(made("if (v > 0.0) { next += v; }"), A::CompareExchange);
+        assert_eq!(made("double(&next);"), A::CompareExchange);
+        // Read in the loop before it is set there: the last turn's value.
+        let before = "var next = 0.0;
+    loop {
+        let was = next;
+        next = bitcast<f32>(old) + v;
+        let r = atomicCompareExchangeWeak(&best, old, bitcast<u32>(was + v));
         if (r.exchanged) { break; }
         old = r.old_value;
     }";
-        assert_eq!(op(through_var), A::CompareExchange);
+        assert_eq!(op(before), A::CompareExchange);
+        // In a helper, or as `v - old`.
         // A helper that does more than one operation on it (or none seen).
         assert_eq!(
             op(&looped("", "bitcast<u32>(twice(bitcast<f32>(old)))")),

@@ -1673,10 +1673,60 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
     }
 }
 
-/// A float sum whose new value is made in a variable, where the operation is not
-/// seen: refused split under every rule with how to write it, not folded by
-/// whichever rule was asked for (before, max-f32 would have kept the greatest of
-/// the shards' sums).
+/// A float sum whose new value is made in a variable, store after store (`var next
+/// = bitcast<f32>(old); next += v;`): it splits under sum-f32, as the same made in
+/// one expression does, and is refused under max-f32. Before, it was refused split
+/// under every rule, the variable's stores not followed.
+#[test]
+fn a_float_sum_made_in_a_variable_splits_under_its_rule() {
+    let source = r#"
+@group(0) @binding(0) var<storage, read> values: array<f32>;
+@group(0) @binding(1) var<storage, read_write> total: atomic<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x >= arrayLength(&values)) {
+        return;
+    }
+    var old = atomicLoad(&total);
+    loop {
+        var next = bitcast<f32>(old);
+        next += values[gid.x];
+        let r = atomicCompareExchangeWeak(&total, old, bitcast<u32>(next));
+        if (r.exchanged) {
+            break;
+        }
+        old = r.old_value;
+    }
+}
+"#;
+    // Small whole numbers: every order of adding them gives the same f32.
+    let values: Vec<f32> = (0..1000).map(|i| (i % 7) as f32).collect();
+    let sum: f32 = values.iter().sum();
+    let task = Task::default().input(0, f32_bytes(&values)).output(1, 4);
+    let rule = MergeRule::Sum(ElemType::F32);
+    split_1_to_7(
+        "sum in a variable",
+        source,
+        &task,
+        [16, 1, 1],
+        rule,
+        |out| assert_eq!(f32s(&out[&1]), [sum]),
+    );
+    let Err(e) = task.job(source, [16, 1, 1], 3, MergeRule::Max(ElemType::F32)) else {
+        panic!("taken split under max-f32")
+    };
+    let e = e.to_string();
+    assert!(
+        e.contains("a compare-exchange loop that adds") && e.contains("--merge 1=sum-f32"),
+        "{e}"
+    );
+}
+
+/// A float sum whose new value is made in a variable only under a condition, where
+/// the one operation is not seen: refused split under every rule with how to write
+/// it, not folded by whichever rule was asked for (before, max-f32 would have kept
+/// the greatest of the shards' sums).
 #[test]
 fn a_compare_exchange_whose_operation_is_not_seen_is_refused_split() {
     let source = r#"
@@ -1691,7 +1741,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     var old = atomicLoad(&total);
     loop {
         var next = bitcast<f32>(old);
-        next += values[gid.x];
+        if (values[gid.x] != 0.0) {
+            next += values[gid.x];
+        }
         let r = atomicCompareExchangeWeak(&total, old, bitcast<u32>(next));
         if (r.exchanged) {
             break;
