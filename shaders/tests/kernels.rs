@@ -1673,33 +1673,40 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
     }
 }
 
+/// A float sum kept with a compare-exchange loop whose new value is made in a
+/// variable: `var next = bitcast<f32>(old);`, then `update`.
+fn sum_made_in_a_variable(update: &str) -> String {
+    format!(
+        "
+@group(0) @binding(0) var<storage, read> values: array<f32>;
+@group(0) @binding(1) var<storage, read_write> total: atomic<u32>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
+    if (gid.x >= arrayLength(&values)) {{
+        return;
+    }}
+    var old = atomicLoad(&total);
+    loop {{
+        var next = bitcast<f32>(old);
+        {update}
+        let r = atomicCompareExchangeWeak(&total, old, bitcast<u32>(next));
+        if (r.exchanged) {{
+            break;
+        }}
+        old = r.old_value;
+    }}
+}}"
+    )
+}
+
 /// A float sum whose new value is made in a variable, store after store (`var next
 /// = bitcast<f32>(old); next += v;`): it splits under sum-f32, as the same made in
 /// one expression does, and is refused under max-f32. Before, it was refused split
 /// under every rule, the variable's stores not followed.
 #[test]
 fn a_float_sum_made_in_a_variable_splits_under_its_rule() {
-    let source = r#"
-@group(0) @binding(0) var<storage, read> values: array<f32>;
-@group(0) @binding(1) var<storage, read_write> total: atomic<u32>;
-
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    if (gid.x >= arrayLength(&values)) {
-        return;
-    }
-    var old = atomicLoad(&total);
-    loop {
-        var next = bitcast<f32>(old);
-        next += values[gid.x];
-        let r = atomicCompareExchangeWeak(&total, old, bitcast<u32>(next));
-        if (r.exchanged) {
-            break;
-        }
-        old = r.old_value;
-    }
-}
-"#;
+    let source = &sum_made_in_a_variable("next += values[gid.x];");
     // Small whole numbers: every order of adding them gives the same f32.
     let values: Vec<f32> = (0..1000).map(|i| (i % 7) as f32).collect();
     let sum: f32 = values.iter().sum();
@@ -1729,29 +1736,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 /// the greatest of the shards' sums).
 #[test]
 fn a_compare_exchange_whose_operation_is_not_seen_is_refused_split() {
-    let source = r#"
-@group(0) @binding(0) var<storage, read> values: array<f32>;
-@group(0) @binding(1) var<storage, read_write> total: atomic<u32>;
-
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    if (gid.x >= arrayLength(&values)) {
-        return;
-    }
-    var old = atomicLoad(&total);
-    loop {
-        var next = bitcast<f32>(old);
-        if (values[gid.x] != 0.0) {
-            next += values[gid.x];
-        }
-        let r = atomicCompareExchangeWeak(&total, old, bitcast<u32>(next));
-        if (r.exchanged) {
-            break;
-        }
-        old = r.old_value;
-    }
-}
-"#;
+    let source = &sum_made_in_a_variable("if (values[gid.x] != 0.0) { next += values[gid.x]; }");
     let values: Vec<f32> = (0..1000).map(|i| (i % 7) as f32).collect();
     let task = Task::default().input(0, f32_bytes(&values)).output(1, 4);
     for rule in [MergeRule::Sum(ElemType::F32), MergeRule::Max(ElemType::F32)] {
