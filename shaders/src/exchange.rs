@@ -238,16 +238,12 @@ impl<'a> Old<'a> {
         match &f.expressions[e] {
             E::Load { pointer } => match local_root(f, *pointer) {
                 Some(v) if Some(v) == self.var => Made::Old,
-                // Another variable set only by stores one after another in one
-                // block: what the last store before this load made.
-                Some(v) if !seen.contains(&v) && stored_in_turn(f, v).is_some() => {
-                    match self.last_stored(v, e, seen) {
-                        Some(made) => made,
-                        None => self.any_store(v, seen),
-                    }
-                }
-                // Another variable: from the old value if any store into it is.
-                Some(v) if !seen.contains(&v) => self.any_store(v, seen),
+                // Another variable: what the last store before this load made, if
+                // it is set store after store in one block; else from the old
+                // value if any store into it is.
+                Some(v) if !seen.contains(&v) => self
+                    .last_stored(v, e, seen)
+                    .unwrap_or_else(|| self.any_store(v, seen)),
                 Some(_) => Made::Without,
                 // Memory: the value it holds is made without the old one, unless
                 // it is the exchanged word's buffer (`atomicLoad(&best)` read again).
@@ -796,14 +792,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
     #[test]
     fn a_new_value_made_in_a_variable_store_after_store_is_followed() {
         let made = |stores: &str| {
-            op(&format!(
-                "loop {{
-        var next: f32;
-        {stores}
-        let r = atomicCompareExchangeWeak(&best, old, bitcast<u32>(next));
-        if (r.exchanged) {{ break; }}
-        old = r.old_value;
-    }}"
+            op(&looped(
+                &format!("var next: f32; {stores}"),
+                "bitcast<u32>(next)",
             ))
         };
         assert_eq!(
@@ -830,14 +821,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
         // Made through a variable under a condition, or by a helper handed a
         // pointer to it: which store the exchange sees is not followed.
         let made = |stores: &str| {
-            op(&format!(
-                "loop {{
-        var next = bitcast<f32>(old);
-        {stores}
-        let r = atomicCompareExchangeWeak(&best, old, bitcast<u32>(next));
-        if (r.exchanged) {{ break; }}
-        old = r.old_value;
-    }}"
+            op(&looped(
+                &format!("var next = bitcast<f32>(old); {stores}"),
+                "bitcast<u32>(next)",
             ))
         };
         assert_eq!(made("if (v > 0.0) { next += v; }"), A::CompareExchange);

@@ -934,30 +934,9 @@ impl ActorHost {
                 })
             })
             .collect();
-        let whole = mostly_changed(base, &bytes);
-        let (base, after) = (base.to_vec(), bytes.clone());
-        let bindings: Vec<u32> = now.iter().map(|(s, _)| s.binding).collect();
-        let encoded = tokio::task::spawn_blocking(move || {
-            if whole {
-                return Vec::new();
-            }
-            let mut changes = std::collections::BTreeMap::new();
-            for ((binding, before), after) in bindings.iter().zip(&base).zip(&after) {
-                let before = match before {
-                    Some(b) => Base::Bytes(b),
-                    None => Base::Fill([0; 4]),
-                };
-                changes.insert(*binding, BufferChanges::diff(before, after));
-            }
-            ShardChanges(changes).encode()
-        })
-        .await
-        .ok()?;
-        // Small changes travel in the request; larger ones as a blob the backup
-        // pulls from here, served from memory (staged) while it does: they are for
-        // the backup alone, and the call is not recorded before it has its copy, so
-        // they need no copy on this disk (a file written and synced, then removed).
-        let (changes, _staged) = if whole {
+        // Most of a large state rewritten: the backup pulls each new buffer whole,
+        // served from memory here (staged) while it does.
+        let (changes, _staged) = if mostly_changed(base, &bytes) {
             let store = self.blobs.store();
             let staged = ids
                 .iter()
@@ -965,16 +944,8 @@ impl ActorHost {
                 .map(|(id, b)| store.stage(*id, b.clone()))
                 .collect();
             (Changes::Whole, staged)
-        } else if encoded.len() <= INLINE_CHANGES {
-            (Changes::Inline(encoded), Vec::new())
         } else {
-            let encoded = Arc::new(encoded);
-            let bytes = encoded.clone();
-            let Ok(id) = tokio::task::spawn_blocking(move || BlobId::of(&bytes)).await else {
-                return None;
-            };
-            let staged = self.blobs.store().stage(id, encoded);
-            (Changes::Blob(id), vec![staged])
+            self.changes_made(now, base, &bytes).await?
         };
         let prefer = backup.and_then(|b| self.peers.peer(b));
         let store = self.blobs.store().clone();
@@ -1003,6 +974,45 @@ impl ActorHost {
                 None
             }
         }
+    }
+
+    /// What a batch changed in each state buffer (`after` against `base`), as the
+    /// backup is sent it: in the request when small; else as a blob the backup
+    /// pulls from here, served from memory (staged, the guard returned) while it
+    /// does. The changes are for the backup alone, and the call is not recorded
+    /// before it has its copy, so they need no copy on this disk (a file written and
+    /// synced, then removed).
+    async fn changes_made(
+        &self,
+        now: &[(StateBuffer, Option<BlobId>)],
+        base: &[Option<Arc<[u8]>>],
+        after: &[Arc<[u8]>],
+    ) -> Option<(Changes, Vec<crate::blobs::store::Staged>)> {
+        let (base, after) = (base.to_vec(), after.to_vec());
+        let bindings: Vec<u32> = now.iter().map(|(s, _)| s.binding).collect();
+        let encoded = tokio::task::spawn_blocking(move || {
+            let mut changes = std::collections::BTreeMap::new();
+            for ((binding, before), after) in bindings.iter().zip(&base).zip(&after) {
+                let before = match before {
+                    Some(b) => Base::Bytes(b),
+                    None => Base::Fill([0; 4]),
+                };
+                changes.insert(*binding, BufferChanges::diff(before, after));
+            }
+            ShardChanges(changes).encode()
+        })
+        .await
+        .ok()?;
+        if encoded.len() <= INLINE_CHANGES {
+            return Some((Changes::Inline(encoded), Vec::new()));
+        }
+        let encoded = Arc::new(encoded);
+        let bytes = encoded.clone();
+        let id = tokio::task::spawn_blocking(move || BlobId::of(&bytes))
+            .await
+            .ok()?;
+        let staged = self.blobs.store().stage(id, encoded);
+        Some((Changes::Blob(id), vec![staged]))
     }
 }
 
