@@ -2,7 +2,9 @@
 //! counter actor called through two nodes, its host killed with SIGKILL between
 //! calls; every acknowledged call counted exactly once in the final state. Once with
 //! a state small enough to ride in the record, once with 2 MiB that every call
-//! rewrites (its second copy pulled whole from the host at each call).
+//! rewrites (its second copy pulled whole from the host at each call). And in a mesh
+//! of five, both nodes holding an actor's state killed at once: a call says why it
+//! cannot run, and runs once one of them is back.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
 
@@ -11,7 +13,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{count_call, counted, have_any};
-use gpumesh::Client;
+use gpumesh::{Client, ClientError};
 
 /// Calls the counter of `words` words `n` times through `via`, one after another,
 /// each retried (one request id) until acknowledged.
@@ -96,6 +98,69 @@ async fn survives_its_host_killed(words: u32) {
     for c in &survivors {
         counted(c, "counter", words, 11).await;
     }
+    for p in &mut procs {
+        p.kill9();
+    }
+}
+
+/// Both copies of an actor's state gone at once: its host and the node keeping the
+/// second copy killed with SIGKILL, in a mesh of five that keeps its quorum. A call
+/// through a survivor fails with why (the state's blob on no node its new host could
+/// reach, the two named), not left to wait for nothing, and the state stays as it
+/// was: once the node with the second copy is back, the next call runs on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_to_an_actor_whose_state_is_on_no_live_node_fails_saying_why_and_the_state_waits() {
+    if !have_any() {
+        return;
+    }
+    // Over the 16 KiB the record holds itself: the state lives on two nodes.
+    const WORDS: u32 = 8192;
+    let root = tempfile::tempdir().unwrap();
+    let (mut procs, _) = common::procs::joined(root.path(), &["a", "b", "c", "d", "e"]);
+    common::procs::voters(&procs, 5).await;
+    let clients: Vec<Client> = procs.iter().map(|p| p.client().unwrap()).collect();
+    common::create_counter(&clients[0], "counter", WORDS).await;
+    assert_eq!(count(clients[1].clone(), WORDS, 3).await, vec![1, 2, 3]);
+
+    let actor = clients[0].actor("counter").await.unwrap();
+    let hex = |p: &common::procs::Proc| format!("{:x}", p.raft_id);
+    let is_backup = |p: &common::procs::Proc| actor.backup.as_ref() == Some(&hex(p));
+    let holders: Vec<usize> = (0..procs.len())
+        .filter(|&i| hex(&procs[i]) == actor.host || is_backup(&procs[i]))
+        .collect();
+    assert_eq!(holders.len(), 2, "a host and a backup: {actor:?}");
+    let named: Vec<String> = holders.iter().map(|&i| hex(&procs[i])).collect();
+    for &i in &holders {
+        procs[i].kill9();
+    }
+    let via = (0..procs.len()).find(|i| !holders.contains(i)).unwrap();
+    let patient = clients[via].clone().retry_for(Duration::from_secs(120));
+    let why = match patient.call_actor("counter", count_call(WORDS), None).await {
+        Err(ClientError::Refused(why)) => why,
+        other => panic!("the call cannot have run: {other:?}"),
+    };
+    eprintln!("{why}");
+    assert!(why.contains("state (version 3) is on no node"), "{why}");
+    for holder in &named {
+        assert!(
+            why.contains(holder.as_str()),
+            "{holder} named as out of reach: {why}"
+        );
+    }
+
+    // The node with the second copy back: the next call runs on the state kept.
+    let back = holders
+        .iter()
+        .copied()
+        .find(|&i| is_backup(&procs[i]))
+        .unwrap();
+    procs[back].start(&[]).unwrap();
+    let reply = patient
+        .call_actor("counter", count_call(WORDS), None)
+        .await
+        .unwrap();
+    assert_eq!(reply.version, 4);
+    counted(&patient, "counter", WORDS, 4).await;
     for p in &mut procs {
         p.kill9();
     }

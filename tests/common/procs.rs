@@ -22,7 +22,13 @@ pub fn three(root: &Path) -> Vec<Proc> {
 /// [`three`], and the ticket b and c joined with (a's, made before they joined: it
 /// names a alone).
 pub fn three_and_ticket(root: &Path) -> (Vec<Proc>, String) {
-    let mut procs: Vec<Proc> = ["a", "b", "c"].iter().map(|n| node(root, n)).collect();
+    joined(root, &["a", "b", "c"])
+}
+
+/// A node process for each of `names`, started as the README starts them: the
+/// first forms the mesh, the others join with its ticket (returned).
+pub fn joined(root: &Path, names: &[&str]) -> (Vec<Proc>, String) {
+    let mut procs: Vec<Proc> = names.iter().map(|n| node(root, n)).collect();
     procs[0].start(&["--init"]).unwrap();
     let ticket = procs[0].ticket().unwrap();
     for p in &mut procs[1..] {
@@ -33,13 +39,18 @@ pub fn three_and_ticket(root: &Path) -> (Vec<Proc>, String) {
 
 /// Waits until one leader counts three live voters with adapters; their status.
 pub async fn three_voters(procs: &[Proc]) -> StatusView {
+    voters(procs, 3).await
+}
+
+/// Waits until one leader counts `n` live voters with adapters; their status.
+pub async fn voters(procs: &[Proc], n: usize) -> StatusView {
     let deadline = Instant::now() + Duration::from_secs(90);
     loop {
         for p in procs.iter().filter(|p| p.started()) {
             if let Ok(st) = p.client().unwrap().status().await {
                 let voters = st.members.iter().filter(|m| m.role == "voter").count();
                 if st.leader != 0
-                    && voters == 3
+                    && voters == n
                     && st.members.iter().all(|m| m.adapter.is_some() && m.alive)
                 {
                     return st;
@@ -48,7 +59,7 @@ pub async fn three_voters(procs: &[Proc]) -> StatusView {
         }
         assert!(
             Instant::now() < deadline,
-            "the mesh never had three live voters"
+            "the mesh never had {n} live voters"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

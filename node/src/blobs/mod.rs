@@ -400,7 +400,8 @@ impl Mover {
 
     async fn pull(&self, id: BlobId, holder: Option<PeerId>) -> Outcome {
         let me = self.peers.me();
-        let mut last = String::from("no peer to fetch it from");
+        // What each member asked said in the last round it was asked.
+        let mut asked: Vec<(PeerId, NodeError)> = Vec::new();
         for round in 0..FETCH_ROUNDS {
             // Every member is a possible holder; a node that just joined learns them
             // from the replicated membership, not only from its connections.
@@ -415,7 +416,8 @@ impl Mover {
                     Ok(()) => return Ok(()),
                     Err(e) => {
                         tracing::debug!(%peer, error = %e, "blob fetch failed");
-                        last = e.to_string();
+                        asked.retain(|(p, _)| *p != peer);
+                        asked.push((peer, e));
                     }
                 }
             }
@@ -429,7 +431,48 @@ impl Mover {
             self.peers.connect(&connected, &missing).await;
             tokio::time::sleep(Duration::from_millis(100 << round)).await;
         }
-        Err(last)
+        Err(self.nowhere(&asked))
+    }
+
+    /// Why no member handed a blob over, from what each one asked said: those
+    /// that do not hold it, those that could not be reached, and any other answer,
+    /// each member named by its Raft id as `gpumesh status` shows it.
+    fn nowhere(&self, asked: &[(PeerId, NodeError)]) -> String {
+        if asked.is_empty() {
+            return "no other member to fetch it from".into();
+        }
+        let ids: HashMap<String, u64> = self.consensus.read_local(|s| {
+            s.members()
+                .iter()
+                .map(|(id, m)| (m.peer_id.clone(), *id))
+                .collect()
+        });
+        let name = |p: &PeerId| {
+            let p = p.to_string();
+            ids.get(&p).map_or(p, |id| format!("{id:x}"))
+        };
+        let (mut without, mut unreached, mut other) = (Vec::new(), Vec::new(), Vec::new());
+        for (peer, e) in asked {
+            match e {
+                NodeError::BlobNotFound { .. } => without.push(name(peer)),
+                NodeError::Unreached { .. } | NodeError::DialTimeout { .. } => {
+                    unreached.push(name(peer))
+                }
+                e => other.push(format!("{}: {e}", name(peer))),
+            }
+        }
+        let mut parts = Vec::new();
+        if !unreached.is_empty() {
+            parts.push(format!("could not reach {}", unreached.join(", ")));
+        }
+        if !without.is_empty() {
+            parts.push(format!("not held by {}", without.join(", ")));
+        }
+        parts.extend(other);
+        format!(
+            "no member that was asked handed it over ({})",
+            parts.join("; ")
+        )
     }
 
     /// The other members to ask for a copy, `prefer` first (when it is one), then

@@ -362,9 +362,9 @@ impl ActorHost {
         name: String,
         (epoch, version): (u32, u64),
         first: u64,
-        batch: Option<Batch>,
+        batch: std::result::Result<Batch, String>,
     ) -> Option<Vec<BlobId>> {
-        let Some(b) = batch else {
+        let Ok(b) = batch else {
             tokio::time::sleep(RETRY).await;
             return None;
         };
@@ -404,14 +404,14 @@ impl ActorHost {
         (epoch, version): (u32, u64),
         calls: Vec<(ActorCall, Option<PeerId>)>,
         mut replies: Vec<Waiting>,
-        batch: Option<Batch>,
+        batch: std::result::Result<Batch, String>,
     ) -> TurnEnd {
-        let Some(b) = batch else {
-            not_run(
-                replies,
-                "an input or the state is not reachable from the host yet",
-            );
-            return TurnEnd::default();
+        let b = match batch {
+            Ok(b) => b,
+            Err(why) => {
+                not_run(replies, &why);
+                return TurnEnd::default();
+            }
         };
         not_run(
             replies.split_off(b.ran.len()),
@@ -622,9 +622,11 @@ impl ActorHost {
 
     /// Runs a turn's calls one after another, each on the state the one before left;
     /// keeps the final state (in the batch when the record holds it, else here and
-    /// on a second node) and the outputs on two nodes; `None` when the first cannot
-    /// run yet.
-    async fn take(&self, t: &Turn) -> Option<Batch> {
+    /// on a second node) and the outputs on two nodes; why not, when the first
+    /// cannot run yet. When the state, or the first call's input, is on no node this
+    /// one can reach (every member asked, for several rounds), those calls fail with
+    /// that reason instead, the state as it was, rather than wait for ever.
+    async fn take(&self, t: &Turn) -> std::result::Result<Batch, String> {
         // The state's bytes: in the record, or from the node that keeps its copy
         // or its creator; the calls' inputs, from the nodes they came through.
         let holder = t
@@ -638,27 +640,40 @@ impl ActorHost {
                 continue;
             }
             if let Err(e) = self.blobs.fetch(blob, holder).await {
-                tracing::warn!(actor = %t.name, error = %e, "the actor's state is not reachable yet");
-                return None;
+                // Every member was asked, for several rounds: the calls fail, and
+                // the state stays as it was for the calls made once a node that
+                // holds it is back.
+                tracing::warn!(actor = %t.name, error = %e, "the actor's state is not reachable");
+                let why = format!(
+                    "actor {}'s state (version {}) is on no node its host could reach: \
+                     blob {blob}: {e}",
+                    t.name, t.version
+                );
+                return Ok(self.none_ran(t, t.calls.len(), &why));
             }
         }
         let mut calls = Vec::new();
         for (call, from) in &t.calls {
-            let mut reachable = true;
+            let mut unreachable = None;
             for blob in call.bindings.iter().filter_map(|b| b.role.blob()) {
                 if let Err(e) = self.blobs.fetch(blob, *from).await {
-                    tracing::warn!(actor = %t.name, error = %e, "a call input is not reachable yet");
-                    reachable = false;
+                    tracing::warn!(actor = %t.name, error = %e, "a call input is not reachable");
+                    unreachable = Some(format!(
+                        "input blob {blob} is on no node the host could reach: {e}"
+                    ));
                     break;
                 }
             }
-            if !reachable {
-                break; // it and the calls after it wait
+            match unreachable {
+                None => calls.push((call, *from)),
+                // The calls before it run now; it fails alone when it comes first,
+                // so the calls after it do not wait behind it for ever.
+                Some(_) if !calls.is_empty() => break,
+                Some(why) => return Ok(self.none_ran(t, 1, &why)),
             }
-            calls.push((call, *from));
         }
         if calls.is_empty() {
-            return None;
+            return Err("no call to run".into());
         }
         let store = self.blobs.store().clone();
         let base: Vec<Option<Arc<[u8]>>> = t
@@ -674,7 +689,11 @@ impl ActorHost {
             .zip(&base)
             .any(|(s, b)| s.blob.is_some() && b.is_none())
         {
-            return None; // fetched above, gone since: the next turn fetches it again
+            // Fetched above, gone since: the next turn fetches it again.
+            return Err(format!(
+                "actor {}'s state went from its host's disk",
+                t.name
+            ));
         }
         // Each call starts from what the one before left.
         let mut now: Vec<(StateBuffer, Option<BlobId>)> =
@@ -730,7 +749,7 @@ impl ActorHost {
             }
         }
         if ran.is_empty() {
-            return None;
+            return Err("the host's GPU could not run the call yet".into());
         }
         let changed = ran.iter().any(|r| matches!(r, CallRan::Done { .. }));
         let small = t.state.iter().map(|s| s.buffer.size).sum::<u64>() <= INLINE_STATE_BYTES;
@@ -738,12 +757,20 @@ impl ActorHost {
         let mut inline = Vec::new();
         if changed && small {
             for (_, blob) in &now {
-                inline.push(latest.get(&(*blob)?)?.to_vec());
+                let bytes = blob.and_then(|b| latest.get(&b));
+                // A changed state's every buffer has its bytes here.
+                inline.push(bytes.ok_or("the new state's bytes are missing")?.to_vec());
             }
         } else if changed {
             backup = self
                 .keep_state(&t.name, t.backup, &t.state, &base, &now, &latest)
-                .await?;
+                .await
+                .ok_or_else(|| {
+                    format!(
+                        "actor {}'s new state could not be kept on a second node",
+                        t.name
+                    )
+                })?;
         }
         // Each call's outputs, on two nodes (one the node it came through).
         for ((r, outs), (_, caller)) in ran.iter_mut().zip(outputs).zip(&calls) {
@@ -761,12 +788,12 @@ impl ActorHost {
                     }),
                     Err(e) => {
                         tracing::warn!(actor = %t.name, error = %e, "could not keep a call's output");
-                        return None;
+                        return Err(format!("a call's output could not be kept: {e}"));
                     }
                 }
             }
         }
-        Some(Batch {
+        Ok(Batch {
             ran,
             state: now
                 .iter()
@@ -775,6 +802,26 @@ impl ActorHost {
             inline,
             backup,
         })
+    }
+
+    /// A batch in which the first `n` calls of `t` failed for `why`, leaving the
+    /// state as it was.
+    fn none_ran(&self, t: &Turn, n: usize, why: &str) -> Batch {
+        Batch {
+            ran: vec![
+                CallRan::Failed {
+                    reason: why.to_string()
+                };
+                n
+            ],
+            state: t
+                .state
+                .iter()
+                .filter_map(|s| Some((s.buffer.binding, s.blob?)))
+                .collect(),
+            inline: Vec::new(),
+            backup: t.backup.unwrap_or(self.me),
+        }
     }
 
     /// The job a call runs as on the state `now` (bytes of a state not yet stored

@@ -323,8 +323,19 @@ async fn pull_on_stream(
                 Ok(Err(libp2p_stream::OpenStreamError::UnsupportedProtocol(_))) => {
                     return Ok(Answered::NotSpoken)
                 }
-                Ok(Err(e)) => return Err(failed(format!("opening a blob stream: {e}"))),
-                Err(_) => return Err(failed("opening a blob stream timed out".into())),
+                // Nothing was asked: no connection, and none could be made.
+                Ok(Err(e)) => {
+                    return Err(NodeError::Unreached {
+                        peer: peer.clone(),
+                        reason: format!("opening a blob stream: {e}"),
+                    })
+                }
+                Err(_) => {
+                    return Err(NodeError::Unreached {
+                        peer: peer.clone(),
+                        reason: format!("opening a blob stream took over {timeout:?}"),
+                    })
+                }
             };
         let asked = async {
             stream.write_all(&request).await?;
