@@ -297,6 +297,11 @@ async fn pull_on_stream(
         peer: peer.clone(),
         reason,
     };
+    // Nothing was asked: no connection, and none could be made.
+    let unreached = |reason: String| NodeError::Unreached {
+        peer: peer.clone(),
+        reason,
+    };
     let io = |e: std::io::Error| failed(format!("pulling blob {id}: {e}"));
     let within = |what: &'static str| {
         move |_| failed(format!("pulling blob {id}: no {what} within {timeout:?}"))
@@ -323,18 +328,11 @@ async fn pull_on_stream(
                 Ok(Err(libp2p_stream::OpenStreamError::UnsupportedProtocol(_))) => {
                     return Ok(Answered::NotSpoken)
                 }
-                // Nothing was asked: no connection, and none could be made.
-                Ok(Err(e)) => {
-                    return Err(NodeError::Unreached {
-                        peer: peer.clone(),
-                        reason: format!("opening a blob stream: {e}"),
-                    })
-                }
+                Ok(Err(e)) => return Err(unreached(format!("opening a blob stream: {e}"))),
                 Err(_) => {
-                    return Err(NodeError::Unreached {
-                        peer: peer.clone(),
-                        reason: format!("opening a blob stream took over {timeout:?}"),
-                    })
+                    return Err(unreached(format!(
+                        "opening a blob stream took over {timeout:?}"
+                    )))
                 }
             };
         let asked = async {
