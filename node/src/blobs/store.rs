@@ -848,7 +848,7 @@ impl Incoming {
                 bytes[offset as usize..][..data.len()].copy_from_slice(&data)
             }
         }
-        self.hash_in(offset, data)
+        self.hash_in(offset, data, drop)
     }
 
     /// For a blob with a file of its own: a writer of that file for another
@@ -871,23 +871,37 @@ impl Incoming {
     }
 
     /// Hashes `data`, which a [`Self::file_writer`] wrote at `offset`, with what is
-    /// now in one run from the start.
-    pub fn written_at(&mut self, offset: u64, data: Vec<u8>) -> Result<()> {
+    /// now in one run from the start, and hands each buffer it is done with to
+    /// `spent` (for the next piece to be received into).
+    pub fn written_at(
+        &mut self,
+        offset: u64,
+        data: Vec<u8>,
+        spent: impl FnMut(Vec<u8>),
+    ) -> Result<()> {
         beyond(self.id, self.total, offset, &data)?;
-        self.hash_in(offset, data)
+        self.hash_in(offset, data, spent)
     }
 
-    /// Hashes `data` (at `offset`) and whatever came early and now follows on.
-    fn hash_in(&mut self, offset: u64, data: Vec<u8>) -> Result<()> {
+    /// Hashes `data` (at `offset`) and whatever came early and now follows on,
+    /// handing each buffer hashed to `spent`.
+    fn hash_in(
+        &mut self,
+        offset: u64,
+        data: Vec<u8>,
+        mut spent: impl FnMut(Vec<u8>),
+    ) -> Result<()> {
         if offset != self.hashed {
             self.early.insert(offset, data);
             return Ok(());
         }
         self.hasher.update(&data);
         self.hashed += data.len() as u64;
+        spent(data);
         while let Some(next) = self.early.remove(&self.hashed) {
             self.hasher.update(&next);
             self.hashed += next.len() as u64;
+            spent(next);
         }
         Ok(())
     }

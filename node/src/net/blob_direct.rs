@@ -211,14 +211,17 @@ pub(super) struct Holder {
     spare: Spare,
 }
 
-/// Buffers of records already sent, kept for the next ones (at most [`SPARE`]).
+/// Record buffers done with, kept for the next records (at most [`SPARE`]): on a
+/// holder, those already written to a socket, for the next pieces of files to be
+/// read and sealed into; on a puller, those already stored (or copied out), for
+/// the next records to be received into.
 ///
 /// Why: a record is a megabyte, and a fresh one is fresh memory: the kernel zeroes
-/// its pages as the file's bytes are first copied in (6.7% of the CPU samples of a
-/// 64 MiB fetch, both ends together, under perf). A few buffers going round do not
-/// pay that again.
+/// its pages as the bytes are first copied in (6.7% of the CPU samples of a 64 MiB
+/// fetch, both ends together, under perf, before the holder kept its buffers). A
+/// few buffers going round do not pay that again.
 #[derive(Clone, Default)]
-struct Spare(Arc<Mutex<Vec<Vec<u8>>>>);
+pub(super) struct Spare(Arc<Mutex<Vec<Vec<u8>>>>);
 
 /// Record buffers a holder keeps between transfers: enough for the records read
 /// ahead and the one on the socket of a few transfers at once.
@@ -226,7 +229,7 @@ const SPARE: usize = 8;
 
 impl Spare {
     /// An empty buffer with room for `len` bytes.
-    fn take(&self, len: usize) -> Vec<u8> {
+    pub(super) fn take(&self, len: usize) -> Vec<u8> {
         let kept = self.0.lock().unwrap_or_else(PoisonError::into_inner).pop();
         match kept {
             Some(mut buffer) => {
@@ -239,7 +242,7 @@ impl Spare {
     }
 
     /// Keeps `buffer` for a later record, unless enough are kept already.
-    fn give(&self, buffer: Vec<u8>) {
+    pub(super) fn give(&self, buffer: Vec<u8>) {
         let mut kept = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         if kept.len() < SPARE && buffer.capacity() <= (RECORD as usize) + TAG {
             kept.push(buffer);
@@ -577,6 +580,8 @@ pub(super) struct How<'a> {
     /// Records opened on blocking threads while the next is read (0: each opened
     /// here as it arrives).
     pub open_ahead: usize,
+    /// Where records are received into (and where the caller gives them back).
+    pub spare: &'a Spare,
 }
 
 /// Reads bytes `at..end` of `id` from the holder at `addr` with `offer`, handing each
@@ -631,7 +636,7 @@ pub(super) async fn pull(
             return Ok(());
         }
         let len = RECORD.min(end - offset) as usize;
-        let mut record = Vec::with_capacity(len + TAG);
+        let mut record = how.spare.take(len + TAG);
         // Before any piece was handed on the lane can still carry the blob.
         let fail = |reason: String| match handed {
             true => Failed::Broken(reason),
@@ -820,11 +825,15 @@ mod tests {
             .collect();
         let id = BlobId::of(&data);
         let metrics = NetMetrics::default();
+        // Buffers given back and received into again: a record must not keep any
+        // of the one before it.
+        let spare = Spare::default();
         for open_ahead in [0, 2] {
             let how = How {
                 timeout: Duration::from_secs(10),
                 metrics: &metrics,
                 open_ahead,
+                spare: &spare,
             };
             let offer = Offer::new().unwrap();
             let addr = holder(data.clone(), id, offer.key, None).await;
@@ -833,6 +842,7 @@ mod tests {
             pull(addr, &offer, range, &how, &mut |at, bytes| {
                 assert_eq!(at, got.len() as u64, "in order");
                 got.extend_from_slice(&bytes);
+                spare.give(bytes);
                 Ok(())
             })
             .await
@@ -843,8 +853,9 @@ mod tests {
             let offer = Offer::new().unwrap();
             let addr = holder(data.clone(), id, offer.key, Some(3)).await;
             let mut handed = 0;
-            let failed = pull(addr, &offer, range, &how, &mut |_, _| {
+            let failed = pull(addr, &offer, range, &how, &mut |_, bytes| {
                 handed += 1;
+                spare.give(bytes);
                 Ok(())
             })
             .await;

@@ -221,6 +221,7 @@ pub(super) async fn pull(
         timeout: ask.timeout,
         metrics: ask.metrics,
         open_ahead: ask.open_ahead,
+        spare: ask.spare,
     };
     match blob_direct::pull(addr, &offer, (id, 0, total), &how, &mut pieces).await {
         Ok(()) => Ok(true),
@@ -256,6 +257,8 @@ pub(super) struct Ask<'a> {
     pub metrics: &'a NetMetrics,
     /// Records opened ahead on a direct pull (`NetConfig::blob_open_ahead`).
     pub open_ahead: usize,
+    /// Buffers a direct pull receives records into.
+    pub spare: &'a super::blob_direct::Spare,
 }
 
 /// A holder answered with a direct port where none was asked for.

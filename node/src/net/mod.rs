@@ -119,6 +119,8 @@ pub struct NetHandle {
     fetch_window: usize,
     /// See [`NetConfig::blob_open_ahead`].
     open_ahead: usize,
+    /// Buffers of records pulled and done with, for the next pull's records.
+    received: blob_direct::Spare,
     request_timeout: Duration,
     dial_timeout: Duration,
     /// Injected delay of every outgoing Raft write and request, in microseconds.
@@ -338,6 +340,7 @@ impl NetHandle {
             chunk_bytes: config.chunk_bytes,
             fetch_window: config.fetch_window,
             open_ahead: config.blob_open_ahead,
+            received: blob_direct::Spare::default(),
             request_timeout: config.request_timeout,
             dial_timeout: config.dial_timeout,
             delay_us,

@@ -26,7 +26,10 @@ impl NetHandle {
             .pull_with(from, id, |total, offset, data| {
                 if let Some(rx) = rx.take() {
                     let incoming = blobs.incoming(id, total)?;
-                    writer = Some(tokio::task::spawn_blocking(move || write_all(incoming, rx)));
+                    let spare = self.received.clone();
+                    writer = Some(tokio::task::spawn_blocking(move || {
+                        write_all(incoming, rx, move |done| spare.give(done))
+                    }));
                 }
                 tx.send((offset, data)).map_err(|_| {
                     writer_stopped = true;
@@ -60,6 +63,7 @@ impl NetHandle {
             }
             let start = offset as usize;
             out[start..start + data.len()].copy_from_slice(&data);
+            self.received.give(data);
             Ok(())
         })
         .await?;
@@ -87,6 +91,7 @@ impl NetHandle {
                 timeout,
                 metrics: &self.metrics,
                 open_ahead: self.open_ahead,
+                spare: &self.received,
             };
             if super::blob_lane::pull(&ask, self.direct.as_ref(), &mut each).await? {
                 return Ok(());
@@ -190,10 +195,12 @@ fn check(
 /// finishes the blob. A blob with a file of its own is written on this thread and
 /// hashed on a second one, so a piece is hashed while the next is written (either
 /// pass alone takes about as long as the network brings the bytes); a packed one,
-/// a few hundred KiB at most, on this thread alone.
+/// a few hundred KiB at most, on this thread alone. Each piece's buffer, once
+/// written and hashed, goes to `spent`.
 fn write_all(
     mut incoming: crate::blobs::store::Incoming,
     rx: std::sync::mpsc::Receiver<(u64, Vec<u8>)>,
+    mut spent: impl FnMut(Vec<u8>) + Send,
 ) -> Result<()> {
     let Some(mut writer) = incoming.file_writer() else {
         for (offset, data) in rx {
@@ -205,7 +212,7 @@ fn write_all(
     let (wrote, hashed) = std::thread::scope(|scope| {
         let hashing = scope.spawn(move || {
             for (offset, data) in written {
-                incoming.written_at(offset, data)?;
+                incoming.written_at(offset, data, &mut spent)?;
             }
             Ok(incoming)
         });
@@ -245,7 +252,7 @@ mod tests {
             tx.send(piece).unwrap();
         }
         drop(tx);
-        write_all(incoming, rx)
+        write_all(incoming, rx, drop)
     }
 
     #[test]
