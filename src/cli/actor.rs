@@ -180,12 +180,12 @@ pub fn run(command: ActorCommand) -> anyhow::Result<ExitCode> {
                 return Ok(ExitCode::SUCCESS);
             }
             println!(
-                "{:<20} {:<10} {:>6} {:>8} {:>10} {:>6} {:>8}",
+                "{:<20} {:<16} {:>6} {:>8} {:>10} {:>6} {:>8}",
                 "actor", "host", "epoch", "version", "bytes", "moves", "waiting"
             );
             for a in &actors {
                 println!(
-                    "{:<20} {:<10} {:>6} {:>8} {:>10} {:>6} {:>8}",
+                    "{:<20} {:<16} {:>6} {:>8} {:>10} {:>6} {:>8}",
                     a.name,
                     if a.host.is_empty() { "none" } else { &a.host },
                     a.epoch,
