@@ -1,6 +1,7 @@
 //! `GET /metrics` on real nodes in one process: tasks run through a 3-node mesh move
 //! each node's own counters (and only its own), the Raft gauges agree on one leader,
-//! and the API answers unknown paths and methods with a JSON 4xx.
+//! the API answers unknown paths and methods with a JSON 4xx, and the README's table
+//! of metrics names what a node exports.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
 
@@ -79,6 +80,55 @@ async fn scrape_until(nodes: &[MeshNode], done: impl Fn(&[Scrape]) -> bool) -> V
     }
 }
 
+/// Checks that the README's table of metrics names every metric family `node`
+/// exports (by its family or sample name) and none it does not.
+async fn the_readme_names_the_metrics_of(node: &MeshNode) {
+    let text = reqwest::get(format!("http://{}/metrics", node.api_addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let families: BTreeMap<String, String> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_once(' '))
+        .map(|(name, kind)| (name.to_string(), kind.to_string()))
+        .collect();
+    assert!(families.len() > 20, "{text}");
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let section = readme
+        .split("\n## Metrics\n")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .expect("the README has a Metrics section");
+    // Names in the first cell of each row, labels and sample suffixes taken off.
+    let mut named = std::collections::BTreeSet::new();
+    for row in section.lines().filter(|l| l.starts_with("| `gpumesh_")) {
+        let cell = row.split('|').nth(1).unwrap();
+        for name in cell.split('`').skip(1).step_by(2) {
+            let name = name.split('{').next().unwrap();
+            let family = ["_total", "_info"]
+                .iter()
+                .filter_map(|s| name.strip_suffix(s))
+                .find(|f| families.contains_key(*f))
+                .unwrap_or(name);
+            named.insert(family.to_string());
+        }
+    }
+    let unnamed: Vec<_> = families.keys().filter(|f| !named.contains(*f)).collect();
+    let unknown: Vec<_> = named
+        .iter()
+        .filter(|n| !families.contains_key(*n))
+        .collect();
+    assert!(
+        unnamed.is_empty() && unknown.is_empty(),
+        "metrics a node exports that the README's table does not name: {unnamed:?}; \
+         names in the table that no node exports: {unknown:?}"
+    );
+}
+
 fn sum(scrapes: &[Scrape], key: &str) -> f64 {
     scrapes.iter().map(|s| s.get(key)).sum()
 }
@@ -95,6 +145,7 @@ async fn tasks_move_each_nodes_own_counters_and_one_leader_is_reported() {
             assert_eq!(s.get("gpumesh_tasks_submitted_total"), 0.0, "{s:#?}");
             assert_eq!(s.get("gpumesh_shards_done_total"), 0.0, "{s:#?}");
         }
+        the_readme_names_the_metrics_of(&nodes[0]).await;
 
         // Task A through node 1 (submitted twice under one request id: one task),
         // task B through node 2; node 0 submits nothing.
