@@ -26,7 +26,10 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             cli::console::report_error(&e, log_format);
-            ExitCode::FAILURE
+            match e.downcast_ref::<cli::mesh::StorageStopped>() {
+                Some(_) => ExitCode::from(cli::mesh::StorageStopped::STATUS),
+                None => ExitCode::FAILURE,
+            }
         }
     }
 }

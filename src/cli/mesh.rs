@@ -12,6 +12,26 @@ use super::console::Progress;
 use super::settings::NodeArgs;
 use super::{ApiArgs, TaskArgs};
 
+/// A node stopped because its Raft log or record could not be written (a full disk,
+/// a failing one): `gpumesh node` then exits with [`StorageStopped::STATUS`], not 1,
+/// so that a supervisor can tell a node worth starting again, once the disk is
+/// mended, from one that cannot start (a bad setting, a removed member's data dir).
+#[derive(Debug)]
+pub struct StorageStopped(String);
+
+impl StorageStopped {
+    /// `EX_TEMPFAIL` (sysexits.h): a temporary failure; trying again later may work.
+    pub const STATUS: u8 = 75;
+}
+
+impl std::fmt::Display for StorageStopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for StorageStopped {}
+
 pub fn node(settings: NodeArgs) -> anyhow::Result<ExitCode> {
     // Before anything starts: a bad key file or ticket stops the node, named.
     let config = settings.node_config(settings.given_key()?)?;
@@ -88,12 +108,12 @@ pub fn node(settings: NodeArgs) -> anyhow::Result<ExitCode> {
                 } else {
                     String::new()
                 };
-                bail!(
+                return Err(anyhow::Error::new(StorageStopped(format!(
                     "this node's Raft storage failed, so it stopped: {why}. Nothing it \
                      acknowledged is lost; {hint}start it again with --data-dir {} to come \
                      back as the member it was",
                     data_dir.display()
-                );
+                ))));
             }
             () = left.cancelled() => {
                 if let Some(why) = node.removed() {

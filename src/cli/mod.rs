@@ -72,6 +72,11 @@ pub enum Command {
     ///
     /// Each setting comes from its flag, else its GPUMESH_* variable, else the
     /// --config file, else the default shown.
+    ///
+    /// Exit status: 0 once stopped (Ctrl-C, SIGTERM) or gone from the mesh (`gpumesh
+    /// leave`); 75 when its Raft storage could not be written (a full disk): start it
+    /// again once there is room; 1 when it could not start or was removed from its
+    /// mesh (starting it again on that data dir will not help).
     Node(Box<settings::NodeArgs>),
     /// Submit a task to the mesh through a node's API.
     Submit(crate::cli::mesh::SubmitArgs),
