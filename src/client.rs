@@ -211,8 +211,14 @@ impl Client {
     }
 
     async fn send(&self, req: reqwest::RequestBuilder) -> ClientResult<reqwest::Response> {
-        let resp = req.send().await.map_err(|e| {
-            if cut_off(&e) {
+        let req = req.build().map_err(|e| ClientError::Protocol {
+            addr: self.addr.clone(),
+            reason: format!("cannot make the request: {e}"),
+        })?;
+        // Without a body, a connection cut under the request is the node gone.
+        let has_body = req.body().is_some();
+        let resp = self.http.execute(req).await.map_err(|e| {
+            if has_body && cut_off(&e) {
                 // A node refusing a body over its limits answers 413 and hangs up;
                 // a client still sending finds the connection gone before it reads
                 // the answer.
@@ -357,8 +363,21 @@ impl Client {
         let mut last = usize::MAX;
         loop {
             let url = self.url(&format!("/v1/tasks/{id}/wait?done={last}&timeout_ms=30000"));
+            // The task is in the record whatever becomes of this node: one that stops
+            // answering mid-wait (killed, restarting under a supervisor) is waited
+            // for as a leader change is, for `retry_for`.
             let t: TaskView = self
-                .retrying(|| self.json(self.http.get(url.clone())))
+                .retrying(|| async {
+                    match self.json(self.http.get(url.clone())).await {
+                        Err(ClientError::Unreachable { addr, reason }) => {
+                            Err(ClientError::Unavailable {
+                                reason: format!("the node at {addr} does not answer ({reason})"),
+                                waited: Duration::ZERO,
+                            })
+                        }
+                        other => other,
+                    }
+                })
                 .await?;
             if t.shards_done != last {
                 last = t.shards_done;

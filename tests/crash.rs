@@ -1,12 +1,16 @@
 //! `kill -9` of real `gpumesh node` processes mid-task, the leader first and then a
 //! worker, each restarted from its data directory on the same ports: the mesh
 //! finishes every task with the CPU reference's result, and the restarted nodes
-//! serve the mesh's state and the results from their own disks.
+//! serve the mesh's state and the results from their own disks. And `gpumesh submit
+//! --wait` through a node killed so: it waits for the node to come back, or names
+//! the task for fetching elsewhere.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
 
 mod common;
 
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::procs::{three_voters as ready, Proc};
@@ -103,6 +107,110 @@ async fn kill_9_of_the_leader_and_of_a_worker_mid_task_loses_nothing() {
             lcg_finished_right(&p.client().unwrap(), t, GROUPS).await;
         }
     }
+}
+
+/// `gpumesh submit --wait` of a [`spec`]-like task (the LCG kernel from a file) through
+/// `via`, writing its outputs to `out`, retrying for `retry_for` seconds.
+fn submit_waiting(kernel: &Path, via: &Proc, retry_for: &str, out: &Path) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_gpumesh"))
+        .arg("submit")
+        .arg(kernel)
+        .args(["--output", &format!("0:{}", GROUPS * 64 * 4)])
+        .args(["--grid", &GROUPS.to_string(), "--shards", "6", "--wait"])
+        .arg("--out-dir")
+        .arg(out)
+        .args(["--retry-for", retry_for, "--api", &via.api_addr()])
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits until `watch` shows a task newer than `after` with a shard running; its id.
+async fn running_after(watch: &Client, after: u64) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let tasks = watch.tasks().await.unwrap();
+        let running = tasks
+            .iter()
+            .find(|t| t.id > after && t.shards.iter().any(|s| s.state == "running"));
+        if let Some(t) = running {
+            return t.id;
+        }
+        assert!(Instant::now() < deadline, "no task ran: {tasks:#?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits (off the runtime's threads) for `child` to exit, up to two minutes.
+async fn exited(mut child: Child) -> std::process::Output {
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::task::spawn_blocking(move || {
+            let deadline = Instant::now() + Duration::from_secs(115);
+            while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            child.wait_with_output().unwrap()
+        }),
+    )
+    .await
+    .expect("the command ended")
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submit_waiting_through_a_node_killed_mid_task_waits_for_it_or_names_the_task() {
+    if !have_any() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let mut procs = common::procs::three(root.path());
+    ready(&procs).await;
+    let kernel = root.path().join("lcg.wgsl");
+    std::fs::write(&kernel, common::LCG).unwrap();
+    let watch = procs[0].client().unwrap();
+    let right = expected(GROUPS * 64);
+
+    // 1. The node it waits through is killed mid-task and started again: the
+    // command waits for it, then prints the result and writes it, right.
+    let out = root.path().join("out1");
+    let mut child = submit_waiting(&kernel, &procs[1], "60", &out);
+    let first = running_after(&watch, 0).await;
+    assert!(child.try_wait().unwrap().is_none(), "it was still waiting");
+    kill9_and_restart(&mut procs, 1);
+    let done = exited(child).await;
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&done.stdout),
+        String::from_utf8_lossy(&done.stderr),
+    );
+    assert!(done.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains(&format!("t{first} completed")), "{stdout}");
+    assert!(stderr.contains("does not answer"), "it waited: {stderr}");
+    assert!(
+        std::fs::read(out.join("0.bin")).unwrap() == right,
+        "t{first} differs from the CPU reference"
+    );
+
+    // 2. Killed and not started again within --retry-for: the command fails naming
+    // the task and where else to fetch it, and the task is fetched so, right.
+    ready(&procs).await;
+    let out = root.path().join("out2");
+    let mut child = submit_waiting(&kernel, &procs[2], "2", &out);
+    let second = running_after(&watch, first).await;
+    assert!(child.try_wait().unwrap().is_none(), "it was still waiting");
+    procs[2].kill9();
+    let done = exited(child).await;
+    let stderr = String::from_utf8_lossy(&done.stderr);
+    assert!(!done.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("t{second} was submitted"))
+            && stderr.contains(&format!("gpumesh result t{second}")),
+        "{stderr}"
+    );
+    lcg_finished_right(&watch, second, GROUPS).await;
 }
 
 #[test]

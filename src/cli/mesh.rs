@@ -217,6 +217,20 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
             }
             return Ok(ExitCode::SUCCESS);
         }
+        // From here the task is in the record and runs on whatever becomes of
+        // this command or this node: a failure to follow it says how to find it.
+        let api = client.addr().to_string();
+        let elsewhere = move |e: gpumesh::ClientError| -> anyhow::Error {
+            match e {
+                gpumesh::ClientError::Refused(_) => e.into(),
+                e => anyhow::anyhow!(
+                    "t{task} was submitted and runs on in the mesh, but following it through \
+                     {api} failed: {e}. Through any other node: `gpumesh task t{task} --api \
+                     HOST:PORT` shows it, `gpumesh result t{task} --out-dir DIR --api HOST:PORT` \
+                     fetches its outputs"
+                ),
+            }
+        };
         let started = std::time::Instant::now();
         let view = {
             // Drawn only on a terminal, and only for people: not with --json.
@@ -232,12 +246,13 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
                         ));
                     }
                 })
-                .await?
+                .await
+                .map_err(&elsewhere)?
         };
-        let outputs = client.outputs(task).await?;
+        let outputs = client.outputs(task).await.map_err(&elsewhere)?;
         let mut verdict = None;
         if args.out_dir.is_some() || args.verify {
-            let results = client.results(task).await?;
+            let results = client.results(task).await.map_err(&elsewhere)?;
             if let Some(dir) = &args.out_dir {
                 std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
                 for (binding, bytes) in &results {
