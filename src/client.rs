@@ -38,6 +38,14 @@ pub enum ClientError {
     },
     #[error("unexpected answer from {addr}: {reason}")]
     Protocol { addr: String, reason: String },
+    /// The node answered this client before and then stopped answering (killed,
+    /// restarting), and was not back within [`Client::retry_for`]. A request it may
+    /// have taken (a submit, a call) may have been done.
+    #[error("{reason}, still after {waited:.1?}")]
+    Lost {
+        reason: String,
+        waited: std::time::Duration,
+    },
 }
 
 pub type ClientResult<T> = Result<T, ClientError>;
@@ -77,10 +85,12 @@ type Notice = Arc<dyn Fn(&str) + Send + Sync>;
 /// A client of one node's API.
 ///
 /// Every call retries while the node answers 503 (no Raft leader: an election is
-/// under way; no member to keep a second copy of an input) for up to
-/// [`Client::retry_for`], then returns [`ClientError::Unavailable`]. A submit keeps
-/// one request id through its retries, so the mesh creates the task once however
-/// many attempts reach it.
+/// under way; no member to keep a second copy of an input), or, once the node has
+/// answered this client, while it does not answer at all (killed, restarting), for
+/// up to [`Client::retry_for`], then returns [`ClientError::Unavailable`]. A node
+/// never reached is [`ClientError::Unreachable`] at once (a wrong address). A
+/// submit, a create and a call keep one request id through their retries, so the
+/// mesh does each once however many attempts reach it.
 #[derive(Clone)]
 pub struct Client {
     addr: String,
@@ -88,6 +98,10 @@ pub struct Client {
     retry_for: Duration,
     notice: Option<Notice>,
     ids: Arc<RequestIds>,
+    /// Whether the node has answered, or taken a request, since this client was
+    /// made: from then on a node that does not answer is one that stopped (killed,
+    /// restarting), waited for as a leader change is, not a wrong address.
+    reached: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Client {
@@ -117,6 +131,7 @@ impl Client {
             retry_for: DEFAULT_RETRY_FOR,
             notice: None,
             ids: Arc::new(RequestIds::new(random_client_id())),
+            reached: Arc::default(),
         }
     }
 
@@ -163,11 +178,30 @@ impl Client {
         let mut pause = Duration::from_millis(50);
         let mut said: Option<String> = None;
         loop {
-            match call().await {
+            // A node that answered before and now does not stopped (killed,
+            // restarting): waited for as a leader change is (a request id makes the
+            // retry safe), and `Lost` if it is not back in time.
+            let (answer, lost) = match call().await {
+                Err(ClientError::Unreachable { addr, reason }) if self.was_reached() => {
+                    let reason = format!("the node at {addr} does not answer ({reason})");
+                    (
+                        Err(ClientError::Unavailable {
+                            reason,
+                            waited: Duration::ZERO,
+                        }),
+                        true,
+                    )
+                }
+                other => (other, false),
+            };
+            match answer {
                 Err(ClientError::Unavailable { reason, .. }) => {
                     let waited = start.elapsed();
                     if waited >= self.retry_for {
-                        return Err(ClientError::Unavailable { reason, waited });
+                        return Err(match lost {
+                            true => ClientError::Lost { reason, waited },
+                            false => ClientError::Unavailable { reason, waited },
+                        });
                     }
                     if said.as_deref() != Some(reason.as_str()) {
                         if let Some(notice) = &self.notice {
@@ -215,10 +249,24 @@ impl Client {
             addr: self.addr.clone(),
             reason: format!("cannot make the request: {e}"),
         })?;
-        // Without a body, a connection cut under the request is the node gone.
         let has_body = req.body().is_some();
-        let resp = self.http.execute(req).await.map_err(|e| {
-            if has_body && cut_off(&e) {
+        let sent = self.http.execute(req).await;
+        if let Err(e) = &sent {
+            if !e.is_connect() {
+                // Connected: the request may have reached the node before it was
+                // lost with the connection.
+                self.reached
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        // A body cut off while being sent: refused for its size by a node that
+        // still runs, or lost with a node that stopped.
+        let refused_body = match &sent {
+            Err(e) if has_body && cut_off(e) => self.answers().await,
+            _ => false,
+        };
+        let resp = sent.map_err(|e| {
+            if refused_body {
                 // A node refusing a body over its limits answers 413 and hangs up;
                 // a client still sending finds the connection gone before it reads
                 // the answer.
@@ -235,6 +283,8 @@ impl Client {
                 }
             }
         })?;
+        self.reached
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         if resp.status().is_success() {
             return Ok(resp);
         }
@@ -247,6 +297,19 @@ impl Client {
                 reason: format!("HTTP {status}"),
             },
         })
+    }
+
+    fn was_reached(&self) -> bool {
+        self.reached.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether the node's API accepts a connection within a second.
+    async fn answers(&self) -> bool {
+        let connect = tokio::net::TcpStream::connect(self.addr.as_str());
+        matches!(
+            tokio::time::timeout(Duration::from_secs(1), connect).await,
+            Ok(Ok(_))
+        )
     }
 
     /// The error an answer of HTTP `status` saying `error` is: one worth waiting
@@ -363,21 +426,10 @@ impl Client {
         let mut last = usize::MAX;
         loop {
             let url = self.url(&format!("/v1/tasks/{id}/wait?done={last}&timeout_ms=30000"));
-            // The task is in the record whatever becomes of this node: one that stops
-            // answering mid-wait (killed, restarting under a supervisor) is waited
-            // for as a leader change is, for `retry_for`.
+            // A node that stops answering mid-wait (killed, restarting under a
+            // supervisor) is waited for as a leader change is, for `retry_for`.
             let t: TaskView = self
-                .retrying(|| async {
-                    match self.json(self.http.get(url.clone())).await {
-                        Err(ClientError::Unreachable { addr, reason }) => {
-                            Err(ClientError::Unavailable {
-                                reason: format!("the node at {addr} does not answer ({reason})"),
-                                waited: Duration::ZERO,
-                            })
-                        }
-                        other => other,
-                    }
-                })
+                .retrying(|| self.json(self.http.get(url.clone())))
                 .await?;
             if t.shards_done != last {
                 last = t.shards_done;

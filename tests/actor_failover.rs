@@ -4,12 +4,15 @@
 //! a state small enough to ride in the record, once with 2 MiB that every call
 //! rewrites (its second copy pulled whole from the host at each call). And in a mesh
 //! of five, both nodes holding an actor's state killed at once: a call says why it
-//! cannot run, and runs once one of them is back.
+//! cannot run, and runs once one of them is back. And `gpumesh actor call` through a
+//! node killed mid-call: run once, answered once the node is back, or said to have
+//! maybe run when it is not.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
 
 mod common;
 
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{count_call, counted, have_any};
@@ -161,6 +164,120 @@ async fn a_call_to_an_actor_whose_state_is_on_no_live_node_fails_saying_why_and_
         .unwrap();
     assert_eq!(reply.version, 4);
     counted(&patient, "counter", WORDS, 4).await;
+    for p in &mut procs {
+        p.kill9();
+    }
+}
+
+/// Counts every word of the state, as [`common::COUNT`] does, after 60,000 turns of
+/// an LCG in every invocation: about a second a call on a software adapter, long
+/// enough to kill a node while a call is on its way.
+const SLOW_COUNT: &str = "@group(0) @binding(0) var<storage, read_write> count: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    var x = gid.x;
+    for (var i = 0u; i < 60000u; i++) {
+        x = x * 1664525u + 1013904223u;
+    }
+    if (gid.x < arrayLength(&count)) {
+        count[gid.x] = count[gid.x] + 1u + (x & 0u);
+    }
+}
+";
+
+/// `gpumesh actor call counter KERNEL --grid 4000` through `via`.
+fn call_through(kernel: &std::path::Path, via: &common::procs::Proc, retry_for: &str) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_gpumesh"))
+        .args(["actor", "call", "counter"])
+        .arg(kernel)
+        .args([
+            "--grid",
+            "4000",
+            "--retry-for",
+            retry_for,
+            "--api",
+            &via.api_addr(),
+        ])
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits (off the runtime's threads, two minutes at most) for `child` to exit.
+async fn exited(mut child: Child) -> std::process::Output {
+    tokio::task::spawn_blocking(move || {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        child.wait_with_output().unwrap()
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cli_call_through_a_node_killed_mid_call_runs_once_or_says_it_may_have_run() {
+    if !have_any() {
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let mut procs = common::procs::three(root.path());
+    common::procs::three_voters(&procs).await;
+    let kernel = root.path().join("slow_count.wgsl");
+    std::fs::write(&kernel, SLOW_COUNT).unwrap();
+    let words = 1024;
+    common::create_counter(&procs[0].client().unwrap(), "counter", words).await;
+    let host = procs[0]
+        .client()
+        .unwrap()
+        .actor("counter")
+        .await
+        .unwrap()
+        .node;
+    let hex = |p: &common::procs::Proc| format!("{:x}", p.raft_id);
+    // Through a node that does not host it, so that the call runs on while that
+    // node is dead.
+    let via = (0..3).find(|&i| hex(&procs[i]) != host).unwrap();
+    let other = (0..3).find(|&i| i != via).unwrap();
+    let watch = procs[other].client().unwrap();
+
+    // 1. Killed mid-call and started again: the command answers once it is back,
+    // with the call run once (the retry carries the call's request id).
+    let child = call_through(&kernel, &procs[via], "60");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    procs[via].kill9();
+    procs[via].start(&[]).unwrap();
+    let done = exited(child).await;
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&done.stdout),
+        String::from_utf8_lossy(&done.stderr),
+    );
+    assert!(done.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("state version 1"), "{stdout}\n{stderr}");
+    assert_eq!(watch.actor("counter").await.unwrap().version, 1);
+    counted(&watch, "counter", words, 1).await;
+
+    // 2. Killed and not back within --retry-for: the command says the call may have
+    // run; the record says it did (the host ran it), once.
+    common::procs::three_voters(&procs).await;
+    let child = call_through(&kernel, &procs[via], "2");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    procs[via].kill9();
+    let done = exited(child).await;
+    let stderr = String::from_utf8_lossy(&done.stderr);
+    assert!(!done.status.success(), "{stderr}");
+    assert!(stderr.contains("may have run"), "{stderr}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while watch.actor("counter").await.unwrap().version < 2 {
+        assert!(Instant::now() < deadline, "the call never ran");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(watch.actor("counter").await.unwrap().version, 2);
+    counted(&watch, "counter", words, 2).await;
     for p in &mut procs {
         p.kill9();
     }

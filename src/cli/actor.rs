@@ -256,7 +256,18 @@ async fn call(args: CallArgs) -> anyhow::Result<ExitCode> {
         tokio::pin!(answer);
         let progress = Progress::on_stderr();
         tokio::select! {
-            reply = &mut answer => reply?,
+            reply = &mut answer => reply.map_err(|e| match e {
+                // The node stopped answering with the call sent: it may have run.
+                gpumesh::ClientError::Lost { .. } => {
+                    anyhow::anyhow!(
+                        "call to actor {}: {e}. The call may have run before the node stopped \
+                         answering: `gpumesh actor list --api HOST:PORT` through another node \
+                         shows the actor's version, one more than before if it did",
+                        args.name
+                    )
+                }
+                e => e.into(),
+            })?,
             () = show_waiting(&client, &args.name, &progress) => unreachable!("it never ends"),
         }
     };

@@ -208,7 +208,14 @@ pub fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
             let stored = client.upload(bytes.to_vec()).await?;
             anyhow::ensure!(stored == *id, "the node stored input {id} as {stored}");
         }
-        let task = client.submit(prepared.spec, None).await?;
+        let task = client.submit(prepared.spec, None).await.map_err(|e| match e {
+            // The node stopped answering with the submit sent: it may have been taken.
+            gpumesh::ClientError::Lost { .. } => anyhow::anyhow!(
+                "{e}. The task may have been submitted before the node stopped answering: \
+                 `gpumesh tasks --api HOST:PORT` through another node shows the mesh's tasks"
+            ),
+            e => e.into(),
+        })?;
         if !args.wait {
             if args.json {
                 println!("{}", serde_json::json!({ "task": task }));
