@@ -205,20 +205,6 @@ fn call_through(kernel: &std::path::Path, via: &common::procs::Proc, retry_for: 
         .unwrap()
 }
 
-/// Waits (off the runtime's threads, two minutes at most) for `child` to exit.
-async fn exited(mut child: Child) -> std::process::Output {
-    tokio::task::spawn_blocking(move || {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = child.kill();
-        child.wait_with_output().unwrap()
-    })
-    .await
-    .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cli_call_through_a_node_killed_mid_call_runs_once_or_says_it_may_have_run() {
     if !have_any() {
@@ -251,7 +237,7 @@ async fn a_cli_call_through_a_node_killed_mid_call_runs_once_or_says_it_may_have
     tokio::time::sleep(Duration::from_millis(400)).await;
     procs[via].kill9();
     procs[via].start(&[]).unwrap();
-    let done = exited(child).await;
+    let done = common::procs::exited(child).await;
     let (stdout, stderr) = (
         String::from_utf8_lossy(&done.stdout),
         String::from_utf8_lossy(&done.stderr),
@@ -267,7 +253,7 @@ async fn a_cli_call_through_a_node_killed_mid_call_runs_once_or_says_it_may_have
     let child = call_through(&kernel, &procs[via], "2");
     tokio::time::sleep(Duration::from_millis(400)).await;
     procs[via].kill9();
-    let done = exited(child).await;
+    let done = common::procs::exited(child).await;
     let stderr = String::from_utf8_lossy(&done.stderr);
     assert!(!done.status.success(), "{stderr}");
     assert!(stderr.contains("may have run"), "{stderr}");

@@ -13,7 +13,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::procs::{three_voters as ready, Proc};
+use common::procs::{exited, three_voters as ready, Proc};
 use common::{have_any, lcg_finished_right, LCG_STEPS as STEPS};
 use gpumesh::node::api::TaskState;
 use gpumesh::protocol::TaskSpec;
@@ -141,24 +141,6 @@ async fn running_after(watch: &Client, after: u64) -> u64 {
         assert!(Instant::now() < deadline, "no task ran: {tasks:#?}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-}
-
-/// Waits (off the runtime's threads) for `child` to exit, up to two minutes.
-async fn exited(mut child: Child) -> std::process::Output {
-    tokio::time::timeout(
-        Duration::from_secs(120),
-        tokio::task::spawn_blocking(move || {
-            let deadline = Instant::now() + Duration::from_secs(115);
-            while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = child.kill();
-            child.wait_with_output().unwrap()
-        }),
-    )
-    .await
-    .expect("the command ended")
-    .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

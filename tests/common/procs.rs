@@ -64,3 +64,18 @@ pub async fn voters(procs: &[Proc], n: usize) -> StatusView {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Waits, off the runtime's threads, for a command started by a test to exit (two
+/// minutes at most, then it is killed); what it printed.
+pub async fn exited(mut child: std::process::Child) -> std::process::Output {
+    tokio::task::spawn_blocking(move || {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        child.wait_with_output().unwrap()
+    })
+    .await
+    .unwrap()
+}
