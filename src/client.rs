@@ -82,18 +82,24 @@ pub const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(30);
 /// Told what a call is waiting for while it retries.
 type Notice = Arc<dyn Fn(&str) + Send + Sync>;
 
-/// A client of one node's API.
+/// A client of a node's API, or of several nodes' (`"a:7070,b:7071"`), one at a time.
 ///
 /// Every call retries while the node answers 503 (no Raft leader: an election is
 /// under way; no member to keep a second copy of an input), or, once the node has
 /// answered this client, while it does not answer at all (killed, restarting), for
-/// up to [`Client::retry_for`], then returns [`ClientError::Unavailable`]. A node
-/// never reached is [`ClientError::Unreachable`] at once (a wrong address). A
-/// submit, a create and a call keep one request id through their retries, so the
-/// mesh does each once however many attempts reach it.
+/// up to [`Client::retry_for`], then returns [`ClientError::Unavailable`] (or
+/// [`ClientError::Lost`]). A node never reached is [`ClientError::Unreachable`] at
+/// once (a wrong address). Given several nodes, a call that one of them does not
+/// answer, or answers 503, goes on at the next at once, so that losing any one node
+/// costs a client nothing. A submit, a create and a call keep one request id through
+/// their retries, whichever node each goes to, so the mesh does each once however
+/// many attempts reach it.
 #[derive(Clone)]
 pub struct Client {
-    addr: String,
+    /// The nodes' API addresses (`host:port`), in the order given.
+    addrs: Arc<[String]>,
+    /// Which of `addrs` the client goes to now.
+    current: Arc<std::sync::atomic::AtomicUsize>,
     http: reqwest::Client,
     retry_for: Duration,
     notice: Option<Notice>,
@@ -107,7 +113,7 @@ pub struct Client {
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Client")
-            .field("addr", &self.addr)
+            .field("addrs", &self.addrs)
             .field("retry_for", &self.retry_for)
             .finish_non_exhaustive()
     }
@@ -123,10 +129,22 @@ fn random_client_id() -> u64 {
 }
 
 impl Client {
-    /// A client of the node at `addr` (`host:port`).
+    /// A client of the node at `addr` (`host:port`), or of the nodes at each of a
+    /// comma-separated list of them.
     pub fn new(addr: impl Into<String>) -> Self {
+        let addr = addr.into();
+        let mut addrs: Vec<String> = addr
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .map(str::to_string)
+            .collect();
+        if addrs.is_empty() {
+            addrs.push(addr);
+        }
         Client {
-            addr: addr.into(),
+            addrs: addrs.into(),
+            current: Arc::default(),
             http: reqwest::Client::new(),
             retry_for: DEFAULT_RETRY_FOR,
             notice: None,
@@ -177,11 +195,34 @@ impl Client {
         let start = Instant::now();
         let mut pause = Duration::from_millis(50);
         let mut said: Option<String> = None;
+        // Nodes in a row that did not answer, or answered 503, in this round.
+        let mut missed = 0;
         loop {
+            let answer = call().await;
+            if self.addrs.len() > 1
+                && matches!(
+                    answer,
+                    Err(ClientError::Unreachable { .. } | ClientError::Unavailable { .. })
+                )
+            {
+                // Another node given: the call goes on there at once, the same
+                // request id with it. Once none answered, the round is waited out
+                // as one node's would be.
+                missed += 1;
+                let from = self.addr().to_string();
+                self.next_node();
+                if missed < self.addrs.len() {
+                    if let (Some(notice), Err(e)) = (&self.notice, &answer) {
+                        notice(&format!("{from}: {e}; going on at {}", self.addr()));
+                    }
+                    continue;
+                }
+                missed = 0;
+            }
             // A node that answered before and now does not stopped (killed,
             // restarting): waited for as a leader change is (a request id makes the
             // retry safe), and `Lost` if it is not back in time.
-            let (answer, lost) = match call().await {
+            let (answer, lost) = match answer {
                 Err(ClientError::Unreachable { addr, reason }) if self.was_reached() => {
                     let reason = format!("the node at {addr} does not answer ({reason})");
                     (
@@ -191,6 +232,13 @@ impl Client {
                         }),
                         true,
                     )
+                }
+                // None of the nodes given was ever reached: say which were tried.
+                Err(ClientError::Unreachable { reason, .. }) if self.addrs.len() > 1 => {
+                    return Err(ClientError::Unreachable {
+                        addr: self.addrs.join(", "),
+                        reason,
+                    })
                 }
                 other => (other, false),
             };
@@ -236,17 +284,25 @@ impl Client {
         Self::new(std::env::var("GPUMESH_API").unwrap_or_else(|_| DEFAULT_API.to_string()))
     }
 
+    /// The address of the node the client goes to now.
     pub fn addr(&self) -> &str {
-        &self.addr
+        let at = self.current.load(std::sync::atomic::Ordering::Relaxed);
+        &self.addrs[at % self.addrs.len()]
+    }
+
+    /// Goes on at the next node given (back to the first after the last).
+    fn next_node(&self) {
+        self.current
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn url(&self, path: &str) -> String {
-        format!("http://{}{path}", self.addr)
+        format!("http://{}{path}", self.addr())
     }
 
     async fn send(&self, req: reqwest::RequestBuilder) -> ClientResult<reqwest::Response> {
         let req = req.build().map_err(|e| ClientError::Protocol {
-            addr: self.addr.clone(),
+            addr: self.addr().to_string(),
             reason: format!("cannot make the request: {e}"),
         })?;
         let has_body = req.body().is_some();
@@ -274,11 +330,11 @@ impl Client {
                     "the node at {} closed the connection while the request was being \
                      sent: the body is probably over one of its limits (--max-blob-bytes \
                      for uploads, --max-request-bytes otherwise), or the node stopped",
-                    self.addr
+                    self.addr()
                 ))
             } else {
                 ClientError::Unreachable {
-                    addr: self.addr.clone(),
+                    addr: self.addr().to_string(),
                     reason: root_cause(&e),
                 }
             }
@@ -293,7 +349,7 @@ impl Client {
         Err(match serde_json::from_slice::<ErrorBody>(&body) {
             Ok(e) => self.error_of(status, e.error),
             Err(_) => ClientError::Protocol {
-                addr: self.addr.clone(),
+                addr: self.addr().to_string(),
                 reason: format!("HTTP {status}"),
             },
         })
@@ -305,7 +361,7 @@ impl Client {
 
     /// Whether the node's API accepts a connection within a second.
     async fn answers(&self) -> bool {
-        let connect = tokio::net::TcpStream::connect(self.addr.as_str());
+        let connect = tokio::net::TcpStream::connect(self.addr());
         matches!(
             tokio::time::timeout(Duration::from_secs(1), connect).await,
             Ok(Ok(_))
@@ -334,7 +390,7 @@ impl Client {
             .json()
             .await
             .map_err(|e| ClientError::Protocol {
-                addr: self.addr.clone(),
+                addr: self.addr().to_string(),
                 reason: e.to_string(),
             })
     }
@@ -345,7 +401,7 @@ impl Client {
             .retrying(|| self.json(self.http.post(self.url("/v1/blobs")).body(bytes.clone())))
             .await?;
         reply.id.parse().map_err(|e| ClientError::Protocol {
-            addr: self.addr.clone(),
+            addr: self.addr().to_string(),
             reason: format!("{e}"),
         })
     }
@@ -373,9 +429,9 @@ impl Client {
     /// `reason` in its history; answers the task as the record has it then. A task
     /// that finished otherwise is refused ([`ClientError::Refused`]).
     pub async fn cancel(&self, id: u64, reason: Option<&str>) -> ClientResult<TaskView> {
-        let url = self.url(&format!("/v1/tasks/{id}/cancel"));
+        let path = format!("/v1/tasks/{id}/cancel");
         let body = serde_json::json!({ "reason": reason });
-        self.retrying(|| self.json(self.http.post(url.clone()).json(&body)))
+        self.retrying(|| self.json(self.http.post(self.url(&path)).json(&body)))
             .await
     }
 
@@ -384,9 +440,13 @@ impl Client {
     /// retries: a forget recorded before its answer was lost answers as done.
     pub async fn forget(&self, id: u64) -> ClientResult<()> {
         let rid = self.ids.next_id();
-        let url = self.url(&format!("/v1/tasks/{id}?request_id={rid}"));
-        self.retrying(|| async { self.send(self.http.delete(url.clone())).await.map(|_| ()) })
-            .await
+        let path = format!("/v1/tasks/{id}?request_id={rid}");
+        self.retrying(|| async {
+            self.send(self.http.delete(self.url(&path)))
+                .await
+                .map(|_| ())
+        })
+        .await
     }
 
     pub async fn tasks(&self) -> ClientResult<Vec<TaskView>> {
@@ -412,7 +472,24 @@ impl Client {
     /// The mesh as this node sees it; not retried (a status without a leader is
     /// still an answer).
     pub async fn status(&self) -> ClientResult<StatusView> {
-        self.json(self.http.get(self.url("/v1/status"))).await
+        // Given several nodes, the first that answers.
+        let mut tried = 0;
+        loop {
+            match self.json(self.http.get(self.url("/v1/status"))).await {
+                Err(ClientError::Unreachable { addr, reason }) => {
+                    tried += 1;
+                    if tried >= self.addrs.len() {
+                        let addr = match self.addrs.len() {
+                            1 => addr,
+                            _ => self.addrs.join(", "),
+                        };
+                        return Err(ClientError::Unreachable { addr, reason });
+                    }
+                    self.next_node();
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Waits until the task finishes, calling `progress(done, total)` on each change.
@@ -425,11 +502,11 @@ impl Client {
     ) -> ClientResult<TaskView> {
         let mut last = usize::MAX;
         loop {
-            let url = self.url(&format!("/v1/tasks/{id}/wait?done={last}&timeout_ms=30000"));
+            let path = format!("/v1/tasks/{id}/wait?done={last}&timeout_ms=30000");
             // A node that stops answering mid-wait (killed, restarting under a
             // supervisor) is waited for as a leader change is, for `retry_for`.
             let t: TaskView = self
-                .retrying(|| self.json(self.http.get(url.clone())))
+                .retrying(|| self.json(self.http.get(self.url(&path))))
                 .await?;
             if t.shards_done != last {
                 last = t.shards_done;
@@ -489,9 +566,13 @@ impl Client {
     /// recorded before its answer was lost answers as done, not "no actor named".
     pub async fn delete_actor(&self, name: &str) -> ClientResult<()> {
         let id = self.ids.next_id();
-        let url = self.url(&format!("/v1/actors/{name}?request_id={id}"));
-        self.retrying(|| async { self.send(self.http.delete(url.clone())).await.map(|_| ()) })
-            .await
+        let path = format!("/v1/actors/{name}?request_id={id}");
+        self.retrying(|| async {
+            self.send(self.http.delete(self.url(&path)))
+                .await
+                .map(|_| ())
+        })
+        .await
     }
 
     /// Calls actor `name` and returns once the call ran and the new state is
@@ -507,21 +588,21 @@ impl Client {
             call,
             request_id: Some(request_id.unwrap_or_else(|| self.ids.next_id())),
         };
-        let url = self.url(&format!("/v1/actors/{name}/calls"));
-        self.retrying(|| self.json(self.http.post(url.clone()).json(&request)))
+        let path = format!("/v1/actors/{name}/calls");
+        self.retrying(|| self.json(self.http.post(self.url(&path)).json(&request)))
             .await
     }
 
     /// A state buffer of actor `name` as of its last acknowledged call.
     pub async fn actor_state(&self, name: &str, binding: u32) -> ClientResult<Vec<u8>> {
-        let url = self.url(&format!("/v1/actors/{name}/state/{binding}"));
+        let path = format!("/v1/actors/{name}/state/{binding}");
         self.retrying(|| async {
-            let resp = self.send(self.http.get(url.clone())).await?;
+            let resp = self.send(self.http.get(self.url(&path))).await?;
             resp.bytes()
                 .await
                 .map(|b| b.to_vec())
                 .map_err(|e| ClientError::Protocol {
-                    addr: self.addr.clone(),
+                    addr: self.addr().to_string(),
                     reason: e.to_string(),
                 })
         })
@@ -543,12 +624,12 @@ impl Client {
             .bytes()
             .await
             .map_err(|e| ClientError::Protocol {
-                addr: self.addr.clone(),
+                addr: self.addr().to_string(),
                 reason: e.to_string(),
             })?;
         if !id.matches(&bytes) {
             return Err(ClientError::Protocol {
-                addr: self.addr.clone(),
+                addr: self.addr().to_string(),
                 reason: format!("{what} does not match its hash"),
             });
         }
@@ -604,7 +685,7 @@ impl Client {
             }
         }
         let protocol = |reason: String| ClientError::Protocol {
-            addr: self.addr.clone(),
+            addr: self.addr().to_string(),
             reason,
         };
         let mut out = BTreeMap::new();
@@ -647,7 +728,7 @@ impl Client {
         expected: usize,
     ) -> ClientResult<(RunReply, AttachedBytes)> {
         let protocol = |reason: String| ClientError::Protocol {
-            addr: self.addr.clone(),
+            addr: self.addr().to_string(),
             reason,
         };
         let binary = resp
@@ -685,7 +766,7 @@ impl Client {
         let mut out = BTreeMap::new();
         for o in self.outputs(id).await? {
             let hash: BlobId = o.blake3.parse().map_err(|e| ClientError::Protocol {
-                addr: self.addr.clone(),
+                addr: self.addr().to_string(),
                 reason: format!("{e}"),
             })?;
             let path = format!("/v1/tasks/{id}/outputs/{}", o.binding);

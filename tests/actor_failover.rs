@@ -6,7 +6,7 @@
 //! of five, both nodes holding an actor's state killed at once: a call says why it
 //! cannot run, and runs once one of them is back. And `gpumesh actor call` through a
 //! node killed mid-call: run once, answered once the node is back, or said to have
-//! maybe run when it is not.
+//! maybe run when it is not; given a second node, answered through it.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a failure should stop the test
 
@@ -264,6 +264,33 @@ async fn a_cli_call_through_a_node_killed_mid_call_runs_once_or_says_it_may_have
     }
     assert_eq!(watch.actor("counter").await.unwrap().version, 2);
     counted(&watch, "counter", words, 2).await;
+
+    // 3. Given two nodes (`--api VIA,OTHER`), the first killed mid-call: the command
+    // goes on at the second with the call's request id, and answers the call, run
+    // once.
+    procs[via].start(&[]).unwrap();
+    common::procs::three_voters(&procs).await;
+    let both = format!("{},{}", procs[via].api_addr(), procs[other].api_addr());
+    let child = Command::new(env!("CARGO_BIN_EXE_gpumesh"))
+        .args(["actor", "call", "counter"])
+        .arg(&kernel)
+        .args(["--grid", "4000", "--retry-for", "60", "--api", &both])
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    procs[via].kill9();
+    let done = common::procs::exited(child).await;
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&done.stdout),
+        String::from_utf8_lossy(&done.stderr),
+    );
+    assert!(done.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("state version 3"), "{stdout}\n{stderr}");
+    assert_eq!(watch.actor("counter").await.unwrap().version, 3);
+    counted(&watch, "counter", words, 3).await;
     for p in &mut procs {
         p.kill9();
     }

@@ -951,6 +951,15 @@ fn an_unreachable_api_names_the_address_and_what_to_do() {
         );
         assert!(err.contains("refused"), "says why: {err}");
     }
+    // Several nodes given, none there: each is named.
+    let o = gpumesh_in(
+        dir.path(),
+        &["status", "--api", "127.0.0.1:9,127.0.0.1:7"],
+        &[],
+    );
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(err.contains("127.0.0.1:9, 127.0.0.1:7"), "{err}");
     // With JSON logs the error is a JSON line too.
     let o = gpumesh_in(
         dir.path(),

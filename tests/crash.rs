@@ -193,6 +193,40 @@ async fn a_submit_waiting_through_a_node_killed_mid_task_waits_for_it_or_names_t
         "{stderr}"
     );
     lcg_finished_right(&watch, second, GROUPS).await;
+
+    // 3. Given two nodes (`--api C,A`), the first killed mid-task and not started
+    // again: the command goes on at the second and prints the result, right.
+    procs[2].start(&[]).unwrap();
+    ready(&procs).await;
+    let out = root.path().join("out3");
+    let both = format!("{},{}", procs[2].api_addr(), procs[0].api_addr());
+    let child = Command::new(env!("CARGO_BIN_EXE_gpumesh"))
+        .arg("submit")
+        .arg(&kernel)
+        .args(["--output", &format!("0:{}", GROUPS * 64 * 4)])
+        .args(["--grid", &GROUPS.to_string(), "--shards", "6", "--wait"])
+        .arg("--out-dir")
+        .arg(&out)
+        .args(["--retry-for", "60", "--api", &both])
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let third = running_after(&watch, second).await;
+    procs[2].kill9();
+    let done = exited(child).await;
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&done.stdout),
+        String::from_utf8_lossy(&done.stderr),
+    );
+    assert!(done.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains(&format!("t{third} completed")), "{stdout}");
+    assert!(stderr.contains("going on at"), "{stderr}");
+    assert!(
+        std::fs::read(out.join("0.bin")).unwrap() == right,
+        "t{third} differs from the CPU reference"
+    );
 }
 
 #[test]

@@ -258,7 +258,8 @@ pub struct RunArgs {
 /// Where the mesh's API is.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ApiArgs {
-    /// A node's API address (HOST:PORT).
+    /// A node's API address (HOST:PORT), or several, comma-separated
+    /// (HOST:PORT,HOST:PORT): a request that one does not answer goes on at the next.
     #[arg(long, env = "GPUMESH_API", default_value = gpumesh::DEFAULT_API)]
     pub api: String,
     /// While the mesh cannot answer (a leader change under way), retry for this many
