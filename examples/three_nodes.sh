@@ -3,7 +3,7 @@
 # and ports: the multi-machine recipe, on loopback. Node a forms the mesh (and makes
 # its cluster key), b and c join with a's ticket. Submits a sharded task through one
 # node, fetches the result through another, shows the mesh; then kills a (the node
-# everyone joined through) with SIGKILL and submits again through b.
+# everyone joined through) with SIGKILL and submits again, giving the client a then b.
 #
 #   bash examples/three_nodes.sh        (builds gpumesh in release mode first)
 #
@@ -50,5 +50,7 @@ GPUMESH_API=127.0.0.1:27101 "$bin" tasks
 
 echo "kill -9 of node a, the one b and c joined through"
 kill -9 "${pids[0]}"
-GPUMESH_API=127.0.0.1:27102 "$bin" submit --builtin matmul --size 256 --shards 4 --wait --verify
+# A client given several nodes goes on at the next when one does not answer: a is
+# first in the list, and dead.
+GPUMESH_API=127.0.0.1:27101,127.0.0.1:27102 "$bin" submit --builtin matmul --size 256 --shards 4 --wait --verify
 GPUMESH_API=127.0.0.1:27103 "$bin" status

@@ -212,8 +212,15 @@ impl Client {
                 let from = self.addr().to_string();
                 self.next_node();
                 if missed < self.addrs.len() {
-                    if let (Some(notice), Err(e)) = (&self.notice, &answer) {
-                        notice(&format!("{from}: {e}; going on at {}", self.addr()));
+                    if let Some(notice) = &self.notice {
+                        let why = match &answer {
+                            Err(ClientError::Unreachable { reason, .. }) => {
+                                format!("does not answer ({reason})")
+                            }
+                            Err(e) => e.to_string(),
+                            Ok(_) => String::new(),
+                        };
+                        notice(&format!("{from} {why}; going on at {}", self.addr()));
                     }
                     continue;
                 }
