@@ -129,7 +129,8 @@ async fn run(root: &std::path::Path) -> anyhow::Result<()> {
         println!("(GPUMESH_API=<address> gpumesh submit ... to add work; Ctrl-C stops the nodes)");
         tokio::signal::ctrl_c().await?;
     }
-    for n in nodes {
+    // Joiners first: a joiner left running would keep dialling its seed, and warn.
+    for n in nodes.into_iter().rev() {
         n.stop().await;
     }
     Ok(())
