@@ -366,6 +366,16 @@ impl Client {
         self.reached.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// `DELETE path`, retried (the path carries its request id).
+    async fn delete(&self, path: &str) -> ClientResult<()> {
+        self.retrying(|| async {
+            self.send(self.http.delete(self.url(path)))
+                .await
+                .map(|_| ())
+        })
+        .await
+    }
+
     /// Whether the node's API accepts a connection within a second.
     async fn answers(&self) -> bool {
         let connect = tokio::net::TcpStream::connect(self.addr());
@@ -447,13 +457,8 @@ impl Client {
     /// retries: a forget recorded before its answer was lost answers as done.
     pub async fn forget(&self, id: u64) -> ClientResult<()> {
         let rid = self.ids.next_id();
-        let path = format!("/v1/tasks/{id}?request_id={rid}");
-        self.retrying(|| async {
-            self.send(self.http.delete(self.url(&path)))
-                .await
-                .map(|_| ())
-        })
-        .await
+        self.delete(&format!("/v1/tasks/{id}?request_id={rid}"))
+            .await
     }
 
     pub async fn tasks(&self) -> ClientResult<Vec<TaskView>> {
@@ -573,13 +578,8 @@ impl Client {
     /// recorded before its answer was lost answers as done, not "no actor named".
     pub async fn delete_actor(&self, name: &str) -> ClientResult<()> {
         let id = self.ids.next_id();
-        let path = format!("/v1/actors/{name}?request_id={id}");
-        self.retrying(|| async {
-            self.send(self.http.delete(self.url(&path)))
-                .await
-                .map(|_| ())
-        })
-        .await
+        self.delete(&format!("/v1/actors/{name}?request_id={id}"))
+            .await
     }
 
     /// Calls actor `name` and returns once the call ran and the new state is

@@ -185,19 +185,13 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 ";
 
-/// `gpumesh actor call counter KERNEL --grid 4000` through `via`.
-fn call_through(kernel: &std::path::Path, via: &common::procs::Proc, retry_for: &str) -> Child {
+/// `gpumesh actor call counter KERNEL --grid 4000` through the node or nodes at `api`
+/// (`--api`).
+fn call_through(kernel: &std::path::Path, api: &str, retry_for: &str) -> Child {
     Command::new(env!("CARGO_BIN_EXE_gpumesh"))
         .args(["actor", "call", "counter"])
         .arg(kernel)
-        .args([
-            "--grid",
-            "4000",
-            "--retry-for",
-            retry_for,
-            "--api",
-            &via.api_addr(),
-        ])
+        .args(["--grid", "4000", "--retry-for", retry_for, "--api", api])
         .env("RUST_LOG", "error")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -233,7 +227,7 @@ async fn a_cli_call_through_a_node_killed_mid_call_runs_once_or_says_it_may_have
 
     // 1. Killed mid-call and started again: the command answers once it is back,
     // with the call run once (the retry carries the call's request id).
-    let child = call_through(&kernel, &procs[via], "60");
+    let child = call_through(&kernel, &procs[via].api_addr(), "60");
     tokio::time::sleep(Duration::from_millis(400)).await;
     procs[via].kill9();
     procs[via].start(&[]).unwrap();
@@ -250,7 +244,7 @@ async fn a_cli_call_through_a_node_killed_mid_call_runs_once_or_says_it_may_have
     // 2. Killed and not back within --retry-for: the command says the call may have
     // run; the record says it did (the host ran it), once.
     common::procs::three_voters(&procs).await;
-    let child = call_through(&kernel, &procs[via], "2");
+    let child = call_through(&kernel, &procs[via].api_addr(), "2");
     tokio::time::sleep(Duration::from_millis(400)).await;
     procs[via].kill9();
     let done = common::procs::exited(child).await;
@@ -271,15 +265,7 @@ async fn a_cli_call_through_a_node_killed_mid_call_runs_once_or_says_it_may_have
     procs[via].start(&[]).unwrap();
     common::procs::three_voters(&procs).await;
     let both = format!("{},{}", procs[via].api_addr(), procs[other].api_addr());
-    let child = Command::new(env!("CARGO_BIN_EXE_gpumesh"))
-        .args(["actor", "call", "counter"])
-        .arg(&kernel)
-        .args(["--grid", "4000", "--retry-for", "60", "--api", &both])
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = call_through(&kernel, &both, "60");
     tokio::time::sleep(Duration::from_millis(400)).await;
     procs[via].kill9();
     let done = common::procs::exited(child).await;

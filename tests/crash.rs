@@ -110,8 +110,9 @@ async fn kill_9_of_the_leader_and_of_a_worker_mid_task_loses_nothing() {
 }
 
 /// `gpumesh submit --wait` of a [`spec`]-like task (the LCG kernel from a file) through
-/// `via`, writing its outputs to `out`, retrying for `retry_for` seconds.
-fn submit_waiting(kernel: &Path, via: &Proc, retry_for: &str, out: &Path) -> Child {
+/// the node or nodes at `api` (`--api`), writing its outputs to `out`, retrying for
+/// `retry_for` seconds.
+fn submit_waiting(kernel: &Path, api: &str, retry_for: &str, out: &Path) -> Child {
     Command::new(env!("CARGO_BIN_EXE_gpumesh"))
         .arg("submit")
         .arg(kernel)
@@ -119,7 +120,7 @@ fn submit_waiting(kernel: &Path, via: &Proc, retry_for: &str, out: &Path) -> Chi
         .args(["--grid", &GROUPS.to_string(), "--shards", "6", "--wait"])
         .arg("--out-dir")
         .arg(out)
-        .args(["--retry-for", retry_for, "--api", &via.api_addr()])
+        .args(["--retry-for", retry_for, "--api", api])
         .env("RUST_LOG", "error")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -159,7 +160,7 @@ async fn a_submit_waiting_through_a_node_killed_mid_task_waits_for_it_or_names_t
     // 1. The node it waits through is killed mid-task and started again: the
     // command waits for it, then prints the result and writes it, right.
     let out = root.path().join("out1");
-    let mut child = submit_waiting(&kernel, &procs[1], "60", &out);
+    let mut child = submit_waiting(&kernel, &procs[1].api_addr(), "60", &out);
     let first = running_after(&watch, 0).await;
     assert!(child.try_wait().unwrap().is_none(), "it was still waiting");
     kill9_and_restart(&mut procs, 1);
@@ -180,7 +181,7 @@ async fn a_submit_waiting_through_a_node_killed_mid_task_waits_for_it_or_names_t
     // the task and where else to fetch it, and the task is fetched so, right.
     ready(&procs).await;
     let out = root.path().join("out2");
-    let mut child = submit_waiting(&kernel, &procs[2], "2", &out);
+    let mut child = submit_waiting(&kernel, &procs[2].api_addr(), "2", &out);
     let second = running_after(&watch, first).await;
     assert!(child.try_wait().unwrap().is_none(), "it was still waiting");
     procs[2].kill9();
@@ -200,19 +201,7 @@ async fn a_submit_waiting_through_a_node_killed_mid_task_waits_for_it_or_names_t
     ready(&procs).await;
     let out = root.path().join("out3");
     let both = format!("{},{}", procs[2].api_addr(), procs[0].api_addr());
-    let child = Command::new(env!("CARGO_BIN_EXE_gpumesh"))
-        .arg("submit")
-        .arg(&kernel)
-        .args(["--output", &format!("0:{}", GROUPS * 64 * 4)])
-        .args(["--grid", &GROUPS.to_string(), "--shards", "6", "--wait"])
-        .arg("--out-dir")
-        .arg(&out)
-        .args(["--retry-for", "60", "--api", &both])
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = submit_waiting(&kernel, &both, "60", &out);
     let third = running_after(&watch, second).await;
     procs[2].kill9();
     let done = exited(child).await;
